@@ -1,0 +1,255 @@
+"""Frozen configuration records, one per component, each checked when it is built.
+
+Every component receives the narrowest of these it needs: the scheduler gets a
+``SchedulerConfig``, the KV cache manager a ``CacheConfig``, the adapter manager a
+``LoRAConfig``, the model a ``ModelConfig``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: The projections an adapter may target, in the order the model applies them.
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
+#: Hugging Face architectures that manylora serves (all LLaMA-shaped decoders).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` → ``cuda`` when a GPU is visible, else ``cpu``; anything else as given.
+
+    Raises:
+        ValueError: ``device`` names CUDA but no GPU is visible.
+    """
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but no CUDA GPU is visible")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: Any) -> torch.dtype:
+    """The dtype weights and activations run in.
+
+    ``"auto"``: float32 on CPU; on CUDA the checkpoint's own dtype when it is bfloat16
+    or float16, otherwise bfloat16 (vLLM's rule, except that CPU stays in float32).
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of 'auto', {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a LLaMA-family decoder, read from a Hugging Face config.
+
+    Attributes:
+        hidden_size, intermediate_size, vocab_size: widths (elements).
+        num_heads, num_kv_heads, head_dim: attention geometry; ``num_kv_heads`` < ``num_heads``
+            is GQA, ``num_kv_heads == 1`` MQA.
+        rms_norm_eps: RMSNorm epsilon.
+        qkv_bias, o_bias, mlp_bias: whether those projections carry a bias (Qwen2: qkv only).
+        sliding_windows: per layer, the attention window in tokens or None for full attention.
+        max_model_len: the longest sequence (prompt + output) in tokens.
+        hf_config: the ``transformers`` config, kept for RoPE parameters.
+    """
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]
+    max_model_len: int
+    dtype: torch.dtype
+    hf_config: Any = field(repr=False, compare=False)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, dtype: torch.dtype,
+                max_model_len: int | None = None) -> ModelConfig:
+        """Build from a ``transformers`` ``PretrainedConfig``.
+
+        Raises:
+            ValueError: an architecture manylora does not serve, or ``max_model_len``
+                beyond the model's ``max_position_embeddings``.
+        """
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = getattr(hf_config, "model_type", "?")
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r}: manylora serves "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads}")
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        qwen = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        limit = int(hf_config.max_position_embeddings)
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's "
+                f"max_position_embeddings={limit}")
+        return cls(
+            architecture=arch,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=qwen or attention_bias,
+            o_bias=attention_bias and not qwen,
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            sliding_windows=_sliding_windows(hf_config),
+            max_model_len=max_model_len,
+            dtype=dtype,
+            hf_config=hf_config,
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{module: (in_features, out_features)}`` for the seven LoRA-targetable projections."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+
+def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
+    """Per-layer attention windows, as transformers applies them (Mistral, Qwen2)."""
+    n = hf_config.num_hidden_layers
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if getattr(hf_config, "model_type", "") == "qwen2":
+        if not getattr(hf_config, "use_sliding_window", False):
+            return (None,) * n
+        first = getattr(hf_config, "max_window_layers", n)
+        return tuple(window if i >= first else None for i in range(n))
+    return (window,) * n
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: ``num_blocks`` blocks of ``block_size`` tokens each."""
+
+    block_size: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be ≥ 1, got {self.block_size}")
+        if self.num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be ≥ 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_seqs: requests in the running batch at once.
+        max_num_batched_tokens: tokens (prefill + decode) computed in one step.
+        max_model_len: longest prompt + output, tokens.
+        max_loras: distinct adapters in one step (the number of device slots).
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_loras: int
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Adapter slots and the host tier (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules).
+
+    Attributes:
+        max_loras: device slots, i.e. distinct adapters per step.
+        max_lora_rank: rank every slot buffer is padded to.
+        max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
+        target_modules: projections that get slot buffers; an adapter that targets another
+            one is refused.
+    """
+
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be ≥ 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be ≥ 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"lora_target_modules {unknown or '[]'} invalid: choose from "
+                f"{', '.join(LORA_TARGET_MODULES)}")

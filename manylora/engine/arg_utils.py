@@ -1,0 +1,61 @@
+"""``EngineArgs``: every knob of the engine in one place, turned into per-component configs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from manylora.config import LORA_TARGET_MODULES
+
+
+@dataclass
+class EngineArgs:
+    """The arguments of ``LLM(...)`` and ``manylora generate`` (vLLM's names).
+
+    Attributes:
+        model: a checkpoint directory or a Hugging Face hub id.
+        tokenizer: tokenizer directory or id; defaults to ``model``.
+        dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        max_loras: device adapter slots = distinct adapters per step.
+        max_lora_rank: rank every slot is padded to.
+        max_cpu_loras: adapters kept in host memory; None means max(32, max_loras).
+        lora_target_modules: projections that get slot buffers; None means all seven.
+        enable_lora: allocate slots and accept LoRA requests.
+        max_num_seqs: requests in the running batch.
+        max_num_batched_tokens: tokens computed per step.
+        block_size: tokens per KV cache block.
+        num_kv_blocks: KV cache blocks; None sizes the cache from free memory.
+        gpu_memory_utilization: share of GPU memory the engine may use (weights, slots, KV).
+        max_model_len: longest prompt + output; None means the model's limit.
+        key_dict: extra checkpoint key translations (TensorRT-LLM's customized_key_dict).
+        revision: hub revision for ``model``.
+        trust_remote_code: passed to transformers for config and tokenizer.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    lora_target_modules: tuple[str, ...] | None = None
+    enable_lora: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    key_dict: Mapping[str, str | list[str]] = field(default_factory=dict)
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = max(32, self.max_loras)
+        self.lora_target_modules = tuple(self.lora_target_modules or LORA_TARGET_MODULES)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

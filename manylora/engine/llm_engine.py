@@ -1,0 +1,230 @@
+"""``LLMEngine``: requests in, one scheduled and executed step at a time, outputs out.
+
+The life of a step: ``Scheduler.schedule`` picks the requests and token counts (at most
+``max_loras`` distinct adapters), ``LoRAManager.activate`` binds their adapters to device
+slots, ``ModelRunner.execute`` runs the batch and samples, ``Scheduler.update`` and the
+``OutputProcessor`` append tokens, detokenize and stop requests, which gives their blocks
+back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from manylora.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+)
+from manylora.core.kv_cache_manager import KVCacheManager
+from manylora.core.scheduler import Scheduler
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.output_processor import OutputProcessor
+from manylora.engine.outputs import RequestOutput
+from manylora.engine.request import Request, RequestStatus
+from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.manager import LoRAManager
+from manylora.lora.request import LoRARequest
+from manylora.model.hub import resolve_model_path
+from manylora.model.loader import load_hf_config, load_model
+from manylora.sampling_params import SamplingParams
+from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks
+from manylora.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """The offline engine behind ``LLM``; build it with ``LLMEngine.from_engine_args``.
+
+    Bad requests (``add_request``) raise ``ValueError`` naming the problem and leave the
+    engine serving every request it already accepted.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        model_dir = resolve_model_path(args.model, args.revision)
+        hf_config = load_hf_config(model_dir, args.trust_remote_code)
+        self.device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, self.device, hf_config)
+        self.model_config = ModelConfig.from_hf(hf_config, dtype, args.max_model_len)
+        cfg = self.model_config
+        tok_dir = resolve_model_path(args.tokenizer, args.revision) if args.tokenizer else model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            tok_dir, trust_remote_code=args.trust_remote_code)
+        self.model = load_model(model_dir, cfg, self.device, args.key_dict)
+
+        self.lora_config = self.lora_manager = None
+        max_loras = 0
+        if args.enable_lora:
+            self.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                                          args.lora_target_modules)
+            slots = self.model.create_lora_slots(self.lora_config)
+            target = AdapterTarget(cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
+                                   self.lora_config.target_modules, dtype,
+                                   (args.model, str(model_dir)))
+            self.lora_manager = LoRAManager(self.lora_config, target, slots)
+            max_loras = args.max_loras
+
+        max_useful = -(-cfg.max_model_len // args.block_size) * args.max_num_seqs
+        num_blocks = args.num_kv_blocks or auto_num_blocks(
+            cfg, args.block_size, self.device, args.gpu_memory_utilization,
+            args.max_num_batched_tokens, max_useful)
+        self.cache_config = CacheConfig(args.block_size, num_blocks)
+        self.max_model_len = min(cfg.max_model_len, num_blocks * args.block_size)
+        if self.max_model_len < cfg.max_model_len:
+            logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "
+                           "more", cfg.max_model_len, self.max_model_len)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
+                            max(max_loras, 1)),
+            KVCacheManager(num_blocks, args.block_size))
+        self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras)
+        self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def _eos_ids(self, model_dir) -> set[int]:
+        ids: set[int] = set()
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:
+            eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        if eos is not None:
+            ids.update(eos if isinstance(eos, list) else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        """A prompt (text or ``{"prompt_token_ids": [...]}``) → ``(text, token ids)``.
+
+        Raises:
+            ValueError: an empty prompt, ids outside the vocabulary, or a malformed prompt.
+        """
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            bad = [t for t in ids if not isinstance(t, int) or not
+                   0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size})")
+        else:
+            raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}, got "
+                             f"{type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def add_request(self, request_id: str | None, prompt: str | dict,
+                    params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request; its id.
+
+        Raises:
+            ValueError: a bad prompt, a prompt that leaves no room to generate within
+                max_model_len, a duplicate id, a LoRA request while LoRA is off, or an adapter
+                that cannot be served (``LoRAAdapterError``, ``FileNotFoundError``).
+        """
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but the context holds "
+                             f"{self.max_model_len} (max_model_len) with room for at least one "
+                             "generated token")
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError(f"LoRA request {lora_request.lora_name!r}: LoRA is disabled "
+                                 "(enable_lora=False)")
+            self.lora_manager.add(lora_request)
+        limit = len(ids) + (params.max_tokens or self.max_model_len)
+        req = Request(request_id, text, ids, params, lora_request,
+                      min(limit, self.max_model_len))
+        self.scheduler.add_request(req)
+        self.output_processor.add(req)
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now; their blocks go back. Unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; an output for every request that got a token or finished."""
+        out = self.scheduler.schedule()
+        self.runner.release(out.finished_ids)
+        lora_slots, failed = self._activate_adapters()
+        if failed:
+            return failed
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out, lora_slots, self._slot_ranks())
+        self.scheduler.update(out, sampled)
+        outputs = []
+        for rid, token in sampled.items():
+            status = self.output_processor.process_token(rid, token)
+            state = self.output_processor.states[rid]
+            if status is not None:
+                self.scheduler.finish_requests([rid], status)
+                self.output_processor.remove(rid)
+            outputs.append(state.to_output(status))
+        return outputs
+
+    def _slot_ranks(self) -> list[int]:
+        return self.lora_manager.slot_ranks if self.lora_manager else []
+
+    def _activate_adapters(self) -> tuple[dict[int, int], list[RequestOutput]]:
+        if self.lora_manager is None:
+            return {}, []
+        wanted = {r.lora_int_id: r.lora_request for r in self.scheduler.running if r.lora_int_id}
+        try:
+            return self.lora_manager.activate(wanted.values()), []
+        except (LoRAAdapterError, FileNotFoundError) as e:
+            # An adapter that loaded once can fail to reload (files removed): end its
+            # requests; the next step re-plans the others.
+            logger.error("%s", e)
+            bad = [r for r in self.scheduler.running if r.lora_int_id and
+                   self._reload_fails(r.lora_request)]
+            outputs = []
+            for r in bad:
+                state = self.output_processor.remove(r.request_id)
+                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
+                outputs.append(state.to_output(RequestStatus.FINISHED_ABORTED))
+            return {}, outputs
+
+    def _reload_fails(self, lora_request: LoRARequest) -> bool:
+        try:
+            self.lora_manager.add(lora_request)
+        except (LoRAAdapterError, FileNotFoundError):
+            return True
+        return False
+
+    @torch.inference_mode()
+    def generate_all(self) -> list[RequestOutput]:
+        """Step until every request has finished; the final output of each."""
+        finished = []
+        while self.has_unfinished_requests():
+            finished.extend(o for o in self.step() if o.finished)
+        return finished

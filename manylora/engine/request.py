@@ -1,0 +1,69 @@
+"""A request's life in the engine: its tokens, its progress and its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from manylora.lora.request import LoRARequest
+from manylora.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request.
+
+    Attributes:
+        token_ids: prompt then output tokens; ``token_ids[:num_computed_tokens]`` have their
+            K/V in the cache.
+        num_prompt_tokens: the prompt's length in tokens.
+        num_computed_tokens: tokens whose K/V the cache holds (reset to 0 on preemption: the
+            request keeps its tokens and is re-prefilled, TurboMind's eviction to token ids).
+        max_total_tokens: prompt + output cap in tokens (max_tokens and max_model_len).
+    """
+
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    sampling_params: SamplingParams
+    lora_request: LoRARequest | None
+    max_total_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id, 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

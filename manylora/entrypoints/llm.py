@@ -1,0 +1,82 @@
+"""``LLM``: the offline API, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.llm_engine import LLMEngine
+from manylora.engine.outputs import RequestOutput
+from manylora.lora.request import LoRARequest
+from manylora.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """Generate with one base model and many LoRA adapters, batched together.
+
+    Takes the keyword arguments of ``EngineArgs`` (``model``, ``dtype``, ``device``,
+    ``max_loras``, ``max_lora_rank``, ``max_cpu_loras``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``num_kv_blocks``, ...).
+
+    Raises:
+        CheckpointError: a missing or corrupt checkpoint.
+        ValueError: an unsupported architecture or an invalid setting.
+        FileNotFoundError: ``model`` is neither a directory nor a cached hub repo.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; the outputs in prompt order.
+
+        Args:
+            prompts: strings or ``{"prompt_token_ids": [...]}``, one or a list.
+            sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
+            lora_request: one (or None, the base model) for all prompts, or one per prompt.
+            use_tqdm: show a progress bar.
+
+        Raises:
+            ValueError: a list argument whose length differs from the prompts', or any bad
+                prompt, sampling parameter or adapter. Nothing of the call is left queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = _per_prompt(lora_request, n, "lora_request")
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p, lora in zip(prompts, params, loras):
+                ids.append(engine.add_request(None, prompt, p, lora))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=n, desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(done) < n:
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,47 @@
+"""From a checkpoint directory to a ready ``LlamaForCausalLM``: config, model, weights."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from manylora.config import ModelConfig
+from manylora.model.llama import LlamaForCausalLM
+from manylora.model.weight_loader import CheckpointError, ModelWeightsLoader
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(model_dir: str | os.PathLike, trust_remote_code: bool = False):
+    """``config.json`` through transformers' ``AutoConfig``.
+
+    Raises:
+        CheckpointError: the directory has no readable config.json.
+    """
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"cannot read the model config in {model_dir}: {e}") from e
+
+
+def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
+               key_dict: Mapping[str, str | list[str]] | None = None) -> LlamaForCausalLM:
+    """Allocate the model on ``device`` and fill it from the checkpoint (TensorRT-LLM's loader).
+
+    Args:
+        model_dir: the checkpoint directory.
+        cfg: the model's shape and dtype.
+        device: where the weights live.
+        key_dict: extra key translations (TensorRT-LLM's ``customized_key_dict``).
+
+    Raises:
+        CheckpointError: missing, corrupt or mis-shaped weight files.
+    """
+    model = LlamaForCausalLM(cfg, device)
+    ModelWeightsLoader(model_dir, key_dict).load_model(model)
+    return model.eval()

@@ -1,0 +1,195 @@
+"""Per-request sampling parameters, with vLLM's field names, defaults and meaning."""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+# A temperature below this samples greedily (argmax), as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+def _is_int(value: object) -> bool:
+    """Return True for a Python/NumPy/torch integer (bools excluded)."""
+    if isinstance(value, bool):
+        return False
+    # NumPy / torch integer scalars are not `int` subclasses but support operator.index.
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one request; mirrors ``vllm.SamplingParams``.
+
+    Fields (vLLM's names and defaults):
+        n: number of completions per prompt. Only 1 is supported for now.
+        temperature: logits are divided by it before sampling; ``< 1e-5`` means greedy
+            (argmax). Must be finite and ``>= 0``.
+        top_p: nucleus sampling; keep the smallest set of most-probable tokens whose
+            cumulative probability is ``>= top_p``. ``0 < top_p <= 1``; 1 disables it.
+        top_k: keep only the ``top_k`` most likely tokens (ties at the k-th value kept).
+            0 or -1 disables it (-1 is normalized to 0).
+        min_p: drop tokens whose probability is below ``min_p`` times the largest
+            probability. ``0 <= min_p <= 1``; 0 disables it.
+        seed: seed of a per-request random generator, so that the request's tokens do not
+            depend on the rest of the batch. None draws from the engine's shared generator.
+        max_tokens: most tokens to generate; None means up to the model's context length.
+        min_tokens: EOS and ``stop_token_ids`` are not allowed to end the completion before
+            this many tokens were generated.
+        stop: strings that end the completion when generated (not included in the output
+            unless ``include_stop_str_in_output``). Normalized to a list of strings.
+        stop_token_ids: token ids that end the completion (included in ``token_ids``, not in
+            the text). Normalized to a list of ints.
+        ignore_eos: keep generating after the EOS token.
+        skip_special_tokens: leave special tokens out of the output text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+
+    Treat instances as values: do not mutate them after construction (validation only runs
+    in ``__post_init__``).
+
+    Raises:
+        ValueError: from ``__post_init__`` for any invalid field; the message names the
+            field and the bad value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        """Normalize and validate the fields.
+
+        Normalization: ``stop`` becomes a list of str (None -> []), ``stop_token_ids`` a list
+        of int (None -> []), ``top_k == -1`` becomes 0, numeric fields become Python
+        ``int``/``float``.
+
+        Raises:
+            ValueError: naming the field and its value, when ``n != 1``; ``temperature`` is
+                negative, NaN or infinite; ``top_p`` is not in (0, 1]; ``top_k`` is not an
+                int or is below -1; ``min_p`` is not in [0, 1]; ``max_tokens`` is not None
+                and below 1; ``min_tokens`` is negative or above ``max_tokens``; a stop
+                string is empty or not a str; a stop token id is not an int; ``seed`` is not
+                None and not an int.
+        """
+        # n
+        if not _is_int(self.n):
+            raise ValueError(f"n must be an int, got n={self.n!r}.")
+        self.n = int(self.n)
+        if self.n != 1:
+            raise ValueError(f"n must be 1, got n={self.n}: n>1 is not supported yet.")
+
+        # temperature
+        self.temperature = self._as_float("temperature", self.temperature)
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(
+                f"temperature must be finite and >= 0, got temperature={self.temperature}."
+            )
+
+        # top_p
+        self.top_p = self._as_float("top_p", self.top_p)
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got top_p={self.top_p}.")
+
+        # top_k
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an int, got top_k={self.top_k!r}.")
+        self.top_k = int(self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or -1 disables it), got top_k={self.top_k}.")
+
+        # min_p
+        self.min_p = self._as_float("min_p", self.min_p)
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got min_p={self.min_p}.")
+
+        # seed
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                raise ValueError(f"seed must be an int or None, got seed={self.seed!r}.")
+            self.seed = int(self.seed)
+
+        # max_tokens / min_tokens
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                raise ValueError(
+                    f"max_tokens must be an int or None, got max_tokens={self.max_tokens!r}."
+                )
+            self.max_tokens = int(self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got max_tokens={self.max_tokens}.")
+        if not _is_int(self.min_tokens):
+            raise ValueError(f"min_tokens must be an int, got min_tokens={self.min_tokens!r}.")
+        self.min_tokens = int(self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got min_tokens={self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, "
+                f"got min_tokens={self.min_tokens}."
+            )
+
+        # stop strings
+        if self.stop is None:
+            stop: list[str] = []
+        elif isinstance(self.stop, str):
+            stop = [self.stop]
+        else:
+            stop = list(self.stop)
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be str, got stop={stop!r}.")
+            if not s:
+                raise ValueError(f"stop strings must be non-empty, got stop={stop!r}.")
+        self.stop = stop
+
+        # stop token ids
+        if self.stop_token_ids is None:
+            ids: list[int] = []
+        elif _is_int(self.stop_token_ids):
+            ids = [int(self.stop_token_ids)]  # type: ignore[arg-type]
+        else:
+            ids = list(self.stop_token_ids)
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"stop_token_ids must be ints, got stop_token_ids={ids!r}.")
+        self.stop_token_ids = [int(t) for t in ids]
+
+        self.ignore_eos = bool(self.ignore_eos)
+        self.skip_special_tokens = bool(self.skip_special_tokens)
+        self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+
+    @staticmethod
+    def _as_float(name: str, value: object) -> float:
+        """Convert ``value`` to float, raising ValueError that names ``name`` if it is not a
+        real number (bools and strings are rejected)."""
+        if isinstance(value, bool | str | bytes):
+            raise ValueError(f"{name} must be a number, got {name}={value!r}.")
+        try:
+            return float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {name}={value!r}.") from None
+
+    @property
+    def greedy(self) -> bool:
+        """True when this request samples greedily (``temperature < 1e-5``), as in vLLM."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
