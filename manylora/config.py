@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
 )
 
+#: Architecture of a config that names only its ``model_type``.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen2": "Qwen2ForCausalLM"}
+
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -111,10 +115,12 @@ class ModelConfig:
             ValueError: an architecture manylora does not serve, or ``max_model_len``
                 beyond the model's ``max_position_embeddings``.
         """
+        model_type = getattr(hf_config, "model_type", "?")
         archs = list(getattr(hf_config, "architectures", None) or [])
+        if not archs and model_type in _MODEL_TYPES:
+            archs = [_MODEL_TYPES[model_type]]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            model_type = getattr(hf_config, "model_type", "?")
             raise ValueError(
                 f"unsupported architecture {archs or model_type!r}: manylora serves "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")

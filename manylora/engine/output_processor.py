@@ -53,8 +53,18 @@ class OutputProcessor:
         return self.states.pop(request_id, None)
 
     def process_token(self, request_id: str, token: int) -> RequestStatus | None:
-        """Detokenize the request's newest token; its finish status, or None to go on."""
+        """Detokenize the request's newest token; its finish status, or None to go on.
+
+        A request that ends otherwise than on a stop string also gets the text its
+        detokenizer held back (an incomplete UTF-8 tail).
+        """
         state = self.states[request_id]
+        status = self._check(state, token)
+        if status is not None and not isinstance(state.request.stop_reason, str):
+            state.text += state.detokenizer.flush()
+        return status
+
+    def _check(self, state: RequestState, token: int) -> RequestStatus | None:
         req, params = state.request, state.request.sampling_params
         delta = state.detokenizer.append(token)
         state.text += delta

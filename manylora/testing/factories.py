@@ -77,13 +77,9 @@ Unicode: café, naïve, über, façade, smörgåsbord, Ελληνικά, рус�
 """
 
 
+@lru_cache(maxsize=4)
 def _train_backend_tokenizer_json(vocab_size: int) -> str:
     """Train the byte-level BPE and return its serialized JSON (cached per vocab size)."""
-    return _train_cached(vocab_size)
-
-
-@lru_cache(maxsize=4)
-def _train_cached(vocab_size: int) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))

@@ -302,6 +302,7 @@ def test_flags_do_not_change_result():
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_no_host_sync_and_masks_match_cpu():
     v = 128
