@@ -177,3 +177,12 @@ def test_cuda_bfloat16_agreement(demo_set, prompts, reference, record_property):
     print(f"\nCUDA bf16 vs float32 reference ({torch.cuda.get_device_name()}): "
           f"token agreement {score:.3f}, rows fully equal {exact}/{len(outs)}")
     assert score >= 0.5
+
+
+@pytest.mark.gpu
+def test_cuda_float32_matches_peft(demo_set, prompts, reference):
+    llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_loras=2,
+              max_lora_rank=32, block_size=4, num_kv_blocks=40)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                        lora_request=_requests(demo_set, ADAPTERS), use_tqdm=False)
+    _assert_matches(outs, reference, ADAPTERS)

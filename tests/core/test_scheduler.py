@@ -1,0 +1,363 @@
+"""Pure-Python tests of Scheduler + KVCacheManager, driven by hand: ``schedule()`` then
+``update(out, {rid: token})`` for every request that sampled, as the engine does.
+
+No model, no tensors: requests are hand-made ``Request`` objects and "sampling" appends a
+fixed token id.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from manylora.config import SchedulerConfig
+from manylora.core.kv_cache_manager import KVCacheManager
+from manylora.core.scheduler import Scheduler, SchedulerOutput
+from manylora.engine.request import Request, RequestStatus
+from manylora.lora.request import LoRARequest
+from manylora.sampling_params import SamplingParams
+
+TOKEN = 7  # what every "sampled" token is
+
+_ids = itertools.count()
+
+
+def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
+                   max_num_batched_tokens: int = 64, max_model_len: int = 256,
+                   max_loras: int = 4) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, max_loras),
+        KVCacheManager(num_blocks, block_size))
+
+
+def lora(lora_id: int) -> LoRARequest:
+    return LoRARequest(f"adapter-{lora_id}", lora_id, f"/dummy/adapter-{lora_id}")
+
+
+def make_request(num_prompt_tokens: int, lora_id: int = 0, max_tokens: int = 100,
+                 rid: str | None = None) -> Request:
+    rid = rid if rid is not None else f"r{next(_ids)}"
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return Request(rid, None, list(range(10, 10 + num_prompt_tokens)), params,
+                   lora(lora_id) if lora_id else None, num_prompt_tokens + max_tokens)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step without a model: every request that reaches its last token samples."""
+    out = sched.schedule()
+    sampled = {s.request.request_id: TOKEN for s in out.scheduled if s.sample}
+    sched.update(out, sampled)
+    return out
+
+
+def shares(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_tokens for s in out.scheduled}
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """Block accounting: every running request holds enough blocks, the rest hold none."""
+    kv = sched.kv
+    held = 0
+    for req in sched.running:
+        table = kv.block_table(req.request_id)
+        assert len(table) >= kv.blocks_needed(req.num_computed_tokens)
+        held += len(table)
+    for req in sched.waiting:
+        assert kv.block_table(req.request_id) == []
+    assert held + kv.num_free_blocks == kv.num_blocks
+    all_blocks = [b for r in sched.running for b in kv.block_table(r.request_id)]
+    assert len(all_blocks) == len(set(all_blocks)), "a block is shared by two requests"
+
+
+# ---------------------------------------------------------------------------------------------
+# KVCacheManager alone
+
+
+def test_kv_cache_manager_allocate_grow_free():
+    kv = KVCacheManager(num_blocks=5, block_size=4)
+    assert kv.blocks_needed(0) == 0 and kv.blocks_needed(1) == 1 and kv.blocks_needed(4) == 1
+    assert kv.blocks_needed(5) == 2
+    assert kv.allocate("a", 5)
+    assert len(kv.block_table("a")) == 2 and kv.num_free_blocks == 3
+    assert kv.allocate("a", 8)                       # still fits in 2 blocks
+    assert len(kv.block_table("a")) == 2
+    assert kv.allocate("b", 12)
+    assert kv.num_free_blocks == 0
+    assert not kv.allocate("a", 9)                   # would need a third block
+    assert len(kv.block_table("a")) == 2             # and nothing was taken
+    assert not kv.allocate("c", 1)
+    assert kv.block_table("c") == []
+    assert sorted(kv.block_table("a") + kv.block_table("b")) == list(range(5))
+    kv.free("a")
+    kv.free("a")                                     # twice is harmless
+    kv.free("unknown")
+    assert kv.num_free_blocks == 2 and kv.block_table("a") == []
+    kv.free("b")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Token budget, chunked prefill, decode + prefill in one step
+
+
+def test_token_budget_chunks_prefill_across_steps():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a = make_request(20, rid="a")
+    b = make_request(6, rid="b")
+    sched.add_request(a)
+    sched.add_request(b)
+
+    out = step(sched)                                   # a: 8 of 20, no room for b
+    assert shares(out) == {"a": 8}
+    assert out.scheduled[0].start == 0 and not out.scheduled[0].sample
+    assert a.num_computed_tokens == 8 and a.num_output_tokens == 0
+    assert list(sched.waiting) == [b]
+
+    out = step(sched)                                   # a: 8 more
+    assert shares(out) == {"a": 8}
+    assert out.scheduled[0].start == 8 and not out.scheduled[0].sample
+
+    out = step(sched)                                   # a: last 4 and samples; b: first 4
+    assert shares(out) == {"a": 4, "b": 4}
+    sa, sb = out.scheduled
+    assert sa.start == 16 and sa.sample and a.token_ids[-1] == TOKEN
+    assert sb.start == 0 and not sb.sample and b.num_output_tokens == 0
+
+    out = step(sched)                                   # a decodes 1, b finishes its prefill
+    assert shares(out) == {"a": 1, "b": 2}
+    assert all(s.sample for s in out.scheduled)
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 1
+    check_invariants(sched)
+
+
+def test_budget_never_exceeded_and_every_token_computed_once():
+    sched = make_scheduler(max_num_batched_tokens=10, num_blocks=256)
+    reqs = [make_request(n, max_tokens=5) for n in (13, 1, 7, 25, 3, 9)]
+    for r in reqs:
+        sched.add_request(r)
+    computed: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        out = step(sched)
+        assert 0 < out.num_batched_tokens <= 10
+        for s in out.scheduled:
+            computed[s.request.request_id].extend(range(s.start, s.start + s.num_tokens))
+            assert s.block_table == sched.kv.block_table(s.request.request_id)
+            assert len(s.block_table) * 4 >= s.start + s.num_tokens
+        check_invariants(sched)
+        done = [r.request_id for r in sched.running if r.num_output_tokens >= 5]
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    assert not sched.has_unfinished_requests()
+    for r in reqs:
+        assert r.num_output_tokens == 5
+        # each position is computed exactly once, in order (no preemption here)
+        assert computed[r.request_id] == list(range(r.num_prompt_tokens + 4))
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_decode_and_prefill_share_a_step():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    a = make_request(5, rid="a")
+    sched.add_request(a)
+    assert shares(step(sched)) == {"a": 5}
+    b = make_request(30, rid="b")
+    sched.add_request(b)
+    out = step(sched)
+    assert shares(out) == {"a": 1, "b": 15}             # running first, then the new prefill
+    assert [s.request for s in out.scheduled] == [a, b]
+    assert out.scheduled[0].sample and not out.scheduled[1].sample
+    assert out.num_batched_tokens == 16
+    out = step(sched)
+    assert shares(out) == {"a": 1, "b": 15}
+    assert b.num_computed_tokens == 30 and b.num_output_tokens == 1
+    out = step(sched)
+    assert shares(out) == {"a": 1, "b": 1}
+
+
+def test_max_num_seqs():
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(3, rid=f"s{i}") for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out = step(sched)
+    assert shares(out) == {"s0": 3, "s1": 3}
+    assert list(sched.waiting) == [reqs[2]] and reqs[2].status == RequestStatus.WAITING
+    out = step(sched)
+    assert set(shares(out)) == {"s0", "s1"}
+    sched.finish_requests(["s0"], RequestStatus.FINISHED_STOPPED)
+    out = step(sched)
+    assert shares(out) == {"s1": 1, "s2": 3}
+    assert len(sched.running) == 2 and reqs[2].status == RequestStatus.RUNNING
+    assert out.finished_ids == ["s0"]
+    assert step(sched).finished_ids == []               # reported once
+
+
+# ---------------------------------------------------------------------------------------------
+# The max_loras rule
+
+
+def test_max_loras_rule_lets_later_requests_pass():
+    sched = make_scheduler(max_loras=2)
+    r1, r2, r3, r1b = (make_request(4, lora_id=i, rid=f"lora{i}-{k}")
+                       for k, i in enumerate((1, 2, 3, 1)))
+    base = make_request(4, rid="base")
+    for r in (r1, r2, r3, r1b, base):
+        sched.add_request(r)
+
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [r1, r2, r1b, base]
+    assert list(sched.waiting) == [r3] and r3.status == RequestStatus.WAITING
+    assert sched.running_adapters() == {1, 2}
+    assert sched.kv.block_table(r3.request_id) == []
+
+    for _ in range(3):                                  # r3 keeps waiting while 1 and 2 run
+        out = step(sched)
+        assert r3 not in [s.request for s in out.scheduled]
+        assert len({s.request.lora_int_id for s in out.scheduled} - {0}) <= 2
+
+    sched.finish_requests([r1.request_id], RequestStatus.FINISHED_STOPPED)
+    out = step(sched)                                   # adapter 1 still runs (r1b)
+    assert r3 not in [s.request for s in out.scheduled]
+
+    sched.finish_requests([r2.request_id], RequestStatus.FINISHED_STOPPED)  # adapter 2 leaves
+    out = step(sched)
+    assert r3 in [s.request for s in out.scheduled]
+    assert shares(out)[r3.request_id] == 4
+    assert sched.running_adapters() == {1, 3}
+    assert not sched.waiting
+    check_invariants(sched)
+
+
+def test_skipped_lora_requests_keep_their_order():
+    sched = make_scheduler(max_loras=1)
+    first = make_request(2, lora_id=1, rid="first")
+    later = [make_request(2, lora_id=i, rid=f"later{k}") for k, i in enumerate((2, 3, 2))]
+    for r in [first, *later]:
+        sched.add_request(r)
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [first]
+    assert list(sched.waiting) == later
+    sched.finish_requests(["first"], RequestStatus.FINISHED_STOPPED)
+    out = step(sched)
+    # adapter 2 takes the only slot: both of its requests run, adapter 3 waits
+    assert [s.request for s in out.scheduled] == [later[0], later[2]]
+    assert list(sched.waiting) == [later[1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption by recompute
+
+
+def test_preemption_picks_the_newest_and_readmits_it():
+    # 6 blocks of 4: three 8-token prompts fill the cache exactly.
+    sched = make_scheduler(num_blocks=6, block_size=4)
+    a, b, c = (make_request(8, rid=rid) for rid in "abc")
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = step(sched)
+    assert shares(out) == {"a": 8, "b": 8, "c": 8}
+    assert sched.kv.num_free_blocks == 0
+    c_tokens = list(c.token_ids)
+    assert c.num_output_tokens == 1 and c.num_computed_tokens == 8
+
+    out = step(sched)             # a needs a 3rd block: c (newest) is preempted, not b
+    assert out.preempted == ["c"]
+    assert shares(out) == {"a": 1, "b": 1}
+    assert c.status == RequestStatus.PREEMPTED and c.num_preemptions == 1
+    assert c.num_computed_tokens == 0
+    assert c.token_ids == c_tokens                     # keeps its prompt and output tokens
+    assert sched.waiting[0] is c
+    assert sched.kv.block_table("c") == []
+    assert sched.running == [a, b]
+    assert a.num_preemptions == b.num_preemptions == 0
+    check_invariants(sched)
+
+    # a waiting request arrives after c: c stays at the front of the queue
+    d = make_request(2, rid="d")
+    sched.add_request(d)
+    assert list(sched.waiting) == [c, d]
+    out = step(sched)             # no room for c (9 tokens = 3 blocks, 0 free): it blocks d too
+    assert set(shares(out)) == {"a", "b"} and list(sched.waiting) == [c, d]
+
+    sched.finish_requests(["a"], RequestStatus.FINISHED_LENGTH)
+    out = step(sched)             # c is re-prefilled with all of its 9 tokens and samples
+    sc = next(s for s in out.scheduled if s.request is c)
+    assert sc.start == 0 and sc.num_tokens == len(c_tokens) and sc.sample
+    assert c.status == RequestStatus.RUNNING
+    assert c.token_ids == c_tokens + [TOKEN]
+    assert c.num_computed_tokens == len(c_tokens)
+    check_invariants(sched)
+
+
+def test_preempting_the_request_itself_when_it_is_the_newest():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_request(8, rid="a"), make_request(8, rid="b")
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    for _ in range(10):           # decode until a needs a new block and b is preempted
+        out = step(sched)
+        if out.preempted:
+            break
+    assert out.preempted == ["b"]
+    assert [s.request for s in out.scheduled] == [a]
+    assert b.num_computed_tokens == 0 and sched.waiting[0] is b
+    check_invariants(sched)
+
+    # a single request that outgrows the whole cache preempts itself
+    sched2 = make_scheduler(num_blocks=2, block_size=4)
+    solo = make_request(8, rid="solo")
+    sched2.add_request(solo)
+    step(sched2)
+    out = step(sched2)
+    assert out.preempted == ["solo"] and out.scheduled == []
+    assert sched2.waiting[0] is solo and sched2.kv.num_free_blocks == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# finish_requests / abort
+
+
+@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED,
+                                    RequestStatus.FINISHED_STOPPED])
+def test_finish_requests_frees_every_block(status):
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    reqs = [make_request(n, rid=f"f{i}") for i, n in enumerate((6, 10, 20, 3))]
+    for r in reqs:
+        sched.add_request(r)
+    step(sched)                   # budget 16: f0 (6) and f1 (10)
+    step(sched)                   # f0 and f1 decode, f2 gets 14 of 20; f3 waits
+    assert sched.running and sched.kv.num_free_blocks < sched.kv.num_blocks
+    late = make_request(4, rid="late")
+    sched.add_request(late)       # waiting, never scheduled
+    running_ids = [r.request_id for r in sched.running]
+    waiting_ids = [r.request_id for r in sched.waiting]
+    assert running_ids and waiting_ids
+
+    sched.finish_requests(running_ids[:1] + waiting_ids[:1] + ["unknown"], status)
+    check_invariants(sched)
+    sched.finish_requests([r.request_id for r in [*reqs, late]], status)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert not sched.running and not sched.waiting and not sched.has_unfinished_requests()
+    assert all(r.status == status for r in [*reqs, late])
+    out = sched.schedule()
+    assert out.scheduled == [] and sorted(out.finished_ids) == sorted(
+        r.request_id for r in [*reqs, late])
+    sched.finish_requests(["f0"], RequestStatus.FINISHED_ABORTED)   # already finished: ignored
+    assert reqs[0].status == status
+
+
+def test_abort_preempted_request():
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    a, b = make_request(8, rid="a"), make_request(8, rid="b")
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(10):
+        if step(sched).preempted:
+            break
+    assert b.status == RequestStatus.PREEMPTED
+    sched.finish_requests(["b", "a"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert not sched.has_unfinished_requests()
