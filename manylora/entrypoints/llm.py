@@ -53,7 +53,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         n = len(prompts)
-        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params,
+                             n, "sampling_params")
         loras = _per_prompt(lora_request, n, "lora_request")
         engine = self.llm_engine
         ids: list[str] = []
