@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from manylora.engine.arg_utils import EngineArgs
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import SamplingParams
 

@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` int64 ``[T]``; ``q [T, Hq, D]``, ``k [T, Hkv, D]`` → rotated, same dtypes."""
+        """``positions`` int64 ``[T]``; ``q [T, Hq, D]``, ``k [T, Hkv, D]`` → rotated q, k."""
         cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]   # [T, 1, D]
         sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
