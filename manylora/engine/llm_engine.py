@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -117,9 +118,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            bad = [t for t in ids if not isinstance(t, int) or not
-                   0 <= t < self.model_config.vocab_size]
+            text, raw = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            not_ints = [t for t in raw if isinstance(t, bool) or not hasattr(t, "__index__")]
+            if not_ints:
+                raise ValueError(f"prompt_token_ids must be integers, got {not_ints[:5]}")
+            ids = [operator.index(t) for t in raw]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
                                  f"[0, {self.model_config.vocab_size})")
