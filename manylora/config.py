@@ -214,17 +214,15 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: requests in the running batch at once.
         max_num_batched_tokens: tokens (prefill + decode) computed in one step.
-        max_model_len: longest prompt + output, tokens.
         max_loras: distinct adapters in one step (the number of device slots).
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
     max_loras: int
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
 

@@ -86,8 +86,7 @@ class LLMEngine:
                            "more", cfg.max_model_len, self.max_model_len)
         kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                            max(max_loras, 1)),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1)),
             KVCacheManager(num_blocks, args.block_size))
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras)
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))

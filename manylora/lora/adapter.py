@@ -48,7 +48,3 @@ class LoRAAdapter:
     def rank(self) -> int:
         """The largest rank over all targeted modules."""
         return max(w.rank for w in self.weights.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())

@@ -61,7 +61,7 @@ SELECT name, count(*) FROM users WHERE created_at > '2024-01-01' GROUP BY name O
 def add(a, b):
     return a + b
 for i in range(10):
-    print(i * i)
+    total = total + i * i
 
 Once upon a time, in a small village by the sea, there lived an old fisherman and his wife. Every
 morning he walked down to the harbour, pushed his boat into the water and sailed out to the

@@ -24,10 +24,9 @@ _ids = itertools.count()
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 16,
-                   max_num_batched_tokens: int = 64, max_model_len: int = 256,
-                   max_loras: int = 4) -> Scheduler:
+                   max_num_batched_tokens: int = 64, max_loras: int = 4) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, max_loras),
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_loras),
         KVCacheManager(num_blocks, block_size))
 
 
