@@ -31,9 +31,8 @@ from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.request import Request, RequestStatus
-from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.manager import LoRAManager
+from manylora.lora.manager import AdapterReloadError, LoRAManager
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
@@ -204,25 +203,16 @@ class LLMEngine:
         wanted = {r.lora_int_id: r.lora_request for r in self.scheduler.running if r.lora_int_id}
         try:
             return self.lora_manager.activate(wanted.values()), []
-        except (LoRAAdapterError, FileNotFoundError) as e:
-            # An adapter that loaded once can fail to reload (files removed): end its
-            # requests; the next step re-plans the others.
+        except AdapterReloadError as e:
+            # An adapter that loaded once failed to reload (files removed): end its requests;
+            # the next step re-plans the others.
             logger.error("%s", e)
-            bad = [r for r in self.scheduler.running if r.lora_int_id and
-                   self._reload_fails(r.lora_request)]
             outputs = []
-            for r in bad:
+            for r in [r for r in self.scheduler.running if r.lora_int_id == e.lora_int_id]:
                 state = self.output_processor.remove(r.request_id)
                 self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
                 outputs.append(state.to_output(RequestStatus.FINISHED_ABORTED))
             return {}, outputs
-
-    def _reload_fails(self, lora_request: LoRARequest) -> bool:
-        try:
-            self.lora_manager.add(lora_request)
-        except (LoRAAdapterError, FileNotFoundError):
-            return True
-        return False
 
     @torch.inference_mode()
     def generate_all(self) -> list[RequestOutput]:

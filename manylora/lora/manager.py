@@ -13,13 +13,25 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
 from manylora.config import LoRAConfig
-from manylora.lora.adapter import LoRAAdapter
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.peft import AdapterTarget, load_peft_adapter
 from manylora.lora.layers import LoRASlots
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_adapter_path
 
 logger = logging.getLogger(__name__)
+
+
+class AdapterReloadError(RuntimeError):
+    """An adapter that was loaded once could not be loaded again (its files changed or went).
+
+    Attributes:
+        lora_int_id: the adapter that failed; only its requests need to end.
+    """
+
+    def __init__(self, lora_int_id: int, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.lora_int_id = lora_int_id
 
 
 class LoRAManager:
@@ -83,7 +95,7 @@ class LoRAManager:
 
         Raises:
             RuntimeError: more distinct adapters than ``max_loras`` (the scheduler prevents it).
-            LoRAAdapterError / FileNotFoundError: a reload from disk failed.
+            AdapterReloadError: an adapter evicted from the host tier failed to load again.
         """
         wanted = {r.lora_int_id: r for r in requests}
         if len(wanted) > self.config.max_loras:
@@ -93,7 +105,10 @@ class LoRAManager:
             if lora_id in self._device:
                 self._device.move_to_end(lora_id)
                 continue
-            adapter = self.add(request)
+            try:
+                adapter = self.add(request)
+            except (LoRAAdapterError, FileNotFoundError) as e:
+                raise AdapterReloadError(lora_id, e) from e
             slot = self._free_slot(wanted)
             self._load_slot(slot, adapter)
             self._device[lora_id] = slot

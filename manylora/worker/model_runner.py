@@ -36,10 +36,13 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self._block_offsets = torch.arange(block_size, dtype=torch.int64)
 
-    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+    def _kv_slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """Flat cache slots of positions ``0..num_tokens-1``: int64 ``[num_tokens]``, host."""
         bs = self.block_size
-        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        blocks = torch.tensor(block_table[: -(-num_tokens // bs)], dtype=torch.int64)
+        return (blocks[:, None] * bs + self._block_offsets).flatten()[:num_tokens]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
@@ -56,9 +59,9 @@ class ModelRunner:
         """
         ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
+        slot_mapping: list[torch.Tensor] = []
         token_slots: list[int] = []
-        seqs: list[tuple[int, int, int, list[int]]] = []
+        seqs: list[tuple[int, int, int, torch.Tensor]] = []
         sample_rows: list[int] = []
         sample_reqs = []
         for s in out.scheduled:
@@ -66,8 +69,8 @@ class ModelRunner:
             query_start = len(ids)
             ids.extend(req.token_ids[s.start:end])
             positions.extend(range(s.start, end))
-            kv_slots = self._slots(s.block_table, 0, end)
-            slot_mapping.extend(kv_slots[s.start:])
+            kv_slots = self._kv_slots(s.block_table, end)
+            slot_mapping.append(kv_slots[s.start:])
             token_slots.extend([lora_slots[req.lora_int_id] if req.lora_int_id else -1]
                                * s.num_tokens)
             seqs.append((query_start, s.num_tokens, end, kv_slots))
@@ -76,8 +79,8 @@ class ModelRunner:
                 sample_reqs.append(req)
         dev = self.device
         attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(dev),
-            seqs=tuple(SeqAttention(qs, ql, cl, torch.tensor(kv, dtype=torch.int64).to(dev))
+            slot_mapping=torch.cat(slot_mapping).to(dev),
+            seqs=tuple(SeqAttention(qs, ql, cl, kv.to(dev))
                        for qs, ql, cl, kv in seqs))
         lora = (build_lora_mapping(token_slots, slot_ranks, dev)
                 if self.max_loras and any(t >= 0 for t in token_slots) else None)

@@ -73,24 +73,28 @@ def _assert_matches(outs, refs, names):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 
 
-def test_mixed_batch_matches_peft(demo_set, prompts, reference):
-    # A small token budget makes prefill chunks and decode tokens share steps.
-    llm = LLM(str(demo_set.base_dir), device="cpu", max_loras=4, max_lora_rank=32,
-              max_num_batched_tokens=48, block_size=4, num_kv_blocks=256)
+def _run_mixed_batch(demo_set, prompts, reference, **engine_kwargs) -> LLM:
+    """Generate the mixed batch with an engine built from ``engine_kwargs``; assert vs peft."""
+    llm = LLM(str(demo_set.base_dir), **engine_kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                         lora_request=_requests(demo_set, ADAPTERS), use_tqdm=False)
     _assert_matches(outs, reference, ADAPTERS)
     assert [o.prompt_token_ids for o in outs] == prompts
+    return llm
+
+
+def test_mixed_batch_matches_peft(demo_set, prompts, reference):
+    # A small token budget makes prefill chunks and decode tokens share steps.
+    llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=4,
+                           max_lora_rank=32, max_num_batched_tokens=48, block_size=4,
+                           num_kv_blocks=256)
     engine = llm.llm_engine
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
 def test_fewer_slots_than_adapters(demo_set, prompts, reference):
-    llm = LLM(str(demo_set.base_dir), device="cpu", max_loras=2, max_cpu_loras=2,
-              max_lora_rank=32, num_kv_blocks=256, block_size=8)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=_requests(demo_set, ADAPTERS), use_tqdm=False)
-    _assert_matches(outs, reference, ADAPTERS)
+    llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=2,
+                           max_cpu_loras=2, max_lora_rank=32, num_kv_blocks=256, block_size=8)
     manager = llm.llm_engine.lora_manager
     assert manager.num_slot_loads == len(demo_set.adapters)  # 4 adapters through 2 slots
     assert all(slot is not None for slot in manager.slot_to_id)
@@ -100,11 +104,8 @@ def test_fewer_slots_than_adapters(demo_set, prompts, reference):
 def test_preemption_keeps_outputs_and_frees_blocks(demo_set, prompts, reference):
     # 14 prompts of up to ~40 tokens + 10 new tokens in 40 blocks of 4: the batch cannot
     # all fit, so the newest running requests are preempted and re-prefilled.
-    llm = LLM(str(demo_set.base_dir), device="cpu", max_loras=4, max_lora_rank=32,
-              block_size=4, num_kv_blocks=40)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=_requests(demo_set, ADAPTERS), use_tqdm=False)
-    _assert_matches(outs, reference, ADAPTERS)
+    llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=4,
+                           max_lora_rank=32, block_size=4, num_kv_blocks=40)
     scheduler = llm.llm_engine.scheduler
     assert scheduler.num_preemptions > 0
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
@@ -181,8 +182,5 @@ def test_cuda_bfloat16_agreement(demo_set, prompts, reference, record_property):
 
 @pytest.mark.gpu
 def test_cuda_float32_matches_peft(demo_set, prompts, reference):
-    llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_loras=2,
-              max_lora_rank=32, block_size=4, num_kv_blocks=40)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=_requests(demo_set, ADAPTERS), use_tqdm=False)
-    _assert_matches(outs, reference, ADAPTERS)
+    _run_mixed_batch(demo_set, prompts, reference, device="cuda", dtype="float32", max_loras=2,
+                     max_lora_rank=32, block_size=4, num_kv_blocks=40)
