@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from manylora.testing import make_demo_set
+# Without a GPU, Triton kernels run through Triton's interpreter on CPU tensors; the variable
+# must be set before any kernel module is imported (Triton reads it when a kernel is defined).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from manylora.testing import make_demo_set  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
