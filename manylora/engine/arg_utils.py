@@ -31,6 +31,11 @@ class EngineArgs:
         key_dict: extra checkpoint key translations (TensorRT-LLM's customized_key_dict).
         revision: hub revision for ``model``.
         trust_remote_code: passed to transformers for config and tokenizer.
+        load_format: ``"auto"`` (read the checkpoint) or ``"dummy"`` (random weights of the
+            checkpoint's shapes; config.json is still read), for benchmarks.
+        skip_tokenizer_init: load no tokenizer; prompts must be token ids and outputs carry
+            token ids with empty text (stop strings are refused).
+        enforce_eager: never replay decode steps as CUDA graphs.
     """
 
     model: str
@@ -51,6 +56,9 @@ class EngineArgs:
     key_dict: Mapping[str, str | list[str]] = field(default_factory=dict)
     revision: str | None = None
     trust_remote_code: bool = False
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:

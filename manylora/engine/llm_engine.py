@@ -37,6 +37,7 @@ from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.sampling_params import SamplingParams
+from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks
 from manylora.worker.model_runner import ModelRunner
 
@@ -57,10 +58,13 @@ class LLMEngine:
         dtype = resolve_dtype(args.dtype, self.device, hf_config)
         self.model_config = ModelConfig.from_hf(hf_config, dtype, args.max_model_len)
         cfg = self.model_config
-        tok_dir = resolve_model_path(args.tokenizer, args.revision) if args.tokenizer else model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            tok_dir, trust_remote_code=args.trust_remote_code)
-        self.model = load_model(model_dir, cfg, self.device, args.key_dict)
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            tok_dir = (resolve_model_path(args.tokenizer, args.revision) if args.tokenizer
+                       else model_dir)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                tok_dir, trust_remote_code=args.trust_remote_code)
+        self.model = load_model(model_dir, cfg, self.device, args.key_dict, args.load_format)
 
         self.lora_config = self.lora_manager = None
         max_loras = 0
@@ -87,7 +91,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1)),
             KVCacheManager(num_blocks, args.block_size))
-        self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras)
+        graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
+            n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
+        self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
+                                  self.max_model_len, graph_sizes)
+        self.runner.capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
         self._ids = itertools.count()
 
@@ -103,7 +111,7 @@ class LLMEngine:
             eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         if eos is not None:
             ids.update(eos if isinstance(eos, list) else [eos])
-        if self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
@@ -114,6 +122,9 @@ class LLMEngine:
             ValueError: an empty prompt, ids outside the vocabulary, or a malformed prompt.
         """
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, but the engine was started "
+                                 "with skip_tokenizer_init: pass {'prompt_token_ids': [...]}")
             text, ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, raw = prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -147,6 +158,9 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer, but the engine was started with "
+                             "skip_tokenizer_init")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but the context holds "
                              f"{self.max_model_len} (max_model_len) with room for at least one "

@@ -20,7 +20,7 @@ class RequestState:
 
     def __init__(self, request: Request, tokenizer) -> None:
         self.request = request
-        self.detokenizer = IncrementalDetokenizer(
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
             tokenizer, request.token_ids, request.sampling_params.skip_special_tokens)
         self.text = ""
 
@@ -37,7 +37,8 @@ class OutputProcessor:
     """Applies each step's new tokens to request states and finds finished requests.
 
     Args:
-        tokenizer: a ``transformers`` tokenizer (for detokenization).
+        tokenizer: a ``transformers`` tokenizer (for detokenization), or None: token ids
+            only, the text stays empty.
         eos_token_ids: the ids that end generation (generation config and tokenizer).
     """
 
@@ -60,13 +61,14 @@ class OutputProcessor:
         """
         state = self.states[request_id]
         status = self._check(state, token)
-        if status is not None and not isinstance(state.request.stop_reason, str):
+        if (status is not None and state.detokenizer is not None
+                and not isinstance(state.request.stop_reason, str)):
             state.text += state.detokenizer.flush()
         return status
 
     def _check(self, state: RequestState, token: int) -> RequestStatus | None:
         req, params = state.request, state.request.sampling_params
-        delta = state.detokenizer.append(token)
+        delta = "" if state.detokenizer is None else state.detokenizer.append(token)
         state.text += delta
         n_out = req.num_output_tokens
         if n_out >= params.min_tokens:

@@ -114,13 +114,12 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad, dtype=torch.int32)
     (indices, ranks, srows, act, start, length) = host.to(device).split(
         (total, max_loras, total, max_loras, max_loras, max_loras))
-    if pad_to is not None:
-        return LoRAMapping(indices, ranks, srows, act, start, length, pad_to,
-                           schedule or "bgmv", True, ())
     num_lora_rows = num_rows - len(base_rows)
     if schedule is None:
         schedule = ("sgmv" if active and num_lora_rows >= SGMV_MIN_ROWS_PER_SLOT * len(active)
                     else "bgmv")
+    if pad_to is not None:
+        return LoRAMapping(indices, ranks, srows, act, start, length, pad_to, schedule, True, ())
     segments = tuple(SlotSegment(s, int(slot_ranks[s]), srows[b: b + n])
                      for s, b, n in zip(active, starts, lens))
     return LoRAMapping(indices, ranks, srows, act, start, length, max(lens, default=0),

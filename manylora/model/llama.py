@@ -14,6 +14,7 @@ from torch import nn
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.lora.layers import LoRALinear, LoRASlots
 from manylora.lora.punica import LoRAMapping
+from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
@@ -58,8 +59,7 @@ class LlamaMLP(nn.Module):
                                     cfg.mlp_bias, cfg.dtype, device)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).split(self.inter, dim=-1)   # [T, I] each
-        return self.down_proj(nn.functional.silu(gate) * up, lora)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,10 +72,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
                                                 device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                attn: AttentionMetadata, lora: LoRAMapping | None) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, attn, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, attn: AttentionMetadata,
+                lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual) → (mlp output, residual stream before it)``; the caller adds them.
+
+        Each residual add is fused into the next RMSNorm (vLLM's ``fused_add_rms_norm``):
+        ``h = x + residual; x = norm(h); residual = h``.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, attn, lora)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x, lora), residual
 
 
 class LlamaModel(nn.Module):
@@ -123,10 +134,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: AttentionMetadata,
                 lora: LoRAMapping | None) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)                          # [T, H]
+        x, residual = self.model.embed_tokens(input_ids), None          # [T, H]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, attn, lora)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, attn, lora)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -29,8 +29,16 @@ def load_hf_config(model_dir: str | os.PathLike, trust_remote_code: bool = False
         raise CheckpointError(f"cannot read the model config in {model_dir}: {e}") from e
 
 
+#: ``load_format`` values: read the checkpoint, or random weights of the right shapes.
+LOAD_FORMATS = ("auto", "dummy")
+
+#: Range of the uniform random weights of ``load_format="dummy"`` (vLLM's dummy loader).
+_DUMMY_RANGE = 1e-3
+
+
 def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
-               key_dict: Mapping[str, str | list[str]] | None = None) -> LlamaForCausalLM:
+               key_dict: Mapping[str, str | list[str]] | None = None,
+               load_format: str = "auto") -> LlamaForCausalLM:
     """Allocate the model on ``device`` and fill it from the checkpoint (TensorRT-LLM's loader).
 
     Args:
@@ -38,10 +46,20 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
         cfg: the model's shape and dtype.
         device: where the weights live.
         key_dict: extra key translations (TensorRT-LLM's ``customized_key_dict``).
+        load_format: ``"auto"`` reads the weights; ``"dummy"`` (vLLM's) fills every weight
+            with seeded uniform noise in ±1e-3 and reads no weight file, for benchmarks.
 
     Raises:
         CheckpointError: missing, corrupt or mis-shaped weight files.
+        ValueError: an unknown ``load_format``.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}: use one of {LOAD_FORMATS}")
     model = LlamaForCausalLM(cfg, device)
-    ModelWeightsLoader(model_dir, key_dict).load_model(model)
+    if load_format == "dummy":
+        gen = torch.Generator(device).manual_seed(0)
+        for param in model.parameters():
+            param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
+    else:
+        ModelWeightsLoader(model_dir, key_dict).load_model(model)
     return model.eval()

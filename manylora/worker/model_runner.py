@@ -2,18 +2,22 @@
 
 The model runner never touches a queue: it reads a ``SchedulerOutput`` and returns the
 sampled tokens. Every per-step tensor (ids, positions, cache slots, attention and LoRA
-metadata) is built once here and shared by all layers.
+metadata) is built once here and shared by all layers. Decode steps (one token per
+request) replay a CUDA graph when graphs are on; other steps run eagerly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from manylora.core.scheduler import SchedulerOutput
 from manylora.lora.punica import build_lora_mapping
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import AttentionMetadata, SeqAttention
+from manylora.ops.attention import build_attention_metadata
 from manylora.sample.sampler import Sampler, SamplingTensors, make_generator
+from manylora.worker.cuda_graph import DecodeGraphs
 
 
 class ModelRunner:
@@ -24,25 +28,28 @@ class ModelRunner:
         kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
         block_size: tokens per cache block.
         max_loras: number of adapter slots (0 when LoRA is off).
+        max_model_len: the longest sequence, tokens (fixes a graph's block-table width).
+        cuda_graph_sizes: decode batch sizes to capture as CUDA graphs; empty: always eager.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
-                 block_size: int, max_loras: int) -> None:
+                 block_size: int, max_loras: int, max_model_len: int,
+                 cuda_graph_sizes: Sequence[int] = ()) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_loras = max_loras
         self.device = kv_caches[0].device
-        self.vocab_size = model.cfg.vocab_size
+        cfg = model.cfg
+        self.vocab_size = cfg.vocab_size
+        self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self._block_offsets = torch.arange(block_size, dtype=torch.int64)
+        self.graphs = DecodeGraphs(self._forward, cuda_graph_sizes) if cuda_graph_sizes else None
 
-    def _kv_slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """Flat cache slots of positions ``0..num_tokens-1``: int64 ``[num_tokens]``, host."""
-        bs = self.block_size
-        blocks = torch.tensor(block_table[: -(-num_tokens // bs)], dtype=torch.int64)
-        return (blocks[:, None] * bs + self._block_offsets).flatten()[:num_tokens]
+    def _forward(self, input_ids, positions, attn, lora) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, attn, lora)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
@@ -59,36 +66,22 @@ class ModelRunner:
         """
         ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[torch.Tensor] = []
         token_slots: list[int] = []
-        seqs: list[tuple[int, int, int, torch.Tensor]] = []
         sample_rows: list[int] = []
         sample_reqs = []
         for s in out.scheduled:
             req, end = s.request, s.start + s.num_tokens
-            query_start = len(ids)
             ids.extend(req.token_ids[s.start:end])
             positions.extend(range(s.start, end))
-            kv_slots = self._kv_slots(s.block_table, end)
-            slot_mapping.append(kv_slots[s.start:])
             token_slots.extend([lora_slots[req.lora_int_id] if req.lora_int_id else -1]
                                * s.num_tokens)
-            seqs.append((query_start, s.num_tokens, end, kv_slots))
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(req)
-        dev = self.device
-        attn = AttentionMetadata(
-            slot_mapping=torch.cat(slot_mapping).to(dev),
-            seqs=tuple(SeqAttention(qs, ql, cl, kv.to(dev))
-                       for qs, ql, cl, kv in seqs))
-        lora = (build_lora_mapping(token_slots, slot_ranks, dev)
-                if self.max_loras and any(t >= 0 for t in token_slots) else None)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev),
-                            torch.tensor(positions, dtype=torch.int64).to(dev),
-                            self.kv_caches, attn, lora)
+        hidden = self._run_model(out, ids, positions, token_slots, slot_ranks)
         if not sample_reqs:
             return {}
+        dev = self.device
         logits = self.model.compute_logits(
             hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64).to(dev)))
         params = [r.sampling_params for r in sample_reqs]
@@ -97,6 +90,46 @@ class ModelRunner:
                       if r.sampling_params.seed is not None and not r.sampling_params.greedy}
         tokens = self.sampler.sample(logits, tensors, generators).tolist()
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+
+    def _run_model(self, out: SchedulerOutput, ids: list[int], positions: list[int],
+                   token_slots: list[int], slot_ranks: list[int]) -> torch.Tensor:
+        """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``)."""
+        dev = self.device
+        num_rows = len(ids)
+        bucket = (self.graphs.bucket(num_rows)
+                  if self.graphs is not None and num_rows == len(out.scheduled) else None)
+        pad = bucket if bucket is not None else num_rows
+        attn = build_attention_metadata(
+            [s.num_tokens for s in out.scheduled], [s.start + s.num_tokens for s in out.scheduled],
+            [s.block_table for s in out.scheduled], self.block_size, self.num_queries_per_kv,
+            dev, pad_to=bucket, max_blocks_per_seq=self.max_blocks_per_seq if bucket else None)
+        lora = None
+        if self.max_loras and any(t >= 0 for t in token_slots):
+            lora = build_lora_mapping(token_slots, slot_ranks, dev, pad_to=bucket)
+        host = torch.tensor(ids + [0] * (pad - num_rows) + positions + [0] * (pad - num_rows),
+                            dtype=torch.int64)
+        input_ids, pos = host.to(dev).split((pad, pad))
+        if bucket is None:
+            return self._forward(input_ids, pos, attn, lora)
+        key = (bucket, None if lora is None else lora.schedule)
+        return self.graphs.run(key, (input_ids, pos, attn, lora))
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture every decode graph up front (vLLM captures at start-up too): one per
+        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on."""
+        if self.graphs is None:
+            return
+        schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
+        for size in reversed(self.graphs.capture_sizes):     # largest first: the pool fits all
+            attn = build_attention_metadata([], [], [], self.block_size, self.num_queries_per_kv,
+                                            self.device, pad_to=size,
+                                            max_blocks_per_seq=self.max_blocks_per_seq)
+            zeros = torch.zeros(size, dtype=torch.int64, device=self.device)
+            for schedule in schedules:
+                lora = None if schedule is None else build_lora_mapping(
+                    [], [0] * self.max_loras, self.device, pad_to=size, schedule=schedule)
+                self.graphs.run((size, schedule), (zeros, zeros, attn, lora))
 
     def release(self, request_ids: list[str]) -> None:
         """Drop the per-request state (seeded generators) of finished requests."""

@@ -61,7 +61,12 @@ class RotaryEmbedding(nn.Module):
     """Applies RoPE to queries and keys by absolute position (the "rotate half" layout of HF).
 
     ``q' = q * cos(p θ) + rotate_half(q) * sin(p θ)``, with the cos/sin table in float32 for
-    positions ``[0, max_position)``, cast to the activation dtype when applied.
+    positions ``[0, max_position)``, cast to the activation dtype when applied; each product
+    and the sum are rounded to the activation dtype, as in HF's ``apply_rotary_pos_emb``.
+
+    CUDA tensors run one Triton launch for q and k together (vLLM's ``rotary_embedding`` op,
+    ``manylora.ops.triton_fused``; CUDA-graph safe), others run PyTorch; both round the same
+    way and both rotate q and k in place.
 
     Args:
         hf_config: the model's transformers config (for the RoPE type and its parameters).
@@ -79,7 +84,22 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions`` int64 ``[T]``; ``q [T, Hq, D]``, ``k [T, Hkv, D]`` → rotated q, k."""
+        """Rotate ``q`` and ``k`` in place and return them.
+
+        Args:
+            positions: int64 ``[T]``, each ``< max_position``, in any order.
+            q: ``[T, Hq, D]``; k: ``[T, Hkv, D]``, same dtype; unit stride along ``D``, other
+                strides free (the views of a packed qkv output are rotated where they lie).
+
+        Returns:
+            ``(q, k)``, the same tensors, rotated.
+        """
+        if q.is_cuda:
+            from manylora.ops.triton_fused import rotary_embedding_triton
+
+            return rotary_embedding_triton(positions, q, k, self.cos, self.sin)
         cos = self.cos.index_select(0, positions).to(q.dtype)[:, None, :]   # [T, 1, D]
         sin = self.sin.index_select(0, positions).to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q.copy_(q * cos + _rotate_half(q) * sin)
+        k.copy_(k * cos + _rotate_half(k) * sin)
+        return q, k

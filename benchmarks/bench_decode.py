@@ -1,0 +1,139 @@
+"""Decode roofline: one decode step of a Llama-3-8B-shaped model against the bytes it must read.
+
+For batch B at context C, a decode step must read every weight once (the embedding table
+only for B rows), the K/V of B × C cached tokens, and with LoRA each distinct adapter's A
+and B (true rank, all seven projections); its floor is those bytes over the measured copy
+bandwidth. We time the engine's own decode path: ``ModelRunner.execute`` on a scheduled
+batch (host preparation, the CUDA-graph replay of the forward, logits and greedy sampling),
+and the graph replay alone.
+
+    python -m benchmarks.bench_decode             # H100: batch 1..128, context 512
+    python -m benchmarks.bench_decode --quick     # a tiny model, to check the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from benchmarks.common import (
+    gpu_name,
+    measure_copy_bandwidth,
+    record,
+)
+from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims, write_config
+from manylora.config import LORA_TARGET_MODULES, LoRAConfig, ModelConfig
+from manylora.core.scheduler import ScheduledRequest, SchedulerOutput
+from manylora.engine.request import Request
+from manylora.lora.request import LoRARequest
+from manylora.model.loader import load_model
+from manylora.sampling_params import SamplingParams
+from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
+from manylora.worker.kv_cache import allocate_kv_caches
+from manylora.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+def step_bytes(model, config: dict, batch: int, context: int, rank: int, adapters: int) -> int:
+    """Bytes a decode step must read: weights, the batch's KV, the adapters present."""
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "embed_tokens" not in n)
+    elem = 2 if model.cfg.dtype != torch.float32 else 4
+    weights += batch * config["hidden_size"] * elem                   # embedding rows
+    head = config["hidden_size"] // config["num_attention_heads"]
+    kv = batch * context * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] \
+        * head * elem
+    per_adapter = sum(rank * (i + o) for i, o in module_dims(config).values()) * elem \
+        * config["num_hidden_layers"]
+    return weights + kv + adapters * per_adapter
+
+
+def time_execute(runner, out, lora_slots, ranks, iters: int) -> float:
+    """Median wall time of ``runner.execute`` (it ends in a host read of the tokens), s."""
+    for _ in range(3):
+        runner.execute(out, lora_slots, ranks)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.execute(out, lora_slots, ranks)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="tiny model, CPU allowed, no record")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = TINY if args.quick or device.type == "cpu" else LLAMA3_8B
+    dtype = torch.float32 if config is TINY else torch.bfloat16
+    batches = [b for b in args.batches if not args.quick or b <= 8]
+    max_batch = max(batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
+    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * args.context)
+    model = load_model(Path(tmp), cfg, device, load_format="dummy")
+    lora_config = LoRAConfig(max_batch, args.rank, max_batch, LORA_TARGET_MODULES)
+    slots = model.create_lora_slots(lora_config)
+    gen = torch.Generator(device).manual_seed(0)
+    for s in set(slots.values()):
+        for t in (*s.lora_a_stacked, *s.lora_b_stacked):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
+    blocks_per_seq = -(-args.context // BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device)
+    for kv in kv_caches:
+        kv.normal_(generator=gen)
+    sizes = DEFAULT_CAPTURE_SIZES if device.type == "cuda" else ()
+    runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
+    runner.capture_graphs()
+    bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    ranks = [args.rank] * max_batch
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    rows = []
+    for batch in batches:
+        for lora in (False, True):
+            scheduled = []
+            for b in range(batch):
+                ids = torch.randint(0, config["vocab_size"], (args.context,)).tolist()
+                req = Request(f"r{b}", None, ids, params,
+                              LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
+                              args.context + 1)
+                table = list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
+                scheduled.append(ScheduledRequest(req, args.context - 1, 1, table, True))
+            out = SchedulerOutput(scheduled, [], [])
+            lora_slots = {b + 1: b for b in range(batch)} if lora else {}
+            step = time_execute(runner, out, lora_slots, ranks, args.iters)
+            nbytes = step_bytes(model, config, batch, args.context, args.rank,
+                                batch if lora else 0)
+            floor = nbytes / bandwidth
+            rows.append([batch, f"rank-{args.rank} x{batch}" if lora else "off",
+                         f"{step * 1e3:.3f}", f"{nbytes / 1e9:.2f}", f"{floor * 1e3:.3f}",
+                         f"{nbytes / step / 1e12:.2f}", f"{floor / step:.0%}",
+                         f"{step / floor:.3f}"])
+            print(rows[-1], flush=True)
+    title = f"Decode roofline ({gpu_name(device)}): Llama-3-8B shape, bf16, context {args.context}"
+    columns = ["batch", "LoRA", "step ms (median)", "GB read", "floor ms", "TB/s",
+               "% of copy BW", "step / floor"]
+    notes = ("Step = `ModelRunner.execute` wall time: host preparation, CUDA-graph replay of the "
+             "32 layers, logits, greedy sampling and the host read of the tokens. GB read = "
+             "weights (embedding rows only) + KV of batch × context tokens + the distinct "
+             "adapters' A and B at their true rank; floor = GB read / measured copy bandwidth.")
+    record(title, "python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]), columns, rows,
+           notes=notes, write=not (args.no_record or args.quick or device.type == "cpu"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Shared helpers for the benchmarks: environment, measured floors, timing, BENCHMARKS.md.
+
+Every recorded figure carries the GPU, the date, the commit and the exact command, and is a
+median. The floors a benchmark compares against are measured on the same GPU in the same run:
+
+* copy bandwidth: a device-to-device copy of a 2 GiB buffer, (bytes read + bytes written) /
+  median time, in bytes/s;
+* matmul rate: one bf16 ``8192 x 8192 x 8192`` matmul, ``2*M*N*K`` / median time, in FLOP/s.
+
+Triton is imported lazily (inside the functions that time on CUDA), so a caller can still set
+``TRITON_INTERPRET=1`` after importing this module.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
+HEADER = (
+    "# Benchmarks\n\n"
+    "Every figure: GPU, date, commit, exact command; medians; ratios against the measured "
+    "floor and against the alternative a user would pick.\n"
+)
+
+#: Environment variable that overrides :func:`git_commit` (for copies of the tree without .git).
+COMMIT_ENV = "MANYLORA_COMMIT"
+
+
+def gpu_name(device: torch.device | str | None = None) -> str:
+    """The CUDA device's name, or ``"cpu (<processor>)"`` when there is no CUDA device."""
+    dev = torch.device(device) if device is not None else None
+    if torch.cuda.is_available() and (dev is None or dev.type == "cuda"):
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu ({platform.machine() or 'unknown'})"
+
+
+def _git(*args: str) -> str | None:
+    """stdout of ``git args`` run in the repository root, or None if git fails or is absent."""
+    try:
+        done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout
+
+
+def git_commit() -> str:
+    """Short hash of HEAD, plus ``+dirty`` when the tree differs from it; else ``"unknown"``.
+
+    ``$MANYLORA_COMMIT``, when set, is returned as is. Without a ``.git`` in the repository
+    root, or without a working ``git``, the answer is ``"unknown"``. Changes to
+    ``BENCHMARKS.md`` (which the benchmarks themselves append to) do not count as dirty;
+    untracked files that git does not ignore do.
+    """
+    override = os.environ.get(COMMIT_ENV)
+    if override:
+        return override
+    if not (REPO_ROOT / ".git").exists():
+        return "unknown"
+    head = _git("rev-parse", "--short", "HEAD")
+    if not head or not head.strip():
+        return "unknown"
+    status = _git("--no-optional-locks", "status", "--porcelain", "--", ".",
+                  ":(exclude)BENCHMARKS.md")
+    if status is None:
+        return f"{head.strip()}+status-unknown"
+    return head.strip() + ("+dirty" if status.strip() else "")
+
+
+def today() -> str:
+    """Today's date, ISO format (``YYYY-MM-DD``)."""
+    return datetime.date.today().isoformat()
+
+
+def command_line(module: str | None = None) -> str:
+    """The exact command of this run: ``python -m <module> <args>`` or ``python <argv>``."""
+    if module:
+        return shlex.join(["python", "-m", module, *sys.argv[1:]])
+    return shlex.join(["python", *sys.argv])
+
+
+def do_bench_median(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of ``fn`` on the current CUDA device, in ms (``triton.testing.do_bench``).
+
+    ``do_bench`` runs ``fn`` once, warms up for ``warmup`` ms, then times runs for about
+    ``rep`` ms with CUDA events, clearing the L2 cache before each run (so each run reads
+    its operands from device memory).
+    """
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def time_cuda_graph(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median time of one replay of a CUDA graph of ``fn``, in ms.
+
+    ``fn`` is run three times on a side stream (as ``torch.cuda.graphs`` requires before a
+    capture; this also compiles and autotunes Triton kernels), captured once into a
+    ``torch.cuda.CUDAGraph``, and the replays are timed with :func:`do_bench_median` (L2
+    cleared before each replay). Launch gaps between the kernels of ``fn`` disappear, so
+    tiny kernels are timed by what the GPU does.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return do_bench_median(graph.replay, warmup=warmup, rep=rep)
+
+
+def time_cpu(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median wall time of ``fn`` over ``reps`` runs after one warmup run, in ms."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _cuda_device(device: torch.device | str | None) -> torch.device:
+    """``device`` as a CUDA device with an explicit index (the current one if absent)."""
+    dev = torch.device("cuda" if device is None else device)
+    if dev.type != "cuda":
+        raise ValueError(f"{dev} is not a CUDA device")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes/s: ``2 * nbytes`` / median time of ``dst.copy_(src)``.
+
+    ``src`` and ``dst`` are bf16 buffers of ``nbytes`` each (2 GiB by default, far beyond
+    any L2); each copy reads ``nbytes`` and writes ``nbytes``. Measured once per device and
+    size, then cached.
+    """
+    return _copy_bandwidth(_cuda_device(device), nbytes)
+
+
+@functools.cache
+def _copy_bandwidth(dev: torch.device, nbytes: int) -> float:
+    with torch.cuda.device(dev):
+        ms = _time_copy(dev, nbytes)
+        torch.cuda.empty_cache()
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _time_copy(dev: torch.device, nbytes: int) -> float:
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    return do_bench_median(lambda: dst.copy_(src), warmup=50, rep=300)
+
+
+def measure_matmul_flops(device: torch.device | str = "cuda", n: int = 8192) -> float:
+    """bf16 matmul rate, FLOP/s: ``2 * n**3`` / median time of one ``n x n x n`` matmul.
+
+    Inputs are standard normal (power draw depends on the data; all-zero inputs would
+    flatter the rate). Measured once per device and size, then cached.
+    """
+    return _matmul_flops(_cuda_device(device), n)
+
+
+@functools.cache
+def _matmul_flops(dev: torch.device, n: int) -> float:
+    with torch.cuda.device(dev):
+        ms = _time_matmul(dev, n)
+        torch.cuda.empty_cache()
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+def _time_matmul(dev: torch.device, n: int) -> float:
+    gen = torch.Generator(dev).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, generator=gen, device=dev, dtype=torch.bfloat16)
+    c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+    return do_bench_median(lambda: torch.mm(a, b, out=c), warmup=100, rep=500)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A GitHub markdown table; every cell is ``str()``-ed, so format numbers beforehand."""
+    lines = ["| " + " | ".join(str(c) for c in columns) + " |",
+             "| " + " | ".join("---" for _ in columns) + " |"]
+    for row in rows:
+        if len(row) != len(columns):
+            raise ValueError(f"row {row!r} has {len(row)} cells for {len(columns)} columns")
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def environment_line(device: torch.device | str | None = None) -> str:
+    """GPU, date, commit, and on CUDA the measured copy bandwidth and bf16 matmul rate."""
+    dev = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    parts = [f"GPU: {gpu_name(dev)}", f"date: {today()}", f"commit: `{git_commit()}`"]
+    if dev.type == "cuda":
+        bw = measure_copy_bandwidth(dev)
+        flops = measure_matmul_flops(dev)
+        parts.append(f"copy bandwidth: {bw / 1e9:.0f} GB/s (2 GiB bf16 D2D copy, read + write)")
+        parts.append(f"bf16 matmul: {flops / 1e12:.0f} TFLOP/s (8192³)")
+    parts.append(f"torch {torch.__version__}")
+    return " · ".join(parts)
+
+
+def record(title: str, command: str, columns: Sequence[str],
+           rows: Sequence[Sequence[object]], notes: str | None = None, *, write: bool = True,
+           device: torch.device | str | None = None, path: Path | None = None) -> str:
+    """Print a benchmark section and, if ``write``, append it to ``BENCHMARKS.md``.
+
+    The section is ``## <title>``, one line with GPU, date, commit, measured copy bandwidth
+    and matmul rate (CUDA only), the exact ``command``, the table, then ``notes``. The file
+    (``path``, by default ``BENCHMARKS.md`` at the repository root) is created with a short
+    header if absent.
+
+    Returns:
+        the section's markdown.
+    """
+    section = [f"## {title}", "", environment_line(device), "", f"Command: `{command}`", "",
+               markdown_table(columns, rows)]
+    if notes:
+        section += ["", notes.strip()]
+    text = "\n".join(section) + "\n"
+    print(text, flush=True)
+    if write:
+        target = path or BENCHMARKS_MD
+        if not target.exists():
+            target.write_text(HEADER)
+        with target.open("a") as f:
+            f.write("\n" + text)
+        print(f"appended to {target}", flush=True)
+    return text

@@ -1,0 +1,411 @@
+"""Triton kernels: paged KV write and paged attention (prefill, chunked prefill, decode; GQA).
+
+Computes the formula of ``manylora.ops.attention``: for query ``j`` of a sequence at
+position ``qp = context_len - query_len + j``::
+
+    out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]
+    over kp ≤ qp (and qp - kp < window), zeros when no key is visible.
+
+Design (FlashAttention-2's forward, Dao 2023, over vLLM's paged KV cache, Kwon et al. 2023,
+organised like vLLM's Triton "unified attention"):
+
+* A program owns one *tile* of ``AttentionMetadata`` (a sequence and its first query) and one
+  KV head. Its rows are ``BLOCK_Q`` query tokens × the ``G`` query heads sharing that KV head
+  (row ``r`` = token ``r // G``, head ``kv_head * G + r % G``), padded to ``BLOCK_M``, a power
+  of two ≥ 16 for ``tl.dot``. Each KV head's keys are thus read once for all G heads.
+* It walks key tiles of ``BLOCK_N`` positions from the window start to its causal limit,
+  gathers each key/value row through the block table (``block_table[kp // block_size]``, any
+  block_size), and keeps the FlashAttention-2 online softmax in float32 (base-2 exponent,
+  scale folded into ``log2 e``). Key tiles that every row of the tile sees in full skip the
+  mask; only the tiles on the causal diagonal and at the window start are masked.
+* Two launches share the kernel: decode tiles (``BLOCK_Q`` 1, ``BLOCK_M`` = max(16, G)) and
+  prefill tiles (``BLOCK_Q = metadata.prefill_block_q``, ``BLOCK_M`` up to 128). When the
+  decode launch has fewer programs than the GPU has SMs, its key range is split over a third
+  grid axis (flash-decoding): each split writes an unnormalised partial output with its row
+  max and sum, and a second kernel combines them.
+* Grids, tile sizes and split counts come from host ints and shapes only (no autotune, no
+  device→host sync): both entry points are CUDA-graph safe.
+
+float32 inputs use ``input_precision="ieee"`` dots (exact float32, not TF32); bfloat16 and
+float16 use tensor cores with float32 accumulation. head_dim need not be a power of two
+(padded and masked). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from manylora.ops.attention import AttentionMetadata, check_attention_inputs
+
+_LOG2E = 1.4426950408889634
+#: Upper bound on the key-range splits of a decode launch.
+MAX_SPLITS = 32
+#: SMs assumed for the split heuristic when not on CUDA (Triton's interpreter).
+_CPU_SM_COUNT = 4
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_cs, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr):
+    """One program per token row: copy its K and V heads into the cache slot (skip -1)."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (h * 0 + slot >= 0)   # block-shaped test
+    slot = tl.maximum(slot, 0)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    row = t.to(tl.int64)
+    k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+@triton.jit
+def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_start, j_end, q_pos, ctx, window,
+               qk_scale, offs_n, offs_d, stride_cb, stride_cs,
+               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Online softmax over key tiles ``j_start .. j_end - 1`` (positions ``j * BLOCK_N ..``).
+
+    ``MASKED`` tiles apply the causal / window / context mask; the others are seen in full
+    by every row. ``m_i`` is the running row max of the base-2 logits, ``l_i`` the running
+    sum of their exponentials, ``acc`` the unnormalised output.
+    """
+    d_mask = offs_d < HEAD_DIM
+    for j in range(j_start, j_end):
+        k_pos = j * BLOCK_N + offs_n                                   # [BLOCK_N]
+        if MASKED:
+            k_valid = k_pos < ctx
+            block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+            kv_mask = k_valid[None, :] & d_mask[:, None]
+        else:
+            block = tl.load(table_ptr + k_pos // BLOCK_SIZE)
+            kv_mask = d_mask[:, None]
+        row_off = block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs
+        kv_off = row_off[None, :] + offs_d[:, None]                    # [HEAD_DIM_PAD, BLOCK_N]
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptr + kv_off)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - k_pos[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)      # rows with nothing seen
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = row_off[:, None] + offs_d[None, :]                    # [BLOCK_N, HEAD_DIM_PAD]
+        if MASKED:
+            v = tl.load(v_ptr + v_off, mask=k_valid[:, None] & d_mask[None, :], other=0.0)
+        elif HEAD_DIM != HEAD_DIM_PAD:
+            v = tl.load(v_ptr + v_off, mask=d_mask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptr + v_off)
+        p = p.to(v.dtype)
+        if UPCAST_DOT:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
+        tile_seq_ptr, tile_query_ptr, part_acc_ptr, part_ml_ptr,
+        qk_scale, window, num_tiles, num_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr):
+    """Program (tile, kv_head, split): ``BLOCK_Q`` queries × ``G`` heads over one key range."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    q_first = tl.load(tile_query_ptr + tile)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_lens_ptr + seq)
+    ctx = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_first + rows // G
+    head = kv_head * G + rows % G
+    row_valid = (rows < BLOCK_Q * G) & (tok < q_len)
+    q_pos = ctx - q_len + tok
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    q_row = (q_start + tok).to(tl.int64)
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    # Keys [lo, hi) are seen by some row, [full_lo, full_hi) by every row of the tile.
+    first_pos = ctx - q_len + q_first                  # -1 only for padding sequences
+    last_pos = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    hi = last_pos + 1
+    full_hi = first_pos + 1
+    lo = 0
+    full_lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        full_lo = tl.maximum(last_pos - window + 1, 0)
+    j_lo = lo // BLOCK_N
+    j_hi = (hi + BLOCK_N - 1) // BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = (j_hi - j_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        j_lo = tl.minimum(j_lo + split * per_split, j_hi)
+        j_hi = tl.minimum(j_lo + per_split, j_hi)
+    jf_lo = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N, j_lo), j_hi)
+    jf_hi = tl.minimum(tl.maximum(full_hi // BLOCK_N, jf_lo), j_hi)
+
+    k_ptr = k_cache_ptr + kv_head * stride_ch
+    v_ptr = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_lo, jf_lo, q_pos,
+                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
+                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW,
+                               DOT_PRECISION, UPCAST_DOT)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, jf_lo, jf_hi, q_pos,
+                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
+                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_WINDOW,
+                               DOT_PRECISION, UPCAST_DOT)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, jf_hi, j_hi, q_pos,
+                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
+                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW,
+                               DOT_PRECISION, UPCAST_DOT)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_off = q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # Decode tiles only (BLOCK_Q 1): partials at [split, tile, head], combined later.
+        w_row = (split * num_tiles + tile).to(tl.int64) * num_heads + head
+        tl.store(part_acc_ptr + w_row[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_ml_ptr + w_row, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + NUM_SPLITS * num_tiles * num_heads + w_row, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, query_start_ptr,
+                           num_tiles, num_heads, stride_ot, stride_oh,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                           HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """Program (decode tile, head): ``out = Σ_s acc_s 2^(m_s - M) / Σ_s l_s 2^(m_s - M)``."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(query_start_ptr + tl.load(tile_seq_ptr + tile)).to(tl.int64)
+    s = tl.arange(0, SPLITS_PAD)
+    s_mask = s < NUM_SPLITS
+    w_row = (s * num_tiles + tile).to(tl.int64) * num_heads + head
+    m = tl.load(part_ml_ptr + w_row, mask=s_mask, other=float("-inf"))
+    lsum = tl.load(part_ml_ptr + NUM_SPLITS * num_tiles * num_heads + w_row, mask=s_mask,
+                   other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)
+    denom = tl.sum(w * lsum, 0)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    acc = tl.load(part_acc_ptr + w_row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                  mask=s_mask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _CPU_SM_COUNT
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _head_dim_pad(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _block_n(head_dim_pad: int, dtype: torch.dtype) -> int:
+    """Key tile: 64 positions for 16-bit heads up to 128 wide, else 32 (shared memory)."""
+    return 64 if head_dim_pad <= 128 and dtype != torch.float32 else 32
+
+
+def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block_n: int,
+                  device: torch.device) -> int:
+    """Key-range splits of the decode launch: enough programs for about two per SM, never
+    more than the key tiles of the longest possible context nor ``MAX_SPLITS``; 1 once
+    ``num_decode_tiles × num_kv_heads`` fills the SMs. Host ints only (CUDA-graph stable)."""
+    programs = num_decode_tiles * num_kv_heads
+    sms = _sm_count(device)
+    if programs == 0 or programs >= sms:
+        return 1
+    key_tiles = triton.cdiv(max(max_keys, 1), block_n)
+    return max(1, min(triton.cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """``kv_cache[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0.
+
+    One program per token row, no host sync (CUDA-graph safe).
+
+    Args:
+        k, v: ``[T, num_kv_heads, head_dim]``, dtype of the cache (any strides; copied when
+            the last dim is not contiguous).
+        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int64 ``[T]``; -1 rows write nothing.
+
+    Raises:
+        ValueError: shapes, dtypes or a cache layout that do not match.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if (v.shape != k.shape or kv_cache.dim() != 5 or kv_cache.shape[3:] != k.shape[1:]
+            or slot_mapping.shape != (num_tokens,)):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping "
+                         f"{tuple(slot_mapping.shape)} do not fit kv_cache {tuple(kv_cache.shape)}")
+    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    slot_mapping = slot_mapping.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2])
+
+
+def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                           scale: float, sliding_window: int | None = None, *,
+                           num_splits: int | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Paged attention of the module formula: one launch over the decode tiles (split over
+    the key range when few), one over the prefill tiles. No host sync; CUDA-graph safe.
+
+    Args:
+        q: ``[T, num_heads, head_dim]`` (float32, bfloat16 or float16), any strides.
+        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
+        meta: the step's ``AttentionMetadata`` (same device).
+        scale: softmax scale.
+        sliding_window: window in positions (≥ 1) or None.
+        num_splits: key-range splits of the decode launch; None picks ``decode_splits``.
+        out: optional ``[T, num_heads, head_dim]`` buffer of q's dtype (last dim contiguous)
+            to write into instead of a new one.
+
+    Returns:
+        ``[T, num_heads * head_dim]`` in q's dtype (a view of ``out`` when given); every
+        element written (zeros for padding rows).
+
+    Raises:
+        ValueError: shapes, dtypes, layouts, window or ``num_splits`` out of range.
+    """
+    check_attention_inputs(q, kv_cache, meta)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be ≥ 1 or None, got {sliding_window}")
+    if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    q = _last_dim_contiguous(q)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} with a contiguous last dim, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    num_decode = meta.num_decode_tiles
+    num_prefill = meta.tile_seq.shape[0] - num_decode
+    head_dim_pad = _head_dim_pad(head_dim)
+    block_n = _block_n(head_dim_pad, q.dtype)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # Triton's interpreter multiplies bfloat16 dot operands as raw integers: on CPU the
+    # operands are widened to float32 first (same products; p still rounded to bfloat16).
+    upcast = q.dtype == torch.bfloat16 and not q.is_cuda
+    common = dict(
+        qk_scale=scale * _LOG2E, window=sliding_window or 0, num_heads=num_heads,
+        stride_qt=q.stride(0), stride_qh=q.stride(1),
+        stride_ot=out.stride(0), stride_oh=out.stride(1),
+        stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
+        stride_bt=meta.block_tables.stride(0),
+        G=group, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        UPCAST_DOT=upcast, num_stages=2)
+    tensors = (meta.block_tables, meta.query_start, meta.query_lens, meta.context_lens)
+
+    if num_decode:
+        max_keys = meta.block_tables.shape[1] * block_size
+        if sliding_window is not None:
+            max_keys = min(max_keys, sliding_window + block_n)
+        splits = num_splits or decode_splits(num_decode, num_kv_heads, max_keys, block_n,
+                                             q.device)
+        if splits > 1:
+            part_acc = torch.empty(splits, num_decode, num_heads, head_dim_pad,
+                                   dtype=torch.float32, device=q.device)
+            part_ml = torch.empty(2, splits, num_decode, num_heads, dtype=torch.float32,
+                                  device=q.device)
+        else:
+            part_acc = part_ml = out
+        tile_seq = meta.tile_seq[:num_decode]
+        _paged_attention_kernel[(num_decode, num_kv_heads, splits)](
+            out, q, k_cache, v_cache, *tensors, tile_seq, meta.tile_query[:num_decode],
+            part_acc, part_ml, num_tiles=num_decode, BLOCK_Q=1,
+            BLOCK_M=max(16, triton.next_power_of_2(group)), NUM_SPLITS=splits, num_warps=4,
+            **common)
+        if splits > 1:
+            _combine_splits_kernel[(num_decode, num_heads)](
+                out, part_acc, part_ml, tile_seq, meta.query_start, num_decode, num_heads,
+                out.stride(0), out.stride(1), NUM_SPLITS=splits,
+                SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+    if num_prefill:
+        block_q = meta.prefill_block_q
+        block_m = max(16, triton.next_power_of_2(block_q * group))
+        _paged_attention_kernel[(num_prefill, num_kv_heads, 1)](
+            out, q, k_cache, v_cache, *tensors, meta.tile_seq[num_decode:],
+            meta.tile_query[num_decode:], out, out, num_tiles=num_prefill, BLOCK_Q=block_q,
+            BLOCK_M=block_m, NUM_SPLITS=1, num_warps=8 if block_m >= 128 else 4, **common)
+    return out.reshape(num_tokens, num_heads * head_dim)

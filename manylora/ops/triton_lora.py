@@ -1,0 +1,543 @@
+"""Triton kernels for batched multi-LoRA shrink/expand: Punica's SGMV and BGMV.
+
+Follows Punica (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving") and vLLM's punica
+Triton kernels: one launch applies every adapter of the step to every row, for all slices of
+a packed projection (q/k/v, gate/up) at once. Two schedules over the same
+:class:`~manylora.lora.punica.LoRAMapping`:
+
+* ``"sgmv"`` (segmented gather matrix-vector, for prefill and popular adapters): a program
+  owns a tile of ``BLOCK_M`` rows of one slot, gathered through ``sorted_rows``, and runs
+  ``tl.dot`` on it; the grid is sized from the host int ``max_seg_len`` and ``max_loras``,
+  programs past their segment's length (or of an unused segment) exit at once.
+* ``"bgmv"`` (batched gather matrix-vector, for decode with many distinct adapters): one
+  program per token row (× output tile × slice) reads its slot from ``token_lora_indices``
+  and does a broadcast-multiply + ``tl.sum``; base rows (slot -1) exit at once.
+
+Both read each slot's true rank from ``slot_ranks`` in the kernel: a rank-8 adapter in a
+rank-64 slot buffer does rank-8 work. Shrink splits the reduction over ``in`` (split-K, fp32
+atomics into a zeroed buffer) so that small batches still fill the GPU; expand tiles the
+output columns and stops its reduction at the rank.
+
+The wrappers are CUDA-graph safe: no host synchronisation, grids only from tensor shapes and
+the mapping's host ints, block sizes from shape heuristics (no autotuning). Both ops are
+registered as torch custom ops (``torch.ops.manylora.lora_shrink`` / ``lora_expand``) with
+fake implementations, for ``torch.compile``; they run on any device Triton runs on,
+including CPU tensors under ``TRITON_INTERPRET=1``.
+
+The slot buffers are expected as ``LoRASlots`` lays them out: contiguous (others are copied
+first), and zero (at least finite) past each slot's rank. Shrink never reads A past the
+rank; expand reads B up to the rank rounded up to ``gcd(max_lora_rank, 8)`` so that its
+loads along the rank stay vectorized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from manylora.lora.punica import LoRAMapping
+
+MAX_SLICES = 3
+# Programs to aim for in one launch: ~8 per SM of an H100 (132 SMs) keep HBM busy.
+_TARGET_PROGRAMS = 1024
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
+        slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
+        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
+        DOT_FP32: tl.constexpr):
+    """Grid ``(m_tiles * r_tiles, split_k, max_loras * NUM_SLICES)``."""
+    R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
+    pid_m = tl.program_id(0) // R_TILES
+    pid_r = tl.program_id(0) % R_TILES
+    pid_k = tl.program_id(1)
+    seg = tl.program_id(2) // NUM_SLICES
+    s = tl.program_id(2) % NUM_SLICES
+    slot = tl.load(active_slots_ptr + seg)
+    if slot < 0:
+        return
+    seg_len = tl.load(seg_len_ptr + seg)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    if pid_r * BLOCK_R >= rank:
+        return
+    if s == 0:
+        a_ptr = a0_ptr
+    elif s == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask,
+                   other=0).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + slot.to(tl.int64) * (R * K) + offs_r[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for _ in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = offs_k < K
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_FP32:
+            xt, at = xt.to(tl.float32), at.to(tl.float32)
+        acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K
+
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + s * stride_os + offs_r[None, :]
+    mask = m_mask[:, None] & r_mask[None, :]
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc, mask=mask)
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, slot_ranks_ptr,
+        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+        R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
+    """Grid ``(T * r_tiles, split_k, NUM_SLICES)``."""
+    R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
+    t = tl.program_id(0) // R_TILES
+    pid_r = tl.program_id(0) % R_TILES
+    pid_k = tl.program_id(1)
+    s = tl.program_id(2)
+    slot = tl.load(token_lora_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    if pid_r * BLOCK_R >= rank:
+        return
+    if s == 0:
+        a_ptr = a0_ptr
+    elif s == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + t.to(tl.int64) * stride_xt + offs_k * stride_xk
+    a_ptrs = a_ptr + slot.to(tl.int64) * (R * K) + offs_r[:, None] * K + offs_k[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for _ in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = offs_k < K
+        xv = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += at.to(tl.float32) * xv.to(tl.float32)[None, :]
+        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K * stride_xk
+        a_ptrs += BLOCK_K
+
+    out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + s * stride_os + offs_r
+    if ATOMIC:
+        tl.atomic_add(out_ptrs, tl.sum(acc, axis=1), mask=r_mask, sem="relaxed")
+    else:
+        tl.store(out_ptrs, tl.sum(acc, axis=1), mask=r_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
+        slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
+        N0, N1, N2, OFF0, OFF1, OFF2, N_TILES,
+        stride_bt, stride_bs, stride_yt, stride_yn,
+        R: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_SLICES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        DOT_FP32: tl.constexpr):
+    """Grid ``(m_tiles * n_tiles, max_loras * NUM_SLICES)``."""
+    pid_m = tl.program_id(0) // N_TILES
+    pid_n = tl.program_id(0) % N_TILES
+    seg = tl.program_id(1) // NUM_SLICES
+    s = tl.program_id(1) % NUM_SLICES
+    slot = tl.load(active_slots_ptr + seg)
+    if slot < 0:
+        return
+    seg_len = tl.load(seg_len_ptr + seg)
+    if pid_m * BLOCK_M >= seg_len:
+        return
+    if s == 0:
+        b_ptr, n_out, col0 = b0_ptr, N0, OFF0
+    elif s == 1:
+        b_ptr, n_out, col0 = b1_ptr, N1, OFF1
+    else:
+        b_ptr, n_out, col0 = b2_ptr, N2, OFF2
+    if pid_n * BLOCK_N >= n_out:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    # B is read up to the rank rounded up to RANK_ALIGN (zero padding): loads stay vectorized.
+    rank_bound = (rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    rows = tl.load(sorted_rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask,
+                   other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_r = tl.arange(0, BLOCK_R)
+    buf_ptrs = buf_ptr + rows[:, None] * stride_bt + s * stride_bs + offs_r[None, :]
+    # B[slot] is [n_out, R], rank fastest: the [BLOCK_R, BLOCK_N] tile is B^T.
+    b_ptrs = (b_ptr + slot.to(tl.int64) * n_out * R + offs_n[None, :].to(tl.int64) * R
+              + offs_r[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        vt = tl.load(buf_ptrs, mask=m_mask[:, None] & (r0 + offs_r < rank)[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=(r0 + offs_r < rank_bound)[:, None] & n_mask[None, :],
+                     other=0.0)
+        vt = vt.to(bt.dtype)
+        if DOT_FP32:
+            vt, bt = vt.to(tl.float32), bt.to(tl.float32)
+        acc += tl.dot(vt, bt, input_precision="ieee")
+        buf_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
+
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
+    mask = m_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, slot_ranks_ptr,
+        N0, N1, N2, OFF0, OFF1, OFF2,
+        stride_bt, stride_bs, stride_yt, stride_yn,
+        R: tl.constexpr, RANK_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr):
+    """Grid ``(T, n_tiles, NUM_SLICES)``."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    slot = tl.load(token_lora_ptr + t)
+    if slot < 0:
+        return
+    if s == 0:
+        b_ptr, n_out, col0 = b0_ptr, N0, OFF0
+    elif s == 1:
+        b_ptr, n_out, col0 = b1_ptr, N1, OFF1
+    else:
+        b_ptr, n_out, col0 = b2_ptr, N2, OFF2
+    if pid_n * BLOCK_N >= n_out:
+        return
+    rank = tl.load(slot_ranks_ptr + slot)
+    # B is read up to the rank rounded up to RANK_ALIGN (zero padding): loads stay vectorized.
+    rank_bound = (rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_r = tl.arange(0, BLOCK_R)
+    buf_ptrs = buf_ptr + t.to(tl.int64) * stride_bt + s * stride_bs + offs_r
+    b_ptrs = (b_ptr + slot.to(tl.int64) * n_out * R + offs_n[:, None].to(tl.int64) * R
+              + offs_r[None, :])
+    acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        v = tl.load(buf_ptrs, mask=r0 + offs_r < rank, other=0.0)
+        bt = tl.load(b_ptrs, mask=n_mask[:, None] & (r0 + offs_r < rank_bound)[None, :],
+                     other=0.0)
+        acc += bt.to(tl.float32) * v[None, :]
+        buf_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R
+
+    y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + (col0 + offs_n) * stride_yn
+    y = tl.load(y_ptrs, mask=n_mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + tl.sum(acc, axis=1)).to(y.dtype), mask=n_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch heuristics (host ints only)
+
+
+def _split_k(k: int, block_k: int, programs: int) -> tuple[int, int]:
+    """``(split_k, k_per_split)``: enough splits of ``k`` that ``programs * split_k`` reaches
+    the target, each split a whole number of ``block_k`` blocks."""
+    k_blocks = triton.cdiv(k, block_k)
+    split = min(k_blocks, triton.next_power_of_2(triton.cdiv(_TARGET_PROGRAMS, programs)))
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+def _block_n(programs: int, max_n: int, largest: int) -> int:
+    """The widest output tile (64..``largest``) that still gives the target program count."""
+    block_n = largest
+    while block_n > 64 and programs * triton.cdiv(max_n, block_n) < _TARGET_PROGRAMS:
+        block_n //= 2
+    return block_n
+
+
+def _interpreted_bf16(t: torch.Tensor) -> bool:
+    """Whether ``tl.dot`` must take float32 operands: Triton's interpreter (CPU tensors)
+    multiplies bfloat16 tiles as their raw 16-bit patterns. Upcasting is exact (a bf16 x bf16
+    product is exact in float32, as in the tensor-core dot with float32 accumulation)."""
+    return t.dtype == torch.bfloat16 and t.device.type != "cuda"
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _block_m(max_seg_len: int) -> int:
+    return 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+
+
+def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    if not 1 <= len(stacks) <= MAX_SLICES:
+        raise ValueError(f"{name}: {len(stacks)} slices, the kernels take 1 to {MAX_SLICES}")
+    for t in stacks:
+        if t.dim() != 3 or t.dtype != dtype or t.device != device:
+            raise ValueError(f"{name}: expected 3-d {dtype} tensors on {device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
+def _check_mapping(num_rows: int, token_lora_indices: torch.Tensor, schedule: str) -> None:
+    if token_lora_indices.shape[0] != num_rows:
+        raise ValueError(f"the mapping has {token_lora_indices.shape[0]} rows, the activations "
+                         f"{num_rows}")
+    if schedule not in ("sgmv", "bgmv"):
+        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops
+
+
+@torch.library.custom_op("manylora::lora_shrink", mutates_args=())
+def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
+                   token_lora_indices: torch.Tensor, slot_ranks: torch.Tensor,
+                   sorted_rows: torch.Tensor, active_slots: torch.Tensor,
+                   seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
+                   schedule: str) -> torch.Tensor:
+    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` in one Triton launch (Punica SGMV/BGMV).
+
+    Args:
+        x: ``[T, in]``, float32, bfloat16 or float16.
+        lora_a_stacked: 1-3 contiguous ``[max_loras, max_lora_rank, in]`` tensors, dtype of
+            ``x``; zero past each slot's rank.
+        token_lora_indices, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
+            max_seg_len, schedule: the fields of the step's ``LoRAMapping``.
+
+    Returns:
+        float32 ``[T, S, max_lora_rank]``: the products for rows with a slot, zero for base
+        rows and for columns at or past each slot's rank. Accumulated in float32 (fp32
+        inputs without TF32); with split-K the summation order varies between runs.
+
+    Raises:
+        ValueError: 0 or more than 3 slices, a slice of another dtype/device/width, an
+            unsupported dtype, a mapping of another row count, or an unknown schedule.
+    """
+    if x.dtype not in _DTYPES or x.dim() != 2:
+        raise ValueError(f"lora_shrink: x must be 2-d float32/bf16/fp16, got {x.dtype}")
+    _check_stacks("lora_shrink", lora_a_stacked, x.dtype, x.device)
+    _check_mapping(x.shape[0], token_lora_indices, schedule)
+    stacks = [a.contiguous() for a in lora_a_stacked]
+    max_loras, max_rank, k = stacks[0].shape
+    if any(a.shape != stacks[0].shape for a in stacks) or k != x.shape[1]:
+        raise ValueError(f"lora_shrink: A slices {[tuple(a.shape) for a in stacks]} do not all "
+                         f"match [max_loras, max_lora_rank, {x.shape[1]}]")
+    num_rows, num_slices = x.shape[0], len(stacks)
+    out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
+    if num_rows == 0 or max_rank == 0:
+        return out
+    a0, a1, a2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
+    if schedule == "sgmv":
+        if max_seg_len == 0:
+            return out
+        block_m = _block_m(max_seg_len)
+        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
+        # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
+        # pipeline keeps a few of them in shared memory.
+        tile_bytes = 32768 if x.element_size() == 2 else 16384
+        block_k = max(16, min(256, _pow2_floor(
+            tile_bytes // ((block_m + block_r) * x.element_size()))))
+        m_tiles, r_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_rank, block_r)
+        split, k_per_split = _split_k(
+            k, block_k, triton.cdiv(num_rows, block_m) * r_tiles * num_slices)
+        _sgmv_shrink_kernel[(m_tiles * r_tiles, split, max_loras * num_slices)](
+            x, a0, a1, a2, out, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
+            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r,
+            BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=_interpreted_bf16(x), num_warps=4)
+    else:
+        block_r = min(triton.next_power_of_2(max_rank), 32)
+        block_k = max(32, min(512, 4096 // block_r))
+        r_tiles = triton.cdiv(max_rank, block_r)
+        split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
+        _bgmv_shrink_kernel[(num_rows * r_tiles, split, num_slices)](
+            x, a0, a1, a2, out, token_lora_indices, slot_ranks,
+            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+            R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1, num_warps=4)
+    return out
+
+
+@lora_shrink_op.register_fake
+def _lora_shrink_fake(x, lora_a_stacked, token_lora_indices, slot_ranks, sorted_rows,
+                      active_slots, seg_start, seg_len, max_seg_len, schedule):
+    return x.new_empty((x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1]),
+                       dtype=torch.float32)
+
+
+@torch.library.custom_op("manylora::lora_expand", mutates_args=("y",))
+def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[torch.Tensor],
+                   token_lora_indices: torch.Tensor, slot_ranks: torch.Tensor,
+                   sorted_rows: torch.Tensor, active_slots: torch.Tensor,
+                   seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
+                   schedule: str, slice_offsets: list[int]) -> None:
+    """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` in place, in one
+    Triton launch (Punica SGMV/BGMV expand).
+
+    Args:
+        y: ``[T, out_total]``, float32, bfloat16 or float16; updated in place, rows with slot
+            -1 and columns of no slice left untouched.
+        buffer: float32 ``[T, S, max_lora_rank]`` from ``lora_shrink``.
+        lora_b_stacked: 1-3 contiguous ``[max_loras, out_s, max_lora_rank]`` tensors, dtype
+            of ``y``; zero (at least finite) past each slot's rank.
+        token_lora_indices, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
+            max_seg_len, schedule: the fields of the step's ``LoRAMapping``.
+        slice_offsets: ``S`` column offsets ``off_s`` into ``y``; the slices must not overlap.
+
+    The SGMV schedule rounds each buffer tile to ``y``'s dtype before its ``tl.dot`` (as
+    Punica and vLLM do); BGMV multiplies in float32. Either adds in float32 and rounds once.
+
+    Raises:
+        ValueError: 0 or more than 3 slices, slices of another dtype/device/rank, offsets
+            that do not match the slices or make them overlap or overflow ``y``, a buffer
+            of the wrong shape, a mapping of another row count, or an unknown schedule.
+    """
+    if y.dtype not in _DTYPES or y.dim() != 2:
+        raise ValueError(f"lora_expand: y must be 2-d float32/bf16/fp16, got {y.dtype}")
+    _check_stacks("lora_expand", lora_b_stacked, y.dtype, y.device)
+    _check_mapping(y.shape[0], token_lora_indices, schedule)
+    stacks = [b.contiguous() for b in lora_b_stacked]
+    num_rows, num_slices = y.shape[0], len(stacks)
+    max_loras, _, max_rank = stacks[0].shape
+    if buffer.shape != (num_rows, num_slices, max_rank) or buffer.dtype != torch.float32:
+        raise ValueError(f"lora_expand: buffer {tuple(buffer.shape)} {buffer.dtype}, expected "
+                         f"float32 {(num_rows, num_slices, max_rank)}")
+    if len(slice_offsets) != num_slices:
+        raise ValueError(f"{len(slice_offsets)} output slices for {num_slices} B stacks")
+    sizes = [b.shape[1] for b in stacks]
+    spans = sorted(zip(slice_offsets, sizes))
+    if (any(b.shape[0] != max_loras or b.shape[2] != max_rank for b in stacks)
+            or spans[0][0] < 0 or spans[-1][0] + spans[-1][1] > y.shape[1]
+            or any(o1 + n1 > o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))):
+        raise ValueError(f"lora_expand: B slices {[tuple(b.shape) for b in stacks]} at offsets "
+                         f"{list(slice_offsets)} do not fit y's {y.shape[1]} columns")
+    if num_rows == 0 or max_rank == 0:
+        return
+    b0, b1, b2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
+    n0, n1, n2 = (sizes + [0] * MAX_SLICES)[:MAX_SLICES]
+    o0, o1, o2 = (list(slice_offsets) + [0] * MAX_SLICES)[:MAX_SLICES]
+    max_n = max(sizes)
+    rank_align = math.gcd(max_rank, 8)
+    strides = (buffer.stride(0), buffer.stride(1), y.stride(0), y.stride(1))
+    if schedule == "sgmv":
+        if max_seg_len == 0:
+            return
+        block_m = _block_m(max_seg_len)
+        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
+        block_n = _block_n(triton.cdiv(num_rows, block_m) * num_slices, max_n,
+                           256 if block_m <= 32 else 128)
+        m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
+        _sgmv_expand_kernel[(m_tiles * n_tiles, max_loras * num_slices)](
+            buffer, b0, b1, b2, y, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
+            n0, n1, n2, o0, o1, o2, n_tiles, *strides,
+            R=max_rank, RANK_ALIGN=rank_align, NUM_SLICES=num_slices, BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=block_r, DOT_FP32=_interpreted_bf16(y), num_warps=4)
+    else:
+        block_r = min(triton.next_power_of_2(max_rank), 32)
+        block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
+        _bgmv_expand_kernel[(num_rows, triton.cdiv(max_n, block_n), num_slices)](
+            buffer, b0, b1, b2, y, token_lora_indices, slot_ranks,
+            n0, n1, n2, o0, o1, o2, *strides,
+            R=max_rank, RANK_ALIGN=rank_align, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
+
+
+@lora_expand_op.register_fake
+def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks, sorted_rows,
+                      active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points taking a LoRAMapping
+
+
+def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
+                       mapping: LoRAMapping) -> torch.Tensor:
+    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` for every slice, in one launch of Punica's
+    SGMV or BGMV shrink (``mapping.schedule``): ``torch.ops.manylora.lora_shrink`` with the
+    mapping's fields; see ``lora_shrink_op``.
+
+    Args:
+        x: ``[T, in]`` activations (float32, bfloat16 or float16).
+        lora_a_stacked: 1-3 tensors ``[max_loras, max_lora_rank, in]``, dtype of ``x``.
+        mapping: the step's token → slot map, on ``x``'s device.
+
+    Returns:
+        float32 ``[T, S, max_lora_rank]``; zero for base rows and padded ranks. Without a
+        LoRA row (``mapping.has_lora`` False) the zero buffer, no kernel launched.
+
+    Raises:
+        ValueError: as ``lora_shrink_op``.
+    """
+    if not mapping.has_lora:
+        return torch.zeros(x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1],
+                           dtype=torch.float32, device=x.device)
+    return torch.ops.manylora.lora_shrink(
+        x, list(lora_a_stacked), mapping.token_lora_indices, mapping.slot_ranks,
+        mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
+        mapping.max_seg_len, mapping.schedule)
+
+
+def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
+                       lora_b_stacked: Sequence[torch.Tensor], mapping: LoRAMapping,
+                       output_slices: Sequence[tuple[int, int]]) -> None:
+    """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` for every slice, in
+    place, in one launch of Punica's SGMV or BGMV expand (``mapping.schedule``):
+    ``torch.ops.manylora.lora_expand`` with the mapping's fields; see ``lora_expand_op``.
+
+    Args:
+        y: ``[T, out_total]``, updated in place.
+        buffer: float32 ``[T, S, max_lora_rank]`` from ``lora_shrink``.
+        lora_b_stacked: 1-3 tensors ``[max_loras, out_s, max_lora_rank]``, dtype of ``y``.
+        mapping: the step's token → slot map, on ``y``'s device.
+        output_slices: ``S`` pairs ``(offset, out_s)``; ``out_s`` must be B_s's width.
+
+    Raises:
+        ValueError: ``output_slices`` and ``lora_b_stacked`` disagree (count or widths), or
+            as ``lora_expand_op``.
+    """
+    if len(output_slices) != len(lora_b_stacked):
+        raise ValueError(
+            f"{len(output_slices)} output slices for {len(lora_b_stacked)} B stacks")
+    if any(n != b.shape[1] for (_, n), b in zip(output_slices, lora_b_stacked)):
+        raise ValueError(f"output slices {list(output_slices)} do not match the B widths "
+                         f"{[b.shape[1] for b in lora_b_stacked]}")
+    if not mapping.has_lora:
+        return
+    torch.ops.manylora.lora_expand(
+        y, buffer, list(lora_b_stacked), mapping.token_lora_indices, mapping.slot_ranks,
+        mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
+        mapping.max_seg_len, mapping.schedule, [offset for offset, _ in output_slices])
