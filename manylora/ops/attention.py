@@ -131,9 +131,10 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
         block_size: tokens per cache block.
         num_queries_per_kv: G = num_heads / num_kv_heads (sizes the prefill tiles).
         device: where the tensors go.
-        pad_to: CUDA-graph decode: pad the batch to ``pad_to`` sequences of one token each
-            (padding sequences have context_len 0, slot -1 and an all-zero table row; their
-            output rows are zeros). Only valid when every sequence has query_len 1.
+        pad_to: CUDA-graph decode: pad the batch to ``pad_to`` sequences of one token each,
+            so ``T = pad_to`` rows (padding sequences have context_len 0, slot -1 and an
+            all-zero table row; their output rows are zeros). Only valid when every sequence
+            has query_len 1.
         max_blocks_per_seq: fixes the table width W (default: the longest table, at least 1).
 
     Returns:
@@ -288,8 +289,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store this step's keys and values: ``kv_cache[:, slot // bs, slot % bs] = (k, v)``.
 
-    Rows whose slot is -1 (padding) write nothing. CUDA: one Triton launch, no host sync
-    (CUDA-graph safe); elsewhere the PyTorch reference.
+    Rows whose slot is -1 (padding) write nothing (vLLM's ``reshape_and_cache``). CUDA: one
+    Triton launch, no host sync (CUDA-graph safe); elsewhere the PyTorch reference.
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]`` (any strides), dtype of the cache.

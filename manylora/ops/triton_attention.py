@@ -19,16 +19,20 @@ organised like vLLM's Triton "unified attention"):
   scale folded into ``log2 e``). Key tiles that every row of the tile sees in full skip the
   mask; only the tiles on the causal diagonal and at the window start are masked.
 * Two launches share the kernel: decode tiles (``BLOCK_Q`` 1, ``BLOCK_M`` = max(16, G)) and
-  prefill tiles (``BLOCK_Q = metadata.prefill_block_q``, ``BLOCK_M`` up to 128). When the
+  prefill tiles (``BLOCK_Q = metadata.prefill_block_q``, 128 rows for G ≤ 128). When the
   decode launch has fewer programs than the GPU has SMs, its key range is split over a third
   grid axis (flash-decoding): each split writes an unnormalised partial output with its row
   max and sum, and a second kernel combines them.
 * Grids, tile sizes and split counts come from host ints and shapes only (no autotune, no
-  device→host sync): both entry points are CUDA-graph safe.
+  device→host sync): both entry points are CUDA-graph safe. ``tile_config`` holds the tile
+  heuristics: 16-bit prefill 128 × 64 tiles on 8 warps, decode 16-row tiles × 64 keys.
 
-float32 inputs use ``input_precision="ieee"`` dots (exact float32, not TF32); bfloat16 and
-float16 use tensor cores with float32 accumulation. head_dim need not be a power of two
-(padded and masked). Under ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors.
+float32 inputs use ``input_precision="ieee"`` dots (exact float32, not TF32, on FMA units),
+walking a tile in passes of 16 rows to keep those dots in registers; bfloat16 and float16
+use tensor cores with float32 accumulation (P rounded to the input dtype, as FlashAttention).
+head_dim need not be a power of two (padded to ≥ 16 and masked). Under
+``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (bfloat16 dots widened to float32
+there: the interpreter multiplies bfloat16 bit patterns as integers).
 """
 
 from __future__ import annotations
@@ -131,28 +135,18 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_start, j_end, q_pos,
 
 
 @triton.jit
-def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-        block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
-        tile_seq_ptr, tile_query_ptr, part_acc_ptr, part_ml_ptr,
-        qk_scale, window, num_tiles, num_heads,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt,
-        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        UPCAST_DOT: tl.constexpr):
-    """Program (tile, kv_head, split): ``BLOCK_Q`` queries × ``G`` heads over one key range."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq = tl.load(tile_seq_ptr + tile)
-    q_first = tl.load(tile_query_ptr + tile)
-    q_start = tl.load(query_start_ptr + seq)
-    q_len = tl.load(query_lens_ptr + seq)
-    ctx = tl.load(context_lens_ptr + seq)
-
-    rows = tl.arange(0, BLOCK_M)
+def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
+                 out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                 part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                 stride_bt, G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):
+    """Rows ``row0 .. row0 + ROWS - 1`` of a tile (row = token ``row // G``, head
+    ``kv_head * G + row % G``) over the keys they see, in one online-softmax pass."""
+    rows = row0 + tl.arange(0, ROWS)
     tok = q_first + rows // G
     head = kv_head * G + rows % G
     row_valid = (rows < BLOCK_Q * G) & (tok < q_len)
@@ -167,9 +161,11 @@ def _paged_attention_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # Keys [lo, hi) are seen by some row, [full_lo, full_hi) by every row of the tile.
-    first_pos = ctx - q_len + q_first                  # -1 only for padding sequences
-    last_pos = ctx - q_len + tl.minimum(q_first + BLOCK_Q, q_len) - 1
+    # Keys [lo, hi) are seen by some row, [full_lo, full_hi) by every row of the pass.
+    first_tok = q_first + row0 // G
+    last_tok = tl.minimum(q_first + (tl.minimum(row0 + ROWS, BLOCK_Q * G) - 1) // G, q_len - 1)
+    first_pos = ctx - q_len + first_tok                # -1 only for padding sequences
+    last_pos = ctx - q_len + last_tok
     hi = last_pos + 1
     full_hi = first_pos + 1
     lo = 0
@@ -189,9 +185,9 @@ def _paged_attention_kernel(
     k_ptr = k_cache_ptr + kv_head * stride_ch
     v_ptr = v_cache_ptr + kv_head * stride_ch
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_lo, jf_lo, q_pos,
                                ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
                                BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW,
@@ -216,6 +212,47 @@ def _paged_attention_kernel(
                  mask=row_valid[:, None])
         tl.store(part_ml_ptr + w_row, m_i, mask=row_valid)
         tl.store(part_ml_ptr + NUM_SPLITS * num_tiles * num_heads + w_row, l_i, mask=row_valid)
+
+
+@triton.jit
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
+        tile_seq_ptr, tile_query_ptr, part_acc_ptr, part_ml_ptr,
+        qk_scale, window, num_tiles, num_heads,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PASS_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """Program (tile, kv_head, split): ``BLOCK_Q`` queries × ``G`` heads (``BLOCK_M`` rows)
+    over one key range, in passes of ``PASS_M`` rows (one pass unless float32 FMA dots)."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    q_first = tl.load(tile_query_ptr + tile)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_lens_ptr + seq)
+    ctx = tl.load(context_lens_ptr + seq)
+    if PASS_M == BLOCK_M:
+        _attend_rows(0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
+                     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                     part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
+                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs,
+                     stride_ch, stride_bt, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                     HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS, DOT_PRECISION, UPCAST_DOT)
+    else:
+        num_rows = tl.minimum(BLOCK_Q, q_len - q_first) * G
+        for row0 in range(0, num_rows, PASS_M):
+            _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
+                         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                         part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs,
+                         stride_ch, stride_bt, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE,
+                         HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS, DOT_PRECISION,
+                         UPCAST_DOT)
 
 
 @triton.jit
@@ -260,9 +297,21 @@ def _head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _block_n(head_dim_pad: int, dtype: torch.dtype) -> int:
-    """Key tile: 64 positions for 16-bit heads up to 128 wide, else 32 (shared memory)."""
-    return 64 if head_dim_pad <= 128 and dtype != torch.float32 else 32
+def tile_config(block_m: int, head_dim_pad: int, dtype: torch.dtype) -> dict[str, int]:
+    """Launch constants of a tile of ``block_m`` rows (no autotune). Compiled for sm_90 with
+    ptxas at head_dim 64/128/256 and G 1/4/7/32: no 16-bit config spills registers.
+
+    16-bit: the whole tile in one pass (at most 128 rows), key tiles of 64 positions (32
+    past head_dim 128), 8 warps for 128-row tiles, else 4; one pipeline stage past head_dim
+    128 to bound shared memory. float32 (exact FMA dots, whose operands live in registers):
+    passes of 16 rows, key tiles of 32 (16 past head_dim 128), 8 warps.
+    """
+    if dtype == torch.float32:
+        return dict(PASS_M=16, BLOCK_N=32 if head_dim_pad <= 128 else 16,
+                    num_warps=8, num_stages=2)
+    pass_m = min(block_m, 128)
+    return dict(PASS_M=pass_m, BLOCK_N=64 if head_dim_pad <= 128 else 32,
+                num_warps=8 if pass_m >= 128 else 4, num_stages=2 if head_dim_pad <= 128 else 1)
 
 
 def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block_n: int,
@@ -359,7 +408,6 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     num_decode = meta.num_decode_tiles
     num_prefill = meta.tile_seq.shape[0] - num_decode
     head_dim_pad = _head_dim_pad(head_dim)
-    block_n = _block_n(head_dim_pad, q.dtype)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     # Triton's interpreter multiplies bfloat16 dot operands as raw integers: on CPU the
     # operands are widened to float32 first (same products; p still rounded to bfloat16).
@@ -370,18 +418,20 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
         stride_bt=meta.block_tables.stride(0),
-        G=group, BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, USE_WINDOW=sliding_window is not None,
+        G=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST_DOT=upcast, num_stages=2)
+        UPCAST_DOT=upcast)
     tensors = (meta.block_tables, meta.query_start, meta.query_lens, meta.context_lens)
 
     if num_decode:
+        block_m = max(16, triton.next_power_of_2(group))
+        config = tile_config(block_m, head_dim_pad, q.dtype)
         max_keys = meta.block_tables.shape[1] * block_size
         if sliding_window is not None:
-            max_keys = min(max_keys, sliding_window + block_n)
-        splits = num_splits or decode_splits(num_decode, num_kv_heads, max_keys, block_n,
-                                             q.device)
+            max_keys = min(max_keys, sliding_window + config["BLOCK_N"])
+        splits = num_splits or decode_splits(num_decode, num_kv_heads, max_keys,
+                                             config["BLOCK_N"], q.device)
         if splits > 1:
             part_acc = torch.empty(splits, num_decode, num_heads, head_dim_pad,
                                    dtype=torch.float32, device=q.device)
@@ -392,9 +442,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         tile_seq = meta.tile_seq[:num_decode]
         _paged_attention_kernel[(num_decode, num_kv_heads, splits)](
             out, q, k_cache, v_cache, *tensors, tile_seq, meta.tile_query[:num_decode],
-            part_acc, part_ml, num_tiles=num_decode, BLOCK_Q=1,
-            BLOCK_M=max(16, triton.next_power_of_2(group)), NUM_SPLITS=splits, num_warps=4,
-            **common)
+            part_acc, part_ml, num_tiles=num_decode, BLOCK_Q=1, BLOCK_M=block_m,
+            NUM_SPLITS=splits, **config, **common)
         if splits > 1:
             _combine_splits_kernel[(num_decode, num_heads)](
                 out, part_acc, part_ml, tile_seq, meta.query_start, num_decode, num_heads,
@@ -407,5 +456,6 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         _paged_attention_kernel[(num_prefill, num_kv_heads, 1)](
             out, q, k_cache, v_cache, *tensors, meta.tile_seq[num_decode:],
             meta.tile_query[num_decode:], out, out, num_tiles=num_prefill, BLOCK_Q=block_q,
-            BLOCK_M=block_m, NUM_SPLITS=1, num_warps=8 if block_m >= 128 else 4, **common)
+            BLOCK_M=block_m, NUM_SPLITS=1, **tile_config(block_m, head_dim_pad, q.dtype),
+            **common)
     return out.reshape(num_tokens, num_heads * head_dim)

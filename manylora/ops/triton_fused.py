@@ -17,22 +17,26 @@ value to ``dt``:
 
 All arithmetic is float32, with IEEE division (``div_rn``) and floating-point contraction
 (FMA fusion) turned off, since PyTorch rounds every product before it adds. What can still
-differ from PyTorch in the last float32 bit: the order of the sum of squares in RMSNorm, and
-``exp`` / ``rsqrt``, for which the kernels call the functions PyTorch's kernels call on the
-same device: CUDA's libdevice ``expf`` / ``rsqrtf`` on a GPU, numpy's ``exp`` and
-``1 / sqrt`` (as PyTorch's CPU kernels compute them) under Triton's interpreter. A float32
-difference only shows in a rounded output when it crosses a rounding boundary, rarely, and
-then by one unit in the last place of that intermediate (``tests/ops/test_fused_ops.py``
-measures it).
+differ from PyTorch in the last float32 bits: the order of the sum of squares in RMSNorm, and
+``exp`` / ``rsqrt``. On a GPU the kernels call libdevice's ``expf`` / ``rsqrtf``, the CUDA
+math functions PyTorch's CUDA kernels use (not ``tl.exp``, an approximate ``ex2``); under
+Triton's interpreter they get numpy's ``exp`` (PyTorch's CPU kernels use SLEEF's, which at
+times differs in the last bit) and ``1 / sqrt`` (as PyTorch's CPU ``rsqrt``). In bfloat16 /
+float16 such a difference only shows when it moves the rounded intermediate (the normalized
+``x``, ``silu(g)``) across a rounding boundary: rarely, and then by one unit in the last place
+of that intermediate. RoPE and the residual add involve neither and match PyTorch bit for bit
+(``tests/ops/test_fused_ops.py`` asserts and measures all of this).
 
 Rounding to bfloat16 is done with integer arithmetic on the float32 bits (round to nearest,
 ties to even, NaN kept), because Triton's interpreter truncates on a float32 → bfloat16 cast;
 the result is then exactly representable, so the cast of the store is exact on every backend.
 
 The wrappers are CUDA-graph safe: no host synchronisation, no ``.item()``, grids and block
-sizes only from tensor shapes (no autotuning); they allocate their outputs (RoPE works in
-place). They run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how the
-tests run them without a GPU). Supported dtypes: float32, bfloat16, float16.
+sizes only from tensor shapes (no autotuning); outputs are allocated unless given through
+``out=`` (RoPE works in place). The first call of a shape class compiles the kernel, so warm
+up once before capturing a graph. They run on CUDA tensors, and on CPU tensors under
+``TRITON_INTERPRET=1`` (how the tests run them without a GPU). Supported dtypes: float32,
+bfloat16, float16.
 """
 
 from __future__ import annotations
@@ -215,8 +219,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
                     c_lo, c_hi, s_lo, s_hi, half, BLOCK_H, BLOCK_HALF)
 
 
-# Under TRITON_INTERPRET=1, triton.jit gives interpreter objects instead of JITFunctions; the
-# interpreter has no libdevice, and numpy's exp / 1 / sqrt are what PyTorch's CPU kernels do.
+# Under TRITON_INTERPRET=1, triton.jit gives interpreter objects instead of JITFunctions: the
+# interpreter has no libdevice, so the kernels fall back to tl.exp / tl.rsqrt (numpy) there.
 _GPU_MATH = isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
 
 

@@ -181,6 +181,16 @@ def test_metadata_pad_to():
     assert meta.context_lens.tolist() == [5, 9, 0, 0]
     assert meta.num_decode_tiles == 4 and meta.tile_seq.tolist() == [0, 1, 2, 3]
     assert meta.seqs == ()
+    # An all-padding batch (what a CUDA-graph capture runs) has the same layout.
+    empty = build_attention_metadata([], [], [], 4, 4, DEVICE, pad_to=4, max_blocks_per_seq=5)
+    assert empty.slot_mapping.tolist() == [-1] * 4
+    assert empty.context_lens.tolist() == [0] * 4
+    assert empty.block_tables.shape == (4, 5) and empty.num_decode_tiles == 4
+    q = torch.randn(4, 8, 16, generator=seeded("empty")).to(DEVICE)
+    cache = torch.randn(2, 3, 4, 2, 16, generator=seeded("empty-cache")).to(DEVICE)
+    got = triton_attention.paged_attention_triton(q, cache, empty, 0.25,
+                                                  out=torch.full_like(q, float("nan")))
+    assert torch.equal(got, torch.zeros_like(got))
 
 
 def test_metadata_cuda_graph_property():

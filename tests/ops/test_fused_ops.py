@@ -18,7 +18,10 @@ does not write fails the test. Each op is compared with
   is then the neighbouring value (one ulp away), and the output is exactly the product with it.
   Asserted: every output element equals ``weight * n`` (``n * up``) for ``n`` the PyTorch
   intermediate or one of its two neighbours, and fewer than 0.1% of the elements differ from
-  PyTorch at all (measured on the interpreter: bfloat16 0 in 300k, float16 1-2 in 10k).
+  PyTorch at all (measured on the interpreter over 300k elements: bfloat16 none; float16
+  5e-5 of them for RMSNorm, 2e-4 for SiLU-and-mul). A neighbouring intermediate can move the
+  output by up to 2 ulps, so the check is on the intermediate, not a 1-ulp bound on the
+  output.
 * The same two in float32: nothing is rounded to a narrower type, so the float32 differences
   show directly: elementwise relative error at most 1e-6 (measured: at most 4 float32 ulps,
   4.8e-7).
@@ -44,6 +47,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from manylora.model.layers.activation import SiluAndMul, silu_and_mul
 from manylora.model.layers.norm import RMSNorm
@@ -183,7 +187,9 @@ def test_rms_norm_in_place_and_default_outputs(dtype):
     assert torch.equal(got_out, want_out) and torch.equal(got_res, want_res)
     chunked_out, chunked_res = fused_add_rms_norm_triton(x, res, weight, EPS, block_size=2048)
     assert torch.equal(chunked_res, want_res)
+    assert torch.equal(want_res, x + res)
     _, n = _torch_rms_norm(want_res, weight, EPS)
+    _assert_one_rounding_off(want_out, n, weight, weight * n)
     _assert_one_rounding_off(chunked_out, n, weight, weight * n)
     x3 = x.clone()
     assert rms_norm_triton(x3, weight, EPS, out=x3) is x3
@@ -225,9 +231,12 @@ def test_silu_and_mul(dtype, n_rows, n_inter):
     gate, up = x[:, :n_inter], x[:, n_inter:]
     s = torch.nn.functional.silu(gate)
     _assert_one_rounding_off(got, s, up, s * up)
-    # (b) two roundings (silu, product) + float32 exp; subnormal results absolutely
+    # (b) two roundings (silu, product) + float32 exp; subnormal results absolutely. The
+    # formula's exp(-g) is float32: it overflows to inf below g = -88.72 (silu -> -0).
     g64, u64 = gate.double(), up.double()
-    ref = g64 / (1 + torch.exp(-g64)) * u64
+    e = torch.exp(-g64)
+    e = torch.where(e > torch.finfo(torch.float32).max, torch.inf, e)
+    ref = g64 / (1 + e) * u64
     bound = (2 * UNIT[dtype] + FP32_SLACK) * ref.abs() + TINY[dtype] * (1 + u64.abs())
     _assert_f64_bound(got, ref, bound)
 
@@ -274,7 +283,8 @@ def test_rotary_embedding(dtype, n_tok, heads):
     positions = torch.randint(0, max_pos, (n_tok,), generator=gen).to(DEVICE)
     positions[0] = max_pos - 1
     buf, q, k, v = _packed_qkv(gen, n_tok, n_q, n_kv, head_dim, dtype)
-    assert q.stride(0) != n_q * head_dim and not q.is_contiguous()
+    if n_tok > 1:
+        assert q.stride(0) != n_q * head_dim and not q.is_contiguous()
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     got_q, got_k = rotary_embedding_triton(positions, q, k, rope.cos, rope.sin)
     assert got_q is q and got_k is k
@@ -297,15 +307,12 @@ def test_rotary_embedding(dtype, n_tok, heads):
 
 def test_rotary_embedding_int32_positions_and_scaled_table():
     """int32 positions with repeats; a llama3-scaled table (any float32 [P, D] table)."""
-    cfg = types.SimpleNamespace(rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-        max_position_embeddings=512, hidden_size=128, num_attention_heads=2,
-        head_dim=64, partial_rotary_factor=1.0)
-    try:
-        rope = RotaryEmbedding(cfg, 64, 512).to(DEVICE)
-    except (AttributeError, KeyError, TypeError) as e:
-        pytest.skip(f"this transformers' llama3 init wants another config: {e}")
+    cfg = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=2, head_dim=64, max_position_embeddings=512,
+        rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    rope = RotaryEmbedding(cfg, 64, 512).to(DEVICE)
     gen = _gen("rope_int32")
     positions = torch.tensor([511, 3, 3, 200, 0], dtype=torch.int32, device=DEVICE)
     _, q, k, _ = _packed_qkv(gen, 5, 2, 1, 64, torch.bfloat16)
@@ -343,7 +350,7 @@ def test_layers_torch_path_is_hf_formula():
     rope = RotaryEmbedding(_rope_config(), 16, 32)
     _, q, k, _ = _packed_qkv(gen, 3, 4, 2, 16, torch.bfloat16)
     q, k = q.cpu(), k.cpu()
-    q0, k0 = q.clone(), k.clone()
+    q0 = q.clone()
     positions = torch.tensor([5, 0, 31])
     got_q, got_k = rope(positions, q, k)
     assert got_q is q and got_k is k
