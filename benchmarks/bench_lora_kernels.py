@@ -386,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ops = load_ops()
     t_start = time.perf_counter()
 
-    if not on_cpu:
+    if not on_cpu and device.index is not None:
         torch.cuda.set_device(device)
     bandwidth = float("nan") if on_cpu else measure_copy_bandwidth(device)
     if not on_cpu:
