@@ -55,6 +55,7 @@ def test_graphs_equal_eager_and_survive_adapter_churn(demo_set):
         if not eager:
             assert captured == 3 * len(runner.graphs.capture_sizes)
             assert runner.graphs.num_graphs == captured
-            assert llm.llm_engine.lora_manager.num_slot_loads > 4
+            # four adapters through two slots: adapters were evicted and loaded between steps
+            assert llm.llm_engine.lora_manager.num_slot_loads >= len(demo_set.adapters)
         del llm
     assert outs[False] == outs[True]
