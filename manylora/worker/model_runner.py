@@ -125,11 +125,12 @@ class ModelRunner:
             attn = build_attention_metadata([], [], [], self.block_size, self.num_queries_per_kv,
                                             self.device, pad_to=size,
                                             max_blocks_per_seq=self.max_blocks_per_seq)
-            zeros = torch.zeros(size, dtype=torch.int64, device=self.device)
             for schedule in schedules:
                 lora = None if schedule is None else build_lora_mapping(
                     [], [0] * self.max_loras, self.device, pad_to=size, schedule=schedule)
-                self.graphs.run((size, schedule), (zeros, zeros, attn, lora))
+                input_ids, positions = torch.zeros(2, size, dtype=torch.int64,
+                                                   device=self.device)
+                self.graphs.run((size, schedule), (input_ids, positions, attn, lora))
 
     def release(self, request_ids: list[str]) -> None:
         """Drop the per-request state (seeded generators) of finished requests."""
