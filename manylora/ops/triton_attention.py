@@ -214,7 +214,7 @@ def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
         tl.store(part_ml_ptr + NUM_SPLITS * num_tiles * num_heads + w_row, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
@@ -255,7 +255,7 @@ def _paged_attention_kernel(
                          UPCAST_DOT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])
 def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, query_start_ptr,
                            num_tiles, num_heads, stride_ot, stride_oh,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -324,7 +324,9 @@ def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block
     if programs == 0 or programs >= sms:
         return 1
     key_tiles = triton.cdiv(max(max_keys, 1), block_n)
-    return max(1, min(triton.cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
+    splits = max(1, min(triton.cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
+    # A power of two: NUM_SPLITS is compiled in, so few values mean few compilations.
+    return 1 << (splits.bit_length() - 1)
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
