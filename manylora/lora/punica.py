@@ -21,9 +21,12 @@ from typing import NamedTuple
 
 import torch
 
-# The segment (SGMV) schedule pays off once slots average this many rows in the step;
-# below it each row gathers its own adapter (BGMV). Measured in BENCHMARKS.md (kernels).
-SGMV_MIN_ROWS_PER_SLOT = 4
+# The segment (SGMV) schedule pays off once a step has at least SGMV_MIN_ROWS LoRA rows and
+# its slots average SGMV_MIN_ROWS_PER_SLOT rows (prefill); otherwise each row gathers its
+# own adapter (BGMV). From the SGMV-vs-BGMV table in BENCHMARKS.md (H100): BGMV wins at
+# every split of 8 and 64 rows, SGMV from 256 rows at 8 rows per adapter.
+SGMV_MIN_ROWS = 256
+SGMV_MIN_ROWS_PER_SLOT = 8
 
 
 class SlotSegment(NamedTuple):
@@ -84,8 +87,9 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         device: where the index tensors live.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
-        schedule: force ``"sgmv"`` or ``"bgmv"``; by default SGMV when the slots present
-            average at least ``SGMV_MIN_ROWS_PER_SLOT`` rows, else BGMV.
+        schedule: force ``"sgmv"`` or ``"bgmv"``; by default SGMV when the step has at least
+            ``SGMV_MIN_ROWS`` LoRA rows and its slots average at least
+            ``SGMV_MIN_ROWS_PER_SLOT``, else BGMV.
 
     Raises:
         IndexError: a slot outside ``[-1, len(slot_ranks))``.
@@ -116,8 +120,8 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         (total, max_loras, total, max_loras, max_loras, max_loras))
     num_lora_rows = num_rows - len(base_rows)
     if schedule is None:
-        schedule = ("sgmv" if active and num_lora_rows >= SGMV_MIN_ROWS_PER_SLOT * len(active)
-                    else "bgmv")
+        schedule = ("sgmv" if active and num_lora_rows >= max(
+            SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * len(active)) else "bgmv")
     if pad_to is not None:
         return LoRAMapping(indices, ranks, srows, act, start, length, pad_to, schedule, True, ())
     segments = tuple(SlotSegment(s, int(slot_ranks[s]), srows[b: b + n])
