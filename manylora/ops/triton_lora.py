@@ -52,6 +52,18 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _pick(s, v0, v1, v2):
+    """The value of slice ``s`` (0, 1 or 2): a slice's pointer, width or column offset."""
+    if s == 0:
+        v = v0
+    elif s == 1:
+        v = v1
+    else:
+        v = v2
+    return v
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -75,12 +87,7 @@ def _sgmv_shrink_kernel(
     rank = tl.load(slot_ranks_ptr + slot)
     if pid_r * BLOCK_R >= rank:
         return
-    if s == 0:
-        a_ptr = a0_ptr
-    elif s == 1:
-        a_ptr = a1_ptr
-    else:
-        a_ptr = a2_ptr
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_len
@@ -128,12 +135,7 @@ def _bgmv_shrink_kernel(
     rank = tl.load(slot_ranks_ptr + slot)
     if pid_r * BLOCK_R >= rank:
         return
-    if s == 0:
-        a_ptr = a0_ptr
-    elif s == 1:
-        a_ptr = a1_ptr
-    else:
-        a_ptr = a2_ptr
+    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
 
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -177,12 +179,9 @@ def _sgmv_expand_kernel(
     seg_len = tl.load(seg_len_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
-    if s == 0:
-        b_ptr, n_out, col0 = b0_ptr, N0, OFF0
-    elif s == 1:
-        b_ptr, n_out, col0 = b1_ptr, N1, OFF1
-    else:
-        b_ptr, n_out, col0 = b2_ptr, N2, OFF2
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
+    n_out = _pick(s, N0, N1, N2)
+    col0 = _pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
     rank = tl.load(slot_ranks_ptr + slot)
@@ -232,12 +231,9 @@ def _bgmv_expand_kernel(
     slot = tl.load(token_lora_ptr + t)
     if slot < 0:
         return
-    if s == 0:
-        b_ptr, n_out, col0 = b0_ptr, N0, OFF0
-    elif s == 1:
-        b_ptr, n_out, col0 = b1_ptr, N1, OFF1
-    else:
-        b_ptr, n_out, col0 = b2_ptr, N2, OFF2
+    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
+    n_out = _pick(s, N0, N1, N2)
+    col0 = _pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
     rank = tl.load(slot_ranks_ptr + slot)
