@@ -32,6 +32,7 @@ from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.request import Request, RequestStatus
 from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.layers import dora_row_norm
 from manylora.lora.manager import AdapterReloadError, LoRAManager
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
@@ -72,9 +73,12 @@ class LLMEngine:
             self.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
                                           args.lora_target_modules)
             slots = self.model.create_lora_slots(self.lora_config)
-            target = AdapterTarget(cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
-                                   self.lora_config.target_modules, dtype,
-                                   (args.model, str(model_dir)))
+            model = self.model
+            target = AdapterTarget(
+                cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
+                self.lora_config.target_modules, dtype, (args.model, str(model_dir)),
+                dora_norm=lambda layer, module, a, b: dora_row_norm(
+                    model.lora_module_weight(layer, module), a, b))
             self.lora_manager = LoRAManager(self.lora_config, target, slots)
             max_loras = args.max_loras
 

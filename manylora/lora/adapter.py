@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,14 +21,43 @@ class LoRAWeights:
         a: ``[r, in_features]``.
         b: ``[out_features, r]`` with the LoRA scaling (alpha/r or alpha/sqrt(r)) folded in,
             so the module's delta is ``x @ a^T @ b^T``.
+        dora_scale: DoRA (Liu et al. 2024, arXiv 2402.09353) only: float32 ``[out_features]``,
+            the magnitude already normalized against the base weight,
+            ``m / ||W + b @ a||`` (L2 norm of each output row; TensorRT-LLM's normalized DoRA
+            scale). The module's output is then ``dora_scale * (x W^T + x a^T b^T) + bias``.
     """
 
     a: torch.Tensor
     b: torch.Tensor
+    dora_scale: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
         return self.a.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.a, self.b) if self.dora_scale is None else (self.a, self.b, self.dora_scale)
+
+
+def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
+    """A content digest (BLAKE2b, 128-bit hex) of an adapter's weights.
+
+    Covers every module's layer, name, dtypes, shapes and bytes, so two adapters get the same
+    digest only when they compute the same deltas in the same dtype.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for (layer, module), w in sorted(weights.items()):
+        h.update(f"{layer}:{module};".encode())
+        for t in w.tensors():
+            t = t.detach().contiguous().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -34,17 +65,44 @@ class LoRAAdapter:
     """A loaded adapter, kept in the host tier.
 
     Attributes:
-        lora_int_id: the adapter's identity (``LoRARequest.lora_int_id``).
+        lora_int_id: the adapter's identity in the caches (``LoRARequest.lora_int_id``, which
+            TensorRT-LLM calls task_id).
         name: ``LoRARequest.lora_name``.
         weights: ``{(layer_index, module_name): LoRAWeights}``, host tensors in the model
-            dtype; module names are the seven HF projection names.
+            dtype (DoRA scales in float32); module names are the seven HF projection names.
+        digest: ``weights_digest(weights)``; with the name, what identifies the adapter's
+            cached state (two adapters that share a name never share it).
     """
 
     lora_int_id: int
     name: str
     weights: dict[tuple[int, str], LoRAWeights]
+    digest: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            object.__setattr__(self, "digest", weights_digest(self.weights))
 
     @property
     def rank(self) -> int:
         """The largest rank over all targeted modules."""
         return max(w.rank for w in self.weights.values())
+
+    @property
+    def has_dora(self) -> bool:
+        return any(w.dora_scale is not None for w in self.weights.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of all its tensors (what the host tier's byte bound counts)."""
+        return sum(w.nbytes for w in self.weights.values())
+
+    def pin_memory(self) -> LoRAAdapter:
+        """The same adapter with every tensor in page-locked host memory (so host → GPU
+        copies run asynchronously); itself when no CUDA device is available."""
+        if not torch.cuda.is_available():
+            return self
+        pinned = {key: LoRAWeights(*(None if t is None else t.pin_memory()
+                                     for t in (w.a, w.b, w.dora_scale)))
+                  for key, w in self.weights.items()}
+        return LoRAAdapter(self.lora_int_id, self.name, pinned, self.digest)

@@ -123,8 +123,39 @@ class LoRALinear(nn.Module):
                                   self.weight.dtype, self.weight.device)
         return self.lora
 
+    def module_weight(self, module: str) -> torch.Tensor:
+        """The rows of the (packed) weight that belong to ``module``: ``[out_s, in_features]``.
+
+        Raises:
+            ValueError: ``module`` is not one of ``module_names``.
+        """
+        i = self.module_names.index(module)
+        start = sum(self.output_sizes[:i])
+        return self.weight[start: start + self.output_sizes[i]]
+
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
         y = torch.nn.functional.linear(x, self.weight, self.bias)
         if self.lora is not None and mapping is not None and mapping.has_lora:
             self.lora.apply(x, y, mapping)
         return y
+
+
+def dora_row_norm(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                  rows_per_chunk: int = 4096) -> torch.Tensor:
+    """``||W + b @ a||`` per output row, what DoRA normalizes its magnitude by (peft's
+    ``get_weight_norm``; Liu et al. 2024), in float32, a chunk of rows at a time.
+
+    Args:
+        weight: the base weight ``W`` ``[out, in]`` (any float dtype, any device).
+        a: ``[r, in]``; b: ``[out, r]`` with the LoRA scaling folded in.
+
+    Returns:
+        float32 ``[out]`` on ``weight``'s device.
+    """
+    a32 = a.to(weight.device, torch.float32)
+    b32 = b.to(weight.device, torch.float32)
+    out = torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device)
+    for i in range(0, weight.shape[0], rows_per_chunk):
+        w = weight[i: i + rows_per_chunk].float() + b32[i: i + rows_per_chunk] @ a32
+        out[i: i + rows_per_chunk] = torch.linalg.vector_norm(w, dim=1)
+    return out

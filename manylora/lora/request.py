@@ -1,33 +1,84 @@
-"""``LoRARequest``: which adapter a request runs with (vLLM's type and field names)."""
+"""``LoRARequest``: which adapter a request runs with.
+
+vLLM's type and field names (``lora_name``, ``lora_int_id``, ``lora_path``), extended with
+TensorRT-LLM's ``LoraConfig`` (``task_id``, ``weights``, ``config``): an adapter is named
+either by a path or by its tensors, and both land in the same adapter cache, keyed by
+``lora_int_id`` (= ``task_id``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class LoRARequest:
     """Names an adapter for a request.
 
+    Three forms:
+
+    * ``LoRARequest(name, id, path)``: a PEFT adapter directory, a directory holding
+      TensorRT-LLM's ``model.lora_weights.npy`` / ``model.lora_config.npy``, or a hub id.
+    * ``LoRARequest(task_id=id, weights=w, config=c)``: TensorRT-LLM's tensor format (see
+      ``manylora.lora.formats.trtllm``); the first request for a task must carry both.
+    * ``LoRARequest(task_id=id)`` (or ``LoRARequest(name, id)``): an adapter the engine
+      already caches. One that is not cached (never seen, or evicted from the host tier
+      when it has no path to reload from) is an error for that request alone.
+
     Attributes:
-        lora_name: a human-readable name (reported in outputs and metrics).
-        lora_int_id: a unique positive integer; the identity of the adapter in the host tier,
-            the device slots and the scheduler (TensorRT-LLM calls it task_id). Two requests
-            with the same id share one loaded copy.
-        lora_path: a local directory or a Hugging Face hub repo id of a PEFT adapter.
+        lora_name: a human-readable name (reported in outputs and metrics); defaults to
+            ``"task_<id>"``.
+        lora_int_id: a unique integer ≥ 1; the adapter's identity in the host tier, the
+            device slots and the scheduler. Two requests with the same id share one loaded
+            copy.
+        lora_path: see above; empty for the tensor form.
         base_model_name: optional; only reported.
+        task_id: TensorRT-LLM's name for ``lora_int_id``; give one or both (equal).
+        weights: ``[num_module_layers, D*Hi + Ho*D (+ Ho)]`` (or with a leading batch
+            dimension of 1), a torch tensor or numpy array of float16, bfloat16 or float32.
+        config: ``[num_module_layers, 3 or 4]`` integers ``[module_id, layer_idx, D(,
+            is_dora)]``, torch or numpy.
+        replace: let ``weights``/``config`` replace different weights cached under the same
+            id (refused otherwise, and refused while requests still use the old weights).
 
     Raises:
-        ValueError: ``lora_int_id`` < 1 or an empty ``lora_path``.
+        ValueError: an id < 1, ``task_id`` and ``lora_int_id`` that differ, only one of
+            ``weights`` and ``config``, or both a path and tensors.
     """
 
-    lora_name: str
-    lora_int_id: int
+    lora_name: str = ""
+    lora_int_id: int = 0
     lora_path: str = ""
     base_model_name: str | None = None
+    task_id: int | None = None
+    weights: Any = field(default=None, compare=False, repr=False)
+    config: Any = field(default=None, compare=False, repr=False)
+    replace: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer ≥ 1, got {self.lora_int_id!r}")
-        if not self.lora_path:
-            raise ValueError(f"LoRARequest {self.lora_name!r} has no lora_path")
+        if self.task_id is not None:
+            if self.lora_int_id and self.lora_int_id != self.task_id:
+                raise ValueError(f"task_id {self.task_id} and lora_int_id {self.lora_int_id} "
+                                 "differ: they name the same thing, give one")
+            object.__setattr__(self, "lora_int_id", self.task_id)
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id (task_id) must be an integer ≥ 1 (0 is the base "
+                             f"model), got {self.lora_int_id!r}")
+        if (self.weights is None) != (self.config is None):
+            raise ValueError(f"LoRA request for task {self.lora_int_id}: weights and config "
+                             "come together (TensorRT-LLM's LoraConfig), got only "
+                             f"{'weights' if self.config is None else 'config'}")
+        if self.weights is not None and self.lora_path:
+            raise ValueError(f"LoRA request for task {self.lora_int_id} has both a lora_path "
+                             "and weights/config: give one")
+        if not self.lora_name:
+            object.__setattr__(self, "lora_name", f"task_{self.lora_int_id}")
+        if self.task_id is None:
+            object.__setattr__(self, "task_id", self.lora_int_id)
+
+    @property
+    def has_tensors(self) -> bool:
+        """Whether the request carries the adapter's weights and config itself."""
+        return self.weights is not None

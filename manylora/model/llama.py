@@ -131,6 +131,16 @@ class LlamaForCausalLM(nn.Module):
                     slots.update({(i, name): lora for name in lora.module_names})
         return slots
 
+    def lora_module_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The base weight ``[out, in]`` of one LoRA-targetable projection (a view into the
+        packed weight), e.g. ``(3, "k_proj")``."""
+        layer_mod = self.model.layers[layer]
+        for proj in (layer_mod.self_attn.qkv_proj, layer_mod.self_attn.o_proj,
+                     layer_mod.mlp.gate_up_proj, layer_mod.mlp.down_proj):
+            if module in proj.module_names:
+                return proj.module_weight(module)
+        raise ValueError(f"no projection {module!r} in layer {layer}")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn: AttentionMetadata,
                 lora: LoRAMapping | None) -> torch.Tensor:

@@ -210,9 +210,14 @@ def test_adapter_config_corrupt(engine, good_adapter, tmp_path):
         engine.add_request(None, "hello", GREEDY8, lora(bad))
 
 
-def test_dora_adapter(engine, base_dir, root):
+def test_dora_adapter_without_magnitudes(engine, base_dir, root):
+    from safetensors.torch import load_file, save_file
+
     dora = make_peft_adapter(base_dir, root / "dora", r=4, use_dora=True, seed=4)
-    with pytest.raises(LoRAAdapterError, match="DoRA"):
+    tensors = load_file(dora / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if "magnitude" not in k},
+              dora / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="no lora_magnitude_vector.*DoRA"):
         engine.add_request(None, "hello", GREEDY8, lora(dora))
 
 

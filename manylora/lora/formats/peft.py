@@ -13,7 +13,8 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,9 +27,9 @@ logger = logging.getLogger(__name__)
 
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.*?(?:^|\.)layers\.(?P<layer>\d+)\."
-    r"(?:self_attn|mlp)\.(?P<name>\w+))\.lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight$")
+    r"(?:self_attn|mlp)\.(?P<name>\w+))\.(?:lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight"
+    r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 _UNSUPPORTED_CONFIG = {
-    "use_dora": "DoRA adapters (use_dora) are not supported yet",
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
 }
 
@@ -45,6 +46,9 @@ class AdapterTarget:
         dtype: the model dtype adapters are stored in.
         base_model_names: names the base model goes by (path, hub id); an adapter trained
             for another one gets a warning.
+        dora_norm: ``(layer, module, a [r, in], b [out, r]) → float32 [out]``, the L2 norm of
+            each output row of ``W + b @ a`` over the base weight ``W`` of that module (what
+            DoRA's magnitude is normalized against); None: DoRA adapters are refused.
     """
 
     module_shapes: dict[str, tuple[int, int]]
@@ -53,6 +57,8 @@ class AdapterTarget:
     target_modules: tuple[str, ...]
     dtype: torch.dtype
     base_model_names: tuple[str, ...] = ()
+    dora_norm: Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False)
 
 
 def _pattern_value(patterns: dict, module: str, default: float) -> float:
@@ -99,13 +105,15 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
         target: the base model and slot limits the adapter must fit.
 
     Returns:
-        A ``LoRAAdapter`` whose B matrices carry the scaling, in ``target.dtype`` on the CPU.
+        A ``LoRAAdapter`` whose B matrices carry the scaling, in ``target.dtype`` on the CPU;
+        for DoRA each module's ``dora_scale = m / ||W + BA||`` (peft's ``mag_norm_scale``).
 
     Raises:
-        LoRAAdapterError: missing or corrupt files; DoRA, ``modules_to_save``, embedding or
-            bias LoRA; a module the model lacks or ``lora_target_modules`` excludes; a layer
-            index past the model; A/B shapes that do not fit the base projection; a rank
-            above ``max_lora_rank``.
+        LoRAAdapterError: missing or corrupt files; ``modules_to_save``, embedding or bias
+            LoRA; a module the model lacks or ``lora_target_modules`` excludes; a layer index
+            past the model; A/B shapes that do not fit the base projection; a rank above
+            ``max_lora_rank``; NaN or Inf in a tensor; a DoRA adapter (``use_dora``) without a
+            magnitude for every module, or with no ``target.dora_norm`` to normalize it.
     """
     name, path = request.lora_name, Path(path)
     cfg_path = path / "adapter_config.json"
@@ -150,16 +158,31 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             raise LoRAAdapterError(
                 f"adapter {name!r} has weights for layer {layer}, but the base model has "
                 f"{target.num_layers} layers")
-        pairs.setdefault((layer, m["module"]), {})[m["ab"]] = tensor
+        pairs.setdefault((layer, m["module"]), {})[m["ab"] or "M"] = tensor
 
     alpha0, r0 = cfg.get("lora_alpha", 8), cfg.get("r", 8)
+    use_dora = bool(cfg.get("use_dora"))
+    if use_dora and target.dora_norm is None:
+        raise LoRAAdapterError(f"adapter {name!r}: DoRA needs the base weights to normalize "
+                               "its magnitudes, and none were given")
     weights: dict[tuple[int, str], LoRAWeights] = {}
     for (layer, module_key), ab in sorted(pairs.items()):
         module = module_key.rsplit(".", 1)[-1]
-        if set(ab) != {"A", "B"}:
+        if not {"A", "B"} <= set(ab):
             raise LoRAAdapterError(
-                f"adapter {name!r}: {module_key} has lora_{''.join(ab)} but not both A and B")
+                f"adapter {name!r}: {module_key} has lora_{''.join(sorted(ab))} but not both "
+                "A and B")
+        if use_dora != ("M" in ab):
+            raise LoRAAdapterError(
+                f"adapter {name!r}: {module_key} " + (
+                    "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
+                    if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
         a, b = ab["A"], ab["B"]
+        for label, t in ab.items():
+            if t.is_floating_point() and not torch.isfinite(t).all():
+                raise LoRAAdapterError(
+                    f"adapter {name!r}: {module_key} has NaN or Inf in "
+                    f"{'lora_magnitude_vector' if label == 'M' else 'lora_' + label}")
         in_f, out_f = target.module_shapes[module]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape != (out_f, r):
@@ -177,12 +200,36 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             logger.warning("adapter %r: %s has rank %d, its config says %d; using %d",
                            name, module_key, r, expected_r, r)
         scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-        weights[(layer, module)] = LoRAWeights(
-            a=a.to(target.dtype).contiguous(),
-            b=(b.float() * scale).to(target.dtype).contiguous())
+        a = a.to(target.dtype).contiguous()
+        b = (b.float() * scale).to(target.dtype).contiguous()
+        dora_scale = None
+        if use_dora:
+            magnitude = ab["M"].reshape(-1).float()
+            if magnitude.shape != (out_f,):
+                raise LoRAAdapterError(
+                    f"adapter {name!r}: {module_key} has lora_magnitude_vector "
+                    f"{tuple(ab['M'].shape)}, but the base projection has {out_f} outputs")
+            dora_scale = dora_scale_from_magnitude(
+                magnitude, target.dora_norm(layer, module, a, b), f"adapter {name!r}: "
+                f"{module_key}")
+        weights[(layer, module)] = LoRAWeights(a, b, dora_scale)
     if not weights:
         raise LoRAAdapterError(f"adapter {name!r}: {path} holds no LoRA weights")
     return LoRAAdapter(request.lora_int_id, name, weights)
+
+
+def dora_scale_from_magnitude(magnitude: torch.Tensor, norm: torch.Tensor,
+                              what: str) -> torch.Tensor:
+    """DoRA's per-output scale ``m / ||W + BA||`` (float32 ``[out]``, on the CPU).
+
+    Raises:
+        LoRAAdapterError: a zero norm or a non-finite result (``what`` names the module).
+    """
+    scale = magnitude.float().cpu() / norm.float().cpu()
+    if not torch.isfinite(scale).all():
+        raise LoRAAdapterError(f"{what}: the DoRA scale m / ||W + BA|| is not finite (a row "
+                               "of the adapted weight has norm 0)")
+    return scale.contiguous()
 
 
 def _same_model(base: str, names: tuple[str, ...]) -> bool:
