@@ -200,7 +200,7 @@ class LLMEngine:
             return failed
         if not out.scheduled:
             return []
-        sampled = self.runner.execute(out, lora_slots, self._slot_ranks())
+        sampled = self.runner.execute(out, lora_slots, self._slot_ranks(), self._slot_dora())
         self.scheduler.update(out, sampled)
         outputs = []
         for rid, token in sampled.items():
@@ -214,6 +214,9 @@ class LLMEngine:
 
     def _slot_ranks(self) -> list[int]:
         return self.lora_manager.slot_ranks if self.lora_manager else []
+
+    def _slot_dora(self) -> list[int]:
+        return self.lora_manager.slot_dora if self.lora_manager else []
 
     def _activate_adapters(self) -> tuple[dict[int, int], list[RequestOutput]]:
         if self.lora_manager is None:

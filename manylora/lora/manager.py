@@ -14,7 +14,8 @@ from collections.abc import Iterable, Mapping
 
 from manylora.config import LoRAConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
-from manylora.lora.formats.peft import AdapterTarget, load_peft_adapter
+from manylora.lora.formats.loader import load_adapter_dir
+from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import LoRASlots
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_adapter_path
@@ -45,6 +46,7 @@ class LoRAManager:
     Attributes:
         slot_to_id: length ``max_loras``; the ``lora_int_id`` in each slot or None.
         slot_ranks: length ``max_loras``; the true rank in each slot (0 when empty).
+        slot_dora: length ``max_loras``; 1 where the slot's adapter has DoRA scales.
     """
 
     def __init__(self, lora_config: LoRAConfig, target: AdapterTarget,
@@ -57,6 +59,7 @@ class LoRAManager:
         self._device: OrderedDict[int, int] = OrderedDict()   # lora_int_id → slot, LRU order
         self.slot_to_id: list[int | None] = [None] * lora_config.max_loras
         self.slot_ranks: list[int] = [0] * lora_config.max_loras
+        self.slot_dora: list[int] = [0] * lora_config.max_loras
         self.num_disk_loads = 0
         self.num_slot_loads = 0
 
@@ -77,8 +80,8 @@ class LoRAManager:
         if adapter is not None:
             self._host.move_to_end(request.lora_int_id)
             return adapter
-        adapter = load_peft_adapter(request, resolve_adapter_path(request.lora_path),
-                                    self.target)
+        adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
+                                   self.target)
         self.num_disk_loads += 1
         self._requests[request.lora_int_id] = request
         self._host[request.lora_int_id] = adapter
@@ -125,9 +128,13 @@ class LoRAManager:
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for (layer, module), slots in self.slots.items():
             w = adapter.weights.get((layer, module))
-            slots.set_slot(slot, module, None if w is None else w.a, None if w is None else w.b)
+            if w is None:
+                slots.set_slot(slot, module, None, None)
+            else:
+                slots.set_slot(slot, module, w.a, w.b, w.dora_scale)
         self.slot_to_id[slot] = adapter.lora_int_id
         self.slot_ranks[slot] = adapter.rank
+        self.slot_dora[slot] = int(adapter.has_dora)
         self.num_slot_loads += 1
 
     def slot_of(self, lora_int_id: int) -> int | None:

@@ -53,13 +53,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
-                slot_ranks: list[int]) -> dict[str, int]:
+                slot_ranks: list[int], slot_dora: list[int] | None = None) -> dict[str, int]:
         """Compute one step and sample.
 
         Args:
             out: the scheduler's plan.
             lora_slots: ``{lora_int_id: slot}`` for the adapters of the step.
             slot_ranks: the true rank of each slot (length max_loras).
+            slot_dora: 1 where a slot's adapter has DoRA scales (length max_loras); None: none.
 
         Returns:
             ``{request_id: token_id}`` for each request whose last token was computed.
