@@ -215,21 +215,26 @@ class SchedulerConfig:
         max_num_seqs: requests in the running batch at once.
         max_num_batched_tokens: tokens (prefill + decode) computed in one step.
         max_loras: distinct adapters in one step (the number of device slots).
+        lora_aging_steps: steps a waiting request may be passed over by requests whose
+            adapters are resident before it takes the next free slot in arrival order.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_loras: int
+    lora_aging_steps: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras",
+                     "lora_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Adapter slots and the host tier (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules).
+    """Adapter slots and the host tier (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules
+    and PEFT cache bounds).
 
     Attributes:
         max_loras: device slots, i.e. distinct adapters per step.
@@ -237,12 +242,15 @@ class LoRAConfig:
         max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
         target_modules: projections that get slot buffers; an adapter that targets another
             one is refused.
+        max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (None: bounded
+            by count only).
     """
 
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    max_cpu_lora_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -252,6 +260,8 @@ class LoRAConfig:
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 1:
+            raise ValueError(f"max_cpu_lora_bytes must be ≥ 1, got {self.max_cpu_lora_bytes}")
         unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
         if unknown or not self.target_modules:
             raise ValueError(

@@ -4,7 +4,9 @@ There are no prefill or decode phases: every step, each running request's comput
 catch up towards its total within the step's token budget, and waiting requests join while
 budget, sequence slots, KV blocks and adapter slots last. So prefill chunks and decode
 tokens share a step. A waiting request whose adapter would take the step past
-``max_loras`` distinct adapters stays queued (vLLM's rule) while others may pass it. When
+``max_loras`` distinct adapters stays queued (vLLM's rule) while others may pass it; which
+adapter gets a free slot prefers adapters already resident and ages the others (see
+``Scheduler``). When
 blocks run out, the newest running request is preempted by recompute: it keeps its tokens,
 gives back its blocks and is re-prefilled later (TurboMind's eviction to token ids).
 
@@ -13,9 +15,11 @@ The scheduler never touches a tensor.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
+import itertools
+from collections import Counter, deque
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from manylora.config import SchedulerConfig
 from manylora.core.kv_cache_manager import KVCacheManager
@@ -59,26 +63,81 @@ class SchedulerOutput(NamedTuple):
         return sum(s.num_tokens for s in self.scheduled)
 
 
+class AdapterResidency(Protocol):
+    """What the scheduler may ask the adapter cache (answers only; no tensors)."""
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        """Whether a step could use the adapter without reading a disk: it is in a device
+        slot or staged in the host tier."""
+
+    def is_resident(self, lora_int_id: int) -> bool:
+        """Whether the adapter already sits in a device slot (using it copies nothing)."""
+
+
+class _EveryAdapterReady:
+    def is_ready(self, lora_int_id: int) -> bool:
+        return True
+
+    def is_resident(self, lora_int_id: int) -> bool:
+        return False
+
+
 class Scheduler:
     """Plans every step of the engine.
 
+    Waiting requests are kept in one FIFO queue per adapter (0 = the base model), ordered by
+    arrival. Each step, running requests go first; then waiting requests join in arrival
+    order, drawn from the queues of adapters the step may use:
+
+    * the base model and adapters the running batch already uses (no slot needed);
+    * while fewer than ``max_loras`` adapters are in the step, new adapters, preferring
+      those already resident in a device slot (no copy) over those staged in host memory,
+      oldest request first. A request that has waited ``lora_aging_steps`` steps is aged:
+      aged requests take free slots strictly in arrival order, before any preference.
+      Adapters that are not ready (still on disk) are passed over while the cache stages
+      them (``wanted_adapters`` tells it which).
+    * If an aged request finds no free slot, the running adapter with the fewest running
+      requests takes no new requests until it drains, so its slot goes to the aged request:
+      no request starves behind adapters that are always busy.
+
     Args:
-        config: batch limits (max_num_seqs, max_num_batched_tokens, max_loras).
+        config: batch limits (max_num_seqs, max_num_batched_tokens, max_loras,
+            lora_aging_steps).
         kv: the block allocator.
+        adapters: the adapter cache's residency answers; None: every adapter is ready and
+            none resident (the scheduler alone, as in tests).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 adapters: AdapterResidency | None = None) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.adapters: AdapterResidency = adapters or _EveryAdapterReady()
+        self._queues: dict[int, deque[Request]] = {}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._seq = itertools.count()
+        self._order: dict[str, int] = {}       # request id → arrival order
+        self._since: dict[str, int] = {}       # request id → step it started waiting
+        self._step = 0
         self.num_preemptions = 0
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Every waiting request, in arrival order."""
+        return sorted((r for q in self._queues.values() for r in q),
+                      key=lambda r: self._order[r.request_id])
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._order[request.request_id] = next(self._seq)
+        self._since[request.request_id] = self._step
+        self._queues.setdefault(request.lora_int_id, deque()).append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -88,7 +147,8 @@ class Scheduler:
         return {r.lora_int_id for r in self.running if r.lora_int_id}
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then waiting ones in arrival order."""
+        """Plan one step: running requests first, then waiting ones (see the class doc)."""
+        self._step += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -113,26 +173,68 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, preempted, finished)
 
+    def _aged(self, req: Request) -> bool:
+        return self._step - self._since[req.request_id] >= self.config.lora_aging_steps
+
+    def _new_adapter_order(self, in_step: set[int]) -> list[int]:
+        """Adapters with waiting requests that are not in the step, best first."""
+        def key(lid: int) -> tuple:
+            head = self._queues[lid][0]
+            order = self._order[head.request_id]
+            if self._aged(head):
+                return (0, False, order)
+            return (1, not self.adapters.is_resident(lid), order)
+
+        return sorted((lid for lid, q in self._queues.items()
+                       if lid and q and lid not in in_step), key=key)
+
+    def wanted_adapters(self, limit: int) -> list:
+        """The ``LoRARequest`` of the next ``limit`` adapters waiting requests will need that
+        the running batch does not use, in the order they would get slots (for the adapter
+        cache to stage ahead of time)."""
+        order = self._new_adapter_order(self.running_adapters())[:limit]
+        return [self._queues[lid][0].lora_request for lid in order]
+
+    def _allowed_adapters(self) -> set[int]:
+        """The adapters whose waiting requests may join this step (0 = base)."""
+        running = self.running_adapters()
+        allowed = running | {0}
+        free = self.config.max_loras - len(running)
+        for lid in self._new_adapter_order(running):
+            head = self._queues[lid][0]
+            if free <= 0:
+                if self._aged(head) and running:
+                    counts = Counter(r.lora_int_id for r in self.running if r.lora_int_id)
+                    allowed.discard(min(running, key=lambda a: (counts[a], a)))
+                break
+            if self.adapters.is_ready(lid):
+                allowed.add(lid)
+                free -= 1
+            elif self._aged(head):
+                break          # the oldest waits for its adapter: no younger one passes it
+        return allowed
+
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        adapters = self.running_adapters()
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            lora = req.lora_int_id
-            if lora and lora not in adapters and len(adapters) >= self.config.max_loras:
-                skipped.append(self.waiting.popleft())
-                continue
+        heads = [(self._order[q[0].request_id], lid)
+                 for lid in self._allowed_adapters() if (q := self._queues.get(lid))]
+        heapq.heapify(heads)
+        while heads and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            _, lid = heads[0]
+            queue = self._queues[lid]
+            req = queue[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 break
-            self.waiting.popleft()
+            queue.popleft()
+            if queue:
+                heapq.heapreplace(heads, (self._order[queue[0].request_id], lid))
+            else:
+                heapq.heappop(heads)
+                del self._queues[lid]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if lora:
-                adapters.add(lora)
             scheduled.append(self._plan(req, n))
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         return budget
 
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
@@ -146,7 +248,11 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        queue = self._queues.setdefault(req.lora_int_id, deque())
+        order = self._order[req.request_id]
+        pos = next((i for i, r in enumerate(queue) if self._order[r.request_id] > order),
+                   len(queue))
+        queue.insert(pos, req)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record a finished step: computed tokens advance, sampled tokens are appended.
@@ -173,7 +279,13 @@ class Scheduler:
             req.status = status
             if req in self.running:
                 self.running.remove(req)
-            elif req in self.waiting:
-                self.waiting.remove(req)
+            else:
+                queue = self._queues.get(req.lora_int_id)
+                if queue is not None and req in queue:
+                    queue.remove(req)
+                    if not queue:
+                        del self._queues[req.lora_int_id]
+            self._order.pop(rid, None)
+            self._since.pop(rid, None)
             self.kv.free(rid)
             self._finished_ids.append(rid)

@@ -36,6 +36,13 @@ class EngineArgs:
         skip_tokenizer_init: load no tokenizer; prompts must be token ids and outputs carry
             token ids with empty text (stop strings are refused).
         enforce_eager: never replay decode steps as CUDA graphs.
+        max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (pinned memory
+            on CUDA); None: bounded by ``max_cpu_loras`` only.
+        lora_device_cache_percent: size the device slots as this share (0, 1] of the GPU
+            memory left free after the weights and the KV cache are placed (TensorRT-LLM's
+            ``device_cache_percent``); replaces ``max_loras``.
+        lora_aging_steps: steps a waiting request may be passed over for requests whose
+            adapters are resident before it takes the next free slot in arrival order.
     """
 
     model: str
@@ -59,6 +66,9 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    max_cpu_lora_bytes: int | None = None
+    lora_device_cache_percent: float | None = None
+    lora_aging_steps: int = 64
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:

@@ -9,6 +9,7 @@ back.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -33,8 +34,9 @@ from manylora.engine.outputs import RequestOutput
 from manylora.engine.request import Request, RequestStatus
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import dora_row_norm
-from manylora.lora.manager import AdapterReloadError, LoRAManager
+from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
 from manylora.lora.request import LoRARequest
+from manylora.lora.sizing import slot_bytes, slots_for_memory
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.sampling_params import SamplingParams
@@ -67,22 +69,12 @@ class LLMEngine:
                 tok_dir, trust_remote_code=args.trust_remote_code)
         self.model = load_model(model_dir, cfg, self.device, args.key_dict, args.load_format)
 
-        self.lora_config = self.lora_manager = None
-        max_loras = 0
-        if args.enable_lora:
-            self.lora_config = LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
-                                          args.lora_target_modules)
-            slots = self.model.create_lora_slots(self.lora_config)
-            model = self.model
-            target = AdapterTarget(
-                cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
-                self.lora_config.target_modules, dtype, (args.model, str(model_dir)),
-                dora_norm=lambda layer, module, a, b: dora_row_norm(
-                    model.lora_module_weight(layer, module), a, b))
-            self.lora_manager = LoRAManager(self.lora_config, target, slots)
-            max_loras = args.max_loras
-
+        self.lora_config: LoRAConfig | None = None
+        self.lora_manager: LoRAManager | None = None
         max_useful = -(-cfg.max_model_len // args.block_size) * args.max_num_seqs
+        slots_first = args.enable_lora and args.lora_device_cache_percent is None
+        if slots_first:
+            self._create_lora(args, model_dir, args.max_loras)
         num_blocks = args.num_kv_blocks or auto_num_blocks(
             cfg, args.block_size, self.device, args.gpu_memory_utilization,
             args.max_num_batched_tokens, max_useful)
@@ -92,9 +84,13 @@ class LLMEngine:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "
                            "more", cfg.max_model_len, self.max_model_len)
         kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device)
+        if args.enable_lora and not slots_first:
+            self._create_lora(args, model_dir, self._slots_from_memory(args))
+        max_loras = self.lora_config.max_loras if self.lora_config else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1)),
-            KVCacheManager(num_blocks, args.block_size))
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
+                            args.lora_aging_steps),
+            KVCacheManager(num_blocks, args.block_size), self.lora_manager)
         graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
@@ -102,6 +98,37 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
         self._ids = itertools.count()
+
+    def _create_lora(self, args: EngineArgs, model_dir, max_loras: int) -> None:
+        cfg = self.model_config
+        max_cpu_loras = args.max_cpu_loras
+        if args.lora_device_cache_percent is not None:
+            max_cpu_loras = max(max_cpu_loras, max_loras)
+        self.lora_config = LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras,
+                                      args.lora_target_modules, args.max_cpu_lora_bytes)
+        slots = self.model.create_lora_slots(self.lora_config)
+        model = self.model
+        target = AdapterTarget(
+            cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
+            self.lora_config.target_modules, cfg.dtype, (args.model, str(model_dir)),
+            dora_norm=lambda layer, module, a, b: dora_row_norm(
+                model.lora_module_weight(layer, module), a, b))
+        self.lora_manager = LoRAManager(self.lora_config, target, slots)
+
+    def _slots_from_memory(self, args: EngineArgs) -> int:
+        """Slots in ``lora_device_cache_percent`` of the GPU memory left free now."""
+        if self.device.type != "cuda":
+            raise ValueError("lora_device_cache_percent sizes slots from free GPU memory; on "
+                             f"{self.device} set max_loras instead")
+        cfg = self.model_config
+        biased = ("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()
+        per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
+                              args.lora_target_modules, args.max_lora_rank, cfg.dtype, biased)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot)
+        logger.info("LoRA device cache: %d slots of %.1f MiB (%.0f%% of %.1f GiB free)",
+                    slots, per_slot / 2**20, 100 * args.lora_device_cache_percent, free / 2**30)
+        return slots
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -169,22 +196,50 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, but the context holds "
                              f"{self.max_model_len} (max_model_len) with room for at least one "
                              "generated token")
+        digest = None
         if lora_request is not None:
-            if self.lora_manager is None:
-                raise ValueError(f"LoRA request {lora_request.lora_name!r}: LoRA is disabled "
-                                 "(enable_lora=False)")
-            self.lora_manager.add(lora_request)
+            digest = self._lora_manager(lora_request).add(lora_request)
         limit = len(ids) + (params.max_tokens or self.max_model_len)
         req = Request(request_id, text, ids, params, lora_request,
-                      min(limit, self.max_model_len))
+                      min(limit, self.max_model_len), lora_digest=digest)
         self.scheduler.add_request(req)
         self.output_processor.add(req)
         return request_id
 
+    def _lora_manager(self, lora_request: LoRARequest) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError(f"LoRA request {lora_request.lora_name!r}: LoRA is disabled "
+                             "(enable_lora=False)")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``).
+
+        Raises:
+            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``.
+        """
+        manager = self._lora_manager(lora_request)
+        manager.add(lora_request)
+        manager.release(lora_request.lora_int_id)
+        return True
+
+    def lora_cache_stats(self) -> LoRACacheStats:
+        """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
+        if self.lora_manager is None:
+            return LoRACacheStats()
+        return dataclasses.replace(self.lora_manager.stats)
+
+    def _finish(self, request_ids: Sequence[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.lora_int_id and self.lora_manager is not None:
+                self.lora_manager.release(req.lora_int_id)
+        self.scheduler.finish_requests(request_ids, status)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now; their blocks go back. Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self._finish(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.output_processor.remove(rid)
 
@@ -193,21 +248,24 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; an output for every request that got a token or finished."""
+        outputs = self._end_failed_adapters()
         out = self.scheduler.schedule()
         self.runner.release(out.finished_ids)
         lora_slots, failed = self._activate_adapters()
         if failed:
-            return failed
+            return outputs + failed
+        if self.lora_manager is not None:
+            self.lora_manager.prefetch(
+                self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
         if not out.scheduled:
-            return []
+            return outputs
         sampled = self.runner.execute(out, lora_slots, self._slot_ranks(), self._slot_dora())
         self.scheduler.update(out, sampled)
-        outputs = []
         for rid, token in sampled.items():
             status = self.output_processor.process_token(rid, token)
             state = self.output_processor.states[rid]
             if status is not None:
-                self.scheduler.finish_requests([rid], status)
+                self._finish([rid], status)
                 self.output_processor.remove(rid)
             outputs.append(state.to_output(status))
         return outputs
@@ -218,6 +276,25 @@ class LLMEngine:
     def _slot_dora(self) -> list[int]:
         return self.lora_manager.slot_dora if self.lora_manager else []
 
+    def _end_failed_adapters(self) -> list[RequestOutput]:
+        """End the requests of adapters whose background re-read failed."""
+        if self.lora_manager is None:
+            return []
+        outputs = []
+        for error in self.lora_manager.poll():
+            outputs.extend(self._end_adapter_requests(error))
+        return outputs
+
+    def _end_adapter_requests(self, error: AdapterReloadError) -> list[RequestOutput]:
+        logger.error("adapter %d: %s; its requests are aborted", error.lora_int_id, error)
+        outputs = []
+        for r in [r for r in self.scheduler.requests.values()
+                  if r.lora_int_id == error.lora_int_id]:
+            state = self.output_processor.remove(r.request_id)
+            self._finish([r.request_id], RequestStatus.FINISHED_ABORTED)
+            outputs.append(state.to_output(RequestStatus.FINISHED_ABORTED))
+        return outputs
+
     def _activate_adapters(self) -> tuple[dict[int, int], list[RequestOutput]]:
         if self.lora_manager is None:
             return {}, []
@@ -225,15 +302,9 @@ class LLMEngine:
         try:
             return self.lora_manager.activate(wanted.values()), []
         except AdapterReloadError as e:
-            # An adapter that loaded once failed to reload (files removed): end its requests;
-            # the next step re-plans the others.
-            logger.error("%s", e)
-            outputs = []
-            for r in [r for r in self.scheduler.running if r.lora_int_id == e.lora_int_id]:
-                state = self.output_processor.remove(r.request_id)
-                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ABORTED)
-                outputs.append(state.to_output(RequestStatus.FINISHED_ABORTED))
-            return {}, outputs
+            # An adapter that loaded once failed to reload (files removed or changed): end
+            # its requests; the next step re-plans the others.
+            return {}, self._end_adapter_requests(e)
 
     @torch.inference_mode()
     def generate_all(self) -> list[RequestOutput]:

@@ -34,6 +34,8 @@ class Request:
         num_computed_tokens: tokens whose K/V the cache holds (reset to 0 on preemption: the
             request keeps its tokens and is re-prefilled, TurboMind's eviction to token ids).
         max_total_tokens: prompt + output cap in tokens (max_tokens and max_model_len).
+        lora_digest: the digest of the adapter's weights (None for the base model): with
+            the adapter's id, what its cached state is keyed by.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    lora_digest: str | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -1,20 +1,30 @@
-"""Adapter residency: disk → host tier (LRU) → device slot (LRU), as vLLM and S-LoRA do.
+"""Adapter residency: disk → host tier → device slot, both LRU (vLLM, S-LoRA, TensorRT-LLM).
 
-The host tier keeps up to ``max_cpu_loras`` loaded adapters; the device has ``max_loras``
-slots whose buffers were allocated once, up front. ``activate`` binds the step's adapters
-to slots, copying weights only for adapters not already resident, and never evicts an
-adapter the step uses. The slot table (``slot_to_id``) is the single source of truth.
+The host tier keeps loaded adapters in pinned memory, bounded by count (``max_cpu_loras``)
+and bytes (``max_cpu_lora_bytes``); the device has ``max_loras`` slots whose buffers were
+allocated once, up front. Adapters named by a path are read on first sight (so a bad one
+is refused at once) and, after an eviction, re-read by background threads ahead of the
+requests that need them (``prefetch``), so a step never waits on disk. Slot copies run on a
+side CUDA stream; the compute stream waits only for the copies of the slots it uses. An
+adapter in use is never evicted from a slot; one whose only copy is in the host tier (given
+as tensors, TensorRT-LLM's task_id semantics) is never evicted while requests need it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import threading
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
 
 from manylora.config import LoRAConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
-from manylora.lora.formats.loader import load_adapter_dir
+from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import LoRASlots
 from manylora.lora.request import LoRARequest
@@ -30,113 +40,420 @@ class AdapterReloadError(RuntimeError):
         lora_int_id: the adapter that failed; only its requests need to end.
     """
 
-    def __init__(self, lora_int_id: int, cause: Exception) -> None:
+    def __init__(self, lora_int_id: int, cause: Exception | str) -> None:
         super().__init__(str(cause))
         self.lora_int_id = lora_int_id
+
+
+@dataclass
+class LoRACacheStats:
+    """Counters of the two adapter tiers since the engine started.
+
+    Attributes:
+        host_hits / host_misses: adapters needed for a slot (or prefetched) that were / were
+            not in the host tier; each miss is one disk read.
+        host_evictions: adapters dropped from the host tier.
+        host_load_seconds: wall time of all disk reads (parse, validate, pin), seconds.
+        sync_disk_loads: disk reads a step had to wait for (staging came too late).
+        device_hits: adapters a step used that were already in a slot.
+        device_misses: host → device copies into a slot, on demand or staged ahead.
+        device_evictions: adapters evicted from a slot.
+        device_load_seconds: GPU time of completed host → device copies, seconds.
+        device_load_bytes: bytes of completed host → device copies.
+    """
+
+    host_hits: int = 0
+    host_misses: int = 0
+    host_evictions: int = 0
+    host_load_seconds: float = 0.0
+    sync_disk_loads: int = 0
+    device_hits: int = 0
+    device_misses: int = 0
+    device_evictions: int = 0
+    device_load_seconds: float = 0.0
+    device_load_bytes: int = 0
+
+
+@dataclass
+class _Known:
+    request: LoRARequest      # how to read it again ("" path: only the host copy exists)
+    digest: str
 
 
 class LoRAManager:
     """Two LRU tiers of adapters over fixed device slots.
 
     Args:
-        lora_config: slot count, host-tier size, padded rank, target modules.
-        target: what an adapter must fit (shapes, layers, dtype).
+        lora_config: slot count, host-tier bounds, padded rank, target modules.
+        target: what an adapter must fit (shapes, layers, dtype, DoRA norms).
         slots: ``{(layer, module): LoRASlots}``, the model's slot buffers.
+        loader_threads: background threads that read adapters from disk.
 
     Attributes:
         slot_to_id: length ``max_loras``; the ``lora_int_id`` in each slot or None.
         slot_ranks: length ``max_loras``; the true rank in each slot (0 when empty).
         slot_dora: length ``max_loras``; 1 where the slot's adapter has DoRA scales.
+        stats: ``LoRACacheStats``.
     """
 
     def __init__(self, lora_config: LoRAConfig, target: AdapterTarget,
-                 slots: Mapping[tuple[int, str], LoRASlots]) -> None:
+                 slots: Mapping[tuple[int, str], LoRASlots], loader_threads: int = 2) -> None:
         self.config = lora_config
         self.target = target
         self.slots = dict(slots)
+        self.stats = LoRACacheStats()
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
-        self._requests: dict[int, LoRARequest] = {}
+        self._host_bytes = 0
+        self._known: dict[int, _Known] = {}
+        self._refs: Counter[int] = Counter()
         self._device: OrderedDict[int, int] = OrderedDict()   # lora_int_id → slot, LRU order
         self.slot_to_id: list[int | None] = [None] * lora_config.max_loras
         self.slot_ranks: list[int] = [0] * lora_config.max_loras
         self.slot_dora: list[int] = [0] * lora_config.max_loras
-        self.num_disk_loads = 0
-        self.num_slot_loads = 0
+        self._loading: dict[int, Future] = {}
+        self._failures: list[AdapterReloadError] = []
+        self._wanted: set[int] = set()
+        self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="lora-loader")
+        self._max_in_flight = 2 * loader_threads
+        self._stats_lock = threading.Lock()
+        first = next(iter(self.slots.values()), None)
+        device = first.lora_a_stacked[0].device if first is not None else torch.device("cpu")
+        self._cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._load_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._slot_events: dict[int, torch.cuda.Event] = {}
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
-    def add(self, request: LoRARequest) -> LoRAAdapter:
-        """Make sure the adapter is in the host tier (loading it from disk if needed).
+    # ------------------------------------------------------------------ requests come and go
+
+    def add(self, request: LoRARequest) -> str:
+        """Register one more request for the adapter; returns the adapter's digest.
+
+        A path seen for the first time is read now (errors name the problem at once); a
+        request carrying ``weights``/``config`` is validated and cached in the host tier; a
+        bare id must name an adapter the cache knows.
 
         Raises:
-            LoRAAdapterError: the adapter cannot be served (see ``load_peft_adapter``).
+            LoRAAdapterError: the adapter cannot be served (format errors, NaN/Inf, ranks,
+                modules, layers; see the format readers).
             FileNotFoundError: the path is neither a directory nor a cached hub repo.
-            ValueError: ``lora_int_id`` already names an adapter at another path.
+            ValueError: the id already names another path or other weights (without
+                ``replace``, or while requests use them), the id is not cached, or the host
+                tier is full of adapters that requests still need.
         """
-        known = self._requests.get(request.lora_int_id)
-        if known is not None and known.lora_path != request.lora_path:
+        lid = request.lora_int_id
+        known = self._known.get(lid)
+        if request.has_tensors:
+            adapter = adapter_from_request(request, self.target)
+            if known is not None and known.digest != adapter.digest:
+                self._replace(request, known)
+                known = None
+            if known is None:
+                self._insert_host(adapter.pin_memory(), must_fit=True)
+                self._known[lid] = known = _Known(request, adapter.digest)
+            else:
+                self._touch_host(lid)
+        elif request.lora_path:
+            if known is not None and known.request.lora_path != request.lora_path:
+                raise ValueError(
+                    f"lora_int_id {lid} already names adapter {known.request.lora_name!r} "
+                    f"({known.request.lora_path or 'given as tensors'}), not "
+                    f"{request.lora_path}")
+            if known is None:
+                adapter = self._read(request)
+                self._insert_host(adapter, must_fit=True)
+                self._known[lid] = known = _Known(request, adapter.digest)
+            else:
+                self._touch_host(lid)
+        elif known is None:
             raise ValueError(
-                f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} "
-                f"at {known.lora_path}, not {request.lora_path}")
-        adapter = self._host.get(request.lora_int_id)
+                f"LoRA task_id {lid} ({request.lora_name}) is not cached: it was never seen or "
+                "was evicted; send its weights and config (or a lora_path) again")
+        self._refs[lid] += 1
+        return known.digest
+
+    def release(self, lora_int_id: int) -> None:
+        """One request for the adapter has finished."""
+        self._refs[lora_int_id] -= 1
+        if self._refs[lora_int_id] <= 0:
+            del self._refs[lora_int_id]
+
+    def _replace(self, request: LoRARequest, known: _Known) -> None:
+        lid = request.lora_int_id
+        if not request.replace:
+            raise ValueError(f"LoRA task_id {lid} is cached with other weights (digest "
+                             f"{known.digest[:12]}); set replace=True to replace them")
+        if self._refs[lid]:
+            raise ValueError(f"LoRA task_id {lid} cannot be replaced while {self._refs[lid]} "
+                             "requests still use it")
+        self._forget(lid)
+
+    def _forget(self, lid: int) -> None:
+        adapter = self._host.pop(lid, None)
         if adapter is not None:
-            self._host.move_to_end(request.lora_int_id)
-            return adapter
-        adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
-                                   self.target)
-        self.num_disk_loads += 1
-        self._requests[request.lora_int_id] = request
-        self._host[request.lora_int_id] = adapter
-        while len(self._host) > self.config.max_cpu_loras:
-            evicted, _ = self._host.popitem(last=False)
-            logger.debug("host tier evicted adapter %d", evicted)
+            self._host_bytes -= adapter.nbytes
+        self._known.pop(lid, None)
+        slot = self._device.pop(lid, None)
+        if slot is not None:
+            self.slot_to_id[slot] = None
+            self.slot_ranks[slot] = self.slot_dora[slot] = 0
+
+    # ------------------------------------------------------------------ host tier
+
+    def _read(self, request: LoRARequest) -> LoRAAdapter:
+        """Disk → pinned host memory (any thread)."""
+        start = time.perf_counter()
+        if self._load_stream is not None:
+            with torch.cuda.stream(self._load_stream):
+                adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
+                                           self.target)
+        else:
+            adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
+                                       self.target)
+        adapter = adapter.pin_memory()
+        with self._stats_lock:
+            self.stats.host_load_seconds += time.perf_counter() - start
+            self.stats.host_misses += 1
         return adapter
+
+    def _touch_host(self, lid: int) -> None:
+        if lid in self._host:
+            self._host.move_to_end(lid)
+
+    def _over(self, extra_bytes: int, extra_count: int) -> bool:
+        cap = self.config.max_cpu_lora_bytes
+        return (len(self._host) + extra_count > self.config.max_cpu_loras
+                or (cap is not None and self._host_bytes + extra_bytes > cap))
+
+    def _evictable(self, lid: int) -> bool:
+        """Neither about to be used (staged for waiting requests) nor the only copy of an
+        adapter that requests still need."""
+        if lid in self._wanted:
+            return False
+        return not (self._refs[lid] > 0 and not self._known[lid].request.lora_path)
+
+    def _insert_host(self, adapter: LoRAAdapter, must_fit: bool) -> bool:
+        """Put ``adapter`` in the host tier, evicting LRU adapters nobody needs.
+
+        Raises:
+            ValueError: ``must_fit`` and the tier is full of adapters requests still need.
+        """
+        while self._over(adapter.nbytes, 1):
+            victim = next((lid for lid in self._host if self._evictable(lid)), None)
+            if victim is None:
+                if not must_fit:
+                    return False
+                raise ValueError(
+                    f"adapter {adapter.name!r}: the host LoRA cache (max_cpu_loras="
+                    f"{self.config.max_cpu_loras}, max_cpu_lora_bytes="
+                    f"{self.config.max_cpu_lora_bytes}) is full of adapters that requests "
+                    "still need; retry when they finish")
+            evicted = self._host.pop(victim)
+            self._host_bytes -= evicted.nbytes
+            self.stats.host_evictions += 1
+            if not self._known[victim].request.lora_path:
+                del self._known[victim]          # given as tensors: nothing to reload from
+            logger.debug("host tier evicted adapter %d", victim)
+        self._host[adapter.lora_int_id] = adapter
+        self._host_bytes += adapter.nbytes
+        return True
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of adapter tensors held in the host tier."""
+        return self._host_bytes
+
+    # ------------------------------------------------------------------ scheduler's view
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._device or lora_int_id in self._host
+
+    def is_resident(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._device
+
+    # ------------------------------------------------------------------ staging ahead
+
+    def prefetch(self, wanted: Iterable[LoRARequest], in_use: Iterable[int]) -> None:
+        """Stage adapters that waiting requests will need, most urgent first: read those
+        not in the host tier on background threads, and copy those in the host tier into
+        slots no running request uses, on the side stream.
+
+        Args:
+            wanted: ``LoRARequest`` of the adapters, most urgent first.
+            in_use: ids of the adapters the current step uses (their slots are kept).
+        """
+        wanted = list(wanted)
+        self._wanted = {r.lora_int_id for r in wanted}
+        busy = set(in_use)
+        for request in wanted:
+            lid = request.lora_int_id
+            if lid in self._host or lid in self._device or lid in self._loading:
+                continue
+            known = self._known.get(lid)
+            if known is None or not known.request.lora_path:
+                continue
+            if len(self._loading) >= self._max_in_flight:
+                break
+            self._loading[lid] = self._executor.submit(self._read, known.request)
+        for request in wanted:
+            lid = request.lora_int_id
+            if lid in self._device or lid not in self._host:
+                continue
+            slot = self._free_slot(busy | self._wanted_resident())
+            if slot is None:
+                break
+            self.stats.device_misses += 1
+            self._load_slot(slot, self._host[lid])
+            self._device[lid] = slot
+            busy.add(lid)
+
+    def _wanted_resident(self) -> set[int]:
+        return {lid for lid in self._wanted if lid in self._device}
+
+    def poll(self) -> list[AdapterReloadError]:
+        """Take in finished background reads and copy timings; the adapters whose re-read
+        failed (their files changed or went), whose requests must end."""
+        for lid, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[lid]
+            known = self._known.get(lid)
+            try:
+                adapter = future.result()
+            except (LoRAAdapterError, FileNotFoundError, OSError) as e:
+                self._failures.append(AdapterReloadError(lid, e))
+                continue
+            if known is None or lid in self._host:
+                continue
+            if adapter.digest != known.digest:
+                self._failures.append(AdapterReloadError(
+                    lid, f"adapter {adapter.name!r} changed on disk since it was first loaded "
+                    f"(digest {known.digest[:12]} → {adapter.digest[:12]})"))
+                continue
+            self._insert_host(adapter, must_fit=False)
+        self._collect_timings()
+        failures, self._failures = self._failures, []
+        for f in failures:
+            self._known.pop(f.lora_int_id, None)
+        return failures
+
+    def _collect_timings(self) -> None:
+        pending = []
+        for start, end, nbytes in self._timings:
+            if end.query():
+                self.stats.device_load_seconds += start.elapsed_time(end) / 1e3
+                self.stats.device_load_bytes += nbytes
+            else:
+                pending.append((start, end, nbytes))
+        self._timings = pending
+
+    # ------------------------------------------------------------------ device slots
 
     def activate(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
         """Bind every adapter in ``requests`` to a device slot; ``{lora_int_id: slot}``.
 
         Adapters already in a slot stay there; others take a free slot or evict the least
-        recently used adapter that is not in ``requests``.
+        recently used adapter that is not in ``requests``. On CUDA the compute stream then
+        waits for the copies of these slots (and only those).
 
         Raises:
             RuntimeError: more distinct adapters than ``max_loras`` (the scheduler prevents it).
-            AdapterReloadError: an adapter evicted from the host tier failed to load again.
+            AdapterReloadError: an adapter that is neither staged nor readable again.
         """
         wanted = {r.lora_int_id: r for r in requests}
         if len(wanted) > self.config.max_loras:
             raise RuntimeError(f"{len(wanted)} adapters in one step exceed max_loras="
                                f"{self.config.max_loras}")
-        for lora_id, request in wanted.items():
-            if lora_id in self._device:
-                self._device.move_to_end(lora_id)
+        for lid in wanted:
+            if lid in self._device:
+                self._device.move_to_end(lid)
+                self.stats.device_hits += 1
                 continue
-            try:
-                adapter = self.add(request)
-            except (LoRAAdapterError, FileNotFoundError) as e:
-                raise AdapterReloadError(lora_id, e) from e
-            slot = self._free_slot(wanted)
+            self.stats.device_misses += 1
+            adapter = self._host_copy(lid)
+            slot = self._free_slot(set(wanted))
             self._load_slot(slot, adapter)
-            self._device[lora_id] = slot
-        return {lora_id: self._device[lora_id] for lora_id in wanted}
+            self._device[lid] = slot
+        slots = {lid: self._device[lid] for lid in wanted}
+        self._wait_for(slots.values())
+        return slots
 
-    def _free_slot(self, pinned: Mapping[int, LoRARequest]) -> int:
+    def _host_copy(self, lid: int) -> LoRAAdapter:
+        adapter = self._host.get(lid)
+        if adapter is not None:
+            self._host.move_to_end(lid)
+            self.stats.host_hits += 1
+            return adapter
+        known = self._known.get(lid)
+        if known is None or not known.request.lora_path:
+            raise AdapterReloadError(lid, f"adapter {lid} is no longer cached")
+        future = self._loading.pop(lid, None)
+        try:
+            adapter = future.result() if future is not None else self._read(known.request)
+        except (LoRAAdapterError, FileNotFoundError, OSError) as e:
+            self._known.pop(lid, None)
+            raise AdapterReloadError(lid, e) from e
+        self.stats.sync_disk_loads += 1
+        if adapter.digest != known.digest:
+            self._known.pop(lid, None)
+            raise AdapterReloadError(lid, f"adapter {adapter.name!r} changed on disk since it "
+                                     "was first loaded")
+        self._insert_host(adapter, must_fit=False)
+        return adapter
+
+    def _free_slot(self, keep: set[int]) -> int | None:
         if None in self.slot_to_id:
             return self.slot_to_id.index(None)
-        victim = next(i for i in self._device if i not in pinned)
+        victim = next((i for i in self._device if i not in keep), None)
+        if victim is None:
+            return None
         slot = self._device.pop(victim)
+        self.stats.device_evictions += 1
         logger.debug("slot %d: evicted adapter %d", slot, victim)
         return slot
 
     def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        if self._copy_stream is None:
+            start = time.perf_counter()
+            self._write_slot(slot, adapter)
+            self.stats.device_load_seconds += time.perf_counter() - start
+            self.stats.device_load_bytes += adapter.nbytes
+        else:
+            compute = torch.cuda.current_stream(self._copy_stream.device)
+            self._copy_stream.wait_stream(compute)   # the slot's old adapter is done with
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True)
+            with torch.cuda.stream(self._copy_stream):
+                begin.record()
+                self._write_slot(slot, adapter)
+                end.record()
+            self._slot_events[slot] = end
+            self._timings.append((begin, end, adapter.nbytes))
+        self.slot_to_id[slot] = adapter.lora_int_id
+        self.slot_ranks[slot] = adapter.rank
+        self.slot_dora[slot] = int(adapter.has_dora)
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for (layer, module), slots in self.slots.items():
             w = adapter.weights.get((layer, module))
             if w is None:
                 slots.set_slot(slot, module, None, None)
             else:
                 slots.set_slot(slot, module, w.a, w.b, w.dora_scale)
-        self.slot_to_id[slot] = adapter.lora_int_id
-        self.slot_ranks[slot] = adapter.rank
-        self.slot_dora[slot] = int(adapter.has_dora)
-        self.num_slot_loads += 1
+
+    def _wait_for(self, slots: Iterable[int]) -> None:
+        if self._copy_stream is None:
+            return
+        compute = torch.cuda.current_stream(self._copy_stream.device)
+        for slot in slots:
+            event = self._slot_events.pop(slot, None)
+            if event is not None and not event.query():
+                compute.wait_event(event)
 
     def slot_of(self, lora_int_id: int) -> int | None:
         """The slot holding the adapter, or None."""
         return self._device.get(lora_int_id)
+
+    def shutdown(self) -> None:
+        """Stop the loader threads (pending reads are dropped)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

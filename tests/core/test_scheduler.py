@@ -360,3 +360,91 @@ def test_abort_preempted_request():
     sched.finish_requests(["b", "a"], RequestStatus.FINISHED_ABORTED)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert not sched.has_unfinished_requests()
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter residency: resident adapters first, aging, staging
+
+
+class FakeResidency:
+    """The adapter cache's answers, set by hand."""
+
+    def __init__(self, resident=(), not_ready=()) -> None:
+        self.resident = set(resident)
+        self.not_ready = set(not_ready)
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        return lora_int_id not in self.not_ready
+
+    def is_resident(self, lora_int_id: int) -> bool:
+        return lora_int_id in self.resident
+
+
+def residency_scheduler(residency: FakeResidency, *, max_loras: int = 1,
+                        lora_aging_steps: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(16, 64, max_loras, lora_aging_steps),
+                     KVCacheManager(64, 4), residency)
+
+
+def test_free_slot_goes_to_a_resident_adapter_first():
+    sched = residency_scheduler(FakeResidency(resident={3}), max_loras=1)
+    older, resident = make_request(2, lora_id=2, rid="older"), make_request(2, lora_id=3)
+    sched.add_request(older)
+    sched.add_request(resident)
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [resident]
+    assert sched.wanted_adapters(4) == [older.lora_request]
+
+
+def test_not_ready_adapters_are_passed_over_and_wanted():
+    residency = FakeResidency(not_ready={2})
+    sched = residency_scheduler(residency, max_loras=2)
+    staged_later = make_request(2, lora_id=2, rid="on-disk")
+    ready = make_request(2, lora_id=3, rid="ready")
+    sched.add_request(staged_later)
+    sched.add_request(ready)
+    assert sched.wanted_adapters(4) == [staged_later.lora_request, ready.lora_request]
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [ready]
+    residency.not_ready.clear()                        # staged in host memory
+    out = step(sched)
+    assert staged_later in [s.request for s in out.scheduled]
+
+
+def test_aged_request_gets_the_next_slot_before_resident_adapters():
+    residency = FakeResidency(resident={1})
+    sched = residency_scheduler(residency, max_loras=1, lora_aging_steps=3)
+    rare = make_request(2, lora_id=2, rid="rare", max_tokens=100)
+    sched.add_request(make_request(2, lora_id=1, max_tokens=2))
+    sched.add_request(rare)
+    served = []
+    for k in range(12):
+        # a steady stream of requests for the resident adapter, each short
+        sched.add_request(make_request(2, lora_id=1, max_tokens=2, rid=f"hot{k}"))
+        out = step(sched)
+        served.append({s.request.lora_int_id for s in out.scheduled})
+        for s in out.scheduled:
+            if s.request.num_output_tokens >= 2:
+                sched.finish_requests([s.request.request_id], RequestStatus.FINISHED_LENGTH)
+        if rare.status == RequestStatus.RUNNING:
+            break
+    assert rare.status == RequestStatus.RUNNING, served
+    assert all(len(ids) <= 1 for ids in served)        # never two adapters in one slot
+
+
+def test_busy_adapter_closes_for_an_aged_request():
+    # adapter 1 always has running requests; the aged request for adapter 2 still runs
+    sched = residency_scheduler(FakeResidency(resident={1}), max_loras=1, lora_aging_steps=2)
+    sched.add_request(make_request(2, lora_id=1, max_tokens=3, rid="hot-first"))
+    rare = make_request(2, lora_id=2, rid="rare")
+    sched.add_request(rare)
+    for k in range(20):
+        sched.add_request(make_request(2, lora_id=1, max_tokens=3, rid=f"hot{k}"))
+        out = step(sched)
+        done = [s.request.request_id for s in out.scheduled
+                if s.request.num_output_tokens >= 3]
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+        if rare.status == RequestStatus.RUNNING:
+            break
+    assert rare.status == RequestStatus.RUNNING
+    assert sched.running_adapters() == {2}

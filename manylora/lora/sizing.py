@@ -1,0 +1,41 @@
+"""How much device memory one adapter slot takes, and how many slots a memory share buys
+(TensorRT-LLM's ``device_cache_percent``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+def slot_bytes(module_shapes: Mapping[str, tuple[int, int]], num_layers: int,
+               target_modules: Sequence[str], max_lora_rank: int, dtype: torch.dtype,
+               biased_modules: Sequence[str] = ()) -> int:
+    """Bytes of one slot over all layers: A ``[max_lora_rank, in]`` and B
+    ``[out, max_lora_rank]`` in ``dtype`` per targeted module, plus the float32 DoRA scale
+    ``[out]`` (and shift ``[out]`` for modules with a bias)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = 0
+    for module in target_modules:
+        in_f, out_f = module_shapes[module]
+        per_layer += (in_f + out_f) * max_lora_rank * elem + out_f * 4
+        if module in biased_modules:
+            per_layer += out_f * 4
+    return per_layer * num_layers
+
+
+def slots_for_memory(free_bytes: int, percent: float, bytes_per_slot: int) -> int:
+    """Slots that fit in ``percent`` (a share in (0, 1]) of ``free_bytes``.
+
+    Raises:
+        ValueError: ``percent`` outside (0, 1], or not even one slot fits.
+    """
+    if not 0.0 < percent <= 1.0:
+        raise ValueError(f"lora_device_cache_percent must be in (0, 1], got {percent}")
+    slots = int(free_bytes * percent // bytes_per_slot)
+    if slots < 1:
+        raise ValueError(
+            f"lora_device_cache_percent={percent} of the {free_bytes / 2**20:.0f} MiB left "
+            f"free holds no adapter slot ({bytes_per_slot / 2**20:.1f} MiB each): raise it, "
+            "lower max_lora_rank or gpu_memory_utilization, or set max_loras")
+    return slots
