@@ -1,4 +1,4 @@
-"""The ``manylora`` command: ``generate`` and ``demo``."""
+"""The ``manylora`` command: ``generate``, ``demo`` and ``convert-lora``."""
 
 from __future__ import annotations
 
@@ -70,6 +70,17 @@ def _parser() -> argparse.ArgumentParser:
         "MANYLORA_CACHE", str(Path.home() / ".cache" / "manylora" / "demo")))
     demo.add_argument("--max-tokens", type=int, default=24)
     demo.add_argument("--device", default="auto")
+    conv = sub.add_parser("convert-lora", help="convert a PEFT adapter to TensorRT-LLM's LoRA "
+                          "tensors (model.lora_weights.npy, model.lora_config.npy)")
+    conv.add_argument("-i", "--input", required=True, metavar="PEFT_DIR",
+                      help="the PEFT adapter directory")
+    conv.add_argument("-o", "--output", required=True, metavar="OUT_DIR",
+                      help="directory to write the .npy files to (created if missing)")
+    conv.add_argument("--storage-type", default="float16",
+                      choices=("float16", "bfloat16", "float32"),
+                      help="dtype of the stored weights")
+    conv.add_argument("--base-model", default=None, metavar="DIR",
+                      help="base checkpoint directory; needed to normalize DoRA magnitudes")
     return parser
 
 
@@ -137,6 +148,10 @@ def _demo(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
+    if args.command == "convert-lora":
+        from manylora.entrypoints.convert_lora import run
+
+        return run(args)
     return _generate(args) if args.command == "generate" else _demo(args)
 
 

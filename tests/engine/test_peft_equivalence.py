@@ -96,9 +96,10 @@ def test_fewer_slots_than_adapters(demo_set, prompts, reference):
     llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=2,
                            max_cpu_loras=2, max_lora_rank=32, num_kv_blocks=256, block_size=8)
     manager = llm.llm_engine.lora_manager
-    assert manager.num_slot_loads == len(demo_set.adapters)  # 4 adapters through 2 slots
+    stats = llm.llm_engine.lora_cache_stats()
+    assert stats.device_misses >= len(demo_set.adapters)     # 4 adapters through 2 slots
     assert all(slot is not None for slot in manager.slot_to_id)
-    assert manager.num_disk_loads > len(demo_set.adapters)   # the host tier evicted too
+    assert stats.host_misses > len(demo_set.adapters)        # the host tier evicted too
 
 
 def test_preemption_keeps_outputs_and_frees_blocks(demo_set, prompts, reference):

@@ -1,19 +1,57 @@
-"""Read an adapter from whatever form a ``LoRARequest`` names it in."""
+"""Read an adapter from whatever form a ``LoRARequest`` names it in: a PEFT directory, a
+directory of TensorRT-LLM's ``.npy`` files, or TensorRT-LLM's tensors in the request."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from manylora.lora.adapter import LoRAAdapter
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.peft import AdapterTarget, load_peft_adapter
+from manylora.lora.formats.trtllm import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    adapter_from_trtllm,
+    read_trtllm_dir,
+)
 from manylora.lora.request import LoRARequest
+
+
+def is_trtllm_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds TensorRT-LLM's ``model.lora_weights.npy`` or
+    ``model.lora_config.npy`` (then it is read in that format, not as PEFT)."""
+    path = Path(path)
+    return (path / WEIGHTS_FILE).is_file() or (path / CONFIG_FILE).is_file()
 
 
 def load_adapter_dir(request: LoRARequest, path: str | os.PathLike,
                      target: AdapterTarget) -> LoRAAdapter:
-    """Load the adapter in directory ``path`` (PEFT) into host memory.
+    """Load the adapter in directory ``path`` into host memory.
+
+    A directory with TensorRT-LLM's ``model.lora_weights.npy`` / ``model.lora_config.npy`` is
+    read in TensorRT-LLM's format (``read_trtllm_dir`` + ``adapter_from_trtllm``), any other
+    as a PEFT adapter (``load_peft_adapter``).
 
     Raises:
-        LoRAAdapterError: as ``load_peft_adapter``.
+        LoRAAdapterError: as ``read_trtllm_dir`` and ``adapter_from_trtllm`` (one of the two
+            ``.npy`` files missing, too), or as ``load_peft_adapter``.
     """
+    if is_trtllm_dir(path):
+        weights, config = read_trtllm_dir(path, request.lora_name)
+        return adapter_from_trtllm(request.lora_int_id, request.lora_name, weights, config,
+                                   target)
     return load_peft_adapter(request, path, target)
+
+
+def adapter_from_request(request: LoRARequest, target: AdapterTarget) -> LoRAAdapter:
+    """The adapter a request carries as TensorRT-LLM's ``LoraConfig`` tensors
+    (``request.weights [N, W]``, ``request.config [N, 3|4]``; see ``adapter_from_trtllm``).
+
+    Raises:
+        LoRAAdapterError: the request carries no tensors, or as ``adapter_from_trtllm``.
+    """
+    if not request.has_tensors:
+        raise LoRAAdapterError(f"adapter {request.lora_name!r}: the request carries no "
+                               "weights/config tensors")
+    return adapter_from_trtllm(request.lora_int_id, request.lora_name, request.weights,
+                               request.config, target)
