@@ -9,6 +9,10 @@ kernels need:
   ``i``-th slot present in the step ``active_slots[i]``, its rows
   ``sorted_rows[seg_start[i] : seg_start[i] + seg_len[i]]``.
 
+It also carries ``slot_dora``, which slots hold a DoRA adapter (Liu et al. 2024): the expand
+kernels read that flag as data, so a captured CUDA graph stays valid when DoRA and plain
+adapters are swapped in and out of slots.
+
 All index tensors are int32 on the model's device and are built from one host buffer with
 a single copy. A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
 padding rows are base rows, and ``max_seg_len`` is the padded batch size.
@@ -37,11 +41,13 @@ class SlotSegment(NamedTuple):
         rank: the adapter's true rank (≤ max_lora_rank); columns past it are zero padding.
         rows: int32 ``[n]`` indices into the flat token batch, on the model's device (a view
             of ``LoRAMapping.sorted_rows``).
+        dora: whether the slot's adapter has DoRA scales (``LoRAMapping.slot_dora[slot]``).
     """
 
     slot: int
     rank: int
     rows: torch.Tensor
+    dora: bool = False
 
 
 class LoRAMapping(NamedTuple):
@@ -58,6 +64,9 @@ class LoRAMapping(NamedTuple):
         seg_start: int32 ``[max_loras]``, where ``active_slots[i]``'s rows start in
             ``sorted_rows`` (0 past the active ones).
         seg_len: int32 ``[max_loras]``, how many rows ``active_slots[i]`` has (0 past them).
+        slot_dora: int32 ``[max_loras]``, 1 where the slot's adapter has DoRA scales, else 0;
+            the expand kernels read it per program, so it may change between CUDA-graph
+            replays like the other tensors.
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
         schedule: ``"sgmv"`` (segments) or ``"bgmv"`` (per-row gather), the kernel schedule.
         has_lora: host bool, whether any row uses an adapter (if not, layers launch nothing).
@@ -70,6 +79,7 @@ class LoRAMapping(NamedTuple):
     active_slots: torch.Tensor
     seg_start: torch.Tensor
     seg_len: torch.Tensor
+    slot_dora: torch.Tensor
     max_seg_len: int
     schedule: str
     has_lora: bool
@@ -77,23 +87,29 @@ class LoRAMapping(NamedTuple):
 
 
 def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
-                       device: torch.device, *, pad_to: int | None = None,
-                       schedule: str | None = None) -> LoRAMapping:
+                       device: torch.device, *, slot_dora: Sequence[int] | None = None,
+                       pad_to: int | None = None, schedule: str | None = None) -> LoRAMapping:
     """Build the step's mapping from a host list of per-token slots.
 
     Args:
         token_slots: length ``T``, the slot of every token row (-1 = base model).
         slot_ranks: length ``max_loras``, the true rank of the adapter in each slot.
         device: where the index tensors live.
+        slot_dora: length ``max_loras``, nonzero where the slot's adapter has DoRA scales
+            (stored as 0/1); None: no DoRA slot.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
         schedule: force ``"sgmv"`` or ``"bgmv"``; by default SGMV when the step has at least
             ``SGMV_MIN_ROWS`` LoRA rows and its slots average at least
             ``SGMV_MIN_ROWS_PER_SLOT``, else BGMV.
 
+    Returns:
+        The ``LoRAMapping``; its seven int32 tensors come from one host → device copy.
+
     Raises:
         IndexError: a slot outside ``[-1, len(slot_ranks))``.
-        ValueError: ``pad_to`` below the number of rows, or an unknown ``schedule``.
+        ValueError: ``pad_to`` below the number of rows, ``slot_dora`` of another length
+            than ``slot_ranks``, or an unknown ``schedule``.
     """
     num_rows, max_loras = len(token_slots), len(slot_ranks)
     total = num_rows if pad_to is None else pad_to
@@ -101,12 +117,10 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         raise ValueError(f"pad_to={pad_to} is below the step's {num_rows} rows")
     if schedule not in (None, "sgmv", "bgmv"):
         raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
-    rows_of: dict[int, list[int]] = {}
-    base_rows: list[int] = []
-    for row, slot in enumerate(token_slots):
-        if slot >= max_loras or slot < -1:
-            raise IndexError(f"slot {slot} is outside the {max_loras} adapter slots")
-        (rows_of.setdefault(slot, []) if slot >= 0 else base_rows).append(row)
+    dora = [0] * max_loras if slot_dora is None else [int(bool(d)) for d in slot_dora]
+    if len(dora) != max_loras:
+        raise ValueError(f"slot_dora has {len(dora)} entries for {max_loras} adapter slots")
+    rows_of, base_rows = _rows_by_slot(token_slots, max_loras)
     active = sorted(rows_of)
     sorted_rows = [r for s in active for r in rows_of[s]] + base_rows + list(
         range(num_rows, total))
@@ -115,16 +129,33 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
     pad = max_loras - len(active)
     host = torch.tensor(
         list(token_slots) + [-1] * (total - num_rows) + list(slot_ranks) + sorted_rows
-        + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad, dtype=torch.int32)
-    (indices, ranks, srows, act, start, length) = host.to(device).split(
-        (total, max_loras, total, max_loras, max_loras, max_loras))
+        + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad + dora, dtype=torch.int32)
+    (indices, ranks, srows, act, start, length, dora_t) = host.to(device).split(
+        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
     num_lora_rows = num_rows - len(base_rows)
     if schedule is None:
         schedule = ("sgmv" if active and num_lora_rows >= max(
             SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * len(active)) else "bgmv")
     if pad_to is not None:
-        return LoRAMapping(indices, ranks, srows, act, start, length, pad_to, schedule, True, ())
-    segments = tuple(SlotSegment(s, int(slot_ranks[s]), srows[b: b + n])
+        return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, pad_to, schedule,
+                           True, ())
+    segments = tuple(SlotSegment(s, int(slot_ranks[s]), srows[b: b + n], bool(dora[s]))
                      for s, b, n in zip(active, starts, lens))
-    return LoRAMapping(indices, ranks, srows, act, start, length, max(lens, default=0),
+    return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max(lens, default=0),
                        schedule, bool(active), segments)
+
+
+def _rows_by_slot(token_slots: Sequence[int],
+                  max_loras: int) -> tuple[dict[int, list[int]], list[int]]:
+    """``({slot: its rows, ascending}, base rows)`` of a step.
+
+    Raises:
+        IndexError: a slot outside ``[-1, max_loras)``.
+    """
+    rows_of: dict[int, list[int]] = {}
+    base_rows: list[int] = []
+    for row, slot in enumerate(token_slots):
+        if slot >= max_loras or slot < -1:
+            raise IndexError(f"slot {slot} is outside the {max_loras} adapter slots")
+        (rows_of.setdefault(slot, []) if slot >= 0 else base_rows).append(row)
+    return rows_of, base_rows

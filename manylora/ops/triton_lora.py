@@ -18,6 +18,13 @@ rank-64 slot buffer does rank-8 work. Shrink splits the reduction over ``in`` (s
 atomics into a zeroed buffer) so that small batches still fill the GPU; expand tiles the
 output columns and stops its reduction at the rank.
 
+Expand also fuses DoRA (Liu et al. 2024): launched with per-slot scales (and shifts), a
+program whose slot is flagged in ``slot_dora`` stores ``(y + delta) * scale (+ shift)`` in
+float32, rounded once, and only such programs load the scale/shift tiles. The flag is data,
+read per program, so one launch (one captured graph) serves any mix of DoRA and plain slots;
+``HAS_DORA`` / ``HAS_SHIFT`` are constexprs, so a launch without DoRA arguments compiles to
+the plain kernel.
+
 The wrappers are CUDA-graph safe: no host synchronisation, grids only from tensor shapes and
 the mapping's host ints, block sizes from shape heuristics (no autotuning). Both ops are
 registered as torch custom ops (``torch.ops.manylora.lora_shrink`` / ``lora_expand``) with
@@ -61,6 +68,14 @@ def _pick(s, v0, v1, v2):
     else:
         v = v2
     return v
+
+
+@triton.jit
+def _dora_row(p0, p1, p2, s, slot, n_out, offs_n, n_mask, other: tl.constexpr):
+    """Slice ``s``'s float32 ``[BLOCK_N]`` tile of a ``[max_loras, n_out]`` DoRA stack (the
+    scales or the shifts) at ``slot``, columns ``offs_n``."""
+    p = _pick(s, p0, p1, p2)
+    return tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=other)
 
 
 @triton.jit
@@ -163,12 +178,14 @@ def _bgmv_shrink_kernel(
 def _sgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
+        slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
         N0, N1, N2, OFF0, OFF1, OFF2, N_TILES,
         stride_bt, stride_bs, stride_yt, stride_yn,
         R: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_SLICES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-        DOT_FP32: tl.constexpr):
-    """Grid ``(m_tiles * n_tiles, max_loras * NUM_SLICES)``."""
+        DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """Grid ``(m_tiles * n_tiles, max_loras * NUM_SLICES)``. With ``HAS_DORA`` a program of
+    a slot whose ``slot_dora`` flag is set stores ``(y + delta) * scale (+ shift)``."""
     pid_m = tl.program_id(0) // N_TILES
     pid_n = tl.program_id(0) % N_TILES
     seg = tl.program_id(1) // NUM_SLICES
@@ -214,17 +231,27 @@ def _sgmv_expand_kernel(
     y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+    out = y.to(tl.float32) + acc
+    if HAS_DORA:
+        if tl.load(slot_dora_ptr + slot) != 0:
+            out = out * _dora_row(sc0_ptr, sc1_ptr, sc2_ptr, s, slot, n_out, offs_n, n_mask,
+                                  1.0)[None, :]
+            if HAS_SHIFT:
+                out = out + _dora_row(sh0_ptr, sh1_ptr, sh2_ptr, s, slot, n_out, offs_n,
+                                      n_mask, 0.0)[None, :]
+    tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
 @triton.jit
 def _bgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, slot_ranks_ptr,
+        slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
         N0, N1, N2, OFF0, OFF1, OFF2,
         stride_bt, stride_bs, stride_yt, stride_yn,
         R: tl.constexpr, RANK_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr):
-    """Grid ``(T, n_tiles, NUM_SLICES)``."""
+        BLOCK_R: tl.constexpr, HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """Grid ``(T, n_tiles, NUM_SLICES)``. With ``HAS_DORA`` a row whose slot has its
+    ``slot_dora`` flag set stores ``(y + delta) * scale (+ shift)``."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
@@ -257,7 +284,15 @@ def _bgmv_expand_kernel(
 
     y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + (col0 + offs_n) * stride_yn
     y = tl.load(y_ptrs, mask=n_mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + tl.sum(acc, axis=1)).to(y.dtype), mask=n_mask)
+    out = y.to(tl.float32) + tl.sum(acc, axis=1)
+    if HAS_DORA:
+        if tl.load(slot_dora_ptr + slot) != 0:
+            out = out * _dora_row(sc0_ptr, sc1_ptr, sc2_ptr, s, slot, n_out, offs_n, n_mask,
+                                  1.0)
+            if HAS_SHIFT:
+                out = out + _dora_row(sh0_ptr, sh1_ptr, sh2_ptr, s, slot, n_out, offs_n,
+                                      n_mask, 0.0)
+    tl.store(y_ptrs, out.to(y.dtype), mask=n_mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,14 +428,78 @@ def _lora_shrink_fake(x, lora_a_stacked, token_lora_indices, slot_ranks, sorted_
                        dtype=torch.float32)
 
 
-@torch.library.custom_op("manylora::lora_expand", mutates_args=("y",))
+def _check_dora(slot_dora: torch.Tensor | None, scales: Sequence[torch.Tensor] | None,
+                shifts: Sequence[torch.Tensor] | None, sizes: Sequence[int], max_loras: int,
+                device: torch.device) -> None:
+    """Validate the DoRA arguments of ``lora_expand_op`` (all None: no DoRA).
+
+    Raises:
+        ValueError: shifts without scales, scales without ``slot_dora``, a ``slot_dora`` that
+            is not int32 ``[max_loras]`` on ``device``, or scale/shift stacks that are not
+            one float32 ``[max_loras, out_s]`` tensor on ``device`` per slice.
+    """
+    if scales is None:
+        if shifts is not None:
+            raise ValueError("lora_expand: DoRA shifts were given without DoRA scales")
+        return
+    if (slot_dora is None or slot_dora.dtype != torch.int32 or slot_dora.device != device
+            or tuple(slot_dora.shape) != (max_loras,)):
+        got = None if slot_dora is None else (tuple(slot_dora.shape), slot_dora.dtype)
+        raise ValueError(f"lora_expand: DoRA scales need slot_dora as int32 [{max_loras}] on "
+                         f"{device}, got {got}")
+    want = [(max_loras, n) for n in sizes]
+    for name, stacks in (("scales", scales), ("shifts", shifts)):
+        if stacks is None:
+            continue
+        if (len(stacks) != len(sizes) or [tuple(t.shape) for t in stacks] != want
+                or any(t.dtype != torch.float32 or t.device != device for t in stacks)):
+            raise ValueError(f"lora_expand: DoRA {name} {[tuple(t.shape) for t in stacks]} "
+                             f"{[t.dtype for t in stacks]}, expected float32 {want} on "
+                             f"{device}")
+
+
+def _dora_launch_args(y: torch.Tensor, slot_dora: torch.Tensor | None,
+                      scales: Sequence[torch.Tensor] | None,
+                      shifts: Sequence[torch.Tensor] | None) -> tuple[list, dict]:
+    """``(pointer args, constexpr kwargs)`` of the expand kernels' DoRA epilogue: the flag,
+    three scale and three shift pointers (``y`` stands in for the ones a launch never reads),
+    and ``HAS_DORA`` / ``HAS_SHIFT``."""
+    pad = [y] * MAX_SLICES
+    sc = pad if scales is None else ([t.contiguous() for t in scales] + pad)[:MAX_SLICES]
+    sh = pad if shifts is None else ([t.contiguous() for t in shifts] + pad)[:MAX_SLICES]
+    flag = y if scales is None else slot_dora
+    return [flag, *sc, *sh], {"HAS_DORA": scales is not None, "HAS_SHIFT": shifts is not None}
+
+
+# Written out: inferring a schema cannot express the optional tensor lists (``Tensor[]?``).
+_LORA_EXPAND_SCHEMA = (
+    "(Tensor(a0!) y, Tensor buffer, Tensor[] lora_b_stacked, Tensor token_lora_indices, "
+    "Tensor slot_ranks, Tensor sorted_rows, Tensor active_slots, Tensor seg_start, "
+    "Tensor seg_len, SymInt max_seg_len, str schedule, SymInt[] slice_offsets, "
+    "Tensor? slot_dora=None, Tensor[]? dora_scale_stacked=None, "
+    "Tensor[]? dora_shift_stacked=None) -> ()")
+
+
+@torch.library.custom_op("manylora::lora_expand", mutates_args=("y",),
+                         schema=_LORA_EXPAND_SCHEMA)
 def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[torch.Tensor],
                    token_lora_indices: torch.Tensor, slot_ranks: torch.Tensor,
                    sorted_rows: torch.Tensor, active_slots: torch.Tensor,
                    seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
-                   schedule: str, slice_offsets: list[int]) -> None:
+                   schedule: str, slice_offsets: list[int],
+                   slot_dora: torch.Tensor | None = None,
+                   dora_scale_stacked: list[torch.Tensor] | None = None,
+                   dora_shift_stacked: list[torch.Tensor] | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` in place, in one
-    Triton launch (Punica SGMV/BGMV expand).
+    Triton launch (Punica SGMV/BGMV expand), with DoRA's rescaling fused in.
+
+    For a row whose slot has ``slot_dora[slot] == 1`` (only when ``dora_scale_stacked`` is
+    given), the slice's columns become instead::
+
+        y[t, cols] = (y[t, cols] + delta) * scale_s[slot] (+ shift_s[slot])
+
+    computed in float32 and rounded once to ``y``'s dtype. Other LoRA rows get exactly what
+    a launch without DoRA arguments gives them.
 
     Args:
         y: ``[T, out_total]``, float32, bfloat16 or float16; updated in place, rows with slot
@@ -411,6 +510,11 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
         token_lora_indices, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
             max_seg_len, schedule: the fields of the step's ``LoRAMapping``.
         slice_offsets: ``S`` column offsets ``off_s`` into ``y``; the slices must not overlap.
+        slot_dora: int32 ``[max_loras]``, ``LoRAMapping.slot_dora``; needed with DoRA scales.
+        dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]``, the DoRA scales
+            ``m / ||W + BA||`` of each slot (read only for slots flagged in ``slot_dora``).
+        dora_shift_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` added after the
+            scaling (``(1 - scale) * bias`` keeps the bias out of the scaling).
 
     The SGMV schedule rounds each buffer tile to ``y``'s dtype before its ``tl.dot`` (as
     Punica and vLLM do); BGMV multiplies in float32. Either adds in float32 and rounds once.
@@ -418,7 +522,8 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
     Raises:
         ValueError: 0 or more than 3 slices, slices of another dtype/device/rank, offsets
             that do not match the slices or make them overlap or overflow ``y``, a buffer
-            of the wrong shape, a mapping of another row count, or an unknown schedule.
+            of the wrong shape, a mapping of another row count, an unknown schedule, or
+            DoRA arguments as ``_check_dora`` rejects them.
     """
     if y.dtype not in _DTYPES or y.dim() != 2:
         raise ValueError(f"lora_expand: y must be 2-d float32/bf16/fp16, got {y.dtype}")
@@ -439,11 +544,14 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
             or any(o1 + n1 > o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))):
         raise ValueError(f"lora_expand: B slices {[tuple(b.shape) for b in stacks]} at offsets "
                          f"{list(slice_offsets)} do not fit y's {y.shape[1]} columns")
+    _check_dora(slot_dora, dora_scale_stacked, dora_shift_stacked, sizes, max_loras, y.device)
     if num_rows == 0 or max_rank == 0:
         return
     b0, b1, b2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
     n0, n1, n2 = (sizes + [0] * MAX_SLICES)[:MAX_SLICES]
     o0, o1, o2 = (list(slice_offsets) + [0] * MAX_SLICES)[:MAX_SLICES]
+    dora_args, dora_flags = _dora_launch_args(y, slot_dora, dora_scale_stacked,
+                                              dora_shift_stacked)
     max_n = max(sizes)
     rank_align = math.gcd(max_rank, 8)
     strides = (buffer.stride(0), buffer.stride(1), y.stride(0), y.stride(1))
@@ -457,22 +565,24 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
         m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
         _sgmv_expand_kernel[(m_tiles * n_tiles, max_loras * num_slices)](
             buffer, b0, b1, b2, y, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
-            n0, n1, n2, o0, o1, o2, n_tiles, *strides,
+            *dora_args, n0, n1, n2, o0, o1, o2, n_tiles, *strides,
             R=max_rank, RANK_ALIGN=rank_align, NUM_SLICES=num_slices, BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_R=block_r, DOT_FP32=_interpreted_bf16(y), num_warps=4)
+            BLOCK_N=block_n, BLOCK_R=block_r, DOT_FP32=_interpreted_bf16(y), **dora_flags,
+            num_warps=4)
     else:
         block_r = min(triton.next_power_of_2(max_rank), 32)
         block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
         _bgmv_expand_kernel[(num_rows, triton.cdiv(max_n, block_n), num_slices)](
-            buffer, b0, b1, b2, y, token_lora_indices, slot_ranks,
+            buffer, b0, b1, b2, y, token_lora_indices, slot_ranks, *dora_args,
             n0, n1, n2, o0, o1, o2, *strides,
-            R=max_rank, RANK_ALIGN=rank_align, BLOCK_N=block_n, BLOCK_R=block_r, num_warps=4)
+            R=max_rank, RANK_ALIGN=rank_align, BLOCK_N=block_n, BLOCK_R=block_r, **dora_flags,
+            num_warps=4)
 
 
 @lora_expand_op.register_fake
 def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks, sorted_rows,
-                      active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets):
+                      active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets,
+                      slot_dora=None, dora_scale_stacked=None, dora_shift_stacked=None):
     return None
 
 
@@ -509,10 +619,17 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
 
 def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                        lora_b_stacked: Sequence[torch.Tensor], mapping: LoRAMapping,
-                       output_slices: Sequence[tuple[int, int]]) -> None:
+                       output_slices: Sequence[tuple[int, int]],
+                       dora_scale_stacked: Sequence[torch.Tensor] | None = None,
+                       dora_shift_stacked: Sequence[torch.Tensor] | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` for every slice, in
     place, in one launch of Punica's SGMV or BGMV expand (``mapping.schedule``):
     ``torch.ops.manylora.lora_expand`` with the mapping's fields; see ``lora_expand_op``.
+
+    With ``dora_scale_stacked``, rows whose slot is flagged in ``mapping.slot_dora`` get
+    ``y[t, cols] = (y[t, cols] + delta) * scale_s[slot] (+ shift_s[slot])`` instead (float32,
+    rounded once); the flag is read by the kernels, so the launch is the same whichever slots
+    are DoRA (CUDA-graph safe).
 
     Args:
         y: ``[T, out_total]``, updated in place.
@@ -520,6 +637,9 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
         lora_b_stacked: 1-3 tensors ``[max_loras, out_s, max_lora_rank]``, dtype of ``y``.
         mapping: the step's token → slot map, on ``y``'s device.
         output_slices: ``S`` pairs ``(offset, out_s)``; ``out_s`` must be B_s's width.
+        dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA scales.
+        dora_shift_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA shifts
+            (only with scales).
 
     Raises:
         ValueError: ``output_slices`` and ``lora_b_stacked`` disagree (count or widths), or
@@ -533,7 +653,10 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                          f"{[b.shape[1] for b in lora_b_stacked]}")
     if not mapping.has_lora:
         return
+    dora = dora_scale_stacked is not None
     torch.ops.manylora.lora_expand(
         y, buffer, list(lora_b_stacked), mapping.token_lora_indices, mapping.slot_ranks,
         mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
-        mapping.max_seg_len, mapping.schedule, [offset for offset, _ in output_slices])
+        mapping.max_seg_len, mapping.schedule, [offset for offset, _ in output_slices],
+        mapping.slot_dora if dora else None, list(dora_scale_stacked) if dora else None,
+        None if dora_shift_stacked is None else list(dora_shift_stacked))

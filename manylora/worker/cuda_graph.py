@@ -7,9 +7,10 @@ of a batch padded to the bucket size. Before each replay the new step's inputs, 
 the same padding, are copied into those tensors field by field, so every shape and host
 value a captured kernel depends on is the same at every replay.
 
-Adapter weights and ranks are inputs too (the slot buffers are written in place, the ranks
-travel in ``LoRAMapping.slot_ranks``), so loading or evicting adapters between steps never
-forces a re-capture.
+Adapter weights, ranks and DoRA flags are inputs too (the slot buffers, DoRA scales
+included, are written in place; the ranks and flags travel in ``LoRAMapping.slot_ranks`` and
+``slot_dora``), so loading or evicting adapters, DoRA or not, between steps never forces a
+re-capture.
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ class ModelRunner:
             out: the scheduler's plan.
             lora_slots: ``{lora_int_id: slot}`` for the adapters of the step.
             slot_ranks: the true rank of each slot (length max_loras).
-            slot_dora: 1 where a slot's adapter has DoRA scales (length max_loras); None: none.
+            slot_dora: 1 where a slot's adapter has DoRA scales (length max_loras); None: no
+                DoRA slot. Read by the kernels as data, so it never selects another graph.
 
         Returns:
             ``{request_id: token_id}`` for each request whose last token was computed.
@@ -79,7 +80,8 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(req)
-        hidden = self._run_model(out, ids, positions, token_slots, slot_ranks)
+        dora = [0] * len(slot_ranks) if slot_dora is None else list(slot_dora)
+        hidden = self._run_model(out, ids, positions, token_slots, slot_ranks, dora)
         if not sample_reqs:
             return {}
         dev = self.device
@@ -93,7 +95,8 @@ class ModelRunner:
         return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
 
     def _run_model(self, out: SchedulerOutput, ids: list[int], positions: list[int],
-                   token_slots: list[int], slot_ranks: list[int]) -> torch.Tensor:
+                   token_slots: list[int], slot_ranks: list[int],
+                   slot_dora: list[int]) -> torch.Tensor:
         """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``)."""
         dev = self.device
         num_rows = len(ids)
@@ -106,7 +109,8 @@ class ModelRunner:
             dev, pad_to=bucket, max_blocks_per_seq=self.max_blocks_per_seq if bucket else None)
         lora = None
         if self.max_loras and any(t >= 0 for t in token_slots):
-            lora = build_lora_mapping(token_slots, slot_ranks, dev, pad_to=bucket)
+            lora = build_lora_mapping(token_slots, slot_ranks, dev, slot_dora=slot_dora,
+                                      pad_to=bucket)
         host = torch.tensor(ids + [0] * (pad - num_rows) + positions + [0] * (pad - num_rows),
                             dtype=torch.int64)
         input_ids, pos = host.to(dev).split((pad, pad))
@@ -118,7 +122,8 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every decode graph up front (vLLM captures at start-up too): one per
-        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on."""
+        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on. The
+        mappings flag no slot as DoRA: the kernels read ``slot_dora`` as data at replay."""
         if self.graphs is None:
             return
         schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
@@ -128,7 +133,8 @@ class ModelRunner:
                                             max_blocks_per_seq=self.max_blocks_per_seq)
             for schedule in schedules:
                 lora = None if schedule is None else build_lora_mapping(
-                    [], [0] * self.max_loras, self.device, pad_to=size, schedule=schedule)
+                    [], [0] * self.max_loras, self.device, slot_dora=[0] * self.max_loras,
+                    pad_to=size, schedule=schedule)
                 input_ids, positions = torch.zeros(2, size, dtype=torch.int64,
                                                    device=self.device)
                 self.graphs.run((size, schedule), (input_ids, positions, attn, lora))

@@ -7,7 +7,8 @@ The reference is a plain per-row loop::
 over slot buffers laid out as the engine lays them out: ``A [max_loras, max_lora_rank, in]``
 and ``B [max_loras, out, max_lora_rank]`` with the rows of A / columns of B past each slot's
 rank zero. Adapter popularity follows Punica's tests: distinct, uniform, zipf, identical,
-all base (-1) and base rows mixed in.
+all base (-1) and base rows mixed in. DoRA rows get ``(y + delta) * scale (+ shift)``, and
+through ``LoRALinear`` peft's ``scale * (x W^T + delta) + bias``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import zlib
 import pytest
 import torch
 
-from manylora.lora.layers import LoRALinear
+from manylora.lora.layers import LoRALinear, dora_row_norm
 from manylora.lora.punica import build_lora_mapping
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink
@@ -263,3 +264,148 @@ def test_default_schedule_follows_the_measured_crossover(rows, slots, expected):
     mapping = build_lora_mapping([r % slots for r in range(rows)], [8] * 64,
                                  torch.device("cpu"))
     assert mapping.schedule == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# DoRA: (y + delta) * scale (+ shift) for the rows of the slots flagged in slot_dora
+
+DORA_FLAGS = [1, 0, 1, 0]
+
+
+def test_build_lora_mapping_carries_slot_dora_in_the_one_copy():
+    cpu = torch.device("cpu")
+    mapping = build_lora_mapping([2, -1, 0, 1, 2], [3, 5, 7, 2], cpu, slot_dora=[0, 1, 5, 0])
+    assert mapping.slot_dora.dtype == torch.int32
+    assert mapping.slot_dora.tolist() == [0, 1, 1, 0]
+    assert [(s.slot, s.dora) for s in mapping.segments] == [(0, False), (1, True), (2, True)]
+    storages = {t.untyped_storage().data_ptr() for t in mapping if isinstance(t, torch.Tensor)}
+    assert len(storages) == 1, "every index tensor must come from one host → device copy"
+    assert build_lora_mapping([0], [3, 5], cpu).slot_dora.tolist() == [0, 0]
+    padded = build_lora_mapping([], [3, 5], cpu, slot_dora=[0, 0], pad_to=4, schedule="bgmv")
+    assert padded.slot_dora.tolist() == [0, 0] and padded.segments == ()
+    with pytest.raises(ValueError, match="slot_dora"):
+        build_lora_mapping([0], [3, 5], cpu, slot_dora=[1])
+
+
+@pytest.mark.parametrize("shift", [False, True], ids=["noshift", "shift"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dora_expand_reference(dtype, shift):
+    gen = torch.Generator().manual_seed(31 + shift)
+    slices, out_total = SLICES["gap"]
+    ranks = RANKS["mixed"]
+    token_slots = [0, -1, 1, 2, 2, 3, 0, -1, 1, 2]
+    x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
+    y0 = torch.randn(len(token_slots), out_total, generator=gen).to(dtype)
+    a_stacked, b_stacked = make_stacks(ranks, slices, dtype, gen)
+    scales = [1 + 0.2 * torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices]
+    shifts = [torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices] if shift else None
+    mapping = build_lora_mapping(token_slots, list(ranks), torch.device("cpu"),
+                                 slot_dora=DORA_FLAGS)
+    buffer = lora_shrink(x, a_stacked, mapping)
+
+    y = y0.clone()
+    lora_expand(y, buffer, b_stacked, mapping, slices, scales, shifts)
+    plain = y0.clone()
+    lora_expand(plain, buffer, b_stacked, mapping, slices)
+    want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, slices,
+                                         out_total)
+    dora_rows = torch.tensor([s >= 0 and DORA_FLAGS[s] == 1 for s in token_slots])
+    for t in dora_rows.nonzero().flatten().tolist():
+        for s, (off, n) in enumerate(slices):
+            want[t, off:off + n] *= scales[s][token_slots[t]].double()
+            if shifts is not None:
+                want[t, off:off + n] += shifts[s][token_slots[t]].double()
+    assert torch.equal(y[~dora_rows], plain[~dora_rows]), "non-DoRA rows must not change"
+    assert rel_err(y[dora_rows], want[dora_rows]) < TOL[dtype]
+    assert torch.equal(y[:, 32:48], y0[:, 32:48]), "columns of no slice changed"
+
+
+def test_dora_expand_rejects_bad_stacks():
+    mapping = build_lora_mapping([0], [4], torch.device("cpu"), slot_dora=[1])
+    y, buffer, b = torch.zeros(1, 8), torch.zeros(1, 1, 4), torch.zeros(1, 8, 4)
+    with pytest.raises(ValueError, match="without DoRA scales"):
+        lora_expand(y, buffer, [b], mapping, [(0, 8)], None, [torch.zeros(1, 8)])
+    with pytest.raises(ValueError, match="DoRA scales"):
+        lora_expand(y, buffer, [b], mapping, [(0, 8)], [torch.ones(1, 4)])
+    with pytest.raises(ValueError, match="DoRA shifts"):
+        lora_expand(y, buffer, [b], mapping, [(0, 8)], [torch.ones(1, 8)],
+                    [torch.zeros(1, 8, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_lora_linear_dora_matches_peft_formula(bias, dtype):
+    """DoRA rows give ``scale * (x W^T + x a^T b^T) + bias`` (peft), plain rows
+    ``x W^T + bias + x a^T b^T``; a slot that held a DoRA adapter and then a plain one is
+    plain again (its scales back to one, its shifts to zero)."""
+    gen = torch.Generator().manual_seed(41 + bias)
+    enabled = ("q_proj", "v_proj")
+    layer = LoRALinear(IN, tuple(QKV_WIDTH.values()), QKV_NAMES, bias=bias, dtype=dtype,
+                       device=torch.device("cpu"))
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / IN ** 0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
+    slots = layer.create_lora_slots(enabled, MAX_LORAS, MAX_RANK)
+    assert (slots.dora_shift_stacked is not None) == bias
+    assert all(t.dtype == torch.float32 and t.shape == (MAX_LORAS, QKV_WIDTH[m])
+               for t, m in zip(slots.dora_scale_stacked, enabled))
+
+    ranks = {0: 5, 1: 3, 2: 8, 3: 2}
+    weights = {}
+    for slot, r in ranks.items():
+        for m in enabled:
+            a = (torch.randn(r, IN, generator=gen) / IN ** 0.5).to(dtype)
+            b = (torch.randn(QKV_WIDTH[m], r, generator=gen) / r ** 0.5).to(dtype)
+            magnitude = 1 + 0.1 * torch.randn(QKV_WIDTH[m], generator=gen)
+            scale = magnitude / dora_row_norm(layer.module_weight(m), a, b)
+            if slot == 2:                        # a DoRA adapter, then a plain one
+                slots.set_slot(slot, m, a, b, scale)
+                scale = None
+            if slot == 3 and m == "v_proj":      # a DoRA adapter that does not target v
+                a = b = scale = None
+            weights[(slot, m)] = (a, b, scale)
+            slots.set_slot(slot, m, a, b, scale)
+    for t, m in zip(slots.dora_scale_stacked, enabled):
+        assert torch.all(t[2] == 1) and (m != "v_proj" or torch.all(t[3] == 1))
+    if bias:
+        assert all(torch.all(t[2] == 0) for t in slots.dora_shift_stacked)
+
+    token_slots = [0, -1, 1, 2, 3, 3, 0, -1, 2, 1]
+    slot_dora = [1, 0, 0, 1]
+    x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
+    mapping = build_lora_mapping(token_slots, [ranks[s] for s in range(MAX_LORAS)],
+                                 torch.device("cpu"), slot_dora=slot_dora)
+    with torch.no_grad():
+        got = layer(x, mapping)
+        base_only = layer(x, None)
+
+    base = x.double() @ layer.weight.double().T
+    want = base.clone()
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        for m in enabled:
+            a, b, scale = weights[(slot, m)]
+            cols = slice(QKV_OFFSET[m], QKV_OFFSET[m] + QKV_WIDTH[m])
+            if a is not None:
+                want[t, cols] += x[t].double() @ a.double().T @ b.double().T
+            if slot_dora[slot] and scale is not None:
+                want[t, cols] *= scale.double()
+    if bias:
+        want += layer.bias.double()
+    rows = torch.tensor([s >= 0 for s in token_slots])
+    assert torch.equal(got[~rows], base_only[~rows])
+    assert rel_err(got, want) < TOL[dtype]
+
+
+def test_set_slot_rejects_a_dora_scale_of_another_width():
+    layer = LoRALinear(IN, (32,), ("o_proj",), bias=True, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    slots = layer.create_lora_slots(("o_proj",), MAX_LORAS, MAX_RANK)
+    a, b = torch.ones(2, IN), torch.ones(32, 2)
+    slots.set_slot(0, "o_proj", a, b, torch.full((32,), 2.0))
+    with pytest.raises(ValueError, match="DoRA scale"):
+        slots.set_slot(0, "o_proj", a * 3, b * 3, torch.ones(16))
+    assert torch.all(slots.lora_a_stacked[0][0, :2] == 1), "a refused write changed the slot"
+    assert torch.all(slots.dora_scale_stacked[0][0] == 2)

@@ -6,11 +6,20 @@ The reference is a per-row gather in float64 over slot buffers laid out as ``LoR
 lays them out (``A [max_loras, max_lora_rank, in]``, ``B [max_loras, out, max_lora_rank]``).
 Adapter popularity follows Punica's tests: distinct, uniform, zipf, identical, all base,
 base rows mixed in; ranks differ per slot; sizes are not multiples of the tiles.
+
+DoRA rows (slots flagged in ``LoRAMapping.slot_dora``) are checked against
+``(y + delta) * scale (+ shift)`` in float64, with the other rows bit-identical to a launch
+without DoRA arguments; without a GPU the expand kernels are also compiled for sm_90.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import zlib
+from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -282,6 +291,192 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.manylora.lora_expand.default,
                           (torch.zeros(4, 24, device=DEVICE), buffer, b, *fields,
                            mapping.max_seg_len, "bgmv", [0, 16]), test_utils=tests)
+
+
+# ---------------------------------------------------------------------------------------------
+# DoRA: (y + delta) * scale (+ shift) for the rows of flagged slots, fused into the expand
+
+DORA_RANKS = (4, 16, 3, 8, 0)           # slot 4 is empty
+DORA_FLAGS = (1, 0, 1, 0, 0)            # slots 0 and 2 hold DoRA adapters
+DORA_SLICES = ((0, 24), (32, 16), (48, 8))
+DORA_OUT, DORA_MAX_RANK = 60, 16
+# base rows, rows of both DoRA slots and of a plain slot, a slot's rows split apart
+DORA_TOKEN_SLOTS = [0, 0, -1, 1, 2, 2, 2, -1, 1, 0, 3, 2]
+
+
+def make_dora_stacks(gen: torch.Generator, flags, shift: bool):
+    """Per slice float32 ``[max_loras, out_s]`` scales (and shifts): NaN in the rows of slots
+    that are not flagged, which the kernels must never read."""
+    scales, shifts = [], []
+    for _, n in DORA_SLICES:
+        sc = 1 + 0.2 * torch.randn(len(flags), n, generator=gen)
+        sh = torch.randn(len(flags), n, generator=gen)
+        for slot, flag in enumerate(flags):
+            if not flag:
+                sc[slot] = sh[slot] = float("nan")
+        scales.append(sc.to(DEVICE))
+        shifts.append(sh.to(DEVICE))
+    return scales, (shifts if shift else None)
+
+
+def reference_dora(y0, buffer, token_slots, b_stacked, scales, shifts, flags) -> torch.Tensor:
+    """float64 ``[T, out]``: plain rows ``y + delta``, DoRA rows ``(y + delta) * scale +
+    shift``, base rows ``y``."""
+    want = y0.double() + reference_delta(buffer, token_slots, b_stacked, DORA_RANKS,
+                                         DORA_SLICES, DORA_OUT)
+    for t, slot in enumerate(token_slots):
+        if slot >= 0 and flags[slot]:
+            for s, (off, n) in enumerate(DORA_SLICES):
+                want[t, off:off + n] *= scales[s][slot].double().cpu()
+                if shifts is not None:
+                    want[t, off:off + n] += shifts[s][slot].double().cpu()
+    return want
+
+
+def _dora_inputs(schedule: str, dtype: torch.dtype, pad: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    token_slots = DORA_TOKEN_SLOTS
+    rows_slots = token_slots + [-1] * pad
+    case = Case("uniform", len(token_slots), 8, DORA_SLICES, DORA_OUT, DORA_RANKS,
+                DORA_MAX_RANK)
+    _, b_stacked = make_stacks(case, dtype, gen)
+    buffer = torch.randn(len(rows_slots), len(DORA_SLICES), DORA_MAX_RANK, generator=gen)
+    y0 = torch.randn(len(rows_slots), DORA_OUT, generator=gen).to(dtype)
+    mapping = build_lora_mapping(token_slots, list(DORA_RANKS), DEVICE,
+                                 slot_dora=list(DORA_FLAGS), pad_to=len(rows_slots) if pad
+                                 else None, schedule=schedule)
+    return gen, rows_slots, b_stacked, buffer, y0, mapping
+
+
+@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("shift", [False, True], ids=["noshift", "shift"])
+@pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
+                         ids=["fp32", "bf16-padded"])
+def test_dora_expand_matches_reference(schedule, shift, dtype, pad):
+    gen, rows_slots, b_stacked, buffer, y0, mapping = _dora_inputs(
+        schedule, dtype, pad, zlib.crc32(f"dora-{schedule}-{shift}-{dtype}".encode()))
+    scales, shifts = make_dora_stacks(gen, DORA_FLAGS, shift)
+    y = y0.to(DEVICE, copy=True)
+    lora_expand_triton(y, buffer.to(DEVICE), b_stacked, mapping, DORA_SLICES, scales, shifts)
+    plain = y0.to(DEVICE, copy=True)
+    lora_expand_triton(plain, buffer.to(DEVICE), b_stacked, mapping, DORA_SLICES)
+    y, plain = y.cpu(), plain.cpu()
+
+    assert not y.isnan().any(), "scales/shifts of slots without the DoRA flag were read"
+    dora_rows = torch.tensor([s >= 0 and DORA_FLAGS[s] == 1 for s in rows_slots])
+    assert torch.equal(y[~dora_rows], plain[~dora_rows]), (
+        "base and plain LoRA rows must be bit-identical to a launch without DoRA")
+    want = reference_dora(y0, buffer, rows_slots, b_stacked, scales, shifts, DORA_FLAGS)
+    assert rel_err(y[dora_rows], want[dora_rows]) < TOL[dtype]
+    assert torch.equal(y[:, 24:32], y0[:, 24:32]), "columns of no slice must not change"
+
+
+@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
+def test_dora_flag_is_read_as_data(schedule):
+    """One launch's arguments, replayed after the mapping's ``slot_dora`` is overwritten in
+    place (what a CUDA-graph replay does): the rescaling follows the new flags."""
+    gen, rows_slots, b_stacked, buffer, y0, mapping = _dora_inputs(schedule, torch.float32,
+                                                                   0, 17)
+    flags = [1] * len(DORA_RANKS)
+    scales, shifts = make_dora_stacks(gen, flags, True)
+    outs = []
+    for new_flags in ((0,) * len(DORA_RANKS), DORA_FLAGS):
+        mapping.slot_dora.copy_(torch.tensor(new_flags, dtype=torch.int32))
+        y = y0.to(DEVICE, copy=True)
+        lora_expand_triton(y, buffer.to(DEVICE), b_stacked, mapping, DORA_SLICES, scales,
+                           shifts)
+        outs.append(y.cpu())
+    want = [reference_dora(y0, buffer, rows_slots, b_stacked, scales, shifts, f)
+            for f in ((0,) * len(DORA_RANKS), DORA_FLAGS)]
+    for got, ref in zip(outs, want):
+        assert rel_err(got, ref) < 1e-5
+
+
+def test_dora_bad_arguments_raise():
+    mapping = build_lora_mapping([0, -1], [4], DEVICE, slot_dora=[1])
+    y, buffer = torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 1, 4, device=DEVICE)
+    b = torch.zeros(1, 8, 4, device=DEVICE)
+    scale = torch.ones(1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="without DoRA scales"):
+        lora_expand_triton(y, buffer, [b], mapping, [(0, 8)], None, [scale])
+    with pytest.raises(ValueError, match="DoRA scales"):
+        lora_expand_triton(y, buffer, [b], mapping, [(0, 8)], [scale.double()])
+    with pytest.raises(ValueError, match="DoRA shifts"):
+        lora_expand_triton(y, buffer, [b], mapping, [(0, 8)], [scale], [scale[:, :4]])
+    with pytest.raises(ValueError, match="DoRA scales"):
+        lora_expand_triton(y, buffer, [b], mapping, [(0, 8)], [scale, scale])
+    fields = list(mapping[:6])
+    with pytest.raises(ValueError, match="slot_dora"):
+        torch.ops.manylora.lora_expand(y, buffer, [b], *fields, mapping.max_seg_len, "bgmv",
+                                       [0], None, [scale])
+    with pytest.raises(ValueError, match="slot_dora"):
+        torch.ops.manylora.lora_expand(y, buffer, [b], *fields, mapping.max_seg_len, "bgmv",
+                                       [0], mapping.slot_dora.long(), [scale])
+
+
+def test_dora_custom_op_passes_opcheck():
+    gen = torch.Generator().manual_seed(5)
+    mapping = build_lora_mapping([1, 0, -1, 1], [3, 8], DEVICE, slot_dora=[0, 1],
+                                 schedule="sgmv")
+    buffer = torch.randn(4, 2, 8, generator=gen).to(DEVICE)
+    b = [torch.randn(2, n, 8, generator=gen).to(DEVICE) for n in (16, 8)]
+    scales = [torch.rand(2, n, generator=gen).to(DEVICE) for n in (16, 8)]
+    shifts = [torch.randn(2, n, generator=gen).to(DEVICE) for n in (16, 8)]
+    torch.library.opcheck(
+        torch.ops.manylora.lora_expand.default,
+        (torch.zeros(4, 24, device=DEVICE), buffer, b, *mapping[:6], mapping.max_seg_len,
+         "sgmv", [0, 16], mapping.slot_dora, scales, shifts),
+        test_utils=("test_schema", "test_faketensor"))
+
+
+_COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from manylora.ops import triton_lora as tl_
+
+    def ptx(fn, types, consts):
+        sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4}).asm["ptx"]
+
+    types = {n: "*i32" for n in ("slot_ranks_ptr", "sorted_rows_ptr", "active_slots_ptr",
+                                 "seg_start_ptr", "seg_len_ptr", "token_lora_ptr",
+                                 "slot_dora_ptr")}
+    types.update({n: "*bf16" for n in ("b0_ptr", "b1_ptr", "b2_ptr", "y_ptr")})
+    types.update({n: "*fp32" for n in ("buf_ptr", "sc0_ptr", "sc1_ptr", "sc2_ptr", "sh0_ptr",
+                                       "sh1_ptr", "sh2_ptr")})
+    types.update({n: "i32" for n in ("N0", "N1", "N2", "OFF0", "OFF1", "OFF2", "N_TILES",
+                                     "stride_bt", "stride_bs", "stride_yt", "stride_yn")})
+    loads = {}
+    for dora, shift in ((False, False), (True, False), (True, True)):
+        flags = {"HAS_DORA": dora, "HAS_SHIFT": shift, "R": 16, "RANK_ALIGN": 8,
+                 "BLOCK_N": 128, "BLOCK_R": 16}
+        sgmv = ptx(tl_._sgmv_expand_kernel, types,
+                   {**flags, "NUM_SLICES": 3, "BLOCK_M": 16, "DOT_FP32": False})
+        bgmv = ptx(tl_._bgmv_expand_kernel, types, flags)
+        loads[dora, shift] = [code.count("ld.global") for code in (sgmv, bgmv)]
+    for i in range(2):
+        assert loads[False, False][i] < loads[True, False][i] < loads[True, True][i], loads
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
+def test_expand_kernels_compile_for_h100():
+    """The DoRA epilogue's runtime branch on the loaded flag must also compile for sm_90 (the
+    interpreter runs it as Python): each variant compiles, and the scale/shift loads exist
+    only in the variants that take them."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_EXPAND_FOR_H100], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
