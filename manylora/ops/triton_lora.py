@@ -458,15 +458,22 @@ def _check_dora(slot_dora: torch.Tensor | None, scales: Sequence[torch.Tensor] |
                              f"{device}")
 
 
+def _pad_pointers(y: torch.Tensor, stacks: Sequence[torch.Tensor] | None) -> list:
+    """``MAX_SLICES`` tensors for the kernel's pointer arguments: ``stacks`` padded with its
+    first entry (a compiled kernel needs one element type per argument group), or ``y``
+    throughout when there are none (the launch never reads them)."""
+    if stacks is None:
+        return [y] * MAX_SLICES
+    stacks = [t.contiguous() for t in stacks]
+    return (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
+
+
 def _dora_launch_args(y: torch.Tensor, slot_dora: torch.Tensor | None,
                       scales: Sequence[torch.Tensor] | None,
                       shifts: Sequence[torch.Tensor] | None) -> tuple[list, dict]:
     """``(pointer args, constexpr kwargs)`` of the expand kernels' DoRA epilogue: the flag,
-    three scale and three shift pointers (``y`` stands in for the ones a launch never reads),
-    and ``HAS_DORA`` / ``HAS_SHIFT``."""
-    pad = [y] * MAX_SLICES
-    sc = pad if scales is None else ([t.contiguous() for t in scales] + pad)[:MAX_SLICES]
-    sh = pad if shifts is None else ([t.contiguous() for t in shifts] + pad)[:MAX_SLICES]
+    three scale and three shift pointers, and ``HAS_DORA`` / ``HAS_SHIFT``."""
+    sc, sh = (_pad_pointers(y, t) for t in (scales, shifts))
     flag = y if scales is None else slot_dora
     return [flag, *sc, *sh], {"HAS_DORA": scales is not None, "HAS_SHIFT": shifts is not None}
 
