@@ -19,7 +19,7 @@ from manylora.testing import compare_greedy, hf_greedy_reference, make_checkpoin
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
-ENGINE = dict(max_lora_rank=8, num_kv_blocks=128, block_size=4, max_model_len=64,
+ENGINE = dict(max_lora_rank=8, num_kv_blocks=128, block_size=4, max_model_len=64, device="cpu",
               skip_tokenizer_init=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 NUM_ADAPTERS = 8

@@ -24,7 +24,8 @@ from manylora.testing import make_peft_adapter as _make_peft_adapter
 MODULE_IDS = {"q_proj": 1, "k_proj": 2, "v_proj": 3, "o_proj": 4, "gate_proj": 5,
               "down_proj": 6, "up_proj": 7, "qkv_proj": 0, "gate_up_proj": 18}
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ENGINE = dict(max_loras=2, max_lora_rank=16, num_kv_blocks=64, block_size=4, max_model_len=64)
+ENGINE = dict(max_loras=2, max_lora_rank=16, num_kv_blocks=64, block_size=4, max_model_len=64,
+              device="cpu", dtype="float32")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 TEXTS = ["The quick brown fox", "Once upon a time", "SELECT name FROM users WHERE"]
 ADAPTER_SPECS = {
