@@ -12,6 +12,7 @@ as tensors, TensorRT-LLM's task_id semantics) is never evicted while requests ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -72,6 +73,15 @@ class LoRACacheStats:
     device_evictions: int = 0
     device_load_seconds: float = 0.0
     device_load_bytes: int = 0
+
+
+def _check_unchanged(adapter: LoRAAdapter, known: _Known) -> None:
+    """Raises ``AdapterReloadError`` when a re-read adapter's weights differ from the first
+    read (its files changed on disk)."""
+    if adapter.digest != known.digest:
+        raise AdapterReloadError(
+            adapter.lora_int_id, f"adapter {adapter.name!r} changed on disk since it was "
+            f"first loaded (digest {known.digest[:12]} → {adapter.digest[:12]})")
 
 
 @dataclass
@@ -203,11 +213,9 @@ class LoRAManager:
     def _read(self, request: LoRARequest) -> LoRAAdapter:
         """Disk → pinned host memory (any thread)."""
         start = time.perf_counter()
-        if self._load_stream is not None:
-            with torch.cuda.stream(self._load_stream):
-                adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
-                                           self.target)
-        else:
+        stream = (torch.cuda.stream(self._load_stream) if self._load_stream is not None
+                  else contextlib.nullcontext())
+        with stream:
             adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
                                        self.target)
         adapter = adapter.pin_memory()
@@ -325,10 +333,10 @@ class LoRAManager:
                 continue
             if known is None or lid in self._host:
                 continue
-            if adapter.digest != known.digest:
-                self._failures.append(AdapterReloadError(
-                    lid, f"adapter {adapter.name!r} changed on disk since it was first loaded "
-                    f"(digest {known.digest[:12]} → {adapter.digest[:12]})"))
+            try:
+                _check_unchanged(adapter, known)
+            except AdapterReloadError as e:
+                self._failures.append(e)
                 continue
             self._insert_host(adapter, must_fit=False)
         self._collect_timings()
@@ -394,10 +402,11 @@ class LoRAManager:
             self._known.pop(lid, None)
             raise AdapterReloadError(lid, e) from e
         self.stats.sync_disk_loads += 1
-        if adapter.digest != known.digest:
+        try:
+            _check_unchanged(adapter, known)
+        except AdapterReloadError:
             self._known.pop(lid, None)
-            raise AdapterReloadError(lid, f"adapter {adapter.name!r} changed on disk since it "
-                                     "was first loaded")
+            raise
         self._insert_host(adapter, must_fit=False)
         return adapter
 
