@@ -6,9 +6,15 @@ budget, sequence slots, KV blocks and adapter slots last. So prefill chunks and 
 tokens share a step. A waiting request whose adapter would take the step past
 ``max_loras`` distinct adapters stays queued (vLLM's rule) while others may pass it; which
 adapter gets a free slot prefers adapters already resident and ages the others (see
-``Scheduler``). When
-blocks run out, the newest running request is preempted by recompute: it keeps its tokens,
-gives back its blocks and is re-prefilled later (TurboMind's eviction to token ids).
+``Scheduler``).
+
+A request joining the batch starts from the longest prefix the KV cache already holds
+under its adapter (prefix caching), or from the KV its session kept since its last turn.
+When blocks run out, idle sessions give theirs back first (least recently used), then the
+newest running request is preempted: it keeps its tokens and gives back its blocks, whose
+full ones stay in the prefix cache, or in swap space when copying them is cheaper than
+recomputing; when it returns it recomputes only what was lost (TurboMind's eviction to
+token ids).
 
 The scheduler never touches a tensor.
 """
@@ -22,7 +28,8 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from manylora.config import SchedulerConfig
-from manylora.core.kv_cache_manager import KVCacheManager
+from manylora.core.kv_cache_manager import KVCacheManager, SwapOp
+from manylora.core.sessions import Session, SessionTable
 from manylora.engine.request import Request, RequestStatus
 
 
@@ -52,11 +59,14 @@ class SchedulerOutput(NamedTuple):
         preempted: ids of requests preempted while planning it.
         finished_ids: ids of requests that finished since the last step (the runner drops
             their per-request state).
+        swaps: block copies between device and swap space, to apply in order before the
+            step's forward pass.
     """
 
     scheduled: list[ScheduledRequest]
     preempted: list[str]
     finished_ids: list[str]
+    swaps: list[SwapOp] = []
 
     @property
     def num_batched_tokens(self) -> int:
@@ -121,7 +131,12 @@ class Scheduler:
         self._order: dict[str, int] = {}       # request id → arrival order
         self._since: dict[str, int] = {}       # request id → step it started waiting
         self._step = 0
-        self.num_preemptions = 0
+        self._lost: dict[str, int] = {}        # preempted request id → tokens it had computed
+        self.sessions = SessionTable()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.kv.stats.preemptions
 
     @property
     def waiting(self) -> list[Request]:
@@ -134,6 +149,12 @@ class Scheduler:
         return sum(len(q) for q in self._queues.values())
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (a session's turn starts with ``sessions.history``)."""
+        if request.session_id is not None:
+            sess = self.sessions.begin(request)
+            turn = sess.last_turn
+            if turn is not None and turn.lora_digest != request.lora_digest:
+                self._release_session_kv(sess)    # KV of another adapter: recompute
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)
         self._since[request.request_id] = self._step
@@ -157,6 +178,8 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                if self._evict_idle_session():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -171,7 +194,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, finished)
+        return SchedulerOutput(scheduled, preempted, finished, self.kv.take_swaps())
 
     def _aged(self, req: Request) -> bool:
         return self._step - self._since[req.request_id] >= self.config.lora_aging_steps
@@ -222,8 +245,10 @@ class Scheduler:
             _, lid = heads[0]
             queue = self._queues[lid]
             req = queue[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            n = self._join(req, budget)
+            while n is None and self._evict_idle_session():
+                n = self._join(req, budget)
+            if n is None:
                 break
             queue.popleft()
             if queue:
@@ -237,16 +262,77 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _join(self, req: Request, budget: int) -> int | None:
+        """Give a waiting request its blocks: its session's KV, or the longest cached prefix
+        under its adapter, then fresh blocks for up to ``budget`` more tokens. Sets
+        ``num_computed_tokens``; the tokens to compute this step, or None (nothing taken)
+        when the pool is too small."""
+        rid, kv, stats = req.request_id, self.kv, self.kv.stats
+        sess = self.sessions.get(req.session_id) if req.session_id is not None else None
+        if sess is not None and kv.has_blocks(sess.holder):
+            computed = sess.last_turn.num_computed_tokens
+            n = min(req.num_tokens - computed, budget)
+            kv.rename(sess.holder, rid)
+            if not kv.allocate(rid, computed + n):
+                kv.rename(rid, sess.holder)
+                return None
+            self.sessions.released(sess)
+        else:
+            hit = kv.lookup(req)
+            computed = hit.num_blocks() * kv.block_size
+            n = min(req.num_tokens - computed, budget)
+            if not kv.allocate_with_prefix(rid, computed + n, hit):
+                return None
+        lost = self._lost.pop(rid, 0) or (sess.lost_tokens if sess is not None else 0)
+        if sess is not None:
+            sess.lost_tokens = 0
+        stats.recomputed_tokens += max(0, lost - computed)
+        stats.prefix_queries += req.num_tokens
+        stats.prefix_hits += computed
+        req.num_computed_tokens = computed
+        return n
+
+    def _evict_idle_session(self) -> bool:
+        """Release the KV of the least recently used idle session (its full blocks stay in
+        the prefix cache or go to swap space); False when no idle session holds any."""
+        sess = self.sessions.lru_idle()
+        if sess is None:
+            return False
+        self.kv.swap_out(sess.last_turn, sess.holder)
+        sess.lost_tokens = sess.last_turn.num_computed_tokens
+        self._release_session_kv(sess)
+        self.kv.stats.evicted_sessions += 1
+        return True
+
+    def _release_session_kv(self, sess: Session) -> None:
+        self.kv.free(sess.holder)
+        self.sessions.released(sess)
+
+    def end_session(self, session_id: str) -> bool:
+        """Forget a session: the blocks only it held are freed (full ones stay in the prefix
+        cache). A turn in flight finishes first. False for an unknown id."""
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            return False
+        if sess.active_request is not None:
+            sess.ended = True
+        else:
+            self._release_session_kv(sess)
+            self.sessions.drop(sess)
+        return True
+
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         return ScheduledRequest(req, start, n, self.kv.block_table(req.request_id),
                                 start + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
+        self.kv.swap_out(req)
+        self._lost[req.request_id] = req.num_computed_tokens
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.kv.stats.preemptions += 1
         req.status = RequestStatus.PREEMPTED
         queue = self._queues.setdefault(req.lora_int_id, deque())
         order = self._order[req.request_id]
@@ -263,12 +349,14 @@ class Scheduler:
         """
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_tokens
+            self.kv.cache_blocks(s.request)
             token = sampled.get(s.request.request_id)
             if token is not None:
                 s.request.token_ids.append(token)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
-        """End requests (stopped, at length, aborted): their blocks go back to the pool.
+        """End requests (stopped, at length, aborted): their blocks go back to the pool,
+        except a session turn's that ends normally: the session keeps those while idle.
 
         Unknown or already finished ids are ignored.
         """
@@ -287,5 +375,22 @@ class Scheduler:
                         del self._queues[req.lora_int_id]
             self._order.pop(rid, None)
             self._since.pop(rid, None)
+            self._lost.pop(rid, None)
+            if req.session_id is not None:
+                self._end_turn(req, status)
             self.kv.free(rid)
             self._finished_ids.append(rid)
+
+    def _end_turn(self, req: Request, status: RequestStatus) -> None:
+        sess = self.sessions.get(req.session_id)
+        if sess is None or sess.active_request != req.request_id:
+            return
+        sess.active_request = None
+        if sess.ended:
+            self.kv.free(req.request_id)
+            self._release_session_kv(sess)
+            self.sessions.drop(sess)
+        elif status is not RequestStatus.FINISHED_ABORTED:
+            self._release_session_kv(sess)        # its KV, if any, was not adopted
+            self.kv.rename(req.request_id, sess.holder)
+            self.sessions.keep(sess, req)

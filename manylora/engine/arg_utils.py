@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES
 
 
 @dataclass
@@ -43,6 +43,13 @@ class EngineArgs:
             ``device_cache_percent``); replaces ``max_loras``.
         lora_aging_steps: steps a waiting request may be passed over for requests whose
             adapters are resident before it takes the next free slot in arrival order.
+        enable_prefix_caching: reuse the KV of a cached prompt prefix computed under the
+            same adapter weights (or the base model) instead of prefilling it again.
+        swap_space: GiB of host memory (pinned on CUDA) that preempted requests' and evicted
+            sessions' KV blocks may be copied to when that is cheaper than recomputing them;
+            0: always recompute.
+        kv_cache_dtype: ``"auto"`` (the model dtype), ``"int8"`` or ``"fp8_e4m3"``
+            (quantized per token and KV head; about twice the tokens in the same memory).
     """
 
     model: str
@@ -69,11 +76,19 @@ class EngineArgs:
     max_cpu_lora_bytes: int | None = None
     lora_device_cache_percent: float | None = None
     lora_aging_steps: int = 64
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(32, self.max_loras)
         self.lora_target_modules = tuple(self.lora_target_modules or LORA_TARGET_MODULES)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be ≥ 0 GiB, got {self.swap_space}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                             f"{self.kv_cache_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

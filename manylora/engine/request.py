@@ -35,7 +35,12 @@ class Request:
             request keeps its tokens and is re-prefilled, TurboMind's eviction to token ids).
         max_total_tokens: prompt + output cap in tokens (max_tokens and max_model_len).
         lora_digest: the digest of the adapter's weights (None for the base model): with
-            the adapter's id, what its cached state is keyed by.
+            the adapter's id, what its cached state is keyed by, KV blocks included.
+        session_id: the multi-turn session the request is a turn of, or None. A turn's
+            ``token_ids`` start with the session's history (every earlier prompt and
+            output), so ``num_prompt_tokens`` counts the history too.
+        block_hashes: the prefix-cache hashes of the full blocks of ``token_ids`` so far
+            (filled by the KV cache manager, ``core.block_pool.extend_block_hashes``).
     """
 
     request_id: str
@@ -50,6 +55,8 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     lora_digest: str | None = None
+    session_id: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

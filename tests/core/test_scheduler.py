@@ -38,7 +38,8 @@ def make_request(num_prompt_tokens: int, lora_id: int = 0, max_tokens: int = 100
                  rid: str | None = None) -> Request:
     rid = rid if rid is not None else f"r{next(_ids)}"
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    return Request(rid, None, list(range(10, 10 + num_prompt_tokens)), params,
+    first = 1000 * next(_ids)             # distinct prompts: no prefix-cache hits between tests
+    return Request(rid, None, list(range(first, first + num_prompt_tokens)), params,
                    lora(lora_id) if lora_id else None, num_prompt_tokens + max_tokens)
 
 
