@@ -8,6 +8,7 @@ batch (host preparation, the CUDA-graph replay of the forward, logits and greedy
 and the graph replay alone.
 
     python -m benchmarks.bench_decode             # H100: batch 1..128, context 512
+    python -m benchmarks.bench_decode --kv-cache-dtype int8    # the same, int8 KV cache
     python -m benchmarks.bench_decode --quick     # a tiny model, to check the script runs
 """
 
@@ -34,26 +35,39 @@ from manylora.core.scheduler import ScheduledRequest, SchedulerOutput
 from manylora.engine.request import Request
 from manylora.lora.request import LoRARequest
 from manylora.model.loader import load_model
+from manylora.ops.attention import KV_CACHE_DTYPES, KVCache, quantize_kv
 from manylora.sampling_params import SamplingParams
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
-from manylora.worker.kv_cache import allocate_kv_caches
+from manylora.worker.kv_cache import allocate_kv_caches, block_bytes
 from manylora.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 
 
-def step_bytes(model, config: dict, batch: int, context: int, rank: int, adapters: int) -> int:
-    """Bytes a decode step must read: weights, the batch's KV, the adapters present."""
+def step_bytes(model, config: dict, batch: int, context: int, rank: int, adapters: int,
+               kv_cache_dtype: str = "auto") -> int:
+    """Bytes a decode step must read: weights, the batch's KV (codes and scales when
+    quantized), the adapters present."""
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                   if "embed_tokens" not in n)
     elem = 2 if model.cfg.dtype != torch.float32 else 4
     weights += batch * config["hidden_size"] * elem                   # embedding rows
-    head = config["hidden_size"] // config["num_attention_heads"]
-    kv = batch * context * config["num_hidden_layers"] * 2 * config["num_key_value_heads"] \
-        * head * elem
+    kv = batch * context * block_bytes(model.cfg, 1, kv_cache_dtype)  # all layers, K and V
     per_adapter = sum(rank * (i + o) for i, o in module_dims(config).values()) * elem \
         * config["num_hidden_layers"]
     return weights + kv + adapters * per_adapter
+
+
+def fill_random(kv: KVCache, gen: torch.Generator, dtype: torch.dtype) -> None:
+    """Random keys/values N(0, 1) in ``kv``, quantized (codes and scales) when it is."""
+    if not kv.quantized:
+        kv.data.normal_(generator=gen)
+        return
+    rows = kv.data.view(-1, *kv.data.shape[-2:])
+    x = torch.randn(rows.shape, generator=gen, device=rows.device, dtype=dtype)
+    codes, scale = quantize_kv(x, kv.data.dtype)
+    rows.copy_(codes)
+    kv.scale.view(-1, kv.scale.shape[-1]).copy_(scale)
 
 
 def time_execute(runner, out, lora_slots, ranks, iters: int) -> float:
@@ -74,6 +88,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     ap.add_argument("--quick", action="store_true", help="tiny model, CPU allowed, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -93,9 +108,10 @@ def main() -> None:
         for t in (*s.lora_a_stacked, *s.lora_b_stacked):
             t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
     blocks_per_seq = -(-args.context // BLOCK_SIZE)
-    kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device)
+    kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
+                                   args.kv_cache_dtype)
     for kv in kv_caches:
-        kv.normal_(generator=gen)
+        fill_random(kv, gen, dtype)
     sizes = DEFAULT_CAPTURE_SIZES if device.type == "cuda" else ()
     runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
     runner.capture_graphs()
@@ -117,20 +133,23 @@ def main() -> None:
             lora_slots = {b + 1: b for b in range(batch)} if lora else {}
             step = time_execute(runner, out, lora_slots, ranks, args.iters)
             nbytes = step_bytes(model, config, batch, args.context, args.rank,
-                                batch if lora else 0)
+                                batch if lora else 0, args.kv_cache_dtype)
             floor = nbytes / bandwidth
             rows.append([batch, f"rank-{args.rank} x{batch}" if lora else "off",
                          f"{step * 1e3:.3f}", f"{nbytes / 1e9:.2f}", f"{floor * 1e3:.3f}",
                          f"{nbytes / step / 1e12:.2f}", f"{floor / step:.0%}",
                          f"{step / floor:.3f}"])
             print(rows[-1], flush=True)
-    title = f"Decode roofline ({gpu_name(device)}): Llama-3-8B shape, bf16, context {args.context}"
+    kv_note = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    title = (f"Decode roofline ({gpu_name(device)}): Llama-3-8B shape, bf16{kv_note}, "
+             f"context {args.context}")
     columns = ["batch", "LoRA", "step ms (median)", "GB read", "floor ms", "TB/s",
                "% of copy BW", "step / floor"]
     notes = ("Step = `ModelRunner.execute` wall time: host preparation, CUDA-graph replay of the "
              "32 layers, logits, greedy sampling and the host read of the tokens. GB read = "
-             "weights (embedding rows only) + KV of batch × context tokens + the distinct "
-             "adapters' A and B at their true rank; floor = GB read / measured copy bandwidth.")
+             "weights (embedding rows only) + KV of batch × context tokens (codes and scales when "
+             "quantized) + the distinct adapters' A and B at their true rank; floor = GB read / "
+             "measured copy bandwidth.")
     record(title, "python -m benchmarks.bench_decode " + " ".join(sys.argv[1:]), columns, rows,
            notes=notes, write=not (args.no_record or args.quick or device.type == "cpu"))
 

@@ -12,6 +12,10 @@ logger = logging.getLogger(__name__)
 # A temperature below this samples greedily (argmax), as in vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
+# The most top tokens ``logprobs`` may ask for per generated token (vLLM's default
+# ``max_logprobs`` is 20 too).
+MAX_LOGPROBS = 20
+
 
 def _is_int(value: object) -> bool:
     """Return True for a Python/NumPy/torch integer (bools excluded)."""
@@ -51,6 +55,13 @@ class SamplingParams:
         ignore_eos: keep generating after the EOS token.
         skip_special_tokens: leave special tokens out of the output text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        logprobs: None (default) returns no log-probabilities; ``N`` in ``[0, 20]``
+            (:data:`MAX_LOGPROBS`) returns, for each generated token, the natural-log
+            probability of the sampled token and of the ``N`` most likely tokens (``N + 1``
+            entries, or ``N`` when the sampled token is among them), taken from the raw
+            model distribution ``log_softmax(logits)`` before temperature, top-k, top-p and
+            min-p (vLLM v1's default ``logprobs_mode="raw_logprobs"``). See
+            ``CompletionOutput.logprobs``.
 
     Treat instances as values: do not mutate them after construction (validation only runs
     in ``__post_init__``).
@@ -73,6 +84,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -87,7 +99,8 @@ class SamplingParams:
                 int or is below -1; ``min_p`` is not in [0, 1]; ``max_tokens`` is not None
                 and below 1; ``min_tokens`` is negative or above ``max_tokens``; a stop
                 string is empty or not a str; a stop token id is not an int; ``seed`` is not
-                None and not an int.
+                None and not an int; ``logprobs`` is not None and not an int in
+                ``[0, MAX_LOGPROBS]``.
         """
         # n
         if not _is_int(self.n):
@@ -173,6 +186,19 @@ class SamplingParams:
             if not _is_int(t):
                 raise ValueError(f"stop_token_ids must be ints, got stop_token_ids={ids!r}.")
         self.stop_token_ids = [int(t) for t in ids]
+
+        # logprobs
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs):
+                raise ValueError(
+                    f"logprobs must be an int or None, got logprobs={self.logprobs!r}."
+                )
+            self.logprobs = int(self.logprobs)
+            if not (0 <= self.logprobs <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), "
+                    f"got logprobs={self.logprobs}."
+                )
 
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)

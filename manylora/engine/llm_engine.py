@@ -26,7 +26,7 @@ from manylora.config import (
     resolve_device,
     resolve_dtype,
 )
-from manylora.core.kv_cache_manager import KVCacheManager
+from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from manylora.core.scheduler import Scheduler
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.output_processor import OutputProcessor
@@ -39,9 +39,11 @@ from manylora.lora.request import LoRARequest
 from manylora.lora.sizing import slot_bytes, slots_for_memory
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
+from manylora.ops.attention import KVCache
 from manylora.sampling_params import SamplingParams
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
-from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks
+from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
+from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
 from manylora.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,20 +79,25 @@ class LLMEngine:
             self._create_lora(args, model_dir, args.max_loras)
         num_blocks = args.num_kv_blocks or auto_num_blocks(
             cfg, args.block_size, self.device, args.gpu_memory_utilization,
-            args.max_num_batched_tokens, max_useful)
-        self.cache_config = CacheConfig(args.block_size, num_blocks)
+            args.max_num_batched_tokens, max_useful, kv_cache_dtype=args.kv_cache_dtype)
+        self.cache_config = CacheConfig(
+            args.block_size, num_blocks, args.kv_cache_dtype, args.enable_prefix_caching,
+            int(args.swap_space * 2**30 // block_bytes(cfg, args.block_size,
+                                                      args.kv_cache_dtype)))
         self.max_model_len = min(cfg.max_model_len, num_blocks * args.block_size)
         if self.max_model_len < cfg.max_model_len:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "
                            "more", cfg.max_model_len, self.max_model_len)
-        kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device)
+        kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device,
+                                       args.kv_cache_dtype)
+        kv_manager = self._create_kv_manager(kv_caches)
         if args.enable_lora and not slots_first:
             self._create_lora(args, model_dir, self._slots_from_memory(args))
         max_loras = self.lora_config.max_loras if self.lora_config else 0
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
                             args.lora_aging_steps),
-            KVCacheManager(num_blocks, args.block_size), self.lora_manager)
+            kv_manager, self.lora_manager)
         graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
@@ -98,6 +105,19 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
         self._ids = itertools.count()
+
+    def _create_kv_manager(self, kv_caches: list[KVCache]) -> KVCacheManager:
+        """The block allocator, with swap space (and its measured cost) when configured."""
+        cc = self.cache_config
+        self.swapper = None
+        cost = None
+        if cc.num_host_blocks:
+            self.swapper = KVSwapper(kv_caches, cc.num_host_blocks)
+            cost = measure_preemption_cost(self.model_config, self.swapper, cc.num_blocks)
+            logger.info("swap space: %d blocks; per block %.1f us, recompute %.2f us per token",
+                        cc.num_host_blocks, cost.per_block * 1e6, cost.per_token * 1e6)
+        return KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                              cc.num_host_blocks, cost)
 
     def _create_lora(self, args: EngineArgs, model_dir, max_loras: int) -> None:
         cfg = self.model_config
@@ -176,13 +196,22 @@ class LLMEngine:
 
     def add_request(self, request_id: str | None, prompt: str | dict,
                     params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+                    lora_request: LoRARequest | None = None,
+                    session_id: str | None = None) -> str:
         """Queue a request; its id.
 
+        With ``session_id``, the request is the next turn of that multi-turn session
+        (TurboMind's interactive mode): ``prompt`` holds only the turn's new tokens, the
+        session supplies its history (earlier prompts and outputs), and the KV of that
+        history, kept since the last turn or found in the prefix cache, is not prefilled
+        again. A session whose turns change adapter recomputes its history under the new
+        one. ``end_session`` frees what the session holds.
+
         Raises:
-            ValueError: a bad prompt, a prompt that leaves no room to generate within
-                max_model_len, a duplicate id, a LoRA request while LoRA is off, or an adapter
-                that cannot be served (``LoRAAdapterError``, ``FileNotFoundError``).
+            ValueError: a bad prompt, a prompt (with its session's history) that leaves no
+                room to generate within max_model_len, a duplicate id, a session with a turn
+                still in flight, a LoRA request while LoRA is off, or an adapter that cannot
+                be served (``LoRAAdapterError``, ``FileNotFoundError``).
         """
         params = params or SamplingParams()
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -192,8 +221,15 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
+        history: list[int] = []
+        if session_id is not None:
+            if not isinstance(session_id, str) or not session_id:
+                raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+            history = self.scheduler.sessions.history(session_id)
+            ids = history + ids
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but the context holds "
+            where = f" ({len(history)} of them the session's history)" if history else ""
+            raise ValueError(f"the prompt has {len(ids)} tokens{where}, but the context holds "
                              f"{self.max_model_len} (max_model_len) with room for at least one "
                              "generated token")
         digest = None
@@ -201,7 +237,7 @@ class LLMEngine:
             digest = self._lora_manager(lora_request).add(lora_request)
         limit = len(ids) + (params.max_tokens or self.max_model_len)
         req = Request(request_id, text, ids, params, lora_request,
-                      min(limit, self.max_model_len), lora_digest=digest)
+                      min(limit, self.max_model_len), lora_digest=digest, session_id=session_id)
         self.scheduler.add_request(req)
         self.output_processor.add(req)
         return request_id
@@ -222,6 +258,17 @@ class LLMEngine:
         manager.add(lora_request)
         manager.release(lora_request.lora_int_id)
         return True
+
+    def end_session(self, session_id: str) -> bool:
+        """End a multi-turn session: blocks only it held are freed (its full blocks stay in
+        the prefix cache for other requests). A turn in flight finishes first. False when
+        the session is unknown."""
+        return self.scheduler.end_session(session_id)
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """The KV cache's state and counters: blocks total, used, cached and free; prefix
+        queries and hits (tokens); preemptions, recomputed tokens, swapped blocks."""
+        return self.scheduler.kv.snapshot()
 
     def lora_cache_stats(self) -> LoRACacheStats:
         """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
@@ -250,6 +297,8 @@ class LLMEngine:
         """Run one step; an output for every request that got a token or finished."""
         outputs = self._end_failed_adapters()
         out = self.scheduler.schedule()
+        if out.swaps:
+            self.swapper.apply(out.swaps)
         self.runner.release(out.finished_ids)
         lora_slots, failed = self._activate_adapters()
         if failed:
@@ -260,9 +309,9 @@ class LLMEngine:
         if not out.scheduled:
             return outputs
         sampled = self.runner.execute(out, lora_slots, self._slot_ranks(), self._slot_dora())
-        self.scheduler.update(out, sampled)
-        for rid, token in sampled.items():
-            status = self.output_processor.process_token(rid, token)
+        self.scheduler.update(out, sampled.tokens)
+        for rid, token in sampled.tokens.items():
+            status = self.output_processor.process_token(rid, token, sampled.logprobs.get(rid))
             state = self.output_processor.states[rid]
             if status is not None:
                 self._finish([rid], status)

@@ -8,6 +8,26 @@ from manylora.lora.request import LoRARequest
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token at one generated position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural log of the token's probability under the raw model distribution,
+            ``log_softmax(logits)`` in float32, before temperature, top-k, top-p and min-p
+            (vLLM v1's default ``logprobs_mode="raw_logprobs"``); ``<= 0``.
+        rank: 1 + the number of vocabulary tokens with a strictly larger log-probability at
+            that position (1 = most likely).
+        decoded_token: the token alone as text (``convert_ids_to_tokens`` then
+            ``convert_tokens_to_string`` of that single id; ``""`` for an id the tokenizer
+            does not know), None when the engine has no tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence.
 
@@ -17,6 +37,14 @@ class CompletionOutput:
         finish_reason: None while running, else ``"stop"`` (EOS, stop string or stop token),
             ``"length"`` (max_tokens or the context) or ``"abort"``.
         stop_reason: the stop string or token id that ended it, None for EOS or length.
+        cumulative_logprob: the sum of the sampled tokens' ``Logprob.logprob`` (natural
+            log of the sequence's probability under the raw model distribution), None
+            unless ``SamplingParams.logprobs`` was set.
+        logprobs: one dict per generated token, in order, mapping token id to
+            :class:`Logprob`: the sampled token first, then the ``SamplingParams.logprobs``
+            most likely tokens (so N + 1 entries, or N when the sampled token is among
+            them); None unless ``SamplingParams.logprobs`` was set. As vLLM's
+            ``SampleLogprobs``.
     """
 
     index: int
@@ -25,6 +53,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     lora_request: LoRARequest | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

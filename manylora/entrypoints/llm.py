@@ -37,7 +37,8 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | None | Sequence[LoRARequest | None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 session_id: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Generate for every prompt; the outputs in prompt order.
 
         Args:
@@ -45,6 +46,10 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default: SamplingParams()).
             lora_request: one (or None, the base model) for all prompts, or one per prompt.
             use_tqdm: show a progress bar.
+            session_id: the multi-turn session each prompt is the next turn of (None: no
+                session), one for all prompts or one per prompt; a session takes one turn
+                per call. The prompt holds only the new turn; see
+                ``LLMEngine.add_request``.
 
         Raises:
             ValueError: a list argument whose length differs from the prompts', or any bad
@@ -56,11 +61,12 @@ class LLM:
         params = _per_prompt(SamplingParams() if sampling_params is None else sampling_params,
                              n, "sampling_params")
         loras = _per_prompt(lora_request, n, "lora_request")
+        sessions = _per_prompt(session_id, n, "session_id")
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
-                ids.append(engine.add_request(None, prompt, p, lora))
+            for prompt, p, lora, sid in zip(prompts, params, loras, sessions):
+                ids.append(engine.add_request(None, prompt, p, lora, sid))
         except Exception:
             engine.abort_request(ids)
             raise
@@ -73,6 +79,10 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def end_session(self, session_id: str) -> bool:
+        """Free what a multi-turn session holds (``LLMEngine.end_session``)."""
+        return self.llm_engine.end_session(session_id)
 
 
 def _per_prompt(value, n: int, name: str) -> list:

@@ -18,7 +18,7 @@ from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
-from manylora.ops.attention import AttentionMetadata, paged_attention, write_kv
+from manylora.ops.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 
 
 class LlamaAttention(nn.Module):
@@ -35,8 +35,10 @@ class LlamaAttention(nn.Module):
                                  cfg.dtype, device)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata, lora: LoRAMapping | None) -> torch.Tensor:
+        """``x [T, hidden]`` → ``[T, hidden]``: qkv, RoPE, ``write_kv`` into this layer's
+        ``KVCache`` (quantized there when it is), ``paged_attention``, o_proj."""
         cfg = self.cfg
         qkv = self.qkv_proj(x, lora)                                   # [T, q + 2 kv]
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
@@ -73,7 +75,7 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: KVCache, attn: AttentionMetadata,
                 lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual) → (mlp output, residual stream before it)``; the caller adds them.
 
@@ -106,9 +108,11 @@ class LlamaForCausalLM(nn.Module):
         cfg: the model shape and dtype.
         device: where parameters are allocated (uninitialised; the weight loader fills them).
 
-    Forward: ``input_ids`` and ``positions`` int64 ``[T]``, one KV cache tensor per layer
-    (``[2, num_blocks, block_size, num_kv_heads, head_dim]``), the step's attention metadata
-    and LoRA mapping → hidden states ``[T, hidden_size]`` in the model dtype.
+    Forward: ``input_ids`` and ``positions`` int64 ``[T]``, one ``KVCache`` per layer
+    (``data [2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, or int8 /
+    float8_e4m3fn with float32 ``scale [2, num_blocks, block_size, num_kv_heads]``), the
+    step's attention metadata and LoRA mapping → hidden states ``[T, hidden_size]`` in the
+    model dtype.
     ``compute_logits(hidden [N, hidden]) → float32 [N, vocab]``.
     """
 
@@ -142,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         raise ValueError(f"no projection {module!r} in layer {layer}")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn: AttentionMetadata,
+                kv_caches: list[KVCache], attn: AttentionMetadata,
                 lora: LoRAMapping | None) -> torch.Tensor:
         x, residual = self.model.embed_tokens(input_ids), None          # [T, H]
         for layer, kv_cache in zip(self.model.layers, kv_caches):

@@ -1,10 +1,21 @@
 """Paged attention over a block-table KV cache: metadata, the PyTorch reference, dispatch.
 
-KV cache layout, per layer: ``kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]``
-(index 0 keys, 1 values). Token ``p`` of a sequence lives in physical block
+KV cache layout, per layer (a ``KVCache``): ``data[2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (index 0 keys, 1 values). Token ``p`` of a sequence lives in physical block
 ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. flat slot
 ``block_table[p // block_size] * block_size + p % block_size`` (vLLM's PagedAttention,
 Kwon et al., SOSP 2023).
+
+The cache holds the model dtype (``kv_cache_dtype`` "auto") or is quantized ("int8",
+"fp8_e4m3"): symmetric, dynamic, one float32 scale per (K/V, token slot, KV head) in
+``scale[2, num_blocks, block_size, num_kv_heads]``, computed when the token is written and
+applied when attention reads it (LMDeploy TurboMind's online per-head, per-token KV
+quantization, here without a zero point)::
+
+    scale   = max_d |x[d]| / QMAX        QMAX = 127 (int8), 448 (float8 e4m3)
+    code[d] = round(x[d] / scale)        (int8: to nearest even, clamped to ±127;
+                                          fp8: the cast to float8_e4m3fn, clamped to ±448)
+    x[d]   ≈ code[d] * scale             (a zero row has scale 0 and dequantizes to 0)
 
 For a sequence with ``context_len`` tokens of which the last ``query_len`` are new this
 step, query ``j`` sits at position ``qp = context_len - query_len + j`` and attends to
@@ -13,9 +24,10 @@ window)::
 
     out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]
 
-with ``G = num_heads / num_kv_heads`` (GQA; MQA when num_kv_heads is 1, MHA when G is 1).
-Prefill, chunked prefill over cached blocks and decode are the same formula. A query with
-no key to attend (a padding sequence, ``context_len`` 0) yields zeros.
+with ``G = num_heads / num_kv_heads`` (GQA; MQA when num_kv_heads is 1, MHA when G is 1)
+and, for a quantized cache, ``k``/``v`` the dequantized rows ``code * scale``. Prefill, chunked
+prefill over cached blocks and decode are the same formula. A query with no key to attend
+(a padding sequence, ``context_len`` 0) yields zeros.
 
 On CUDA, ``write_kv`` and ``paged_attention`` run the Triton kernels of
 ``manylora.ops.triton_attention`` (one launch for the decode sequences and one for the
@@ -37,6 +49,118 @@ import torch.nn.functional as F
 #: Rows (query tokens × the G heads of one KV head) a prefill tile of the Triton kernel
 #: holds: BLOCK_Q = PREFILL_TILE_ROWS // G query tokens per tile.
 PREFILL_TILE_ROWS = 128
+
+#: The accepted ``kv_cache_dtype`` values: the model dtype, int8, float8 e4m3 (OCP "fn").
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+#: QMAX of each quantized storage dtype: the largest magnitude a stored code takes.
+KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_KV_STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element dtype of a KV cache: ``model_dtype`` for "auto", ``torch.int8`` for
+    "int8", ``torch.float8_e4m3fn`` for "fp8_e4m3" (vLLM's ``kv_cache_dtype`` names).
+
+    Raises:
+        ValueError: ``kv_cache_dtype`` is not one of ``KV_CACHE_DTYPES``.
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_STORAGE:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES}")
+    return _KV_STORAGE[kv_cache_dtype]
+
+
+class KVCache(NamedTuple):
+    """One layer's paged KV cache: the stored keys/values and, when quantized, their scales.
+
+    Attributes:
+        data: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1
+            values) in the model dtype (unquantized) or ``torch.int8`` /
+            ``torch.float8_e4m3fn`` (quantized).
+        scale: float32 ``[2, num_blocks, block_size, num_kv_heads]``, one scale per (K/V,
+            token slot, KV head), or None when unquantized. Slot ``s`` of head ``h`` holds
+            ``x ≈ data[:, s // bs, s % bs, h].float() * scale[:, s // bs, s % bs, h, None]``
+            with ``scale = max_d |x[d]| / QMAX`` (``KV_QUANT_MAX``; see ``quantize_kv``).
+
+    The layout follows vLLM's PagedAttention; the quantization LMDeploy TurboMind's online
+    per-head, per-token int8 KV cache (symmetric here).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """True when ``data`` holds int8 / float8 codes with per-(token, head) ``scale``."""
+        return self.scale is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype of ``data`` (model dtype, int8 or float8_e4m3fn)."""
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of ``data`` (and ``scale``)."""
+        return self.data.device
+
+
+def quantize_kv(x: torch.Tensor, storage_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row, per-head quantization of keys or values (the reference the Triton
+    write kernel reproduces; LMDeploy TurboMind's online KV quantization, without its zero
+    point)::
+
+        scale[t, h]   = max_d |x[t, h, d]| / QMAX                   (float32)
+        code[t, h, d] = round(x[t, h, d] / scale[t, h])             (x / 1 where scale is 0)
+
+    int8 rounds half to even and clamps to ±127; float8_e4m3fn clamps to ±448 and casts
+    (round to nearest even). A zero row gets scale 0 and codes 0, so it dequantizes to 0.
+    Non-finite inputs give non-finite scales.
+
+    Args:
+        x: ``[T, num_kv_heads, head_dim]`` float32, bfloat16 or float16 (any strides).
+        storage_dtype: ``torch.int8`` or ``torch.float8_e4m3fn``.
+
+    Returns:
+        ``(codes [T, num_kv_heads, head_dim] storage_dtype, scale [T, num_kv_heads] float32)``.
+
+    Raises:
+        ValueError: ``x`` not 3-D or not floating point, or another storage dtype.
+    """
+    if storage_dtype not in KV_QUANT_MAX:
+        raise ValueError(f"storage_dtype must be one of {list(KV_QUANT_MAX)}, got {storage_dtype}")
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating [T, num_kv_heads, head_dim] tensor, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    qmax = KV_QUANT_MAX[storage_dtype]
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / qmax                                 # [T, Hkv]
+    y = (xf / torch.where(scale == 0, 1.0, scale).unsqueeze(-1)).clamp(-qmax, qmax)
+    if storage_dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(storage_dtype), scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q.float() * scale[..., None]``: float32 keys/values from codes and their scales.
+
+    Args:
+        q: ``[..., head_dim]`` int8 or float8_e4m3fn codes (``quantize_kv``'s first result).
+        scale: float32 ``[...]`` (one per row of ``q``).
+
+    Returns:
+        float32 ``[..., head_dim]``.
+
+    Raises:
+        ValueError: ``scale.shape`` is not ``q.shape[:-1]``.
+    """
+    if scale.shape != q.shape[:-1]:
+        raise ValueError(f"scale {tuple(scale.shape)} must be q's shape {tuple(q.shape)} "
+                         "without its last dim")
+    return q.float() * scale.float().unsqueeze(-1)
 
 
 class SeqAttention(NamedTuple):
@@ -245,62 +369,115 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
         seqs=seqs)
 
 
-def check_attention_inputs(q: torch.Tensor, kv_cache: torch.Tensor,
+def check_kv_cache(kv_cache: KVCache) -> None:
+    """Host-only checks of one layer's cache (no device sync).
+
+    Raises:
+        ValueError: ``kv_cache`` not a ``KVCache``; ``data`` not ``[2, blocks, block_size,
+            Hkv, D]``; an unquantized cache whose data is not float32/bfloat16/float16; a
+            quantized one whose data is not int8/float8_e4m3fn or whose scale is not float32
+            ``[2, blocks, block_size, Hkv]`` on the data's device.
+    """
+    if not isinstance(kv_cache, KVCache):
+        raise ValueError(f"the cache must be a KVCache(data, scale), got {type(kv_cache).__name__}")
+    data, scale = kv_cache
+    if data.dim() != 5 or data.shape[0] != 2:
+        raise ValueError(f"kv_cache.data must be [2, blocks, block_size, Hkv, D], got "
+                         f"{tuple(data.shape)}")
+    if scale is None:
+        if data.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"an unquantized cache holds {[str(d) for d in _FLOAT_DTYPES]}, got "
+                             f"{data.dtype} (a quantized cache needs its scale)")
+        return
+    if data.dtype not in KV_QUANT_MAX:
+        raise ValueError(f"a quantized cache holds {[str(d) for d in KV_QUANT_MAX]}, got "
+                         f"{data.dtype}")
+    if (scale.shape != data.shape[:4] or scale.dtype != torch.float32
+            or scale.device != data.device):
+        raise ValueError(f"kv_cache.scale must be float32 {tuple(data.shape[:4])} on "
+                         f"{data.device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}")
+
+
+def check_attention_inputs(q: torch.Tensor, kv_cache: KVCache,
                            meta: AttentionMetadata) -> None:
     """Host-only shape checks shared by both paths (no device sync).
 
     Raises:
-        ValueError: ``q`` not ``[T, H, D]`` with T the metadata's rows, ``kv_cache`` not
-            ``[2, num_blocks, meta.block_size, Hkv, D]``, dtypes differ, or
+        ValueError: as ``check_kv_cache``; ``q`` not ``[T, H, D]`` with T the metadata's rows,
+            ``kv_cache.data`` not ``[2, num_blocks, meta.block_size, Hkv, D]``, q's dtype not
+            the cache's (unquantized) or not float32/bfloat16/float16 (quantized), or
             ``H / Hkv != meta.num_queries_per_kv``.
     """
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"q must be [T, H, D] and kv_cache [2, blocks, block_size, Hkv, D], "
-                         f"got {tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    check_kv_cache(kv_cache)
+    data = kv_cache.data
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, H, D], got {tuple(q.shape)}")
     num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    if kv_cache.shape[4] != head_dim or kv_cache.shape[2] != meta.block_size:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} does not match head_dim {head_dim} "
+    num_kv_heads = data.shape[3]
+    if data.shape[4] != head_dim or data.shape[2] != meta.block_size:
+        raise ValueError(f"kv_cache {tuple(data.shape)} does not match head_dim {head_dim} "
                          f"and block_size {meta.block_size}")
     if num_heads % num_kv_heads or num_heads // num_kv_heads != meta.num_queries_per_kv:
         raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads does not match "
                          f"num_queries_per_kv={meta.num_queries_per_kv}")
     if q.shape[0] != meta.slot_mapping.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows, the metadata {meta.slot_mapping.shape[0]}")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}")
+    if kv_cache.quantized:
+        if q.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    elif q.dtype != data.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {data.dtype}")
 
 
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                        slot_mapping: torch.Tensor) -> None:
-    """PyTorch reference of ``write_kv``: ``index_copy_`` of the rows whose slot is ≥ 0.
+    """PyTorch reference of ``write_kv``: ``index_copy_`` of the rows whose slot is ≥ 0,
+    quantized first by ``quantize_kv`` (codes and scales) when the cache is.
 
-    Args as ``write_kv`` (``k``, ``v`` ``[T, num_kv_heads, head_dim]``, int64
+    Args as ``write_kv`` (``k``, ``v`` ``[T, num_kv_heads, head_dim]``, a ``KVCache``, int64
     ``slot_mapping [T]``); selecting the rows syncs on CUDA.
+
+    Raises:
+        ValueError: as ``check_kv_cache``.
     """
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    check_kv_cache(kv_cache)
+    data = kv_cache.data
+    flat = data.view(2, -1, *data.shape[-2:])
     rows = torch.nonzero(slot_mapping >= 0).squeeze(1)
     slots = slot_mapping.index_select(0, rows)
-    flat[0].index_copy_(0, slots, k.index_select(0, rows))
-    flat[1].index_copy_(0, slots, v.index_select(0, rows))
+    if not kv_cache.quantized:
+        flat[0].index_copy_(0, slots, k.index_select(0, rows))
+        flat[1].index_copy_(0, slots, v.index_select(0, rows))
+        return
+    flat_scale = kv_cache.scale.view(2, -1, data.shape[3])
+    for i, x in enumerate((k, v)):
+        codes, scale = quantize_kv(x.index_select(0, rows), data.dtype)
+        # Byte views: index_copy_ has no float8 kernel on every device.
+        flat[i].view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
+        flat_scale[i].index_copy_(0, slots, scale)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values: ``kv_cache[:, slot // bs, slot % bs] = (k, v)``.
+    """Store this step's keys and values: ``data[:, slot // bs, slot % bs] = (k, v)``, or for
+    a quantized cache their codes and per-head scales (``quantize_kv``).
 
     Rows whose slot is -1 (padding) write nothing (vLLM's ``reshape_and_cache``). CUDA: one
     Triton launch, no host sync (CUDA-graph safe); elsewhere the PyTorch reference.
 
     Args:
-        k, v: ``[T, num_kv_heads, head_dim]`` (any strides), dtype of the cache.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous on CUDA).
+        k, v: ``[T, num_kv_heads, head_dim]`` (any strides): the cache's dtype when
+            unquantized, float32 / bfloat16 / float16 when quantized.
+        kv_cache: the layer's ``KVCache`` (``data [2, num_blocks, block_size, num_kv_heads,
+            head_dim]``, float32 ``scale [2, num_blocks, block_size, num_kv_heads]`` or None;
+            contiguous on CUDA).
         slot_mapping: int64 ``[T]`` flat slots (``AttentionMetadata.slot_mapping``).
 
     Raises:
-        ValueError: (CUDA) shapes, dtypes or a cache layout that do not match.
+        ValueError: a malformed cache (``check_kv_cache``); (CUDA) shapes, dtypes or a cache
+            layout that do not match.
     """
-    if kv_cache.is_cuda:
+    if kv_cache.data.is_cuda:
         from manylora.ops.triton_attention import write_kv_triton
 
         write_kv_triton(k, v, kv_cache, slot_mapping)
@@ -316,15 +493,26 @@ def _host_seqs(meta: AttentionMetadata) -> tuple[SeqAttention, ...]:
                                                     meta.context_lens.tolist()))
 
 
-def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def _gather_kv(flat: torch.Tensor, flat_scale: torch.Tensor | None,
+               slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of ``flat [S, Hkv, D]``: as stored, or dequantized to float32."""
+    if flat_scale is None:
+        return flat.index_select(0, slots)
+    codes = flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
+    return dequantize_kv(codes, flat_scale.index_select(0, slots))
+
+
+def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                               scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """PyTorch reference of ``paged_attention``: per sequence, gather its keys/values through
     the block table and run ``scaled_dot_product_attention`` with the causal (and window)
-    mask of the module's formula. Rows of padding sequences (context_len 0) are zeros.
+    mask of the module's formula. Rows of padding sequences (context_len 0) are zeros. A
+    quantized cache is gathered and dequantized to float32 (``dequantize_kv``) and attended
+    in float32 (q upcast), the result cast to q's dtype.
 
-    Args and result as ``paged_attention``: ``q [T, H, D]``, ``kv_cache [2, num_blocks,
-    block_size, Hkv, D]`` → ``[T, H * D]`` in q's dtype. Reads ``meta.seqs`` (or, when it
-    is empty, the per-sequence tensors, which syncs on CUDA).
+    Args and result as ``paged_attention``: ``q [T, H, D]``, a ``KVCache`` with ``data [2,
+    num_blocks, block_size, Hkv, D]`` → ``[T, H * D]`` in q's dtype. Reads ``meta.seqs`` (or,
+    when it is empty, the per-sequence tensors, which syncs on CUDA).
 
     Raises:
         ValueError: as ``check_attention_inputs``, or a sliding_window < 1.
@@ -334,7 +522,11 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     check_attention_inputs(q, kv_cache, meta)
     num_heads, head_dim = q.shape[1], q.shape[2]
     bs = meta.block_size
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    data = kv_cache.data
+    flat = data.view(2, -1, *data.shape[-2:])
+    flat_scale = None
+    if kv_cache.quantized:
+        flat_scale = kv_cache.scale.view(2, -1, data.shape[3])
     group = meta.num_queries_per_kv
     out = torch.zeros(q.shape[0], num_heads, head_dim, dtype=q.dtype, device=q.device)
     for i, seq in enumerate(_host_seqs(meta)):
@@ -344,8 +536,8 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         k_pos = torch.arange(seq.context_len, device=q.device)
         blocks = meta.block_tables[i].to(torch.int64).index_select(0, k_pos // bs)
         kv_slots = blocks * bs + k_pos % bs
-        k = flat[0].index_select(0, kv_slots)                          # [C, Hkv, D]
-        v = flat[1].index_select(0, kv_slots)
+        k = _gather_kv(flat[0], None if flat_scale is None else flat_scale[0], kv_slots)
+        v = _gather_kv(flat[1], None if flat_scale is None else flat_scale[1], kv_slots)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)                      # [C, H, D]
             v = v.repeat_interleave(group, dim=1)
@@ -353,28 +545,33 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, meta: Att
         mask = k_pos[None, :] <= q_pos[:, None]                         # [Q, C]
         if sliding_window is not None:
             mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+        q_seq = q[rows] if flat_scale is None else q[rows].float()
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            q_seq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             attn_mask=mask, scale=scale)                               # [H, Q, D]
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o.transpose(0, 1).to(q.dtype)
     return out.view(q.shape[0], num_heads * head_dim)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys/values.
 
     ``out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]`` over the
-    key positions ``kp ≤ qp`` (and ``qp - kp < sliding_window``) of the query's sequence;
-    see the module docstring. CUDA: the Triton kernels of ``manylora.ops.triton_attention``
-    (FlashAttention-2 online softmax over paged KV, as vLLM's unified attention), no host
-    sync, CUDA-graph safe; elsewhere ``paged_attention_reference``.
+    key positions ``kp ≤ qp`` (and ``qp - kp < sliding_window``) of the query's sequence,
+    ``k``/``v`` dequantized (``code * scale``) when the cache is quantized; see the module
+    docstring. CUDA: the Triton kernels of ``manylora.ops.triton_attention``
+    (FlashAttention-2 online softmax over paged KV, as vLLM's unified attention; quantized
+    tiles dequantized in registers), no host sync, CUDA-graph safe; elsewhere
+    ``paged_attention_reference``.
 
     Args:
         q: ``[T, num_heads, head_dim]`` queries after RoPE (float32, bfloat16 or float16;
             any strides).
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` holding this step's
-            keys/values already (``write_kv`` first), dtype of ``q``.
+        kv_cache: the layer's ``KVCache`` holding this step's keys/values already
+            (``write_kv`` first): ``data [2, num_blocks, block_size, num_kv_heads,
+            head_dim]`` in q's dtype, or int8 / float8_e4m3fn with float32 ``scale [2,
+            num_blocks, block_size, num_kv_heads]``.
         meta: the step's attention metadata (``build_attention_metadata``).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: attend to the last ``sliding_window`` positions only (Mistral), or None.
@@ -384,7 +581,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMeta
 
     Raises:
         ValueError: shapes, dtypes or ``num_queries_per_kv`` that do not match the metadata,
-            a sliding_window < 1, or (CUDA) a non-contiguous cache.
+            a malformed cache, a sliding_window < 1, or (CUDA) a non-contiguous cache.
     """
     if q.is_cuda:
         from manylora.ops.triton_attention import paged_attention_triton

@@ -6,6 +6,19 @@ position ``qp = context_len - query_len + j``::
     out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]
     over kp ≤ qp (and qp - kp < window), zeros when no key is visible.
 
+With a quantized cache (``KVCache.scale`` not None) the rows are dequantized, ``k[kp, g] =
+kc[kp, g] * ks[kp, g]`` and ``v[kp, g] = vc[kp, g] * vs[kp, g]`` (int8 / float8 e4m3 codes,
+one float32 scale per position and KV head), and the kernel computes, with ``p`` the
+softmax numerators::
+
+    s[r, kp]  = (q[r] · kc[kp]) * ks[kp] * scale
+    out[r]    = Σ_kp (p[r, kp] * vs[kp]) · vc[kp] / Σ_kp p[r, kp]
+
+The codes convert exactly to the dot dtype (int8 and e4m3 values are bfloat16, float16 and
+float32 numbers), so the scales are the only extra rounding against attention over the
+dequantized rows. ``write_kv_triton`` quantizes as ``manylora.ops.attention.quantize_kv``:
+``scale = max_d |x[d]| / QMAX`` per (token, KV head), ``code = round(x / scale)``.
+
 Design (FlashAttention-2's forward, Dao 2023, over vLLM's paged KV cache, Kwon et al. 2023,
 organised like vLLM's Triton "unified attention"):
 
@@ -32,7 +45,11 @@ walking a tile in passes of 16 rows to keep those dots in registers; bfloat16 an
 use tensor cores with float32 accumulation (P rounded to the input dtype, as FlashAttention).
 head_dim need not be a power of two (padded to ≥ 16 and masked). Under
 ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (bfloat16 dots widened to float32
-there: the interpreter multiplies bfloat16 bit patterns as integers).
+there: the interpreter multiplies bfloat16 bit patterns as integers). Quantization is chosen
+by the ``QUANT`` constexpr, so the unquantized kernels compile to the same code as without
+it; their scale pointers get a never-read float32 dummy. The interpreter's float32 → float8
+cast does not round correctly (it drops the carry from the mantissa into the exponent), so
+only the float8 *write* is wrong there; reading float8 codes is exact.
 """
 
 from __future__ import annotations
@@ -43,7 +60,13 @@ import torch
 import triton
 import triton.language as tl
 
-from manylora.ops.attention import AttentionMetadata, check_attention_inputs
+from manylora.ops.attention import (
+    KV_QUANT_MAX,
+    AttentionMetadata,
+    KVCache,
+    check_attention_inputs,
+    check_kv_cache,
+)
 
 _LOG2E = 1.4426950408889634
 #: Upper bound on the key-range splits of a decode launch.
@@ -53,38 +76,75 @@ _CPU_SM_COUNT = 4
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch,
+def _quantize_store(x, data_ptrs, scale_ptrs, mask, row_mask, QMAX: tl.constexpr):
+    """Quantize ``x [HEADS_PAD, HEAD_DIM_PAD]`` (zeros where masked) per row (KV head)::
+
+        scale = max_d |x[d]| / QMAX,   code[d] = round(x[d] / scale), clamped to ±QMAX
+
+    (``x / 1`` where scale is 0; int8 rounds half to even, float8 by its RTNE cast) and
+    store the codes at ``data_ptrs`` and the scales at ``scale_ptrs [HEADS_PAD]``. Both
+    divisions round correctly (``div_rn``), as the PyTorch reference's.
+    """
+    x = x.to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), 1), QMAX)                 # [HEADS_PAD]
+    y = tl.math.div_rn(x, tl.where(scale == 0.0, 1.0, scale)[:, None])
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if data_ptrs.dtype.element_ty == tl.int8:
+        # Round half to even: |y| ≤ 127, so y + 1.5·2^23 keeps no fraction bits.
+        y = (y + 12582912.0) - 12582912.0
+    tl.store(data_ptrs, y.to(data_ptrs.dtype.element_ty), mask=mask)
+    tl.store(scale_ptrs, scale, mask=row_mask)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                     slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr):
-    """One program per token row: copy its K and V heads into the cache slot (skip -1)."""
+                     BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
+    """One program per token row: copy its K and V heads into the cache slot (skip -1);
+    ``QUANT``: store their codes and per-head scales instead (``_quantize_store``)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM_PAD)[None, :]
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (h * 0 + slot >= 0)   # block-shaped test
+    heads = tl.arange(0, HEADS_PAD)
+    row_mask = (heads < NUM_KV_HEADS) & (heads * 0 + slot >= 0)
     slot = tl.maximum(slot, 0)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
     row = t.to(tl.int64)
-    k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if QUANT:
+        s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_ss + heads
+        k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+        _quantize_store(k, k_cache_ptr + dst, k_scale_ptr + s_dst, mask, row_mask, QMAX)
+        v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+        _quantize_store(v, v_cache_ptr + dst, v_scale_ptr + s_dst, mask, row_mask, QMAX)
+    else:
+        k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=mask)
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
-def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_start, j_end, q_pos, ctx, window,
-               qk_scale, offs_n, offs_d, stride_cb, stride_cs,
-               BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_start, j_end,
+               q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs, stride_sb,
+               stride_ss, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+               USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr, IN_DTYPE: tl.constexpr):
     """Online softmax over key tiles ``j_start .. j_end - 1`` (positions ``j * BLOCK_N ..``).
 
     ``MASKED`` tiles apply the causal / window / context mask; the others are seen in full
     by every row. ``m_i`` is the running row max of the base-2 logits, ``l_i`` the running
-    sum of their exponentials, ``acc`` the unnormalised output.
+    sum of their exponentials, ``acc`` the unnormalised output. ``QUANT``: K and V tiles hold
+    int8 / float8 codes, converted exactly to the dot dtype; the per-position scales multiply
+    the logit columns (``s[:, n] *= k_scale[n]``) and the probability columns fed to the PV
+    dot (``p[:, n] * v_scale[n]``, after ``l_i`` took the unscaled ``p``; for float16
+    ``p[:, n] * v_scale[n] / max(v_scale)`` and the dot times ``max(v_scale)``, so that small
+    scales do not underflow float16).
     """
     d_mask = offs_d < HEAD_DIM
     for j in range(j_start, j_end):
@@ -102,9 +162,20 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_start, j_end, q_pos,
             k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptr + kv_off)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_M, BLOCK_N]
+        if QUANT:
+            s_off = block.to(tl.int64) * stride_sb + (k_pos % BLOCK_SIZE) * stride_ss
+            if MASKED:
+                k_scale = tl.load(ks_ptr + s_off, mask=k_valid, other=0.0)
+                v_scale = tl.load(vs_ptr + s_off, mask=k_valid, other=0.0)
+            else:
+                k_scale = tl.load(ks_ptr + s_off)
+                v_scale = tl.load(vs_ptr + s_off)
+            k = k.to(tl.float32).to(q.dtype)                          # exact: int8 / e4m3
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * (k_scale * qk_scale)[None, :]
+        else:
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+            s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             if USE_WINDOW:
@@ -125,25 +196,41 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_start, j_end, q_pos,
             v = tl.load(v_ptr + v_off, mask=d_mask[None, :], other=0.0)
         else:
             v = tl.load(v_ptr + v_off)
-        p = p.to(v.dtype)
+        if QUANT:
+            if IN_DTYPE == tl.float16:
+                # float16's exponent is narrow: p * v_scale of a small-valued V row would
+                # underflow. Scale by v_scale / (the tile's largest) and the product by it.
+                vs_max = tl.max(v_scale, 0)
+                vs_max = tl.where(vs_max > 0.0, vs_max, 1.0)
+                p = (p * (v_scale * (1.0 / vs_max))[None, :]).to(IN_DTYPE)
+            else:
+                p = (p * v_scale[None, :]).to(IN_DTYPE)
+            v = v.to(tl.float32).to(IN_DTYPE)
+        else:
+            p = p.to(v.dtype)
         if UPCAST_DOT:
             p = p.to(tl.float32)
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        if QUANT:
+            if IN_DTYPE == tl.float16:
+                pv = pv * vs_max
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
-                 out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                 part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
-                 stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-                 stride_bt, G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+                 out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
+                 v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+                 window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
+                 G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
     """Rows ``row0 .. row0 + ROWS - 1`` of a tile (row = token ``row // G``, head
     ``kv_head * G + row % G``) over the keys they see, in one online-softmax pass."""
     rows = row0 + tl.arange(0, ROWS)
@@ -184,22 +271,27 @@ def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
 
     k_ptr = k_cache_ptr + kv_head * stride_ch
     v_ptr = v_cache_ptr + kv_head * stride_ch
+    ks_ptr = k_scale_cache_ptr + kv_head                 # scales: [blocks, block_size, Hkv]
+    vs_ptr = v_scale_cache_ptr + kv_head
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc = tl.zeros([ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, j_lo, jf_lo, q_pos,
-                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
-                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW,
-                               DOT_PRECISION, UPCAST_DOT)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, jf_lo, jf_hi, q_pos,
-                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
-                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_WINDOW,
-                               DOT_PRECISION, UPCAST_DOT)
-    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, table_ptr, jf_hi, j_hi, q_pos,
-                               ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs,
-                               BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW,
-                               DOT_PRECISION, UPCAST_DOT)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_lo,
+                               jf_lo, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
+                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                               HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
+                               QUANT, q_ptr.dtype.element_ty)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, jf_lo,
+                               jf_hi, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
+                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                               HEAD_DIM_PAD, False, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
+                               QUANT, q_ptr.dtype.element_ty)
+    acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, jf_hi,
+                               j_hi, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
+                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                               HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
+                               QUANT, q_ptr.dtype.element_ty)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -216,18 +308,20 @@ def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
 
 @triton.jit(do_not_specialize=["num_tiles"])
 def _paged_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr, v_scale_cache_ptr,
         block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
         tile_seq_ptr, tile_query_ptr, part_acc_ptr, part_ml_ptr,
         qk_scale, window, num_tiles, num_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PASS_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
     """Program (tile, kv_head, split): ``BLOCK_Q`` queries × ``G`` heads (``BLOCK_M`` rows)
-    over one key range, in passes of ``PASS_M`` rows (one pass unless float32 FMA dots)."""
+    over one key range, in passes of ``PASS_M`` rows (one pass unless float32 FMA dots).
+    ``QUANT``: the cache holds codes whose float32 scales (``[blocks, block_size, Hkv]``,
+    strides ``stride_sb``, ``stride_ss``, 1) are at ``k/v_scale_cache_ptr``."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -238,21 +332,23 @@ def _paged_attention_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     if PASS_M == BLOCK_M:
         _attend_rows(0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
-                     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                     part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
-                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs,
-                     stride_ch, stride_bt, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                     HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS, DOT_PRECISION, UPCAST_DOT)
+                     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
+                     v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
+                     window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
+                     stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, G,
+                     BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW,
+                     NUM_SPLITS, DOT_PRECISION, UPCAST_DOT, QUANT)
     else:
         num_rows = tl.minimum(BLOCK_Q, q_len - q_first) * G
         for row0 in range(0, num_rows, PASS_M):
             _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
-                         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                         part_acc_ptr, part_ml_ptr, qk_scale, window, num_tiles, num_heads,
-                         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs,
-                         stride_ch, stride_bt, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE,
+                         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
+                         v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr,
+                         qk_scale, window, num_tiles, num_heads, stride_qt, stride_qh,
+                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         stride_sb, stride_ss, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE,
                          HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS, DOT_PRECISION,
-                         UPCAST_DOT)
+                         UPCAST_DOT, QUANT)
 
 
 @triton.jit(do_not_specialize=["num_tiles"])
@@ -329,54 +425,91 @@ def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block
     return 1 << (splits.bit_length() - 1)
 
 
-def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+@functools.cache
+def _dummy_scale(device: torch.device) -> torch.Tensor:
+    """A float32 stand-in for the scale pointers of an unquantized launch (never read)."""
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def _scale_args(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(k_scale, v_scale, stride_sb, stride_ss)``: the scale planes of a quantized cache,
+    or the float32 dummy and zero strides."""
+    if kv_cache.quantized:
+        k_scale, v_scale = kv_cache.scale[0], kv_cache.scale[1]
+        return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
+    dummy = _dummy_scale(kv_cache.data.device)
+    return dummy, dummy, 0, 0
+
+
+def _check_contiguous(kv_cache: KVCache) -> None:
+    if not kv_cache.data.is_contiguous() or (
+            kv_cache.quantized and not kv_cache.scale.is_contiguous()):
+        raise ValueError("kv_cache.data and kv_cache.scale must be contiguous")
+
+
+def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     slot_mapping: torch.Tensor) -> None:
-    """``kv_cache[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0.
+    """``data[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0; a quantized
+    cache stores ``code = round(x / scale)`` and ``scale = max_d |x[d]| / QMAX`` per (row,
+    KV head) instead (``manylora.ops.attention.quantize_kv``, bit-exact for int8).
 
     One program per token row, no host sync (CUDA-graph safe).
 
     Args:
-        k, v: ``[T, num_kv_heads, head_dim]``, dtype of the cache (any strides; copied when
-            the last dim is not contiguous).
-        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        k, v: ``[T, num_kv_heads, head_dim]`` (any strides; copied when the last dim is not
+            contiguous): the cache's dtype when unquantized, float32 / bfloat16 / float16
+            when quantized.
+        kv_cache: a ``KVCache`` with contiguous ``data [2, num_blocks, block_size,
+            num_kv_heads, head_dim]`` and, when quantized, contiguous float32 ``scale [2,
+            num_blocks, block_size, num_kv_heads]``.
         slot_mapping: int64 ``[T]``; -1 rows write nothing.
 
     Raises:
         ValueError: shapes, dtypes or a cache layout that do not match.
     """
+    check_kv_cache(kv_cache)
+    data = kv_cache.data
     num_tokens, num_kv_heads, head_dim = k.shape
-    if (v.shape != k.shape or kv_cache.dim() != 5 or kv_cache.shape[3:] != k.shape[1:]
+    if (v.shape != k.shape or data.shape[3:] != k.shape[1:]
             or slot_mapping.shape != (num_tokens,)):
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping "
-                         f"{tuple(slot_mapping.shape)} do not fit kv_cache {tuple(kv_cache.shape)}")
-    if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype:
-        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {kv_cache.dtype}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
+                         f"{tuple(slot_mapping.shape)} do not fit kv_cache {tuple(data.shape)}")
+    if kv_cache.quantized:
+        if not (k.is_floating_point() and v.is_floating_point()):
+            raise ValueError(f"k/v must be floating point to quantize, got {k.dtype}/{v.dtype}")
+    elif k.dtype != data.dtype or v.dtype != data.dtype:
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from the cache's {data.dtype}")
+    _check_contiguous(kv_cache)
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     slot_mapping = slot_mapping.contiguous()
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = data[0], data[1]
+    k_scale, v_scale, stride_sb, stride_ss = _scale_args(kv_cache)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2])
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=data.shape[2],
+        QUANT=kv_cache.quantized, QMAX=KV_QUANT_MAX.get(data.dtype, 0.0))
 
 
-def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                            scale: float, sliding_window: int | None = None, *,
                            num_splits: int | None = None,
                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Paged attention of the module formula: one launch over the decode tiles (split over
-    the key range when few), one over the prefill tiles. No host sync; CUDA-graph safe.
+    the key range when few), one over the prefill tiles. No host sync; CUDA-graph safe. A
+    quantized cache is dequantized in registers (codes × per-position scales); the softmax
+    and the accumulation stay float32.
 
     Args:
         q: ``[T, num_heads, head_dim]`` (float32, bfloat16 or float16), any strides.
-        kv_cache: contiguous ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, q's dtype.
+        kv_cache: a ``KVCache`` with contiguous ``data [2, num_blocks, block_size,
+            num_kv_heads, head_dim]`` in q's dtype, or int8 / float8_e4m3fn with contiguous
+            float32 ``scale [2, num_blocks, block_size, num_kv_heads]``.
         meta: the step's ``AttentionMetadata`` (same device).
         scale: softmax scale.
         sliding_window: window in positions (≥ 1) or None.
@@ -396,11 +529,10 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         raise ValueError(f"sliding_window must be ≥ 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
-    if not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be contiguous")
+    _check_contiguous(kv_cache)
     q = _last_dim_contiguous(q)
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_kv_heads, block_size = kv_cache.data.shape[3], kv_cache.data.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -410,7 +542,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
     num_decode = meta.num_decode_tiles
     num_prefill = meta.tile_seq.shape[0] - num_decode
     head_dim_pad = _head_dim_pad(head_dim)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    k_cache, v_cache = kv_cache.data[0], kv_cache.data[1]
+    k_scale, v_scale, stride_sb, stride_ss = _scale_args(kv_cache)
     # Triton's interpreter multiplies bfloat16 dot operands as raw integers: on CPU the
     # operands are widened to float32 first (same products; p still rounded to bfloat16).
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
@@ -419,11 +552,11 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
-        stride_bt=meta.block_tables.stride(0),
+        stride_bt=meta.block_tables.stride(0), stride_sb=stride_sb, stride_ss=stride_ss,
         G=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST_DOT=upcast)
+        UPCAST_DOT=upcast, QUANT=kv_cache.quantized)
     tensors = (meta.block_tables, meta.query_start, meta.query_lens, meta.context_lens)
 
     if num_decode:
@@ -443,7 +576,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
             part_acc = part_ml = out
         tile_seq = meta.tile_seq[:num_decode]
         _paged_attention_kernel[(num_decode, num_kv_heads, splits)](
-            out, q, k_cache, v_cache, *tensors, tile_seq, meta.tile_query[:num_decode],
+            out, q, k_cache, v_cache, k_scale, v_scale, *tensors, tile_seq,
+            meta.tile_query[:num_decode],
             part_acc, part_ml, num_tiles=num_decode, BLOCK_Q=1, BLOCK_M=block_m,
             NUM_SPLITS=splits, **config, **common)
         if splits > 1:
@@ -456,7 +590,7 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, meta: Attent
         block_q = meta.prefill_block_q
         block_m = max(16, triton.next_power_of_2(block_q * group))
         _paged_attention_kernel[(num_prefill, num_kv_heads, 1)](
-            out, q, k_cache, v_cache, *tensors, meta.tile_seq[num_decode:],
+            out, q, k_cache, v_cache, k_scale, v_scale, *tensors, meta.tile_seq[num_decode:],
             meta.tile_query[num_decode:], out, out, num_tiles=num_prefill, BLOCK_Q=block_q,
             BLOCK_M=block_m, NUM_SPLITS=1, **tile_config(block_m, head_dim_pad, q.dtype),
             **common)

@@ -15,8 +15,14 @@ import torch
 from manylora.core.scheduler import SchedulerOutput
 from manylora.lora.punica import build_lora_mapping
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import build_attention_metadata
-from manylora.sample.sampler import Sampler, SamplingTensors, make_generator
+from manylora.ops.attention import KVCache, build_attention_metadata
+from manylora.sample.sampler import (
+    SampledTokens,
+    Sampler,
+    SamplingTensors,
+    make_generator,
+    tokens_and_logprobs_to_host,
+)
 from manylora.worker.cuda_graph import DecodeGraphs
 
 
@@ -25,21 +31,22 @@ class ModelRunner:
 
     Args:
         model: the loaded model (with slot buffers when LoRA is on).
-        kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+        kv_caches: one ``KVCache`` per layer (``allocate_kv_caches``): ``data [2, num_blocks,
+            block_size, num_kv_heads, head_dim]`` and, when quantized, float32 ``scale``.
         block_size: tokens per cache block.
         max_loras: number of adapter slots (0 when LoRA is off).
         max_model_len: the longest sequence, tokens (fixes a graph's block-table width).
         cuda_graph_sizes: decode batch sizes to capture as CUDA graphs; empty: always eager.
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor],
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
                  block_size: int, max_loras: int, max_model_len: int,
                  cuda_graph_sizes: Sequence[int] = ()) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_loras = max_loras
-        self.device = kv_caches[0].device
+        self.device = kv_caches[0].data.device
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
@@ -53,8 +60,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
-                slot_ranks: list[int], slot_dora: list[int] | None = None) -> dict[str, int]:
-        """Compute one step and sample.
+                slot_ranks: list[int], slot_dora: list[int] | None = None) -> SampledTokens:
+        """Compute one step, sample, and gather the log-probabilities asked for.
 
         Args:
             out: the scheduler's plan.
@@ -64,7 +71,12 @@ class ModelRunner:
                 DoRA slot. Read by the kernels as data, so it never selects another graph.
 
         Returns:
-            ``{request_id: token_id}`` for each request whose last token was computed.
+            ``SampledTokens(tokens, logprobs)``: ``tokens`` is ``{request_id: token_id}`` for
+            each request whose last token was computed; ``logprobs`` is
+            ``{request_id: TokenLogprobs}`` for those of them with ``SamplingParams.logprobs``
+            set: the raw ``log_softmax`` of the logits, before temperature and the filters
+            (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
+            one copy; a step where no request asks does no log-probability work.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -83,7 +95,7 @@ class ModelRunner:
         dora = [0] * len(slot_ranks) if slot_dora is None else list(slot_dora)
         hidden = self._run_model(out, ids, positions, token_slots, slot_ranks, dora)
         if not sample_reqs:
-            return {}
+            return SampledTokens({}, {})
         dev = self.device
         logits = self.model.compute_logits(
             hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64).to(dev)))
@@ -91,8 +103,13 @@ class ModelRunner:
         tensors = SamplingTensors.from_params(params, self.vocab_size, dev)
         generators = {row: self._generator(r) for row, r in enumerate(sample_reqs)
                       if r.sampling_params.seed is not None and not r.sampling_params.greedy}
-        tokens = self.sampler.sample(logits, tensors, generators).tolist()
-        return {r.request_id: t for r, t in zip(sample_reqs, tokens)}
+        sampled = self.sampler.sample(logits, tensors, generators)
+        lp_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        tokens, logprobs = tokens_and_logprobs_to_host(
+            logits, sampled, lp_rows, [params[row].logprobs for row in lp_rows])
+        return SampledTokens({r.request_id: t for r, t in zip(sample_reqs, tokens)},
+                             {sample_reqs[row].request_id: lp
+                              for row, lp in zip(lp_rows, logprobs)})
 
     def _run_model(self, out: SchedulerOutput, ids: list[int], positions: list[int],
                    token_slots: list[int], slot_ranks: list[int],

@@ -25,6 +25,7 @@ import torch
 from manylora.ops import triton_attention
 from manylora.ops.attention import (
     AttentionMetadata,
+    KVCache,
     build_attention_metadata,
     paged_attention,
     paged_attention_reference,
@@ -105,6 +106,7 @@ class Case:
             start += n
         self.cache = torch.randn(2, num_blocks, block_size, self.num_kv_heads, head_dim,
                                  generator=gen).to(dtype).to(DEVICE)
+        self.kv = KVCache(self.cache, None)
         rows = pad_to if pad_to is not None else sum(self.query_lens)
         width = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         if strided_q:   # q as the first part of a packed qkv projection, as the model has it
@@ -126,7 +128,7 @@ class Case:
     def triton(self, window=None, num_splits=None):
         out = torch.full_like(self.q, float("nan"))
         got = triton_attention.paged_attention_triton(
-            self.q, self.cache, self.meta, self.scale, window, num_splits=num_splits, out=out)
+            self.q, self.kv, self.meta, self.scale, window, num_splits=num_splits, out=out)
         assert got.shape == (self.q.shape[0], self.num_heads * self.head_dim)
         assert got.dtype == self.dtype
         return got.view_as(self.q)
@@ -188,7 +190,7 @@ def test_metadata_pad_to():
     assert empty.block_tables.shape == (4, 5) and empty.num_decode_tiles == 4
     q = torch.randn(4, 8, 16, generator=seeded("empty")).to(DEVICE)
     cache = torch.randn(2, 3, 4, 2, 16, generator=seeded("empty-cache")).to(DEVICE)
-    got = triton_attention.paged_attention_triton(q, cache, empty, 0.25,
+    got = triton_attention.paged_attention_triton(q, KVCache(cache), empty, 0.25,
                                                   out=torch.full_like(q, float("nan")))
     assert torch.equal(got, torch.zeros_like(got))
 
@@ -209,7 +211,7 @@ def test_metadata_cuda_graph_property():
     static = a.meta
     for name in TENSOR_FIELDS:
         getattr(static, name).copy_(getattr(b.meta, name))
-    got = triton_attention.paged_attention_triton(b.q, b.cache, static, b.scale)
+    got = triton_attention.paged_attention_triton(b.q, b.kv, static, b.scale)
     check(got.view_as(b.q), b.expected(), torch.float32)
 
 
@@ -235,7 +237,7 @@ def test_metadata_errors(bad):
 def test_empty_batch():
     meta = build_attention_metadata([], [], [], 16, 4, DEVICE)
     q = torch.randn(0, 8, 16, device=DEVICE)
-    cache = torch.randn(2, 2, 16, 2, 16, device=DEVICE)
+    cache = KVCache(torch.randn(2, 2, 16, 2, 16, device=DEVICE))
     assert triton_attention.paged_attention_triton(q, cache, meta, 0.25).shape == (0, 128)
     assert paged_attention_reference(q, cache, meta, 0.25).shape == (0, 128)
 
@@ -301,14 +303,16 @@ def test_attention_pad_to(num_splits):
 def test_attention_errors():
     case = Case([(1, 5)], heads=(8, 2))
     with pytest.raises(ValueError):
-        triton_attention.paged_attention_triton(case.q, case.cache, case.meta, 1.0, 0)
+        triton_attention.paged_attention_triton(case.q, case.kv, case.meta, 1.0, 0)
     with pytest.raises(ValueError):      # metadata built for another G
-        triton_attention.paged_attention_triton(case.q[:, :4], case.cache, case.meta, 1.0)
+        triton_attention.paged_attention_triton(case.q[:, :4], case.kv, case.meta, 1.0)
     with pytest.raises(ValueError):
-        triton_attention.paged_attention_triton(case.q.half(), case.cache, case.meta, 1.0)
+        triton_attention.paged_attention_triton(case.q.half(), case.kv, case.meta, 1.0)
     with pytest.raises(ValueError):
-        triton_attention.paged_attention_triton(case.q, case.cache, case.meta, 1.0,
+        triton_attention.paged_attention_triton(case.q, case.kv, case.meta, 1.0,
                                                 num_splits=0)
+    with pytest.raises(ValueError):      # a bare tensor, not a KVCache
+        triton_attention.paged_attention_triton(case.q, case.cache, case.meta, 1.0)
 
 
 # ------------------------------------------------------------------ reference and dispatch
@@ -319,13 +323,13 @@ def test_reference_matches_float64(window):
     for seqs, kw in ((SCENARIOS["mixed"], {}), (SCENARIOS["chunked"], {"block_size": 16}),
                      ([(1, 30), (1, 2)], {"pad_to": 4})):
         case = Case(seqs, heads=(8, 2), head_dim=12, **kw)
-        got = paged_attention_reference(case.q, case.cache, case.meta, case.scale, window)
+        got = paged_attention_reference(case.q, case.kv, case.meta, case.scale, window)
         check(got.view_as(case.q), case.expected(window), torch.float32)
 
 
 def test_paged_attention_dispatch():
     case = Case(SCENARIOS["mixed"], heads=(8, 2), dtype=torch.bfloat16)
-    got = paged_attention(case.q, case.cache, case.meta, case.scale)
+    got = paged_attention(case.q, case.kv, case.meta, case.scale)
     check(got.view_as(case.q), case.expected(), torch.bfloat16)
 
 
@@ -349,7 +353,7 @@ def test_write_kv(impl, dtype):
     slot_mapping = slots.to(DEVICE)
     fn = {"triton": triton_attention.write_kv_triton, "reference": write_kv_reference,
           "dispatch": write_kv}[impl]
-    fn(k, v, cache, slot_mapping)
+    fn(k, v, KVCache(cache), slot_mapping)
     want = before.clone().view(2, -1, kv_heads, head_dim)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -371,8 +375,8 @@ def test_gpu_llama3_decode_and_prefill(batch):
     for seqs in ([(1, 512)] * batch, [(128, 128)] * 4 + [(1, 300)] * 3):
         case = _llama3_case(seqs)
         got = case.triton()
-        want = paged_attention_reference(case.q.float(), case.cache.float(), case.meta,
-                                         case.scale).view_as(case.q)
+        want = paged_attention_reference(case.q.float(), KVCache(case.cache.float()),
+                                         case.meta, case.scale).view_as(case.q)
         check(got, want, torch.bfloat16)
 
 
@@ -388,7 +392,7 @@ def test_gpu_cuda_graph_replay():
     k_new = torch.randn(8, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
     v_new = torch.randn(8, 8, 128, generator=gen).to(DEVICE, torch.bfloat16)
     q = first.q.clone()
-    cache = second.cache.clone()
+    cache = KVCache(second.cache.clone())
     meta: AttentionMetadata = first.meta
     out = torch.empty_like(q)
 
@@ -404,13 +408,13 @@ def test_gpu_cuda_graph_replay():
     for name in TENSOR_FIELDS:
         getattr(meta, name).copy_(getattr(second.meta, name))
     q.copy_(second.q)
-    cache.copy_(second.cache)                    # undo the warm-up step's writes
+    cache.data.copy_(second.cache)               # undo the warm-up step's writes
     graph.replay()
     torch.cuda.synchronize()
-    want_cache = second.cache.clone()
+    want_cache = KVCache(second.cache.clone())
     write_kv_reference(k_new, v_new, want_cache, second.meta.slot_mapping)
-    want = paged_attention_reference(second.q.float(), want_cache.float(), second.meta,
-                                     second.scale).view_as(q)
-    assert torch.equal(cache, want_cache)
+    want = paged_attention_reference(second.q.float(), KVCache(want_cache.data.float()),
+                                     second.meta, second.scale).view_as(q)
+    assert torch.equal(cache.data, want_cache.data)
     check(out, want, torch.bfloat16)
     assert math.isfinite(out.float().abs().max().item())
