@@ -266,7 +266,7 @@ class KVCacheManager:
 
     def snapshot(self) -> KVCacheStats:
         """A copy of the counters with the pool's state filled in."""
-        used = sum(1 for r in self.pool.ref if r > 0)
+        used = self.num_blocks - self.pool.num_available
         return KVCacheStats(
             **{**self.stats.__dict__, "used_blocks": used,
                "cached_blocks": self.pool.num_cached,

@@ -387,7 +387,6 @@ class Scheduler:
             return
         sess.active_request = None
         if sess.ended:
-            self.kv.free(req.request_id)
             self._release_session_kv(sess)
             self.sessions.drop(sess)
         elif status is not RequestStatus.FINISHED_ABORTED:

@@ -46,12 +46,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from manylora.config import KV_CACHE_DTYPES
+
 #: Rows (query tokens × the G heads of one KV head) a prefill tile of the Triton kernel
 #: holds: BLOCK_Q = PREFILL_TILE_ROWS // G query tokens per tile.
 PREFILL_TILE_ROWS = 128
 
-#: The accepted ``kv_cache_dtype`` values: the model dtype, int8, float8 e4m3 (OCP "fn").
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 #: QMAX of each quantized storage dtype: the largest magnitude a stored code takes.
 KV_QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _KV_STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
