@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -92,3 +96,52 @@ class EngineArgs:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one flag per field (``max_loras`` → ``--max-loras``; booleans get
+        ``--x`` / ``--no-x``; ``key_dict`` takes JSON), with the help text of the field's
+        entry under "Attributes" above; vLLM's engine arguments."""
+        helps = _attribute_help(cls.__doc__ or "")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = None if f.default is dataclasses.MISSING else f.default
+            kwargs: dict = {"dest": f.name, "help": helps.get(f.name)}
+            kind = str(f.type)
+            if kind == "bool":
+                kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+            elif kind.startswith("tuple"):
+                kwargs.update(nargs="+", default=default)
+            elif kind.startswith("Mapping"):
+                kwargs.update(type=json.loads, default=None, metavar="JSON")
+            else:
+                kwargs.update(type=_SCALARS[kind.split(" |")[0]], default=default)
+            if f.name == "model":
+                kwargs["required"] = True
+            parser.add_argument(flag, **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The ``EngineArgs`` of parsed flags (those ``add_cli_args`` added).
+
+        Raises:
+            ValueError: an invalid value (see ``__post_init__``).
+        """
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name)}
+        if values.get("key_dict") is None:
+            values.pop("key_dict", None)
+        if values.get("lora_target_modules") is not None:
+            values["lora_target_modules"] = tuple(values["lora_target_modules"])
+        return cls(**values)
+
+
+_SCALARS = {"str": str, "int": int, "float": float}
+
+
+def _attribute_help(doc: str) -> dict[str, str]:
+    """``{field: help}`` from a Google-style "Attributes:" section."""
+    section = doc.split("Attributes:", 1)[-1]
+    entries = re.findall(r"^\s{8}(\w+): (.*?)(?=^\s{8}\w+: |\Z)", section, re.M | re.S)
+    return {name: " ".join(text.split()).replace("%", "%%") for name, text in entries}

@@ -259,6 +259,15 @@ class LLMEngine:
         manager.release(lora_request.lora_int_id)
         return True
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``).
+
+        Returns:
+            True when it is gone (or was never loaded); False while requests still use it,
+            in which case nothing changes: call again when they have finished.
+        """
+        return self.lora_manager is None or self.lora_manager.remove(lora_int_id)
+
     def end_session(self, session_id: str) -> bool:
         """End a multi-turn session: blocks only it held are freed (its full blocks stay in
         the prefix cache for other requests). A turn in flight finishes first. False when

@@ -188,6 +188,19 @@ class LoRAManager:
         if self._refs[lora_int_id] <= 0:
             del self._refs[lora_int_id]
 
+    def remove(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host tier, its slot and the known ids, unless requests
+        still use it; True when it is gone (or was never known), False while in use."""
+        if self._refs[lora_int_id] > 0:
+            return False
+        self._refs.pop(lora_int_id, None)
+        future = self._loading.pop(lora_int_id, None)
+        if future is not None:
+            future.cancel()
+        self._wanted.discard(lora_int_id)
+        self._forget(lora_int_id)
+        return True
+
     def _replace(self, request: LoRARequest, known: _Known) -> None:
         lid = request.lora_int_id
         if not request.replace:

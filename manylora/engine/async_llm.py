@@ -1,0 +1,391 @@
+"""``AsyncLLM``: the engine's step loop on its own thread, requests streamed to asyncio.
+
+The server (``manylora serve``) and any asyncio caller share one ``LLMEngine`` through this
+front, as the offline ``LLM`` drives the same engine class in a loop of its own (vLLM's
+``AsyncLLM`` over ``EngineCore``, in one process). Every call into the engine runs on the
+loop thread: callers put commands on a queue (add, abort, load or remove an adapter), the
+thread takes all pending commands, runs one step, and hands each request's outputs to that
+request's ``asyncio.Queue`` on the caller's event loop. So the engine is never touched by two
+threads, and a slow step never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.llm_engine import LLMEngine
+from manylora.engine.outputs import RequestOutput
+from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
+from manylora.lora.request import LoRARequest
+from manylora.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue holds ``max_waiting_requests`` requests already (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop stopped (shut down, or a step failed); nothing more is served."""
+
+
+class StatLogger(Protocol):
+    """Receives each step's ``IterationStats`` on the engine thread."""
+
+    def record(self, stats: IterationStats) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """One request's output queue on its caller's event loop, and its timing."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float
+    lora_name: str | None
+    num_prompt_tokens: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+@dataclass
+class _Command:
+    name: str
+    args: tuple
+    loop: asyncio.AbstractEventLoop | None = None
+    future: asyncio.Future | None = field(default=None, repr=False)
+
+
+class AsyncLLM:
+    """An ``LLMEngine`` stepped on a background thread, with per-request output streams.
+
+    Args:
+        engine: the engine; only the loop thread calls it from now on.
+        max_waiting_requests: bound on requests accepted but not running (the scheduler's
+            waiting queue plus those not yet taken in); None: unbounded.
+        stat_loggers: called with each step's ``IterationStats`` on the loop thread.
+
+    Attributes:
+        tokenizer: the engine's tokenizer (None with ``skip_tokenizer_init``).
+        max_model_len: the context length in tokens (prompt + output).
+        max_loras: device adapter slots (0 when LoRA is off).
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 stat_loggers: Iterable[StatLogger] = ()) -> None:
+        if max_waiting_requests is not None and max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be ≥ 1, got {max_waiting_requests}")
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.max_loras = engine.lora_config.max_loras if engine.lora_config else 0
+        self.max_waiting_requests = max_waiting_requests
+        self.stat_loggers = list(stat_loggers)
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending_adds = 0
+        self._pending_removals: set[int] = set()
+        self._pending_lock = threading.Lock()
+        self._snapshot = EngineSnapshot(max_loras=self.max_loras)
+        self._ids = itertools.count()
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="manylora-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """Build the engine from ``args`` and start its loop; ``kwargs`` go to ``__init__``."""
+        return cls(LLMEngine.from_engine_args(args), **kwargs)
+
+    # ------------------------------------------------------------------ caller side
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread serves requests."""
+        return self._thread.is_alive() and self._error is None and not self._stopped
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state after its last step (any thread; no waiting)."""
+        return self._snapshot
+
+    def _check_alive(self) -> None:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running" + (
+                f": {self._error!r}" if self._error is not None else ""))
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(_Command(name, args, loop, future))
+        return await future
+
+    async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its ``RequestOutput`` after every step that gave it a
+        token, the last one with ``finished`` True.
+
+        Each output holds the request's whole text and token ids so far (vLLM's cumulative
+        output kind). Closing the iterator, or cancelling the task iterating it, aborts the
+        request and frees its KV blocks and adapter reference.
+
+        Args:
+            prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``).
+            sampling_params: how to sample; ``n`` must be 1 (fan out at the caller).
+            request_id: unique among live requests; None picks one.
+            lora_request: the adapter, None for the base model.
+
+        Raises:
+            ValueError: a bad prompt, parameters, id or adapter (``LLMEngine.add_request``),
+                before anything is yielded.
+            EngineOverloadedError: ``max_waiting_requests`` requests are waiting already.
+            EngineDeadError: the engine stopped, before or while the request ran.
+        """
+        self._check_alive()
+        with self._pending_lock:
+            waiting = self._snapshot.num_waiting + self._pending_adds
+            if self.max_waiting_requests is not None and waiting >= self.max_waiting_requests:
+                raise EngineOverloadedError(
+                    f"{waiting} requests are waiting (max_waiting_requests="
+                    f"{self.max_waiting_requests}); retry later")
+            self._pending_adds += 1
+        request_id = f"async-{next(self._ids)}" if request_id is None else request_id
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic(),
+                         lora_request.lora_name if lora_request else None)
+        added = finished = False
+        try:
+            try:
+                await self._call("add", request_id, prompt, sampling_params, lora_request,
+                                 stream)
+            except asyncio.CancelledError:
+                added = True         # the add may still run: abort whatever it added
+                raise
+            added = True
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if added and not finished and self._thread.is_alive():
+                self._commands.put(_Command("abort", ([request_id], stream)))
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (any thread, no waiting): their streams end, their blocks and
+        adapter references are freed. Unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if ids and self._thread.is_alive():
+            self._commands.put(_Command("abort", (ids,)))
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter into the host tier now (``LLMEngine.add_lora``).
+
+        Raises:
+            LoRAAdapterError, FileNotFoundError, ValueError: as ``LLMEngine.add_lora``.
+            EngineDeadError: the engine stopped.
+        """
+        await self._call("add_lora", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Drop an adapter from both tiers once no request uses it: requests already
+        accepted finish with it first; returns without waiting for them.
+
+        Raises:
+            EngineDeadError: the engine stopped.
+        """
+        await self._call("remove_lora", lora_int_id)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (running requests end with ``EngineDeadError``) and join it."""
+        self._stopped = True
+        self._commands.put(_Command("stop", ()))
+        self._thread.join(timeout)
+        if self.engine.lora_manager is not None:
+            self.engine.lora_manager.shutdown()
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopped:
+                    block = not (self.engine.has_unfinished_requests() or self._pending_removals)
+                    if not self._take_commands(block):
+                        break
+                    if self.engine.has_unfinished_requests():
+                        self._dispatch(self.engine.step())
+                    self._remove_unused_adapters()
+                    self._publish()
+        except Exception as e:       # a failed step: every stream learns why
+            logger.exception("the engine loop stopped")
+            self._error = e
+        finally:
+            self._fail_all(EngineDeadError(
+                "the engine stopped" + (f": {self._error!r}" if self._error else "")))
+
+    def _take_commands(self, block: bool) -> bool:
+        """Run every queued command (waiting for one when ``block``); False on stop."""
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd.name == "stop":
+                return False
+            self._execute(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _execute(self, cmd: _Command) -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = getattr(self, f"_do_{cmd.name}")(*cmd.args)
+        except Exception as e:
+            error = e
+        if cmd.future is not None:
+            _call_soon(cmd.loop, _settle, cmd.future, result, error)
+
+    def _do_add(self, request_id: str, prompt, params, lora_request, stream: _Stream) -> None:
+        with self._pending_lock:
+            self._pending_adds -= 1
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.engine.add_request(request_id, prompt, params, lora_request)
+        stream.num_prompt_tokens = self.engine.scheduler.requests[request_id].num_prompt_tokens
+        self._streams[request_id] = stream
+
+    def _do_abort(self, ids: list[str], only: _Stream | None = None) -> None:
+        live = [rid for rid in ids if rid in self._streams
+                and (only is None or self._streams[rid] is only)]
+        self.engine.abort_request(live)
+        stats = IterationStats()
+        now = time.monotonic()
+        for rid in live:
+            stream = self._streams.pop(rid)
+            stats.finished.append(FinishedRequestStats(
+                "abort", now - stream.arrival, stream.num_prompt_tokens, stream.num_tokens,
+                stream.lora_name))
+        if live:
+            self._log(stats)
+
+    def _do_add_lora(self, lora_request: LoRARequest) -> None:
+        self.engine.add_lora(lora_request)
+
+    def _do_remove_lora(self, lora_int_id: int) -> None:
+        self._pending_removals.add(lora_int_id)
+        self._remove_unused_adapters()
+
+    def _remove_unused_adapters(self) -> None:
+        for lid in list(self._pending_removals):
+            if self.engine.remove_lora(lid):
+                self._pending_removals.discard(lid)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        stats = IterationStats()
+        gone: list[str] = []
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            n = len(out.outputs[0].token_ids)
+            new = n - stream.num_tokens
+            if new > 0:
+                stats.num_generation_tokens += new
+                if stream.first_token is None:
+                    stream.first_token = now
+                    stats.num_prompt_tokens += stream.num_prompt_tokens
+                    stats.time_to_first_tokens.append(now - stream.arrival)
+                else:
+                    stats.inter_token_latencies.append(now - stream.last_token)
+                stream.last_token = now
+                stream.num_tokens = n
+            if out.finished:
+                del self._streams[out.request_id]
+                stats.finished.append(FinishedRequestStats(
+                    out.outputs[0].finish_reason, now - stream.arrival,
+                    stream.num_prompt_tokens, n, stream.lora_name))
+            if not _deliver(stream, out) and not out.finished:
+                gone.append(out.request_id)     # its caller's event loop has closed
+        self._log(stats)
+        if gone:
+            self._do_abort(gone)
+
+    def _log(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
+
+    def _publish(self) -> None:
+        sched = self.engine.scheduler
+        with self._pending_lock:
+            pending = self._pending_adds
+        self._snapshot = EngineSnapshot(
+            num_running=len(sched.running), num_waiting=sched.num_waiting + pending,
+            max_loras=self.max_loras,
+            running_lora_adapters=_names(r.lora_request for r in sched.running),
+            waiting_lora_adapters=_names(r.lora_request for r in sched.waiting),
+            kv=self.engine.kv_cache_stats(), lora=self.engine.lora_cache_stats())
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            _deliver(stream, error)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd.future is not None:
+                _call_soon(cmd.loop, _settle, cmd.future, None, error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Schedule ``fn(*args)`` on ``loop``; False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
+    return _call_soon(stream.loop, stream.queue.put_nowait, item)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r is not None}))
+
