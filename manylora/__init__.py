@@ -7,5 +7,7 @@ from manylora.entrypoints.llm import LLM
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import SamplingParams
 
+__version__ = "0.1.0"
+
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "LoRARequest", "RequestOutput",
            "CompletionOutput"]

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server (``manylora serve``), shaped like vLLM's."""

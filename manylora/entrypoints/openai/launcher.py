@@ -1,0 +1,176 @@
+"""``manylora serve``: flags, the server's parts, and uvicorn in the foreground or a thread."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.async_llm import AsyncLLM
+from manylora.entrypoints.openai.api_server import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServerConfig,
+    build_app,
+)
+from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every engine argument (``EngineArgs.add_cli_args``) and the server's own flags."""
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name requests use for the base model (default: --model)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="adapters served from start-up: NAME=PATH or JSON "
+                             '{"name": ..., "path": ..., "base_model_name": ...}')
+    parser.add_argument("--enable-lora-runtime-updates", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    parser.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                        help="a directory run-time adapter loads may read from (repeatable)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a Bearer token every /v1 route wants (repeatable; default: "
+                             "$MANYLORA_API_KEY; none: no authentication)")
+    parser.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="requests waiting to run beyond which new ones get 503")
+    parser.add_argument("--max-request-body-bytes", type=int,
+                        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="larger request bodies get 413")
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, replacing the "
+                             "tokenizer's")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    return parser
+
+
+@dataclass
+class Server:
+    """The parts of one server: the engine front, the served models, the app, the metrics."""
+
+    engine: AsyncLLM
+    models: OpenAIServingModels
+    app: FastAPI
+    registry: CollectorRegistry
+
+    def shutdown(self) -> None:
+        """Stop the engine loop."""
+        self.engine.shutdown()
+
+
+def create_server(args: argparse.Namespace) -> Server:
+    """Build the engine, load the ``--lora-modules`` adapters, and the app.
+
+    Raises:
+        ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
+            without ``--lora-root``) or a ``--lora-modules`` adapter that cannot be served.
+    """
+    modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
+    if args.enable_lora_runtime_updates and not args.lora_root:
+        raise ValueError("--enable-lora-runtime-updates needs --lora-root: the directories "
+                         "adapters may be loaded from")
+    roots = [Path(r) for r in args.lora_root]
+    missing = [r for r in roots if not r.is_dir()]
+    if missing:
+        raise ValueError(f"--lora-root {missing[0]} is not a directory")
+    keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
+                            if os.environ.get("MANYLORA_API_KEY") else [])
+    chat_template = args.chat_template
+    if chat_template is not None and Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    engine_args = EngineArgs.from_cli_args(args)
+    name = args.served_model_name or args.model
+    registry = CollectorRegistry()
+    engine = AsyncLLM.from_engine_args(engine_args,
+                                       max_waiting_requests=args.max_waiting_requests)
+    engine.stat_loggers.append(PrometheusStatLogger(registry, name, engine.snapshot,
+                                                    max_model_len=engine.max_model_len))
+    models = OpenAIServingModels(engine, name, args.model, modules, roots)
+    try:
+        asyncio.run(models.load_static_loras())
+    except OpenAIError as e:
+        engine.shutdown()
+        raise ValueError(f"--lora-modules: {e.message}") from None
+    config = ServerConfig(tuple(keys), args.max_request_body_bytes,
+                          args.enable_lora_runtime_updates, chat_template)
+    return Server(engine, models, build_app(engine, models, config, registry), registry)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser of ``manylora serve``'s flags alone (for callers that build servers)."""
+    return add_serve_args(argparse.ArgumentParser(prog="manylora serve"))
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``manylora serve``: serve in the foreground until interrupted."""
+    server = create_server(args)
+    try:
+        uvicorn.run(server.app, host=args.host, port=args.port,
+                    log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+    finally:
+        server.shutdown()
+    return 0
+
+
+class ServerThread:
+    """uvicorn serving an app on a background thread, on a socket bound before it starts
+    (so ``port=0`` picks a free port without a race).
+
+    Args:
+        app: the ASGI app.
+        host: address to bind.
+        port: 0 for a free port.
+
+    Attributes:
+        url: ``http://host:port``.
+
+    Raises:
+        RuntimeError: from ``start`` when uvicorn did not start within ``timeout`` seconds.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
+                                                    timeout_keep_alive=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="uvicorn", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self.thread.start()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                break
+            threading.Event().wait(0.02)
+        raise RuntimeError(f"uvicorn did not start on {self.url}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

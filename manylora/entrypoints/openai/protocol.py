@@ -1,0 +1,441 @@
+"""Request and response bodies of ``/v1/completions`` and ``/v1/chat/completions``.
+
+Field names, defaults and JSON shapes follow OpenAI's API (so the official ``openai``
+client parses every response) plus vLLM's sampling extras (``top_k``, ``min_p``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
+``include_stop_str_in_output``, and for chat ``add_generation_prompt``,
+``continue_final_message`` and ``chat_template_kwargs``). Unknown request fields are ignored.
+
+Pydantic checks the types; :meth:`CompletionRequest.check` and
+:meth:`ChatCompletionRequest.check` then reject values this server does not support, with an
+:class:`~manylora.entrypoints.openai.errors.OpenAIError` (400) naming the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from manylora.entrypoints.openai.errors import bad_request
+from manylora.sampling_params import MAX_LOGPROBS
+
+# The most choices one request may ask for (``n``).
+MAX_N = 128
+
+# Seeds must fit a signed 64-bit integer (a torch generator's seed), as in vLLM; choice
+# ``i`` of a prompt is seeded with ``seed + i``.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_N",
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
+    "ChatCompletionMessageParam",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatMessage",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionStreamChoice",
+    "CompletionStreamResponse",
+    "ContentPart",
+    "DeltaMessage",
+    "ResponseFormat",
+    "StreamOptions",
+    "UsageInfo",
+]
+
+
+class _Request(BaseModel):
+    """Base of request bodies: unknown fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (and
+    ``"usage": null`` on every other chunk); ``continuous_usage_stats`` (vLLM) puts the usage
+    so far on every chunk."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """Checks shared by both request kinds.
+
+    Raises:
+        OpenAIError: 400 naming the parameter: ``n`` outside ``[1, MAX_N]``, a ``seed``
+            whose ``seed + n - 1`` leaves the signed 64-bit range, a non-zero
+            ``presence_penalty`` or ``frequency_penalty``, a non-empty ``logit_bias``, or
+            ``stream_options`` without ``stream``.
+    """
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got n={req.n}", param="n")
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX - ((req.n or 1) - 1):
+        raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}] (less n - 1), got "
+                          f"seed={req.seed}", param="seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value:
+            raise bad_request(f"{name} is not supported (only 0), got {name}={value}",
+                              param=name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported (only an empty map)", param="logit_bias")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+
+
+class CompletionRequest(_Request):
+    """Body of ``POST /v1/completions`` (OpenAI's legacy completions, with vLLM's extras).
+
+    ``prompt`` is one text, a list of texts, one list of token ids, or a list of lists of
+    token ids; every prompt gets ``n`` choices, choice index ``prompt_index * n + i``.
+    """
+
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None
+    max_tokens: int | None = 16
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    user: str | None = None
+    # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
+    # ``token_id:<id>``)
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    return_tokens_as_token_ids: bool | None = False
+
+    def check(self) -> None:
+        """Reject values this server does not support.
+
+        Raises:
+            OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
+                penalties, ``logit_bias``, ``stream_options``), a ``best_of`` other than
+                None or ``n``, a non-null ``suffix``, ``logprobs`` outside
+                ``[0, MAX_LOGPROBS]``, ``echo`` with ``logprobs`` (prompt log-probabilities
+                are not supported), or an empty ``prompt`` list.
+        """
+        _check_common(self)
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise bad_request(f"best_of must be equal to n ({n}) or unset, got "
+                              f"best_of={self.best_of}", param="best_of")
+        if self.suffix is not None:
+            raise bad_request("suffix is not supported", param="suffix")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
+                              f"logprobs={self.logprobs}", param="logprobs")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt log-probabilities "
+                              "are not available)", param="echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise bad_request("prompt must not be an empty list", param="prompt")
+
+
+class ContentPart(_Request):
+    """One part of a message's ``content`` list; only ``{"type": "text", "text": ...}`` is
+    supported (checked by :meth:`ChatCompletionRequest.check`)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatCompletionMessageParam(_Request):
+    """One message of a chat request."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str | None:
+        """The content as one string: a part list's texts joined with newlines (as vLLM),
+        None for no content.
+
+        Raises:
+            OpenAIError: 400 (param ``messages``) for a part that is not text.
+        """
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise bad_request(f"content parts of type {part.type!r} are not supported; "
+                                  "only text parts are", param="messages")
+            texts.append(part.text)
+        return "\n".join(texts)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as the dict ``apply_chat_template`` takes (``role``, ``content``
+        as text, and ``name`` / ``tool_call_id`` when given).
+
+        Raises:
+            OpenAIError: as :meth:`text`.
+        """
+        message: dict[str, Any] = {"role": self.role, "content": self.text() or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ResponseFormat(_Request):
+    """``response_format``; only ``{"type": "text"}`` is supported."""
+
+    type: str
+
+
+class ChatCompletionRequest(_Request):
+    """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
+
+    model: str | None = None
+    messages: list[ChatCompletionMessageParam]
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, description="deprecated by OpenAI")
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    presence_penalty: float | None = 0.0
+    response_format: ResponseFormat | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+    # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
+    # ``token_id:<id>``)
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    return_tokens_as_token_ids: bool | None = False
+    # vLLM's chat template controls
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def max_tokens_param(self) -> tuple[int | None, str]:
+        """The requested completion length and the parameter it came from:
+        ``max_completion_tokens`` over the deprecated ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def check(self) -> None:
+        """Reject values this server does not support.
+
+        Raises:
+            OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
+                penalties, ``logit_bias``, ``stream_options``), no ``messages``, a non-text
+                content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
+                without ``logprobs``, non-empty ``tools``, a ``tool_choice`` that asks for
+                a tool call, a ``response_format`` other than text, or both
+                ``add_generation_prompt`` and ``continue_final_message``.
+        """
+        _check_common(self)
+        if not self.messages:
+            raise bad_request("messages must not be empty", param="messages")
+        for message in self.messages:
+            message.text()
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                  f"top_logprobs={self.top_logprobs}", param="top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs set to true",
+                                  param="top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(f"response_format {self.response_format.type!r} is not "
+                              "supported; only 'text' is", param="response_format")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad_request("add_generation_prompt and continue_final_message cannot both "
+                              "be true", param="continue_final_message")
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    """Token counts: each prompt counted once, completions summed over all choices."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    """A completion choice's log-probabilities (OpenAI's legacy shape): per generated
+    token its text, log-probability, ``{token text: logprob}`` of the most likely tokens
+    (and the sampled one), and its character offset in the generated text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    """One choice of a completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """The body of a non-streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamChoice(BaseModel):
+    """One choice's piece of a streamed completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One chunk of a streamed completion (``usage`` is sent only when asked for)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    """One candidate token: its text, log-probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """One generated token, with the ``top_logprobs`` most likely tokens at its position."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    """A chat choice's log-probabilities: one entry per generated token."""
+
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(BaseModel):
+    """The generated message of a chat choice."""
+
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    """One choice of a chat completion."""
+
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """The body of a non-streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """The new part of a streamed message; unset (None) fields are left out of the JSON,
+    so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}`` or
+    ``{}``."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    """One choice's piece of a streamed chat completion."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One chunk of a streamed chat completion (``usage`` is sent only when asked for)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,284 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions over ``AsyncLLM`` (vLLM's shape).
+
+The messages are rendered with the tokenizer's chat template (or the server's
+``--chat-template``) to text, which is then tokenized without special tokens: the template
+carries the BOS, as in vLLM. The ``n`` choices are each one engine request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+)
+from manylora.entrypoints.openai.serving import (
+    SSE_DONE,
+    ChildRequest,
+    MergedStream,
+    OpenAIServing,
+    TextDelta,
+    check_context_length,
+    child_sampling_params,
+    chunk_event,
+    clamp_logprob,
+    guard_stream,
+    make_sampling_params,
+    random_id,
+    sse_event,
+    stop_holdback,
+    token_text,
+    usage_info,
+)
+
+__all__ = ["OpenAIServingChat", "chat_logprobs", "load_chat_template"]
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """A chat template given as Jinja text or as the path of a file holding it (vLLM's
+    ``--chat-template`` takes both); None stays None.
+
+    Raises:
+        OSError: the path names a file that cannot be read.
+    """
+    if template is None:
+        return None
+    try:
+        path = Path(template)
+        is_file = path.is_file()
+    except (OSError, ValueError):        # not a usable path (too long, NUL bytes): text
+        return template
+    return path.read_text(encoding="utf-8") if is_file else template
+
+
+def _logprob_entry(token_id: int, lp: Logprob, as_token_id: bool) -> ChatCompletionLogProb:
+    text = token_text(token_id, lp.decoded_token, as_token_id)
+    return ChatCompletionLogProb(token=text, logprob=clamp_logprob(lp.logprob),
+                                 bytes=list(text.encode("utf-8", errors="replace")))
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
+                  num_top: int, as_token_ids: bool = False) -> ChatCompletionLogProbs:
+    """The chat ``logprobs`` object of some generated tokens.
+
+    Args:
+        token_ids: the generated ids.
+        logprobs: their ``{token_id: Logprob}`` dicts (sampled token first, then the top
+            ``num_top``; ``num_top`` entries in all when the sampled token is among them),
+            as ``CompletionOutput.logprobs``.
+        num_top: the request's ``top_logprobs``.
+        as_token_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)
+            instead of by their text.
+
+    Returns:
+        ``{"content": [...]}``: per token its text, log-probability (``-inf`` as -9999.0),
+        UTF-8 bytes and its ``top_logprobs``: the ``num_top`` most likely tokens, most
+        likely first (the sampled token only when it is one of them).
+    """
+    content = []
+    for token_id, entries in zip(token_ids, logprobs):
+        items = list(entries.items())
+        if len(items) > num_top:         # the sampled token came on top of the N best
+            items = [(tid, lp) for tid, lp in items if tid != token_id]
+        items.sort(key=lambda item: -item[1].logprob)
+        top = [_logprob_entry(tid, lp, as_token_ids) for tid, lp in items[:num_top]]
+        sampled = entries.get(token_id)
+        if sampled is None:
+            sampled = Logprob(float("-inf"))
+        entry = _logprob_entry(token_id, sampled, as_token_ids)
+        content.append(ChatCompletionLogProbsContent(
+            token=entry.token, logprob=entry.logprob, bytes=entry.bytes, top_logprobs=top))
+    return ChatCompletionLogProbs(content=content)
+
+
+@dataclass
+class _ChoiceState:
+    delta: TextDelta
+    num_tokens: int = 0
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint.
+
+    Args:
+        engine: an ``AsyncLLM``.
+        models: the models registry (``base_model_name``, ``resolve(name)``).
+        chat_template: a Jinja template (or a file holding one) used instead of the
+            tokenizer's; None: the tokenizer's.
+
+    Raises:
+        OSError: ``chat_template`` names a file that cannot be read.
+    """
+
+    def __init__(self, engine: Any, models: Any, chat_template: str | None = None) -> None:
+        super().__init__(engine, models)
+        self.chat_template = load_chat_template(chat_template)
+
+    def render(self, request: ChatCompletionRequest) -> str:
+        """The messages as prompt text, through the chat template.
+
+        Raises:
+            OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
+                part, or when the template fails on the messages.
+        """
+        tokenizer = self.require_tokenizer("chat", param="messages")
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise bad_request("the model's tokenizer has no chat template, and the server "
+                              "was started without --chat-template", param="messages")
+        messages = [m.to_template() for m in request.messages]
+        kwargs = dict(request.chat_template_kwargs or {})
+        kwargs.update(tokenize=False,
+                      add_generation_prompt=bool(request.add_generation_prompt),
+                      continue_final_message=bool(request.continue_final_message),
+                      chat_template=self.chat_template)
+        try:
+            text = tokenizer.apply_chat_template(messages, **kwargs)
+        except Exception as e:
+            raise bad_request(f"the chat template could not render the messages: {e}",
+                              param="messages") from e
+        if not isinstance(text, str):
+            raise bad_request("the chat template did not render to text", param="messages")
+        return text
+
+    async def create_chat_completion(
+            self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
+        """Run a chat completion request.
+
+        Returns:
+            The response, or for ``stream`` an async iterator of server-sent events (each
+            choice's first chunk has ``delta {"role": "assistant", "content": ""}``; the
+            last one its ``finish_reason``; then ``data: [DONE]\\n\\n``); an engine error
+            after streaming began comes as one ``data: {"error": ...}`` event before
+            ``[DONE]``. Closing the iterator (or cancelling its task) aborts the engine
+            requests.
+
+        Raises:
+            OpenAIError: before anything is streamed: 400 for unsupported or invalid
+                parameters, a missing tokenizer or chat template, a failing template,
+                ``max_tokens`` / ``max_completion_tokens`` past the context, or the
+                engine's ``ValueError``; 404 for an unknown model; 413
+                (``context_length_exceeded``) for messages filling the context; 503 when
+                the engine is overloaded or stopped.
+        """
+        request.check()
+        model_name, lora_request = self.resolve_model(request.model)
+        text = self.render(request)
+        token_ids = self.tokenize(text, add_special_tokens=False, param="messages")
+        if not token_ids:
+            raise bad_request("the messages rendered to an empty prompt", param="messages")
+        requested, param = request.max_tokens_param()
+        max_tokens = check_context_length(len(token_ids), requested, self.max_model_len,
+                                          prompt_param="messages", max_tokens_param=param)
+        params = make_sampling_params(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed,
+            max_tokens=max_tokens, min_tokens=request.min_tokens or 0, stop=request.stop,
+            stop_token_ids=request.stop_token_ids, ignore_eos=bool(request.ignore_eos),
+            skip_special_tokens=(True if request.skip_special_tokens is None
+                                 else request.skip_special_tokens),
+            include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+        base_id = random_id("chatcmpl")
+        n = request.n or 1
+        children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
+                    for i, child_params in enumerate(child_sampling_params(params, n))]
+        merged = await self.start(children, lora_request)
+        if request.stream:
+            return guard_stream(self._stream(request, base_id, model_name, children, merged),
+                                merged)
+        finals = await self.collect(merged)
+        return self._response(request, base_id, model_name, finals, len(token_ids))
+
+    def _response(self, request: ChatCompletionRequest, base_id: str, model_name: str,
+                  finals: list[RequestOutput], num_prompt_tokens: int) -> ChatCompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for index, final in enumerate(finals):
+            out = final.outputs[0]
+            completion_tokens += len(out.token_ids)
+            logprobs = None
+            if request.logprobs and out.logprobs is not None:
+                logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
+                                         bool(request.return_tokens_as_token_ids))
+            choices.append(ChatCompletionResponseChoice(
+                index=index, message=ChatMessage(role="assistant", content=out.text),
+                logprobs=logprobs, finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason))
+        return ChatCompletionResponse(id=base_id, created=self.now(), model=model_name,
+                                      choices=choices,
+                                      usage=usage_info(num_prompt_tokens, completion_tokens))
+
+    async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
+                      children: list[ChildRequest],
+                      merged: MergedStream) -> AsyncIterator[str]:
+        created = self.now()
+        options = request.stream_options
+        num_prompt_tokens = len(children[0].prompt_token_ids)
+        states = [_ChoiceState(TextDelta(stop_holdback(c.params.stop,
+                                                       c.params.include_stop_str_in_output)))
+                  for c in children]
+
+        def _usage() -> UsageInfo:
+            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
+
+        try:
+            try:
+                for index in range(len(children)):
+                    first = ChatCompletionStreamResponse(
+                        id=base_id, created=created, model=model_name,
+                        choices=[ChatCompletionStreamChoice(
+                            index=index, delta=DeltaMessage(role="assistant", content=""))])
+                    yield chunk_event(first, options, _usage())
+                async for index, output in merged:
+                    event = self._chunk(request, base_id, created, model_name, index,
+                                        states[index], output)
+                    if event is not None:
+                        yield chunk_event(event, options, _usage())
+                if options is not None and options.include_usage:
+                    yield sse_event(ChatCompletionStreamResponse(
+                        id=base_id, created=created, model=model_name, choices=[],
+                        usage=_usage()))
+            except Exception as e:
+                yield self.stream_error(e)
+            yield SSE_DONE
+        finally:
+            await self.finish_stream(merged)
+
+    @staticmethod
+    def _chunk(request: ChatCompletionRequest, base_id: str, created: int, model_name: str,
+               index: int, state: _ChoiceState,
+               output: RequestOutput) -> ChatCompletionStreamResponse | None:
+        """The chunk for a choice's new output; None when it brings nothing to send."""
+        out = output.outputs[0]
+        finished = out.finish_reason is not None
+        text = state.delta.update(out.text, finished)
+        new_ids = out.token_ids[state.num_tokens:]
+        logprobs = None
+        if request.logprobs and new_ids and out.logprobs is not None:
+            logprobs = chat_logprobs(new_ids, out.logprobs[state.num_tokens:],
+                                     request.top_logprobs or 0,
+                                     bool(request.return_tokens_as_token_ids))
+        state.num_tokens = len(out.token_ids)
+        if not text and logprobs is None and not finished:
+            return None
+        return ChatCompletionStreamResponse(
+            id=base_id, created=created, model=model_name,
+            choices=[ChatCompletionStreamChoice(
+                index=index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])

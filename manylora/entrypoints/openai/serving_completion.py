@@ -1,0 +1,281 @@
+"""``POST /v1/completions``: OpenAI's legacy completions over ``AsyncLLM`` (vLLM's shape).
+
+Every prompt gets ``n`` choices (choice index ``prompt_index * n + i``), each one engine
+request; they run concurrently and stream as they come. Log-probabilities follow vLLM:
+per generated token its text, its log-probability, a ``{token: logprob}`` map of the ``N``
+most likely tokens plus the sampled one, and its character offset in the generated text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from manylora.entrypoints.openai.serving import (
+    SSE_DONE,
+    ChildRequest,
+    MergedStream,
+    OpenAIServing,
+    TextDelta,
+    check_context_length,
+    child_sampling_params,
+    chunk_event,
+    clamp_logprob,
+    guard_stream,
+    make_sampling_params,
+    random_id,
+    sse_event,
+    stop_holdback,
+    token_text,
+    usage_info,
+)
+
+__all__ = ["OpenAIServingCompletion", "completion_logprobs"]
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
+                        num_top: int, initial_offset: int = 0,
+                        as_token_ids: bool = False) -> CompletionLogProbs:
+    """The legacy ``logprobs`` object of some generated tokens.
+
+    Args:
+        token_ids: the generated ids.
+        logprobs: their ``{token_id: Logprob}`` dicts (sampled token first, then the top
+            ``num_top``), as ``CompletionOutput.logprobs``.
+        num_top: the request's ``logprobs``; each ``top_logprobs`` map holds the sampled
+            token and the ``num_top`` most likely (``num_top + 1`` entries at most).
+        initial_offset: ``text_offset`` of the first token (the characters before it).
+        as_token_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)
+            instead of by their text.
+
+    Returns:
+        ``tokens`` (token texts), ``token_logprobs``, ``top_logprobs`` and ``text_offset``
+        (running sum of the decoded token texts' lengths); ``-inf`` is sent as -9999.0.
+    """
+    out = CompletionLogProbs()
+    offset = initial_offset
+    for token_id, entries in zip(token_ids, logprobs):
+        sampled = entries.get(token_id)
+        decoded = _decoded(entries, token_id)
+        out.tokens.append(token_text(token_id, decoded, as_token_ids))
+        out.token_logprobs.append(None if sampled is None else clamp_logprob(sampled.logprob))
+        top: dict[str, float] = {}
+        for k, (tid, lp) in enumerate(entries.items()):
+            if k > num_top:
+                break
+            top.setdefault(token_text(tid, lp.decoded_token, as_token_ids),
+                           clamp_logprob(lp.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(token_text(token_id, decoded))
+    return out
+
+
+def _decoded(entries: dict[int, Logprob], token_id: int) -> str | None:
+    sampled = entries.get(token_id)
+    return None if sampled is None else sampled.decoded_token
+
+
+@dataclass
+class _Prompt:
+    token_ids: list[int]
+    text: str | None
+
+
+@dataclass
+class _ChoiceState:
+    delta: TextDelta
+    echo: str | None
+    num_tokens: int = 0
+    offset: int = 0
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint.
+
+    Args:
+        engine: an ``AsyncLLM``.
+        models: the models registry (``base_model_name``, ``resolve(name)``).
+    """
+
+    async def create_completion(
+            self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        """Run a completion request.
+
+        Returns:
+            The response, or for ``stream`` an async iterator of server-sent events
+            (``data: {chunk}\\n\\n`` ..., ``data: [DONE]\\n\\n``); an engine error after
+            streaming began comes as one ``data: {"error": ...}`` event before ``[DONE]``.
+            Closing the iterator (or cancelling its task) aborts the engine requests.
+
+        Raises:
+            OpenAIError: before anything is streamed: 400 for unsupported or invalid
+                parameters, an empty or untokenizable prompt, ``max_tokens`` past the
+                context, or the engine's ``ValueError``; 404 for an unknown model; 413
+                (``context_length_exceeded``) for a prompt filling the context; 503 when
+                the engine is overloaded or stopped.
+        """
+        request.check()
+        model_name, lora_request = self.resolve_model(request.model)
+        prompts = self._prompts(request)
+        n = request.n or 1
+        base_id = random_id("cmpl")
+        children: list[ChildRequest] = []
+        for p, prompt in enumerate(prompts):
+            max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens,
+                                              self.max_model_len)
+            params = make_sampling_params(
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed,
+                max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
+                stop=request.stop, stop_token_ids=request.stop_token_ids,
+                ignore_eos=bool(request.ignore_eos),
+                skip_special_tokens=(True if request.skip_special_tokens is None
+                                     else request.skip_special_tokens),
+                include_stop_str_in_output=bool(request.include_stop_str_in_output),
+                logprobs=request.logprobs)
+            for i, child_params in enumerate(child_sampling_params(params, n)):
+                children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
+                                             prompt.text, child_params))
+        echoes = self._echo_texts(request, prompts)
+        merged = await self.start(children, lora_request)
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        if request.stream:
+            stream = self._stream(request, base_id, model_name, children, echoes, merged,
+                                  num_prompt_tokens)
+            return guard_stream(stream, merged)
+        finals = await self.collect(merged)
+        return self._response(request, base_id, model_name, children, echoes, finals,
+                              num_prompt_tokens)
+
+    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
+        """The request's prompts, tokenized.
+
+        Raises:
+            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer.
+        """
+        raw = request.prompt
+        if isinstance(raw, str):
+            items: list = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [list(raw)]
+        else:
+            items = list(raw)
+        prompts = []
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                prompt = _Prompt(self.tokenize(item, param="prompt"), item)
+            else:
+                prompt = _Prompt([int(t) for t in item], None)
+            if not prompt.token_ids:
+                where = "" if len(items) == 1 else f" {i}"
+                raise bad_request(f"prompt{where} is empty", param="prompt")
+            prompts.append(prompt)
+        return prompts
+
+    def _echo_texts(self, request: CompletionRequest,
+                    prompts: list[_Prompt]) -> list[str | None]:
+        """Per prompt, the text ``echo`` puts before its choices (None without echo).
+
+        Raises:
+            OpenAIError: 400 when a token-id prompt must be echoed without a tokenizer.
+        """
+        if not request.echo:
+            return [None] * len(prompts)
+        texts = []
+        for prompt in prompts:
+            if prompt.text is None:
+                tokenizer = self.require_tokenizer("echo of a token-id prompt", param="echo")
+                texts.append(tokenizer.decode(prompt.token_ids))
+            else:
+                texts.append(prompt.text)
+        return texts
+
+    def _response(self, request: CompletionRequest, base_id: str, model_name: str,
+                  children: list[ChildRequest], echoes: list[str | None],
+                  finals: list[RequestOutput], num_prompt_tokens: int) -> CompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for index, (child, final) in enumerate(zip(children, finals)):
+            out = final.outputs[0]
+            completion_tokens += len(out.token_ids)
+            logprobs = None
+            if request.logprobs is not None and out.logprobs is not None:
+                logprobs = completion_logprobs(
+                    out.token_ids, out.logprobs, request.logprobs,
+                    as_token_ids=bool(request.return_tokens_as_token_ids))
+            echo = echoes[child.prompt_index] or ""
+            choices.append(CompletionResponseChoice(
+                index=index, text=echo + out.text, logprobs=logprobs,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        return CompletionResponse(id=base_id, created=self.now(), model=model_name,
+                                  choices=choices,
+                                  usage=usage_info(num_prompt_tokens, completion_tokens))
+
+    async def _stream(self, request: CompletionRequest, base_id: str, model_name: str,
+                      children: list[ChildRequest], echoes: list[str | None],
+                      merged: MergedStream, num_prompt_tokens: int) -> AsyncIterator[str]:
+        created = self.now()
+        options = request.stream_options
+        states = [_ChoiceState(TextDelta(stop_holdback(c.params.stop,
+                                                       c.params.include_stop_str_in_output)),
+                               echoes[c.prompt_index]) for c in children]
+
+        def _usage() -> UsageInfo:
+            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
+
+        try:
+            try:
+                async for index, output in merged:
+                    event = self._chunk(request, base_id, created, model_name, index,
+                                        states[index], output)
+                    if event is not None:
+                        yield chunk_event(event, options, _usage())
+                if options is not None and options.include_usage:
+                    yield sse_event(CompletionStreamResponse(
+                        id=base_id, created=created, model=model_name, choices=[],
+                        usage=_usage()))
+            except Exception as e:
+                yield self.stream_error(e)
+            yield SSE_DONE
+        finally:
+            await self.finish_stream(merged)
+
+    @staticmethod
+    def _chunk(request: CompletionRequest, base_id: str, created: int, model_name: str,
+               index: int, state: _ChoiceState,
+               output: RequestOutput) -> CompletionStreamResponse | None:
+        """The chunk for a choice's new output; None when it brings nothing to send."""
+        out = output.outputs[0]
+        finished = out.finish_reason is not None
+        text = state.delta.update(out.text, finished)
+        if state.echo is not None:
+            text, state.echo = state.echo + text, None
+        new_ids = out.token_ids[state.num_tokens:]
+        logprobs = None
+        if request.logprobs is not None and new_ids and out.logprobs is not None:
+            steps = out.logprobs[state.num_tokens:]
+            logprobs = completion_logprobs(new_ids, steps, request.logprobs, state.offset,
+                                           bool(request.return_tokens_as_token_ids))
+            state.offset += sum(len(token_text(t, _decoded(e, t)))
+                                for t, e in zip(new_ids, steps))
+        state.num_tokens = len(out.token_ids)
+        if not text and logprobs is None and not finished:
+            return None
+        return CompletionStreamResponse(
+            id=base_id, created=created, model=model_name,
+            choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
+                                            finish_reason=out.finish_reason,
+                                            stop_reason=out.stop_reason)])

@@ -1,0 +1,200 @@
+"""The served models: the base model's name and the adapters, with loads at run time.
+
+A request's ``model`` field names the base model (``--served-model-name``, by default the
+``--model`` argument) or an adapter. Adapters come from ``--lora-modules`` at start-up and,
+with ``--enable-lora-runtime-updates``, from ``POST /v1/load_lora_adapter``; vLLM's names
+and semantics, with one restriction of ours: a run-time load reads only from under the
+``--lora-root`` directories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from manylora.engine.async_llm import AsyncLLM, EngineDeadError
+from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.request import LoRARequest
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """An adapter named on the command line: ``NAME=PATH`` or vLLM's JSON form
+    ``{"name": ..., "path": ..., "base_model_name": ...}``."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> LoRAModulePath:
+        """Parse one ``--lora-modules`` entry.
+
+        Raises:
+            ValueError: neither ``NAME=PATH`` nor a JSON object with ``name`` and ``path``.
+        """
+        spec = spec.strip()
+        if spec.startswith("{"):
+            try:
+                obj = json.loads(spec)
+                return cls(str(obj["name"]), str(obj["path"]), obj.get("base_model_name"))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules {spec!r}: expected a JSON object with "
+                                 f"'name' and 'path' ({e})") from None
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: expected NAME=PATH")
+        return cls(name, path)
+
+
+def check_under_roots(path: str, roots: list[Path]) -> Path:
+    """The adapter directory ``path`` resolved, if it lies under one of ``roots``.
+
+    A relative path is taken relative to each root in turn. Refused: a ``..`` component,
+    a path (after following symlinks) outside every root, and a directory holding a
+    symlink that leads out of the root.
+
+    Raises:
+        OpenAIError: 403 for any of the above; 404 when no such directory exists.
+    """
+    if not roots:
+        raise OpenAIError(403, "loading adapters at run time needs --lora-root: no "
+                          "directory is allowed", param="lora_path")
+    raw = Path(path)
+    if ".." in raw.parts:
+        raise OpenAIError(403, f"lora_path {path!r}: '..' is not allowed", param="lora_path")
+    candidates = [raw] if raw.is_absolute() else [root / raw for root in roots]
+    existing = [c for c in candidates if c.exists()]
+    if not existing:
+        raise not_found(f"lora_path {path!r}: no such adapter directory", param="lora_path")
+    target = existing[0].resolve()
+    root = next((r.resolve() for r in roots if target.is_relative_to(r.resolve())), None)
+    if root is None:
+        raise OpenAIError(403, f"lora_path {path!r} is outside the --lora-root directories",
+                          param="lora_path")
+    if not target.is_dir():
+        raise bad_request(f"lora_path {path!r} is not a directory", param="lora_path")
+    for entry in target.rglob("*"):
+        if not entry.resolve().is_relative_to(root):
+            raise OpenAIError(403, f"lora_path {path!r}: {entry.name} links outside the "
+                              "--lora-root directories", param="lora_path")
+    return target
+
+
+@dataclass
+class _Served:
+    request: LoRARequest
+    created: int
+
+
+class OpenAIServingModels:
+    """The base model and the adapters a server answers to.
+
+    Args:
+        engine: the engine adapters load into.
+        base_model_name: the name that selects the base model.
+        base_model_path: where the base model came from (``root`` in ``/v1/models``).
+        lora_modules: adapters to serve from start-up (``load_static_loras`` reads them).
+        lora_roots: directories run-time loads may read from.
+    """
+
+    def __init__(self, engine: AsyncLLM, base_model_name: str, base_model_path: str,
+                 lora_modules: list[LoRAModulePath] = (), lora_roots: list[Path] = ()) -> None:
+        self.engine = engine
+        self.base_model_name = base_model_name
+        self.base_model_path = base_model_path
+        self.static_loras = list(lora_modules)
+        self.lora_roots = [Path(r) for r in lora_roots]
+        self.loras: dict[str, _Served] = {}
+        self.created = int(time.time())
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    async def load_static_loras(self) -> None:
+        """Read every ``--lora-modules`` adapter now.
+
+        Raises:
+            OpenAIError: a bad adapter (the server should not start).
+        """
+        for module in self.static_loras:
+            await self._load(module.name, module.path, module.base_model_name)
+
+    def resolve(self, name: str) -> LoRARequest | None:
+        """The adapter a request's ``model`` names; None for the base model.
+
+        Raises:
+            OpenAIError: 404 for a name that is neither the base model nor an adapter.
+        """
+        if name == self.base_model_name:
+            return None
+        served = self.loras.get(name)
+        if served is None:
+            raise not_found(f"The model `{name}` does not exist.", param="model")
+        return served.request
+
+    def list_models(self) -> dict:
+        """``GET /v1/models``: the base model, then every adapter with its parent."""
+        base = {"id": self.base_model_name, "object": "model", "created": self.created,
+                "owned_by": "manylora", "root": self.base_model_path, "parent": None,
+                "max_model_len": self.engine.max_model_len}
+        loras = [{"id": name, "object": "model", "created": s.created, "owned_by": "manylora",
+                  "root": s.request.lora_path,
+                  "parent": s.request.base_model_name or self.base_model_name}
+                 for name, s in self.loras.items()]
+        return {"object": "list", "data": [base, *loras]}
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+        """``POST /v1/load_lora_adapter``: read the adapter from under ``--lora-root`` and
+        serve it as ``lora_name``; a message saying so.
+
+        Raises:
+            OpenAIError: 400 for an empty or taken name or a bad adapter, 403 for a path
+                outside ``--lora-root``, 404 for a missing directory, 503 when the engine
+                has stopped.
+        """
+        if not lora_name or not lora_path:
+            raise bad_request("both 'lora_name' and 'lora_path' must be given",
+                              param="lora_name" if not lora_name else "lora_path")
+        path = check_under_roots(lora_path, self.lora_roots)
+        await self._load(lora_name, str(path), None)
+        return f"Success: LoRA adapter '{lora_name}' added successfully."
+
+    async def _load(self, name: str, path: str, base_model_name: str | None) -> None:
+        async with self._lock:
+            if name == self.base_model_name or name in self.loras:
+                raise bad_request(f"The lora adapter '{name}' has already been loaded.",
+                                  param="lora_name")
+            request = LoRARequest(name, next(self._ids), path, base_model_name)
+            try:
+                await self.engine.add_lora(request)
+            except FileNotFoundError as e:
+                raise not_found(f"adapter '{name}': {e}", param="lora_path") from None
+            except (LoRAAdapterError, ValueError) as e:
+                raise bad_request(f"adapter '{name}': {e}", param="lora_path") from None
+            except EngineDeadError as e:
+                raise OpenAIError(503, str(e)) from None
+            self.loras[name] = _Served(request, int(time.time()))
+
+    async def unload_lora_adapter(self, lora_name: str) -> str:
+        """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. New requests for
+        it get 404 at once; requests already accepted finish with it, then it leaves the
+        host tier and its slot. A message saying so.
+
+        Raises:
+            OpenAIError: 404 for a name no adapter has.
+        """
+        async with self._lock:
+            served = self.loras.pop(lora_name, None)
+            if served is None:
+                raise not_found(f"The lora adapter '{lora_name}' cannot be found.",
+                                param="lora_name")
+            try:
+                await self.engine.remove_lora(served.request.lora_int_id)
+            except EngineDeadError as e:
+                raise OpenAIError(503, str(e)) from None
+        return f"Success: LoRA adapter '{lora_name}' removed successfully."
