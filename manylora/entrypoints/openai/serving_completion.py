@@ -257,7 +257,9 @@ class OpenAIServingCompletion(OpenAIServing):
     def _chunk(request: CompletionRequest, base_id: str, created: int, model_name: str,
                index: int, state: _ChoiceState,
                output: RequestOutput) -> CompletionStreamResponse | None:
-        """The chunk for a choice's new output; None when it brings nothing to send."""
+        """The chunk for a choice's new output; None when it brings no new token (a chunk
+        whose text is empty still marks a token's arrival, as vLLM's: held back for a stop
+        string, an incomplete UTF-8 character, or no tokenizer)."""
         out = output.outputs[0]
         finished = out.finish_reason is not None
         text = state.delta.update(out.text, finished)
@@ -272,7 +274,7 @@ class OpenAIServingCompletion(OpenAIServing):
             state.offset += sum(len(token_text(t, _decoded(e, t)))
                                 for t, e in zip(new_ids, steps))
         state.num_tokens = len(out.token_ids)
-        if not text and logprobs is None and not finished:
+        if not text and not new_ids and not finished:
             return None
         return CompletionStreamResponse(
             id=base_id, created=created, model=model_name,

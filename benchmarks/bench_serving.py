@@ -1,0 +1,192 @@
+"""``manylora serve`` under load: what the HTTP server costs against the offline engine.
+
+A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``, token ids in
+and out: ``skip_tokenizer_init``), 16 distinct rank-16 q/k/v/o adapters in PEFT's format.
+Workload: ``--requests`` requests at once, each a random ``--prompt-len``-token prompt
+(seeded) and ``--max-tokens`` new tokens (greedy, ignore_eos), request i on adapter i % 16
+(every 8th on the base model).
+
+1. **offline**: ``LLM.generate`` on the whole batch (the engine with no server: the upper
+   bound a server can reach).
+2. **server**: ``manylora serve`` with the same engine arguments in its own process; the
+   official ``openai`` client (``AsyncOpenAI``, one process, all requests concurrent,
+   streamed) sends token-id prompts to ``/v1/completions``. Time to first token and
+   inter-token latency are taken at the client (first and later chunks); throughput is
+   output tokens over the wall time from the first request sent to the last stream ended.
+
+    python -m benchmarks.bench_serving
+    python -m benchmarks.bench_serving --quick       # tiny model on CPU, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from benchmarks.common import command_line, gpu_name, record
+from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
+from manylora import LLM, LoRARequest, SamplingParams
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+NUM_ADAPTERS = 16
+
+
+def _adapter_of(i: int) -> int | None:
+    """Request i's adapter index (None: the base model)."""
+    return None if i % 8 == 7 else i % NUM_ADAPTERS
+
+
+def engine_kwargs(quick: bool) -> dict:
+    return dict(load_format="dummy", skip_tokenizer_init=True, dtype="auto",
+                device="cpu" if quick else "cuda", max_loras=NUM_ADAPTERS, max_lora_rank=16,
+                max_num_seqs=256, max_model_len=2048,
+                **({"num_kv_blocks": 2048} if quick else {}))
+
+
+def offline(model_dir: Path, adapters: list[Path], prompts, max_tokens: int,
+            quick: bool) -> dict:
+    llm = LLM(str(model_dir), **engine_kwargs(quick))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    loras = [None if _adapter_of(i) is None else LoRARequest(
+        f"a{_adapter_of(i)}", _adapter_of(i) + 1, str(adapters[_adapter_of(i)]))
+        for i in range(len(prompts))]
+    prompts = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(prompts[:32], params, loras[:32], use_tqdm=False)       # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, loras, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"seconds": seconds, "tokens": tokens}
+
+
+def start_server(model_dir: Path, adapters: list[Path], port: int, quick: bool):
+    argv = [sys.executable, "-m", "manylora.entrypoints.cli", "serve", "--model",
+            str(model_dir), "--served-model-name", "base", "--port", str(port),
+            "--lora-modules", *(f"a{i}={p}" for i, p in enumerate(adapters))]
+    for key, value in engine_kwargs(quick).items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    proc = subprocess.Popen(argv, env=dict(os.environ), start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"manylora serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("manylora serve did not start in 600 s")
+
+
+async def drive(port: int, prompts, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=3600,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts) + 8)))
+    ttft: list[float] = []
+    itl: list[float] = []
+
+    async def one(i: int, prompt: list[int]) -> int:
+        adapter = _adapter_of(i)
+        sent = time.perf_counter()
+        stream = await client.completions.create(
+            model="base" if adapter is None else f"a{adapter}", prompt=prompt,
+            max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        last = None
+        tokens = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            if last is None:
+                ttft.append(now - sent)
+            else:
+                itl.append(now - last)
+            last = now
+        return tokens
+
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[:32])))     # warm-up
+    ttft.clear()
+    itl.clear()
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    seconds = time.perf_counter() - start
+    await client.close()
+    return {"seconds": seconds, "tokens": sum(counts), "ttft": statistics.median(ttft),
+            "itl": statistics.median(itl)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--port", type=int, default=8123)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.prompt_len, args.max_tokens = 32, 16, 8
+    config = TINY if args.quick else LLAMA3_8B
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, config["vocab_size"] - 1000) if not args.quick
+                else rng.randrange(4, config["vocab_size"]) for _ in range(args.prompt_len)]
+               for _ in range(args.requests)]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir = write_config(root / "model", config)
+        device = torch.device("cpu" if args.quick else "cuda")
+        adapters = write_peft_adapters(root / "adapters", config, NUM_ADAPTERS, 16, TARGETS,
+                                       device, torch.float32 if args.quick else torch.bfloat16)
+        base = offline(model_dir, adapters, prompts, args.max_tokens, args.quick)
+        proc = start_server(model_dir, adapters, args.port, args.quick)
+        try:
+            served = asyncio.run(drive(args.port, prompts, args.max_tokens))
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(60)
+    off_rate = base["tokens"] / base["seconds"]
+    srv_rate = served["tokens"] / served["seconds"]
+    rows = [["offline `LLM.generate`", f"{base['tokens']:,}", f"{base['seconds']:.2f}",
+             f"{off_rate:,.0f}", "1.00", "-", "-"],
+            ["`manylora serve` + `openai` client, streamed", f"{served['tokens']:,}",
+             f"{served['seconds']:.2f}", f"{srv_rate:,.0f}", f"{srv_rate / off_rate:.2f}",
+             f"{served['ttft'] * 1e3:.0f}", f"{served['itl'] * 1e3:.1f}"]]
+    gpu = gpu_name(device)
+    record(f"Serving over HTTP vs the offline engine ({gpu}): {args.requests} requests, "
+           f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, 16 adapters + base",
+           command_line("benchmarks.bench_serving"),
+           ["path", "output tokens", "seconds", "output tok/s", "vs offline",
+            "TTFT median (ms)", "ITL median (ms)"], rows,
+           notes="Llama-3-8B shape, random bf16 weights, 16 rank-16 q/k/v/o adapters, "
+                 "max_num_seqs 256, all requests at once, greedy. The server runs in its own "
+                 "process (engine loop thread + uvicorn); the client in the benchmark's. "
+                 "TTFT and ITL are medians over requests and chunks, at the client.",
+           write=not args.quick, device=device)
+
+
+if __name__ == "__main__":
+    main()
