@@ -14,6 +14,9 @@ Workload: ``--requests`` requests at once, each a random ``--prompt-len``-token 
    inter-token latency are taken at the client (first and later chunks); throughput is
    output tokens over the wall time from the first request sent to the last stream ended.
 
+Each path is warmed up first by the same number of requests with other token ids and 4 new
+tokens each (Triton compiles every prefill shape), so the timed runs compile nothing.
+
     python -m benchmarks.bench_serving
     python -m benchmarks.bench_serving --quick       # tiny model on CPU, a smoke run
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import random
@@ -42,6 +46,9 @@ from manylora import LLM, LoRARequest, SamplingParams
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 NUM_ADAPTERS = 16
+# Warm-up: the same number of requests with other token ids (no prefix hits later) and a few
+# new tokens each, so every prefill shape is compiled before the timed run.
+WARMUP_TOKENS = 4
 
 
 def _adapter_of(i: int) -> int | None:
@@ -56,7 +63,7 @@ def engine_kwargs(quick: bool) -> dict:
                 **({"num_kv_blocks": 2048} if quick else {}))
 
 
-def offline(model_dir: Path, adapters: list[Path], prompts, max_tokens: int,
+def offline(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: int,
             quick: bool) -> dict:
     llm = LLM(str(model_dir), **engine_kwargs(quick))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -64,7 +71,8 @@ def offline(model_dir: Path, adapters: list[Path], prompts, max_tokens: int,
         f"a{_adapter_of(i)}", _adapter_of(i) + 1, str(adapters[_adapter_of(i)]))
         for i in range(len(prompts))]
     prompts = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(prompts[:32], params, loras[:32], use_tqdm=False)       # warm-up
+    llm.generate([{"prompt_token_ids": p} for p in warm],
+                 dataclasses.replace(params, max_tokens=WARMUP_TOKENS), loras, use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, loras, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -98,7 +106,7 @@ def start_server(model_dir: Path, adapters: list[Path], port: int, quick: bool):
     raise RuntimeError("manylora serve did not start in 600 s")
 
 
-async def drive(port: int, prompts, max_tokens: int) -> dict:
+async def drive(port: int, prompts, warm, max_tokens: int) -> dict:
     import openai
 
     client = openai.AsyncOpenAI(
@@ -107,7 +115,7 @@ async def drive(port: int, prompts, max_tokens: int) -> dict:
     ttft: list[float] = []
     itl: list[float] = []
 
-    async def one(i: int, prompt: list[int]) -> int:
+    async def one(i: int, prompt: list[int], max_tokens: int = max_tokens) -> int:
         adapter = _adapter_of(i)
         sent = time.perf_counter()
         stream = await client.completions.create(
@@ -129,7 +137,7 @@ async def drive(port: int, prompts, max_tokens: int) -> dict:
             last = now
         return tokens
 
-    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[:32])))     # warm-up
+    await asyncio.gather(*(one(i, p, WARMUP_TOKENS) for i, p in enumerate(warm)))
     ttft.clear()
     itl.clear()
     start = time.perf_counter()
@@ -152,19 +160,18 @@ def main() -> None:
         args.requests, args.prompt_len, args.max_tokens = 32, 16, 8
     config = TINY if args.quick else LLAMA3_8B
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, config["vocab_size"] - 1000) if not args.quick
-                else rng.randrange(4, config["vocab_size"]) for _ in range(args.prompt_len)]
-               for _ in range(args.requests)]
+    prompts, warm = ([[rng.randrange(4, config["vocab_size"]) for _ in range(args.prompt_len)]
+                      for _ in range(args.requests)] for _ in range(2))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model_dir = write_config(root / "model", config)
         device = torch.device("cpu" if args.quick else "cuda")
         adapters = write_peft_adapters(root / "adapters", config, NUM_ADAPTERS, 16, TARGETS,
                                        device, torch.float32 if args.quick else torch.bfloat16)
-        base = offline(model_dir, adapters, prompts, args.max_tokens, args.quick)
+        base = offline(model_dir, adapters, prompts, warm, args.max_tokens, args.quick)
         proc = start_server(model_dir, adapters, args.port, args.quick)
         try:
-            served = asyncio.run(drive(args.port, prompts, args.max_tokens))
+            served = asyncio.run(drive(args.port, prompts, warm, args.max_tokens))
         finally:
             os.killpg(proc.pid, signal.SIGINT)
             proc.wait(60)
