@@ -305,7 +305,7 @@ class AsyncLLM:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         stats = IterationStats()
-        gone: list[str] = []
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -327,11 +327,14 @@ class AsyncLLM:
                 stats.finished.append(FinishedRequestStats(
                     out.outputs[0].finish_reason, now - stream.arrival,
                     stream.num_prompt_tokens, n, stream.lora_name))
-            if not _deliver(stream, out) and not out.finished:
-                gone.append(out.request_id)     # its caller's event loop has closed
+            batches.setdefault(stream.loop, []).append((stream, out))
         self._log(stats)
+        # one wake-up of each caller's event loop per step, not one per request
+        gone = [out.request_id for loop, batch in batches.items()
+                if not _call_soon(loop, _put_all, batch)
+                for _, out in batch if not out.finished]
         if gone:
-            self._do_abort(gone)
+            self._do_abort(gone)     # their callers' event loops have closed
 
     def _log(self, stats: IterationStats) -> None:
         for stat_logger in self.stat_loggers:
@@ -371,6 +374,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, out in batch:
+        stream.queue.put_nowait(out)
 
 
 def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
