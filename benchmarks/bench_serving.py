@@ -39,6 +39,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.common import command_line, gpu_name, record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
@@ -77,11 +78,13 @@ def offline(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: in
     outs = llm.generate(prompts, params, loras, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    kv = llm.llm_engine.kv_cache_stats()
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "tokens": tokens, "preemptions": kv.preemptions,
+            "blocks": kv.num_blocks}
 
 
 def start_server(model_dir: Path, adapters: list[Path], port: int, quick: bool):
@@ -144,8 +147,18 @@ async def drive(port: int, prompts, warm, max_tokens: int) -> dict:
     counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     seconds = time.perf_counter() - start
     await client.close()
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    preemptions = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                      if s.name == "manylora:num_preemptions_total")
     return {"seconds": seconds, "tokens": sum(counts), "ttft": statistics.median(ttft),
-            "itl": statistics.median(itl)}
+            "itl": statistics.median(itl),
+            "preemptions": int(preemptions), "blocks": _kv_blocks(text)}
+
+
+def _kv_blocks(text: str) -> int:
+    """Total KV blocks from one scrape (used + cached + free)."""
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "manylora:kv_cache_blocks"))
 
 
 def main() -> None:
@@ -178,16 +191,17 @@ def main() -> None:
     off_rate = base["tokens"] / base["seconds"]
     srv_rate = served["tokens"] / served["seconds"]
     rows = [["offline `LLM.generate`", f"{base['tokens']:,}", f"{base['seconds']:.2f}",
-             f"{off_rate:,.0f}", "1.00", "-", "-"],
+             f"{off_rate:,.0f}", "1.00", "-", "-", base["preemptions"], f"{base['blocks']:,}"],
             ["`manylora serve` + `openai` client, streamed", f"{served['tokens']:,}",
              f"{served['seconds']:.2f}", f"{srv_rate:,.0f}", f"{srv_rate / off_rate:.2f}",
-             f"{served['ttft'] * 1e3:.0f}", f"{served['itl'] * 1e3:.1f}"]]
+             f"{served['ttft'] * 1e3:.0f}", f"{served['itl'] * 1e3:.1f}",
+             served["preemptions"], f"{served['blocks']:,}"]]
     gpu = gpu_name(device)
     record(f"Serving over HTTP vs the offline engine ({gpu}): {args.requests} requests, "
            f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, 16 adapters + base",
            command_line("benchmarks.bench_serving"),
            ["path", "output tokens", "seconds", "output tok/s", "vs offline",
-            "TTFT median (ms)", "ITL median (ms)"], rows,
+            "TTFT median (ms)", "ITL median (ms)", "preemptions", "KV blocks"], rows,
            notes="Llama-3-8B shape, random bf16 weights, 16 rank-16 q/k/v/o adapters, "
                  "max_num_seqs 256, all requests at once, greedy. The server runs in its own "
                  "process (engine loop thread + uvicorn); the client in the benchmark's. "
