@@ -20,6 +20,7 @@ event before ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -299,8 +300,20 @@ class MergedStream:
         self._loop = asyncio.get_running_loop()
         self._finished = [False] * len(self.generators)
         self._live = len(self.generators)
-        self._tasks = [self._loop.create_task(self._pump(i, gen))
-                       for i, gen in enumerate(self.generators)]
+        # one child (n = 1, one prompt: the common case) is iterated directly, without a
+        # task and a second queue between it and the response
+        self._direct = len(self.generators) == 1
+        if not self._direct:
+            self._tasks = [self._loop.create_task(self._pump(i, gen))
+                           for i, gen in enumerate(self.generators)]
+
+    async def _next_direct(self) -> tuple[int, object]:
+        try:
+            return 0, await self.generators[0].__anext__()
+        except StopAsyncIteration:
+            return 0, _END
+        except Exception as e:
+            return 0, e
 
     async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
         try:
@@ -324,7 +337,7 @@ class MergedStream:
         """
         seen: set[int] = set()
         while len(seen) < len(self.generators):
-            index, item = await self._queue.get()
+            index, item = await (self._next_direct() if self._direct else self._queue.get())
             self._buffer.append((index, item))
             if isinstance(item, BaseException):
                 raise item
@@ -341,7 +354,10 @@ class MergedStream:
             Exception: a child's error (``EngineDeadError``, ...).
         """
         while self._live > 0:
-            index, item = self._buffer.popleft() if self._buffer else await self._queue.get()
+            if self._buffer:
+                index, item = self._buffer.popleft()
+            else:
+                index, item = await (self._next_direct() if self._direct else self._queue.get())
             if item is _END:
                 self._live -= 1
                 continue
@@ -384,6 +400,9 @@ class MergedStream:
         """:meth:`close`, then wait for the tasks (and so the child generators) to end."""
         self.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._direct:
+            with contextlib.suppress(RuntimeError):    # already closing elsewhere
+                await self.generators[0].aclose()
 
 
 def guard_stream(stream: AsyncIterator[str], merged: MergedStream) -> AsyncIterator[str]:
