@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import socket
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +27,6 @@ from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAISer
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
-
-# The engine's loop thread shares the interpreter with uvicorn's event loop. When it waits
-# on the GPU it lets go of the GIL, and CPython makes a thread that wants the GIL back wait
-# up to the switch interval (5 ms by default) before the holder must yield it: once or more
-# per engine step. 0.5 ms bounds that wait.
-GIL_SWITCH_INTERVAL_S = 5e-4
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -102,7 +95,6 @@ def create_server(args: argparse.Namespace) -> Server:
         chat_template = Path(chat_template).read_text()
     engine_args = EngineArgs.from_cli_args(args)
     name = args.served_model_name or args.model
-    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     registry = CollectorRegistry()
     engine = AsyncLLM.from_engine_args(engine_args,
                                        max_waiting_requests=args.max_waiting_requests)
