@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The device-machine benchmarks, each recorded in BENCHMARKS.md (copied to $OUT):
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
-#                                           prefix-cache
+#                                           prefix-cache serving
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/manylora-gpu}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if [ -d .whl ]; then   # the server's packages, carried as wheels (see scripts/gpu_check.sh)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+fi
 for part in "$@"; do
   case "$part" in
     kernels) python3 -m benchmarks.bench_lora_kernels ;;
@@ -15,6 +19,7 @@ for part in "$@"; do
     e2e-ii) python3 -m benchmarks.bench_e2e --part ii ;;
     adapter-cache) python3 -m benchmarks.bench_adapter_cache ;;
     prefix-cache) python3 -m benchmarks.bench_prefix_cache ;;
+    serving) python3 -m benchmarks.bench_serving ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac 2>&1 | tee "$out/bench_$part.log"
   cp BENCHMARKS.md "$out/" 2>/dev/null

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import openai
+import pytest
 from conftest import BASE, running_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,3 +74,30 @@ async def _load(url: str, names: list[str]):
         return await asyncio.gather(*(one(i) for i in range(NUM_REQUESTS)))
     finally:
         await client.close()
+
+
+def test_non_streamed_request_aborted_when_client_leaves(base_dir):
+    with running_server(base_dir) as (server, url):
+        engine = server.engine.engine
+        step = engine.step
+
+        def slow_step():          # a tiny model steps in a millisecond: keep the request busy
+            time.sleep(0.02)
+            return step()
+
+        engine.step = slow_step
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", timeout=0.5, json={
+                "model": BASE, "prompt": "The quick", "max_tokens": 100, "ignore_eos": True})
+        deadline = time.monotonic() + 10
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.has_unfinished_requests()
+        time.sleep(0.1)
+        snap = server.engine.snapshot()
+        assert snap.num_running == snap.num_waiting == snap.kv.used_blocks == 0
+        text = httpx.get(f"{url}/metrics").text
+        aborted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "manylora:request_success_total"
+                   and s.labels["finished_reason"] == "abort"]
+        assert aborted == [1]
