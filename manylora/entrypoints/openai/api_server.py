@@ -44,7 +44,8 @@ class ServerConfig:
         api_keys: accepted Bearer tokens; empty: no authentication.
         max_request_body_bytes: the largest request body, bytes; larger ones get 413.
         enable_lora_runtime_updates: serve the load/unload adapter routes.
-        chat_template: a Jinja chat template replacing the tokenizer's, or None.
+        chat_template: a Jinja chat template (text, or a file holding it) replacing the
+            tokenizer's, or None.
     """
 
     api_keys: tuple[str, ...] = ()

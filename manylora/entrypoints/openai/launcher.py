@@ -90,9 +90,6 @@ def create_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--lora-root {missing[0]} is not a directory")
     keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
                             if os.environ.get("MANYLORA_API_KEY") else [])
-    chat_template = args.chat_template
-    if chat_template is not None and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
     engine_args = EngineArgs.from_cli_args(args)
     name = args.served_model_name or args.model
     registry = CollectorRegistry()
@@ -107,7 +104,7 @@ def create_server(args: argparse.Namespace) -> Server:
         engine.shutdown()
         raise ValueError(f"--lora-modules: {e.message}") from None
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
-                          args.enable_lora_runtime_updates, chat_template)
+                          args.enable_lora_runtime_updates, args.chat_template)
     return Server(engine, models, build_app(engine, models, config, registry), registry)
 
 
