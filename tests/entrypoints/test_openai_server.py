@@ -53,6 +53,10 @@ def test_models_lists_base_and_adapters_with_parent(client, base_dir):
     assert models[BASE].parent is None and models[BASE].root == str(base_dir)
     for name in ("ad0", "ad1", "ad2", "ad3"):
         assert models[name].parent == BASE
+    assert client.models.retrieve("ad1").parent == BASE
+    assert client.models.retrieve(BASE).id == BASE
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
 
 
 def test_completions_across_adapters_at_once_equal_offline(client, offline):

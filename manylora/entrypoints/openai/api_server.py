@@ -1,6 +1,7 @@
 """The FastAPI app of ``manylora serve``: vLLM's OpenAI-compatible routes over ``AsyncLLM``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
+``GET /v1/models/{id}``),
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (with
 ``--enable-lora-runtime-updates``), ``GET /health``, ``GET /version``, ``GET /metrics``.
 Every ``/v1`` route wants ``Authorization: Bearer <key>`` when API keys are set; ``/health``,
@@ -218,6 +219,10 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     @app.get("/v1/models")
     async def list_models() -> dict:
         return models.list_models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        return models.retrieve(model_id)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request):

@@ -54,7 +54,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, replacing the "
                              "tokenizer's")
-    parser.add_argument("--uvicorn-log-level", default="warning",
+    parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     return parser
 

@@ -148,6 +148,17 @@ class OpenAIServingModels:
                  for name, s in self.loras.items()]
         return {"object": "list", "data": [base, *loras]}
 
+    def retrieve(self, name: str) -> dict:
+        """``GET /v1/models/{name}``: one entry of ``list_models``.
+
+        Raises:
+            OpenAIError: 404 for a name that is neither the base model nor an adapter.
+        """
+        entry = next((m for m in self.list_models()["data"] if m["id"] == name), None)
+        if entry is None:
+            raise not_found(f"The model `{name}` does not exist.", param="model")
+        return entry
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
         """``POST /v1/load_lora_adapter``: read the adapter from under ``--lora-root`` and
         serve it as ``lora_name``; a message saying so.
