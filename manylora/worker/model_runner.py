@@ -8,7 +8,8 @@ request) replay a CUDA graph when graphs are on; other steps run eagerly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,33 @@ from manylora.sample.sampler import (
 from manylora.worker.cuda_graph import DecodeGraphs
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs on the host: enough for any rank to build the same
+    metadata and run the same forward pass.
+
+    Attributes:
+        ids, positions: the step's token ids and their positions, ``T`` each.
+        query_lens: new tokens per scheduled sequence; context_lens: tokens in its cache
+            after the step; block_tables: its physical blocks.
+        token_slots: the adapter slot of each row, -1 for the base model.
+        slot_ranks, slot_dora: each slot's true rank and DoRA flag (length max_loras).
+        bucket: the CUDA-graph batch size a decode step is padded to, None: eager.
+        sample_rows: the rows whose logits are sampled, in request order.
+    """
+
+    ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    token_slots: list[int]
+    slot_ranks: list[int]
+    slot_dora: list[int]
+    bucket: int | None
+    sample_rows: list[int]
+
+
 class ModelRunner:
     """Executes steps of a ``LlamaForCausalLM`` over a paged KV cache.
 
@@ -37,6 +65,10 @@ class ModelRunner:
         max_loras: number of adapter slots (0 when LoRA is off).
         max_model_len: the longest sequence, tokens (fixes a graph's block-table width).
         cuda_graph_sizes: decode batch sizes to capture as CUDA graphs; empty: always eager.
+
+    Attributes:
+        on_step: called with each step's ``StepInputs`` before its forward pass (tensor
+            parallelism sends them to the other ranks there); None by default.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
@@ -54,6 +86,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = DecodeGraphs(self._forward, cuda_graph_sizes) if cuda_graph_sizes else None
+        self.on_step: Callable[[StepInputs], None] | None = None
 
     def _forward(self, input_ids, positions, attn, lora) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, attn, lora)
@@ -78,6 +111,30 @@ class ModelRunner:
             (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
             one copy; a step where no request asks does no log-probability work.
         """
+        inputs, sample_reqs = self.prepare(out, lora_slots, slot_ranks, slot_dora)
+        if self.on_step is not None:
+            self.on_step(inputs)
+        hidden = self.forward_step(inputs)
+        if not sample_reqs:
+            return SampledTokens({}, {})
+        dev = self.device
+        logits = self.logits(hidden, inputs.sample_rows)
+        params = [r.sampling_params for r in sample_reqs]
+        tensors = SamplingTensors.from_params(params, self.vocab_size, dev)
+        generators = {row: self._generator(r) for row, r in enumerate(sample_reqs)
+                      if r.sampling_params.seed is not None and not r.sampling_params.greedy}
+        sampled = self.sampler.sample(logits, tensors, generators)
+        lp_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        tokens, logprobs = tokens_and_logprobs_to_host(
+            logits, sampled, lp_rows, [params[row].logprobs for row in lp_rows])
+        return SampledTokens({r.request_id: t for r, t in zip(sample_reqs, tokens)},
+                             {sample_reqs[row].request_id: lp
+                              for row, lp in zip(lp_rows, logprobs)})
+
+    def prepare(self, out: SchedulerOutput, lora_slots: dict[int, int], slot_ranks: list[int],
+                slot_dora: list[int] | None) -> tuple[StepInputs, list]:
+        """The step's host inputs (what every tensor-parallel rank needs to run it) and the
+        requests sampled, in ``sample_rows`` order."""
         ids: list[int] = []
         positions: list[int] = []
         token_slots: list[int] = []
@@ -92,49 +149,44 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_reqs.append(req)
-        dora = [0] * len(slot_ranks) if slot_dora is None else list(slot_dora)
-        hidden = self._run_model(out, ids, positions, token_slots, slot_ranks, dora)
-        if not sample_reqs:
-            return SampledTokens({}, {})
-        dev = self.device
-        logits = self.model.compute_logits(
-            hidden.index_select(0, torch.tensor(sample_rows, dtype=torch.int64).to(dev)))
-        params = [r.sampling_params for r in sample_reqs]
-        tensors = SamplingTensors.from_params(params, self.vocab_size, dev)
-        generators = {row: self._generator(r) for row, r in enumerate(sample_reqs)
-                      if r.sampling_params.seed is not None and not r.sampling_params.greedy}
-        sampled = self.sampler.sample(logits, tensors, generators)
-        lp_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
-        tokens, logprobs = tokens_and_logprobs_to_host(
-            logits, sampled, lp_rows, [params[row].logprobs for row in lp_rows])
-        return SampledTokens({r.request_id: t for r, t in zip(sample_reqs, tokens)},
-                             {sample_reqs[row].request_id: lp
-                              for row, lp in zip(lp_rows, logprobs)})
+        bucket = (self.graphs.bucket(len(ids))
+                  if self.graphs is not None and len(ids) == len(out.scheduled) else None)
+        inputs = StepInputs(
+            ids, positions, [s.num_tokens for s in out.scheduled],
+            [s.start + s.num_tokens for s in out.scheduled],
+            [list(s.block_table) for s in out.scheduled], token_slots, list(slot_ranks),
+            [0] * len(slot_ranks) if slot_dora is None else list(slot_dora), bucket,
+            sample_rows)
+        return inputs, sample_reqs
 
-    def _run_model(self, out: SchedulerOutput, ids: list[int], positions: list[int],
-                   token_slots: list[int], slot_ranks: list[int],
-                   slot_dora: list[int]) -> torch.Tensor:
-        """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``)."""
+    def forward_step(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``): the
+        metadata built from ``inputs``, then the forward pass (a graph replay for a decode
+        step in a captured bucket)."""
         dev = self.device
-        num_rows = len(ids)
-        bucket = (self.graphs.bucket(num_rows)
-                  if self.graphs is not None and num_rows == len(out.scheduled) else None)
+        num_rows = len(inputs.ids)
+        bucket = inputs.bucket
         pad = bucket if bucket is not None else num_rows
         attn = build_attention_metadata(
-            [s.num_tokens for s in out.scheduled], [s.start + s.num_tokens for s in out.scheduled],
-            [s.block_table for s in out.scheduled], self.block_size, self.num_queries_per_kv,
-            dev, pad_to=bucket, max_blocks_per_seq=self.max_blocks_per_seq if bucket else None)
+            inputs.query_lens, inputs.context_lens, inputs.block_tables, self.block_size,
+            self.num_queries_per_kv, dev, pad_to=bucket,
+            max_blocks_per_seq=self.max_blocks_per_seq if bucket else None)
         lora = None
-        if self.max_loras and any(t >= 0 for t in token_slots):
-            lora = build_lora_mapping(token_slots, slot_ranks, dev, slot_dora=slot_dora,
-                                      pad_to=bucket)
-        host = torch.tensor(ids + [0] * (pad - num_rows) + positions + [0] * (pad - num_rows),
-                            dtype=torch.int64)
+        if self.max_loras and any(t >= 0 for t in inputs.token_slots):
+            lora = build_lora_mapping(inputs.token_slots, inputs.slot_ranks, dev,
+                                      slot_dora=inputs.slot_dora, pad_to=bucket)
+        host = torch.tensor(inputs.ids + [0] * (pad - num_rows) + inputs.positions
+                            + [0] * (pad - num_rows), dtype=torch.int64)
         input_ids, pos = host.to(dev).split((pad, pad))
         if bucket is None:
             return self._forward(input_ids, pos, attn, lora)
         key = (bucket, None if lora is None else lora.schedule)
         return self.graphs.run(key, (input_ids, pos, attn, lora))
+
+    def logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
+        """float32 ``[len(sample_rows), vocab]``: the logits of the sampled rows."""
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
