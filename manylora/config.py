@@ -7,6 +7,7 @@ Every component receives the narrowest of these it needs: the scheduler gets a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,13 @@ class ModelConfig:
         sliding_windows: per layer, the attention window in tokens or None for full attention.
         max_model_len: the longest sequence (prompt + output) in tokens.
         hf_config: the ``transformers`` config, kept for RoPE parameters.
+        tp_size: ranks the model is split over (Megatron-LM tensor parallelism). A config
+            from ``from_hf`` has 1; ``shard(tp_size)`` gives the per-rank config, whose
+            ``num_heads``, ``num_kv_heads`` and ``intermediate_size`` (and so ``q_size``,
+            ``kv_size``) are one rank's, so that code sizing a rank's tensors (attention,
+            ``worker.kv_cache``) reads the fields as they are.
+        total_num_heads, total_num_kv_heads, total_intermediate_size: the whole model's
+            (equal to the per-rank fields at ``tp_size`` 1; filled in when not given).
     """
 
     architecture: str
@@ -105,6 +113,17 @@ class ModelConfig:
     max_model_len: int
     dtype: torch.dtype
     hf_config: Any = field(repr=False, compare=False)
+    tp_size: int = 1
+    total_num_heads: int | None = None
+    total_num_kv_heads: int | None = None
+    total_intermediate_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be ≥ 1, got {self.tp_size}")
+        for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+            if getattr(self, f"total_{name}") is None:
+                object.__setattr__(self, f"total_{name}", getattr(self, name))
 
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype,
@@ -160,20 +179,89 @@ class ModelConfig:
             hf_config=hf_config,
         )
 
+    def shard(self, tp_size: int) -> ModelConfig:
+        """The config of one rank of ``tp_size`` (vLLM's / Megatron-LM's split).
+
+        Each rank gets ``num_heads / tp_size`` query heads, ``intermediate_size / tp_size``
+        MLP columns and ``num_kv_heads / tp_size`` KV heads; with fewer KV heads than ranks
+        each rank gets one KV head, rank ``r`` holding KV head ``r * num_kv_heads //
+        tp_size`` (replicated over ``tp_size / num_kv_heads`` ranks). Sharding a sharded
+        config starts again from the whole model's sizes; ``shard(1)`` is the whole model.
+
+        Raises:
+            ValueError: ``tp_size < 1``, or ``num_heads`` or ``intermediate_size`` not
+                divisible by ``tp_size``, or ``num_kv_heads`` (when ≥ ``tp_size``) not
+                divisible by it, or (when below it) not dividing it.
+        """
+        heads, kv_heads = self.total_num_heads, self.total_num_kv_heads
+        inter = self.total_intermediate_size
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be ≥ 1, got {tp_size}")
+        if heads % tp_size:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+        if inter % tp_size:
+            raise ValueError(f"intermediate_size={inter} is not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+        if kv_heads >= tp_size and kv_heads % tp_size:
+            raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+        if kv_heads < tp_size and tp_size % kv_heads:
+            raise ValueError(f"num_key_value_heads={kv_heads} is below "
+                             f"tensor_parallel_size={tp_size} and does not divide it, so "
+                             "its KV heads cannot be replicated evenly")
+        return dataclasses.replace(
+            self, tp_size=tp_size, num_heads=heads // tp_size,
+            num_kv_heads=max(kv_heads // tp_size, 1), intermediate_size=inter // tp_size,
+            total_num_heads=heads, total_num_kv_heads=kv_heads,
+            total_intermediate_size=inter)
+
     @property
     def q_size(self) -> int:
+        """This rank's query width, ``num_heads * head_dim``."""
         return self.num_heads * self.head_dim
 
     @property
     def kv_size(self) -> int:
+        """This rank's key (and value) width, ``num_kv_heads * head_dim``."""
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def total_q_size(self) -> int:
+        """The whole model's query width."""
+        return self.total_num_heads * self.head_dim
+
+    @property
+    def total_kv_size(self) -> int:
+        """The whole model's key (and value) width."""
+        return self.total_num_kv_heads * self.head_dim
+
+    @property
+    def kv_heads_replicated(self) -> bool:
+        """Whether ranks share KV heads (fewer KV heads than ranks)."""
+        return self.total_num_kv_heads < self.tp_size
+
+    def kv_head_start(self, rank: int) -> int:
+        """The first of the whole model's KV heads that ``rank`` holds (it holds
+        ``num_kv_heads`` of them)."""
+        if self.kv_heads_replicated:
+            return rank * self.total_num_kv_heads // self.tp_size
+        return rank * self.num_kv_heads
+
+    @property
+    def vocab_per_rank(self) -> int:
+        """Rows of the embedding and LM head on each rank: ``ceil(vocab_size / tp_size)``
+        (the last ranks' tables are padded with zero rows past ``vocab_size``)."""
+        return -(-self.vocab_size // self.tp_size)
+
     def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """``{module: (in_features, out_features)}`` for the seven LoRA-targetable projections."""
-        h, i = self.hidden_size, self.intermediate_size
+        """``{module: (in_features, out_features)}`` for the seven LoRA-targetable projections,
+        of the whole model (what adapters are shaped for), whatever ``tp_size`` is."""
+        h, i = self.hidden_size, self.total_intermediate_size
+        q, kv = self.total_q_size, self.total_kv_size
         return {
-            "q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h), "gate_proj": (h, i), "up_proj": (h, i),
+            "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv),
+            "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i),
             "down_proj": (i, h),
         }
 
@@ -262,6 +350,11 @@ class LoRAConfig:
             one is refused.
         max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (None: bounded
             by count only).
+        fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
+            that is otherwise replicated (vLLM's ``fully_sharded_loras``, after S-LoRA):
+            A along the rank for column-parallel projections (``max_lora_rank`` must be
+            divisible by the number of ranks), B along its output for row-parallel ones, at
+            the cost of one more collective per projection. No effect on one rank.
     """
 
     max_loras: int = 8
@@ -269,6 +362,7 @@ class LoRAConfig:
     max_cpu_loras: int = 32
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES
     max_cpu_lora_bytes: int | None = None
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:

@@ -54,6 +54,12 @@ class EngineArgs:
             0: always recompute.
         kv_cache_dtype: ``"auto"`` (the model dtype), ``"int8"`` or ``"fp8_e4m3"``
             (quantized per token and KV head; about twice the tokens in the same memory).
+        tensor_parallel_size: ranks the base weights, adapters and KV heads are split over,
+            one process each (rank 0 is the engine's; NCCL on CUDA, gloo on CPU); on CUDA
+            rank r uses GPU r.
+        fully_sharded_loras: under tensor parallelism, also split the half of each adapter
+            that is otherwise whole on every rank (A of column-parallel projections, B of
+            row-parallel ones), at the cost of one more collective per projection (vLLM's).
     """
 
     model: str
@@ -83,6 +89,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    fully_sharded_loras: bool = False
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -93,6 +101,8 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

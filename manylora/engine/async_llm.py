@@ -215,12 +215,12 @@ class AsyncLLM:
         await self._call("remove_lora", lora_int_id)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the loop (running requests end with ``EngineDeadError``) and join it."""
+        """Stop the loop (running requests end with ``EngineDeadError``), join it, then
+        stop the engine's workers and loader threads."""
         self._stopped = True
         self._commands.put(_Command("stop", ()))
         self._thread.join(timeout)
-        if self.engine.lora_manager is not None:
-            self.engine.lora_manager.shutdown()
+        self.engine.shutdown()
 
     # ------------------------------------------------------------------ loop thread
 

@@ -32,6 +32,7 @@ from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.request import Request, RequestStatus
+from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import dora_row_norm
 from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
@@ -45,6 +46,7 @@ from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
 from manylora.worker.model_runner import ModelRunner
+from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,9 @@ class LLMEngine:
                        else model_dir)
             self.tokenizer = AutoTokenizer.from_pretrained(
                 tok_dir, trust_remote_code=args.trust_remote_code)
-        self.model = load_model(model_dir, cfg, self.device, args.key_dict, args.load_format)
+        self.tp_driver = self._start_tensor_parallel(args, model_dir, dtype)
+        tp = self.tp_driver.tp if self.tp_driver is not None else None
+        self.model = load_model(model_dir, cfg, self.device, args.key_dict, args.load_format, tp)
 
         self.lora_config: LoRAConfig | None = None
         self.lora_manager: LoRAManager | None = None
@@ -77,18 +81,21 @@ class LLMEngine:
         slots_first = args.enable_lora and args.lora_device_cache_percent is None
         if slots_first:
             self._create_lora(args, model_dir, args.max_loras)
+        # this rank's heads under tensor parallelism; rank 0 sizes the cache for every rank
+        # (each holds the same shard sizes on the same kind of GPU)
+        rank_cfg = self.model.cfg
         num_blocks = args.num_kv_blocks or auto_num_blocks(
-            cfg, args.block_size, self.device, args.gpu_memory_utilization,
+            rank_cfg, args.block_size, self.device, args.gpu_memory_utilization,
             args.max_num_batched_tokens, max_useful, kv_cache_dtype=args.kv_cache_dtype)
         self.cache_config = CacheConfig(
             args.block_size, num_blocks, args.kv_cache_dtype, args.enable_prefix_caching,
-            int(args.swap_space * 2**30 // block_bytes(cfg, args.block_size,
+            int(args.swap_space * 2**30 // block_bytes(rank_cfg, args.block_size,
                                                       args.kv_cache_dtype)))
         self.max_model_len = min(cfg.max_model_len, num_blocks * args.block_size)
         if self.max_model_len < cfg.max_model_len:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "
                            "more", cfg.max_model_len, self.max_model_len)
-        kv_caches = allocate_kv_caches(cfg, num_blocks, args.block_size, self.device,
+        kv_caches = allocate_kv_caches(rank_cfg, num_blocks, args.block_size, self.device,
                                        args.kv_cache_dtype)
         kv_manager = self._create_kv_manager(kv_caches)
         if args.enable_lora and not slots_first:
@@ -102,9 +109,45 @@ class LLMEngine:
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
                                   self.max_model_len, graph_sizes)
+        if self.tp_driver is not None:
+            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
         self.runner.capture_graphs()
+        if self.tp_driver is not None:
+            self.runner.on_step = self.tp_driver.step
+            if self.lora_manager is not None:
+                self.lora_manager.on_write_slot = self.tp_driver.write_slot
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
         self._ids = itertools.count()
+
+    def _start_tensor_parallel(self, args: EngineArgs, model_dir, dtype: torch.dtype
+                               ) -> TPDriver | None:
+        """Start ranks 1..N-1 and join their process group (None at one rank)."""
+        if args.tensor_parallel_size == 1:
+            return None
+        if args.swap_space:
+            raise ValueError("swap_space is not supported with tensor_parallel_size > 1 yet")
+        if args.lora_device_cache_percent is not None:
+            raise ValueError("lora_device_cache_percent is not supported with "
+                             "tensor_parallel_size > 1 yet: set max_loras")
+        self.model_config.shard(args.tensor_parallel_size)       # ValueError if it won't split
+        lora = (LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
+                           args.lora_target_modules, args.max_cpu_lora_bytes,
+                           args.fully_sharded_loras) if args.enable_lora else None)
+        spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
+                          str(dtype).removeprefix("torch."), self.device.type,
+                          self.model_config.max_model_len, args.trust_remote_code, lora,
+                          args.block_size, args.kv_cache_dtype)
+        if self.device.type == "cuda":
+            self.device = rank_device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        return TPDriver(spec, args.tensor_parallel_size)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and the adapter loader threads."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
+        if self.lora_manager is not None:
+            self.lora_manager.shutdown()
 
     def _create_kv_manager(self, kv_caches: list[KVCache]) -> KVCacheManager:
         """The block allocator, with swap space (and its measured cost) when configured."""
@@ -125,14 +168,21 @@ class LLMEngine:
         if args.lora_device_cache_percent is not None:
             max_cpu_loras = max(max_cpu_loras, max_loras)
         self.lora_config = LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras,
-                                      args.lora_target_modules, args.max_cpu_lora_bytes)
+                                      args.lora_target_modules, args.max_cpu_lora_bytes,
+                                      args.fully_sharded_loras)
         slots = self.model.create_lora_slots(self.lora_config)
         model = self.model
+
+        def dora_norm(layer: int, module: str, a: torch.Tensor, b: torch.Tensor):
+            if self.tp_driver is not None:
+                raise LoRAAdapterError("DoRA adapters are not supported with "
+                                       "tensor_parallel_size > 1 yet")
+            return dora_row_norm(model.lora_module_weight(layer, module), a, b)
+
         target = AdapterTarget(
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
             self.lora_config.target_modules, cfg.dtype, (args.model, str(model_dir)),
-            dora_norm=lambda layer, module, a, b: dora_row_norm(
-                model.lora_module_weight(layer, module), a, b))
+            dora_norm=dora_norm)
         self.lora_manager = LoRAManager(self.lora_config, target, slots)
 
     def _slots_from_memory(self, args: EngineArgs) -> int:

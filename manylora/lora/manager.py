@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -104,6 +104,8 @@ class LoRAManager:
         slot_ranks: length ``max_loras``; the true rank in each slot (0 when empty).
         slot_dora: length ``max_loras``; 1 where the slot's adapter has DoRA scales.
         stats: ``LoRACacheStats``.
+        on_write_slot: called with ``(slot, adapter)`` before an adapter's weights are
+            written into a slot (tensor parallelism sends them to the other ranks there).
     """
 
     def __init__(self, lora_config: LoRAConfig, target: AdapterTarget,
@@ -133,6 +135,7 @@ class LoRAManager:
         self._load_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_events: dict[int, torch.cuda.Event] = {}
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+        self.on_write_slot: Callable[[int, LoRAAdapter], None] | None = None
 
     # ------------------------------------------------------------------ requests come and go
 
@@ -456,6 +459,8 @@ class LoRAManager:
         self.slot_dora[slot] = int(adapter.has_dora)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        if self.on_write_slot is not None:
+            self.on_write_slot(slot, adapter)
         for (layer, module), slots in self.slots.items():
             w = adapter.weights.get((layer, module))
             if w is None:

@@ -4,6 +4,14 @@ No padding: the step's tokens of every sequence are concatenated into ``[T]`` ro
 attention finds each sequence's keys through its block table. Parameter names match
 Hugging Face's except the fused ``qkv_proj`` and ``gate_up_proj`` (the weight loader
 translates them).
+
+Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, as vLLM lays it out): ``qkv_proj`` and
+``gate_up_proj`` are column-parallel (each rank holds its heads' rows of q, k and v, its
+columns of gate and up), ``o_proj`` and ``down_proj`` row-parallel (all-reduced), the
+embedding and LM head vocabulary-parallel. Attention runs on the rank's heads only, so the
+model needs no other communication: two all-reduces per layer, one for the embedding, one
+all-gather for the logits. With fewer KV heads than ranks each rank holds one KV head
+(``ModelConfig.shard``).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import torch
 from torch import nn
 
 from manylora.config import LoRAConfig, ModelConfig
+from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.layers import LoRALinear, LoRASlots
 from manylora.lora.punica import LoRAMapping
 from manylora.model.layers.activation import silu_and_mul
@@ -21,26 +30,38 @@ from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.ops.attention import AttentionMetadata, KVCache, paged_attention, write_kv
 
 
+def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...]:
+    """Rows ``[start, stop)`` of the whole q, k and v projections that ``rank`` holds under
+    ``cfg`` (a per-rank config): its query heads, and its KV heads (one replicated head
+    when there are fewer KV heads than ranks)."""
+    q0 = rank * cfg.q_size
+    kv0 = cfg.kv_head_start(rank) * cfg.head_dim
+    return (q0, q0 + cfg.q_size), (kv0, kv0 + cfg.kv_size), (kv0, kv0 + cfg.kv_size)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.cfg = cfg
         self.rotary = [rotary]  # shared table; a list keeps it out of this module's buffers
         self.sliding_window = cfg.sliding_windows[layer_idx]
-        self.qkv_proj = LoRALinear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size),
-                                   ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, cfg.dtype,
-                                   device)
-        self.o_proj = LoRALinear(cfg.q_size, (cfg.hidden_size,), ("o_proj",), cfg.o_bias,
-                                 cfg.dtype, device)
+        ranges = qkv_output_ranges(cfg, tp.rank) if tp.size > 1 else None
+        self.qkv_proj = LoRALinear(
+            cfg.hidden_size, (cfg.total_q_size, cfg.total_kv_size, cfg.total_kv_size),
+            ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, cfg.dtype, device, "column", tp,
+            ranges)
+        self.o_proj = LoRALinear(cfg.total_q_size, (cfg.hidden_size,), ("o_proj",),
+                                 cfg.o_bias, cfg.dtype, device, "row", tp)
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
                 attn: AttentionMetadata, lora: LoRAMapping | None) -> torch.Tensor:
         """``x [T, hidden]`` → ``[T, hidden]``: qkv, RoPE, ``write_kv`` into this layer's
-        ``KVCache`` (quantized there when it is), ``paged_attention``, o_proj."""
+        ``KVCache`` (quantized there when it is), ``paged_attention``, o_proj (all on this
+        rank's heads; o_proj all-reduces)."""
         cfg = self.cfg
-        qkv = self.qkv_proj(x, lora)                                   # [T, q + 2 kv]
+        qkv = self.qkv_proj(x, lora)                                   # [T, q + 2 kv] local
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -52,13 +73,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = LoRALinear(cfg.hidden_size, (self.inter, self.inter),
-                                       ("gate_proj", "up_proj"), cfg.mlp_bias, cfg.dtype, device)
-        self.down_proj = LoRALinear(self.inter, (cfg.hidden_size,), ("down_proj",),
-                                    cfg.mlp_bias, cfg.dtype, device)
+        inter = cfg.total_intermediate_size
+        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter),
+                                       ("gate_proj", "up_proj"), cfg.mlp_bias, cfg.dtype, device,
+                                       "column", tp)
+        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), ("down_proj",),
+                                    cfg.mlp_bias, cfg.dtype, device, "row", tp)
 
     def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
@@ -66,10 +88,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, device)
-        self.mlp = LlamaMLP(cfg, device)
+        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, device, tp)
+        self.mlp = LlamaMLP(cfg, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
                                                 device)
@@ -92,12 +114,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, tp)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len).to(device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary, device) for i in range(cfg.num_layers))
+            LlamaDecoderLayer(cfg, i, self.rotary, device, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
 
@@ -105,45 +127,94 @@ class LlamaForCausalLM(nn.Module):
     """A LLaMA-family causal LM whose projections all run through ``LoRALinear``.
 
     Args:
-        cfg: the model shape and dtype.
+        cfg: the model shape and dtype; the whole model's, or already ``shard(tp.size)``.
+            ``self.cfg`` is the rank's (``cfg.shard(tp.size)``): its head counts and
+            intermediate size are this rank's, which is what KV cache allocation and the
+            model runner read.
         device: where parameters are allocated (uninitialised; the weight loader fills them).
+        tp: the tensor-parallel group (None: one rank). Every parameter is then the rank's
+            slice (``tp_slices``), and forward and ``compute_logits`` are collectives that
+            all ranks run together on the same batch.
 
     Forward: ``input_ids`` and ``positions`` int64 ``[T]``, one ``KVCache`` per layer
     (``data [2, num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, or int8 /
     float8_e4m3fn with float32 ``scale [2, num_blocks, block_size, num_kv_heads]``), the
     step's attention metadata and LoRA mapping → hidden states ``[T, hidden_size]`` in the
-    model dtype.
-    ``compute_logits(hidden [N, hidden]) → float32 [N, vocab]``.
+    model dtype (the whole hidden state on every rank; the KV caches hold the rank's KV
+    heads).
+    ``compute_logits(hidden [N, hidden]) → float32 [N, vocab]`` on every rank.
+
+    Raises:
+        ValueError: ``cfg`` sharded for another number of ranks than ``tp``, or a shape that
+            does not split over them (``ModelConfig.shard``).
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp or TPGroup.single()
+        if cfg.tp_size != self.tp.size:
+            if cfg.tp_size != 1:
+                raise ValueError(f"the config is sharded for {cfg.tp_size} ranks, the group "
+                                 f"has {self.tp.size}")
+            cfg = cfg.shard(self.tp.size)
         self.cfg = cfg
-        self.model = LlamaModel(cfg, device)
+        self.model = LlamaModel(cfg, device, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(
-            cfg.vocab_size, cfg.hidden_size, cfg.dtype, device)
+            cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, self.tp)
+
+    def _projections(self, layer: int) -> tuple[LoRALinear, ...]:
+        layer_mod = self.model.layers[layer]
+        return (layer_mod.self_attn.qkv_proj, layer_mod.self_attn.o_proj,
+                layer_mod.mlp.gate_up_proj, layer_mod.mlp.down_proj)
 
     def create_lora_slots(self, lora_config: LoRAConfig) -> dict[tuple[int, str], LoRASlots]:
-        """Allocate every layer's slot buffers once; ``{(layer, module): slots}``."""
+        """Allocate every layer's slot buffers once; ``{(layer, module): slots}``. Under tensor
+        parallelism the slots hold the rank's part of each adapter (sharded further with
+        ``lora_config.fully_sharded_loras``).
+
+        Raises:
+            ValueError: ``fully_sharded_loras`` with ``max_lora_rank`` or ``hidden_size`` not
+                divisible by the number of ranks.
+        """
         slots: dict[tuple[int, str], LoRASlots] = {}
-        for i, layer in enumerate(self.model.layers):
-            for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                         layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for i in range(len(self.model.layers)):
+            for proj in self._projections(i):
                 lora = proj.create_lora_slots(lora_config.target_modules, lora_config.max_loras,
-                                              lora_config.max_lora_rank)
+                                              lora_config.max_lora_rank,
+                                              lora_config.fully_sharded_loras)
                 if lora is not None:
                     slots.update({(i, name): lora for name in lora.module_names})
         return slots
 
+    def _projection(self, layer: int, module: str) -> LoRALinear:
+        for proj in self._projections(layer):
+            if module in proj.module_names:
+                return proj
+        raise ValueError(f"no projection {module!r} in layer {layer}")
+
     def lora_module_weight(self, layer: int, module: str) -> torch.Tensor:
         """The base weight ``[out, in]`` of one LoRA-targetable projection (a view into the
-        packed weight), e.g. ``(3, "k_proj")``."""
-        layer_mod = self.model.layers[layer]
-        for proj in (layer_mod.self_attn.qkv_proj, layer_mod.self_attn.o_proj,
-                     layer_mod.mlp.gate_up_proj, layer_mod.mlp.down_proj):
-            if module in proj.module_names:
-                return proj.module_weight(module)
-        raise ValueError(f"no projection {module!r} in layer {layer}")
+        packed weight), e.g. ``(3, "k_proj")``; this rank's slice under tensor parallelism.
+
+        Raises:
+            ValueError: no such module in the layer.
+        """
+        return self._projection(layer, module).module_weight(module)
+
+    def lora_dora_norm(self, layer: int, module: str, a: torch.Tensor,
+                       b: torch.Tensor) -> torch.Tensor:
+        """``||W + b @ a||`` per output row of the whole base weight of ``(layer, module)``,
+        float32 ``[out]`` on the model's device and on every rank (``AdapterTarget.dora_norm``;
+        ``dora_row_norm_tp``). A collective under tensor parallelism: all ranks must read
+        their adapters, module by module, in the same order.
+
+        Args:
+            a: the adapter's whole ``[r, in]``; b: its whole ``[out, r]`` (scaling folded).
+
+        Raises:
+            ValueError: no such module in the layer.
+        """
+        return self._projection(layer, module).dora_norm(module, a, b)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn: AttentionMetadata,
@@ -154,5 +225,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden] → float32 [N, vocab]``: under tensor parallelism each rank's
+        vocabulary rows, all-gathered, the padding past ``vocab_size`` dropped."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        logits = nn.functional.linear(hidden, weight).float()          # [N, vocab / tp]
+        if self.tp.size == 1:
+            return logits
+        logits = self.tp.all_gather(logits, dim=-1)                    # [N, padded vocab]
+        vocab = self.cfg.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[:, :vocab].contiguous()

@@ -11,8 +11,14 @@ import torch
 from transformers import AutoConfig
 
 from manylora.config import ModelConfig
+from manylora.distributed.parallel_state import TPGroup
 from manylora.model.llama import LlamaForCausalLM
-from manylora.model.weight_loader import CheckpointError, ModelWeightsLoader
+from manylora.model.weight_loader import (
+    CheckpointError,
+    ModelWeightsLoader,
+    full_shape,
+    shard_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,28 +44,48 @@ _DUMMY_RANGE = 1e-3
 
 def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
                key_dict: Mapping[str, str | list[str]] | None = None,
-               load_format: str = "auto") -> LlamaForCausalLM:
-    """Allocate the model on ``device`` and fill it from the checkpoint (TensorRT-LLM's loader).
+               load_format: str = "auto", tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """Allocate the model (this rank's shard of it) on ``device`` and fill it from the
+    checkpoint (TensorRT-LLM's loader).
 
     Args:
         model_dir: the checkpoint directory.
-        cfg: the model's shape and dtype.
+        cfg: the model's shape and dtype (the whole model's, or ``cfg.shard(tp.size)``).
         device: where the weights live.
         key_dict: extra key translations (TensorRT-LLM's ``customized_key_dict``).
-        load_format: ``"auto"`` reads the weights; ``"dummy"`` (vLLM's) fills every weight
-            with seeded uniform noise in ±1e-3 and reads no weight file, for benchmarks.
+        load_format: ``"auto"`` reads the weights (only the rank's slices of them);
+            ``"dummy"`` (vLLM's) fills every weight with seeded uniform noise in ±1e-3 and
+            reads no weight file, for benchmarks. Under tensor parallelism each rank draws
+            every whole parameter from the same seeded generator and keeps its slice, so the
+            ranks together hold exactly the one-rank model's dummy weights.
+        tp: the tensor-parallel group (None: one rank).
 
     Raises:
         CheckpointError: missing, corrupt or mis-shaped weight files.
-        ValueError: an unknown ``load_format``.
+        ValueError: an unknown ``load_format``, or a model that does not split over ``tp``.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}: use one of {LOAD_FORMATS}")
-    model = LlamaForCausalLM(cfg, device)
+    model = LlamaForCausalLM(cfg, device, tp)
     if load_format == "dummy":
-        gen = torch.Generator(device).manual_seed(0)
-        for param in model.parameters():
-            param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
+        _fill_dummy(model, device)
     else:
-        ModelWeightsLoader(model_dir, key_dict).load_model(model)
+        rank = model.tp
+        ModelWeightsLoader(model_dir, key_dict).load_model(model, rank.rank, rank.size)
     return model.eval()
+
+
+@torch.no_grad()
+def _fill_dummy(model: LlamaForCausalLM, device: torch.device) -> None:
+    """Seeded uniform noise, parameter by parameter; a sliced parameter draws its whole
+    tensor (the one-rank shape) and keeps its ``tp_slices``."""
+    gen = torch.Generator(device).manual_seed(0)
+    for param in model.parameters():
+        tp_slices = getattr(param, "tp_slices", None)
+        if tp_slices is None:
+            param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
+            continue
+        whole = torch.empty(full_shape(param.shape, tp_slices), dtype=param.dtype,
+                            device=device)
+        whole.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
+        param.copy_(shard_tensor(whole, tp_slices))

@@ -12,7 +12,8 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,86 @@ _FORMATS = (
     ("pickle", "pytorch_model.bin.index.json", ("pytorch_model*.bin",)),
     ("pickle", None, ("*.pth",)),
 )
+
+
+@dataclass(frozen=True)
+class TPSlice:
+    """The part of one external (checkpoint) tensor that a tensor-parallel rank holds.
+
+    A parameter carrying ``tp_slices`` (one ``TPSlice`` per external tensor its name
+    translates to, in order) gets, for each, the range ``[start, stop)`` along ``dim``,
+    zero-padded at the end to ``size`` along ``dim``; the parts are then concatenated
+    along dim 0 (a packed projection) like whole tensors are. This covers what an even
+    ``tp_dim`` split cannot: KV heads replicated over ranks (the rows of one head) and a
+    vocabulary not divisible by the ranks (a padded shard).
+
+    Attributes:
+        dim: the dimension cut.
+        start, stop: the range kept along ``dim``.
+        full: the external tensor's size along ``dim``.
+        size: the part's size in the parameter along ``dim`` (≥ ``stop - start``).
+
+    Raises:
+        ValueError: a range outside ``[0, full]`` or larger than ``size``.
+    """
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.stop <= self.full or self.stop - self.start > self.size:
+            raise ValueError(f"bad tensor-parallel slice {self}")
+
+    def cut(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s range along ``dim`` (a whole external tensor), zero-padded to
+        ``size``."""
+        part = tensor.narrow(self.dim, self.start, self.stop - self.start)
+        return self.pad(part)
+
+    def pad(self, part: torch.Tensor) -> torch.Tensor:
+        """``part`` (already cut) zero-padded at the end of ``dim`` to ``size``."""
+        missing = self.size - part.shape[self.dim]
+        if missing == 0:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
+
+
+def full_shape(shape: Sequence[int], tp_slices: Sequence[TPSlice]) -> tuple[int, ...]:
+    """The shape, on one rank, of a parameter whose rank-local shape is ``shape`` and whose
+    parts are ``tp_slices``: each part's ``size`` along its ``dim`` becomes ``full``.
+
+    Raises:
+        ValueError: several parts cut along a dimension other than 0.
+    """
+    if len(tp_slices) > 1 and any(s.dim != 0 for s in tp_slices):
+        raise ValueError("a packed parameter's parts must be cut along dim 0")
+    out = list(shape)
+    if len(tp_slices) == 1:
+        out[tp_slices[0].dim] = tp_slices[0].full
+    else:
+        out[0] = sum(s.full for s in tp_slices)
+    return tuple(out)
+
+
+def shard_tensor(full: torch.Tensor, tp_slices: Sequence[TPSlice]) -> torch.Tensor:
+    """A rank's shard of a whole parameter ``full`` (the ``tp_size`` 1 layout, packed parts
+    concatenated along dim 0): each part cut and padded by its ``TPSlice``, concatenated.
+
+    Raises:
+        ValueError: several parts cut along a dimension other than 0, or ``full`` not of
+            their total size.
+    """
+    if len(tp_slices) == 1:
+        return tp_slices[0].cut(full)
+    if any(s.dim != 0 for s in tp_slices) or full.shape[0] != sum(s.full for s in tp_slices):
+        raise ValueError(f"cannot cut a tensor of shape {tuple(full.shape)} into {tp_slices}")
+    parts = full.split([s.full for s in tp_slices], dim=0)
+    return torch.cat([s.cut(p) for p, s in zip(parts, tp_slices, strict=True)], dim=0)
 
 
 class CheckpointError(ValueError):
@@ -191,6 +272,38 @@ class ModelWeightsLoader:
             return view[index].contiguous()
         return tensor.narrow(dim, tp_rank * size, size).contiguous()
 
+    def load_part(self, key: str, part: TPSlice) -> torch.Tensor | None:
+        """Load only ``part``'s range of external ``key`` (safetensors reads just those bytes),
+        zero-padded to ``part.size``; checkpoint dtype, on CPU.
+
+        Returns:
+            The part, or None if no checkpoint file has ``key``.
+
+        Raises:
+            CheckpointError: ``key``'s size along ``part.dim`` is not ``part.full``.
+        """
+        idx = self._shard_map.get(key)
+        if idx is None:
+            return None
+        handle = self._handles[idx]
+        if self.format == "safetensors":
+            view = handle.get_slice(key)
+            shape = list(view.get_shape())
+        else:
+            tensor = handle[key]
+            shape = list(tensor.shape)
+        if not -len(shape) <= part.dim < len(shape) or shape[part.dim] != part.full:
+            raise CheckpointError(f"Cannot take rows [{part.start}, {part.stop}) of dim "
+                                  f"{part.dim} of {key!r} of shape {shape}: expected size "
+                                  f"{part.full} there")
+        dim = part.dim % len(shape)
+        if self.format == "safetensors":
+            index = (slice(None),) * dim + (slice(part.start, part.stop),)
+            loaded = view[index].contiguous()
+        else:
+            loaded = tensor.narrow(dim, part.start, part.stop - part.start).contiguous()
+        return part.pad(loaded)
+
     def load(
         self, key: str, tp_size: int = 1, tp_dim: int | None = None, tp_rank: int = 0
     ) -> list[torch.Tensor]:
@@ -214,15 +327,23 @@ class ModelWeightsLoader:
         For each ``name, param`` the tensors of :meth:`load` (sliced along ``param.tp_dim`` if
         set) go to ``param.weight_loader(param, tensors)`` when the parameter has one; otherwise
         they are concatenated along dim 0 and copied into ``param`` (converting dtype/device).
+        A parameter with ``tp_slices`` (one ``TPSlice`` per external tensor, set by the
+        model's tensor-parallel layers) reads exactly those ranges instead (:meth:`load_part`)
+        whatever ``tp_rank``/``tp_size`` say: the slices already name the rank's rows.
 
         Raises:
             MissingWeightError: a parameter's external key is not in the checkpoint.
-            CheckpointError: the loaded shape differs from the parameter's shape.
+            CheckpointError: the loaded shape differs from the parameter's shape, or a
+                parameter has another number of ``tp_slices`` than external tensors.
         """
         params = list(model.named_parameters())
         with torch.no_grad():
             for name, param in tqdm(params, desc="Loading weights"):
-                tensors = self.load(name, tp_size, getattr(param, "tp_dim", None), tp_rank)
+                tp_slices = getattr(param, "tp_slices", None)
+                if tp_slices is not None:
+                    tensors = self._load_parts(name, tp_slices)
+                else:
+                    tensors = self.load(name, tp_size, getattr(param, "tp_dim", None), tp_rank)
                 weight_loader = getattr(param, "weight_loader", None)
                 if weight_loader is not None:
                     weight_loader(param, tensors)
@@ -234,3 +355,15 @@ class ModelWeightsLoader:
                         f"({', '.join(self.translate(name))}) vs parameter {tuple(param.shape)}"
                     )
                 param.data.copy_(tensor)
+
+    def _load_parts(self, key: str, tp_slices: Sequence[TPSlice]) -> list[torch.Tensor]:
+        external = self.translate(key)
+        if len(external) != len(tp_slices):
+            raise CheckpointError(f"parameter {key!r} has {len(tp_slices)} tensor-parallel "
+                                  f"slices for the {len(external)} tensors {external}")
+        tensors = [self.load_part(k, part) for k, part in zip(external, tp_slices)]
+        missing = [k for k, t in zip(external, tensors, strict=True) if t is None]
+        if missing:
+            raise MissingWeightError(f"Checkpoint {self.model_dir} has no {missing} "
+                                     f"(needed for parameter {key!r})")
+        return tensors

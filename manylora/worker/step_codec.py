@@ -2,8 +2,8 @@
 
 Every rank builds the same attention metadata and LoRA mapping from the same
 ``StepInputs``, so the ranks run the same kernels with the same shapes and their
-collectives line up. Only integers travel: token ids and positions (int64), the per-sequence
-lengths, block tables and per-row slots (int32), and a few scalars.
+collectives line up. Only integers travel: token ids and positions, the per-sequence
+lengths, block tables and per-row slots, all in one int64 tensor, and a few scalars.
 """
 
 from __future__ import annotations
@@ -12,45 +12,45 @@ import torch
 
 from manylora.worker.model_runner import StepInputs
 
+_FIELDS = ("ids", "positions", "query_lens", "context_lens", "table_lens", "tables",
+           "token_slots", "slot_ranks", "slot_dora", "sample_rows")
+
 
 def encode_step(inputs: StepInputs) -> dict:
-    """``StepInputs`` → ``{name: CPU tensor or int}`` (``broadcast_tensor_dict``'s input).
+    """``StepInputs`` → ``{"step": int64 CPU tensor, "lens": [int, ...], "bucket": int}``.
 
-    Tensors: ``ids``, ``positions`` int64 ``[T]``; ``query_lens``, ``context_lens``,
-    ``table_lens`` int32 ``[B]``; ``tables`` int32 ``[sum(table_lens)]`` (the block tables
-    concatenated); ``token_slots`` int32 ``[T]``; ``slot_ranks``, ``slot_dora`` int32
-    ``[max_loras]``; ``sample_rows`` int64 ``[S]``. Scalar: ``bucket`` (-1: eager).
+    ``step`` holds, one after the other, the token ids, positions, per-sequence query and
+    context lengths, block-table lengths, the block tables concatenated, the per-row slots,
+    the slots' ranks and DoRA flags, and the sampled rows; ``lens`` gives each part's
+    length, ``bucket`` the graph batch size (-1: eager). One tensor, so a step costs one
+    tensor broadcast besides the header.
     """
-    return {
-        "ids": torch.tensor(inputs.ids, dtype=torch.int64),
-        "positions": torch.tensor(inputs.positions, dtype=torch.int64),
-        "query_lens": torch.tensor(inputs.query_lens, dtype=torch.int32),
-        "context_lens": torch.tensor(inputs.context_lens, dtype=torch.int32),
-        "table_lens": torch.tensor([len(t) for t in inputs.block_tables], dtype=torch.int32),
-        "tables": torch.tensor([b for t in inputs.block_tables for b in t], dtype=torch.int32),
-        "token_slots": torch.tensor(inputs.token_slots, dtype=torch.int32),
-        "slot_ranks": torch.tensor(inputs.slot_ranks, dtype=torch.int32),
-        "slot_dora": torch.tensor(inputs.slot_dora, dtype=torch.int32),
-        "sample_rows": torch.tensor(inputs.sample_rows, dtype=torch.int64),
-        "bucket": -1 if inputs.bucket is None else int(inputs.bucket),
-    }
+    parts = [inputs.ids, inputs.positions, inputs.query_lens, inputs.context_lens,
+             [len(t) for t in inputs.block_tables], [b for t in inputs.block_tables for b in t],
+             inputs.token_slots, inputs.slot_ranks, inputs.slot_dora, inputs.sample_rows]
+    return {"step": torch.tensor([v for part in parts for v in part], dtype=torch.int64),
+            "lens": [len(part) for part in parts],
+            "bucket": -1 if inputs.bucket is None else int(inputs.bucket)}
 
 
 def decode_step(data: dict) -> StepInputs:
-    """The inverse of :func:`encode_step` (tensors on any device).
+    """The inverse of :func:`encode_step` (the tensor on any device).
 
     Raises:
-        KeyError: a field is missing.
+        KeyError: a field is missing; ValueError: ``lens`` does not match the tensor.
     """
-    def ints(name: str) -> list[int]:
-        return data[name].cpu().tolist()
-
+    flat = data["step"].cpu().tolist()
+    lens = [int(n) for n in data["lens"]]
+    if len(lens) != len(_FIELDS) or sum(lens) != len(flat):
+        raise ValueError(f"a step message of {len(flat)} values with part lengths {lens}")
+    parts, start = {}, 0
+    for name, n in zip(_FIELDS, lens):
+        parts[name], start = flat[start:start + n], start + n
     tables, start = [], 0
-    flat = ints("tables")
-    for n in ints("table_lens"):
-        tables.append(flat[start:start + n])
+    for n in parts["table_lens"]:
+        tables.append(parts["tables"][start:start + n])
         start += n
     bucket = int(data["bucket"])
-    return StepInputs(ints("ids"), ints("positions"), ints("query_lens"), ints("context_lens"),
-                      tables, ints("token_slots"), ints("slot_ranks"), ints("slot_dora"),
-                      None if bucket < 0 else bucket, ints("sample_rows"))
+    return StepInputs(parts["ids"], parts["positions"], parts["query_lens"],
+                      parts["context_lens"], tables, parts["token_slots"], parts["slot_ranks"],
+                      parts["slot_dora"], None if bucket < 0 else bucket, parts["sample_rows"])

@@ -1,0 +1,168 @@
+"""Tensor parallelism: decode step time and throughput at TP 1 and 2, LoRA off and on,
+``fully_sharded_loras`` off and on.
+
+A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; every rank
+holds the slices of the same random model), 16 distinct rank-16 q/k/v/o adapters in PEFT's
+format. Each variant gets its own ``LLMEngine`` (max_num_seqs 64, 16 slots, CUDA graphs for
+decode, captured on every rank), built and shut down in turn.
+
+* **Decode step**: ``B`` requests (random 512-token prompts, request i on adapter i % 16 when
+  LoRA is on) are prefilled, then 32 decode steps are timed one by one (``LLMEngine.step``,
+  which ends with the sampled tokens on the host, so each time is a whole step: rank 0's
+  broadcast of the step's inputs included); the median is reported. B = 1 and 64.
+* **Throughput**: 256 requests at once, 256-token prompts, 128 new tokens (greedy,
+  ignore_eos); output tokens over the wall time of stepping them all to the end.
+
+Floor of a batch-1 step: the bytes one GPU must read (its share of the weights, plus the
+adapters' rows) over the measured copy bandwidth; at TP 2 each GPU reads half the weights,
+so the ideal step is 0.5x TP 1's.
+
+    python -m benchmarks.bench_tp
+    python -m benchmarks.bench_tp --quick     # tiny model on CPU (gloo), a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import command_line, gpu_name, measure_copy_bandwidth, record
+from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
+from manylora import EngineArgs, LoRARequest, SamplingParams
+from manylora.engine.llm_engine import LLMEngine
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+NUM_ADAPTERS = 16
+RANK = 16
+# (tensor_parallel_size, LoRA on, fully_sharded_loras)
+VARIANTS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False),
+            (2, True, True)]
+
+
+def build(model_dir: Path, tp: int, lora: bool, fully_sharded: bool, quick: bool
+          ) -> LLMEngine:
+    return LLMEngine(EngineArgs(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
+        device="cpu" if quick else "cuda", dtype="auto", tensor_parallel_size=tp,
+        enable_lora=lora, fully_sharded_loras=fully_sharded, max_loras=NUM_ADAPTERS,
+        max_lora_rank=RANK, max_num_seqs=64, max_model_len=1024,
+        num_kv_blocks=4096 if not quick else 512))
+
+
+def _lora(adapters: list[Path], i: int, on: bool) -> LoRARequest | None:
+    if not on:
+        return None
+    k = i % NUM_ADAPTERS
+    return LoRARequest(f"a{k}", k + 1, str(adapters[k]))
+
+
+def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
+                   adapters: list[Path], lora: bool, rng: random.Random) -> float:
+    """Median wall time of a decode step of ``batch`` requests, ms."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
+                                                          for _ in range(prompt_len)]},
+                              params, _lora(adapters, i, lora)) for i in range(batch)]
+    seen: set[str] = set()
+    while len(seen) < batch:                                   # prefill (and warm-up)
+        seen.update(o.request_id for o in engine.step())
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(32):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    engine.abort_request(ids)
+    return statistics.median(times) * 1e3
+
+
+def throughput(engine: LLMEngine, vocab: int, adapters: list[Path], lora: bool,
+               rng: random.Random, requests: int, prompt_len: int, max_tokens: int) -> float:
+    """Output tokens per second of ``requests`` requests at once."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
+                                                       for _ in range(prompt_len)]},
+                           params, _lora(adapters, i, lora))
+    tokens = 0
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens += len(out.outputs[0].token_ids)
+    return tokens / (time.perf_counter() - start)
+
+
+def weight_bytes(config: dict) -> int:
+    """Bytes of one rank-1 copy of the bf16 weights (embedding read excluded: one row)."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * i
+    return 2 * (layers * per_layer + config["vocab_size"] * h)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    config = TINY if args.quick else LLAMA3_8B
+    device = torch.device("cpu" if args.quick else "cuda")
+    vocab = config["vocab_size"]
+    sizes = (16, 8, 4) if args.quick else (256, 256, 128)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(Path(tmp) / "model", config)
+        adapters = write_peft_adapters(Path(tmp) / "adapters", config, NUM_ADAPTERS, RANK,
+                                       TARGETS, device,
+                                       torch.float32 if args.quick else torch.bfloat16)
+        results = {}
+        for tp, lora, fully in VARIANTS:
+            rng = random.Random(0)
+            engine = build(model_dir, tp, lora, fully, args.quick)
+            try:
+                b1 = decode_step_ms(engine, 1, 512 if not args.quick else 32, vocab, adapters,
+                                    lora, rng)
+                b64 = decode_step_ms(engine, 64 if not args.quick else 8,
+                                     512 if not args.quick else 32, vocab, adapters, lora, rng)
+                rate = throughput(engine, vocab, adapters, lora, rng, *sizes)
+            finally:
+                engine.shutdown()
+                del engine
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results[(tp, lora, fully)] = (b1, b64, rate)
+        bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    floor1 = weight_bytes(config) / bandwidth * 1e3
+    for (tp, lora, fully), (b1, b64, rate) in results.items():
+        base = results[(1, lora, False)]
+        rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
+                     f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{floor1 / tp:.2f}",
+                     f"{b64:.2f}", f"{b64 / base[1]:.2f}", f"{rate:,.0f}",
+                     f"{rate / base[2]:.2f}"])
+    gpu = gpu_name(device)
+    record(f"Tensor parallelism ({gpu}): Llama-3-8B shape, decode step and throughput at TP 1 "
+           "and 2", command_line("benchmarks.bench_tp"),
+           ["TP", "LoRA", "fully sharded", "batch-1 step ms", "vs TP 1", "floor ms (weights / "
+            "BW / TP)", "batch-64 step ms", "vs TP 1", "tok/s (256 requests)", "vs TP 1"],
+           rows,
+           notes="Random bf16 weights; step = `LLMEngine.step` wall time (rank 0's broadcast of "
+                 "the step's inputs and the sampled tokens' read-back included), median of 32 "
+                 "decode steps at context 512; batch-1 LoRA rows use one adapter, batch-64 rows "
+                 "16. Throughput: 256 requests at once, 256-token prompts, 128 new tokens, "
+                 "request i on adapter i % 16. 'vs TP 1' compares with TP 1 at the same LoRA "
+                 "setting. Floor: the bf16 weights one GPU reads per step over the measured "
+                 "copy bandwidth (KV and adapters excluded).",
+           write=not args.quick, device=device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tensor parallelism: process groups, collectives, worker processes."""

@@ -1,0 +1,520 @@
+"""Tensor-parallel worker processes: starting them, watching them, stopping them.
+
+One process per rank. Rank 0 is the engine's own process; ``WorkerGroup`` starts ranks
+``1 .. tp_size-1`` with the ``spawn`` start method, each running ``target(rank, tp_size,
+init_method, *args)``.
+
+Division of responsibility:
+
+* ``WorkerGroup`` owns the worker *processes*: it starts them, watches them and stops them.
+  It never creates or destroys a process group.
+* Every rank joins ``torch.distributed`` itself through ``init_distributed``: a worker from
+  inside its ``target``; rank 0 after constructing the ``WorkerGroup``, through
+  ``WorkerGroup.join_process_group`` (``init_distributed`` with ``check=group.check``, so a
+  worker that dies while starting up fails rank 0's wait instead of letting it run to the
+  timeout).
+* Stopping, in this order: rank 0 broadcasts its own stop message (the workers' targets
+  return), calls ``WorkerGroup.shutdown()`` (the workers exit with ``os._exit``, never
+  destroying their process group), then ``torch.distributed.destroy_process_group()``. Under
+  NCCL a worker's ``destroy_process_group`` waits for rank 0's, so only rank 0 destroys one,
+  once the workers are gone.
+
+What happens when a worker dies (any exit before ``shutdown``, exit code 0 included):
+
+1. Within a few milliseconds (the monitor thread waits on the processes' sentinels) the
+   group records a ``WorkerDiedError`` naming the rank, pid and exit code, logs it, and calls
+   ``on_failure`` if given. From then on ``check()``, ``guard()`` and ``broadcast()`` raise it.
+2. The monitor kills the other workers (SIGTERM, then SIGKILL after 2 s): a group that lost a
+   rank cannot run another collective. This is also what unblocks rank 0 under gloo. Gloo
+   raises ``Connection closed by peer`` at once when rank 0 talks to the dead rank directly,
+   but in a group of three or more a collective whose traffic reaches rank 0 through a live
+   rank that is itself waiting on the dead one blocks until the process-group timeout;
+   killing the live ranks closes their connections, so rank 0's pending collective raises
+   too. (``ProcessGroupGloo.abort()`` does not unblock a waiting gloo collective.)
+3. Under NCCL, killing the peers does not end a collective kernel waiting on them, so the
+   monitor also aborts every process group's communicators (``ProcessGroup.abort()``, which
+   is what NCCL's own watchdog thread calls and is safe from another thread). Seen on two
+   H200s (torch 2.11, NCCL 2.28): a host thread waiting on a pending all-reduce
+   (``synchronize()``, ``.item()``) returns about 0.1 s after the death *without an error*,
+   its result garbage; every later collective raises ``DistBackendError`` ("NCCL communicator
+   was aborted"). Hence ``guard()`` checks again when its block ends: run a whole step
+   (broadcast, forward, the copy of the sampled tokens to the host) inside one ``guard()``
+   and never use a result the guard did not let through.
+4. Rank 0 must then notice: the error has been *delivered* once ``check()``, ``guard()`` or
+   ``broadcast()`` has raised it, or ``shutdown()`` has been called. If that has not happened
+   ``exit_after_s`` seconds after the death (rank 0 is stuck, or ignores the error), the
+   monitor logs a critical message and sends SIGTERM to its own process (a server's SIGTERM
+   handler gets to shut down; with the default handler the process ends there); if the
+   process is still alive and the error still undelivered ``exit_after_s`` seconds later, it
+   flushes the logs and ends the process with ``os._exit(HARD_EXIT_CODE)``.
+   ``exit_after_s=None`` disables this last resort.
+
+Orphans: if rank 0 exits normally (even without ``shutdown``) a ``weakref.finalize``
+(which runs at interpreter exit, before ``multiprocessing``'s own exit handler would join
+the workers) kills the workers. If rank 0 is killed outright, each worker notices within
+0.5 s that its parent process is gone (a thread polls ``os.getppid()``) and exits with
+``os._exit(1)``; a worker waiting in a gloo collective with rank 0 usually raises even sooner
+(``Connection closed by peer``).
+
+Workers ignore SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the
+workers are rank 0's to stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing.connection
+import multiprocessing.util  # noqa: F401  (imported first: see WorkerGroup's finalizer)
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as torch_mp
+
+from manylora.distributed.broadcast import broadcast_tensor_dict
+
+logger = logging.getLogger(__name__)
+
+#: Process-group timeout (seconds) when none is given: how long any collective, and the
+#: start-up rendezvous, may wait before raising. Long enough for ranks to finish loading their
+#: shards at different speeds, far below torch's 30-minute default.
+DEFAULT_TIMEOUT_S = 300.0
+
+#: Exit status of rank 0 when the monitor has to end it (``os._exit``), EX_SOFTWARE.
+HARD_EXIT_CODE = 70
+
+# Seconds a worker's parent watch sleeps between looks at os.getppid().
+_PARENT_POLL_S = 0.5
+# The store key every worker increments once it has reached the rendezvous.
+_ARRIVED_KEY = "manylora/tp_workers_arrived"
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited while the engine still needed it.
+
+    Attributes:
+        rank: the worker's tensor-parallel rank.
+        pid: its process id.
+        exitcode: its exit status: ``>= 0`` an exit code, ``< 0`` minus the signal that
+            killed it (``multiprocessing``'s convention).
+    """
+
+    def __init__(self, rank: int, pid: int | None, exitcode: int | None) -> None:
+        self.rank, self.pid, self.exitcode = rank, pid, exitcode
+        if exitcode is not None and exitcode < 0:
+            try:
+                how = f"was killed by {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"was killed by signal {-exitcode}"
+        else:
+            how = f"exited with code {exitcode}"
+        super().__init__(f"tensor-parallel worker rank {rank} (pid {pid}) {how}; the engine "
+                         "cannot continue without it")
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.pid, self.exitcode)
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    """A ``tcp://host:port`` rendezvous address with a port that was free a moment ago.
+
+    The port is found by binding to port 0 and closing the socket, so another process could
+    take it before rank 0 listens on it (rare; ``init_distributed`` then fails on rank 0).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    return f"tcp://{host}:{port}"
+
+
+def _parse_tcp(init_method: str) -> tuple[str, int]:
+    """``(host, port)`` of a ``tcp://host:port`` address; ValueError for anything else."""
+    parts = urlsplit(init_method)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    return parts.hostname, parts.port
+
+
+def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
+                     timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                     check: Callable[[], None] | None = None) -> None:
+    """Join the default ``torch.distributed`` process group as ``rank`` of ``tp_size``.
+
+    Rank 0 hosts the rendezvous (a ``TCPStore`` listening on ``init_method``'s port) and waits
+    until the ``tp_size - 1`` workers have connected, calling ``check`` about every 20 ms
+    while it waits; then every rank calls ``init_process_group`` on that store with
+    ``timeout_s`` as the process-group timeout (which bounds every later collective). Under
+    NCCL the rank's CUDA device is set to ``cuda:rank`` first (one host: the local rank is
+    the rank).
+
+    Args:
+        rank: this process's rank, ``[0, tp_size)``.
+        tp_size: the number of ranks.
+        backend: ``"nccl"`` or ``"gloo"``.
+        init_method: ``tcp://host:port`` (see ``free_init_method``), the same on every rank.
+        timeout_s: seconds any wait (rendezvous, collective) may take before raising.
+        check: on rank 0, polled while waiting for the workers (``WorkerGroup.check``);
+            whatever it raises propagates. Ignored on other ranks.
+
+    Raises:
+        ValueError: ``init_method`` is not ``tcp://host:port``, or ``rank`` is outside
+            ``[0, tp_size)``.
+        TimeoutError: on rank 0, not every worker connected within ``timeout_s``.
+        RuntimeError: ``torch.distributed`` is already initialized in this process, or the
+            rendezvous / process-group creation failed (address in use, a peer vanished, a
+            worker timed out connecting).
+    """
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is outside [0, {tp_size})")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process")
+    host, port = _parse_tcp(init_method)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(host, port, tp_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        deadline = time.monotonic() + timeout_s
+        while (arrived := store.add(_ARRIVED_KEY, 0)) < tp_size - 1:
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {arrived} of {tp_size - 1} tensor-parallel workers "
+                                   f"reached {init_method} within {timeout_s} s")
+            time.sleep(0.02)
+    else:
+        store = dist.TCPStore(host, port, tp_size, is_master=False, timeout=timeout)
+        store.add(_ARRIVED_KEY, 1)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size,
+                            timeout=timeout)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Worker side: end this process (``os._exit(1)``) once its parent is no longer
+    ``parent_pid`` (rank 0 died and the worker was re-parented)."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    logger.error("tensor-parallel worker (pid %d): rank 0 (pid %d) is gone; exiting",
+                 os.getpid(), parent_pid)
+    os._exit(1)
+
+
+def _worker_entry(target: Callable[..., Any], rank: int, tp_size: int, init_method: str,
+                  parent_pid: int, args: tuple) -> None:
+    """What a spawned worker runs: ignore SIGINT, watch the parent, call ``target``, then end
+    the process with ``os._exit`` (0 when ``target`` returned, 1 when it raised, after
+    printing the traceback; ``SystemExit``'s code when it exited).
+
+    The worker never destroys its process group: under NCCL, ``destroy_process_group`` on a
+    worker waits for rank 0 to destroy its own (seen on two H200s: a worker's destroy did not
+    return in 15 s while rank 0 waited for it to exit), and an interpreter's normal exit would
+    run that teardown. Ending with ``os._exit`` skips it, and the worker's ``atexit`` handlers
+    with it; rank 0 destroys its own process group after ``WorkerGroup.shutdown``.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
+                     name="manylora-parent-watch").start()
+    code = 0
+    try:
+        target(rank, tp_size, init_method, *args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
+
+
+def _reap(procs: dict[int, Any], stopping: threading.Event, polite_s: float) -> dict[int, Any]:
+    """Stop ``procs`` (rank -> process): wait up to ``polite_s`` for them to exit on their
+    own, SIGTERM the rest, SIGKILL whatever is left 2 s later. Returns rank -> exit code."""
+    stopping.set()
+    deadline = time.monotonic() + polite_s
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 2.0
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+    return {rank: p.exitcode for rank, p in procs.items()}
+
+
+class WorkerGroup:
+    """Ranks ``1 .. tp_size-1`` as spawned processes, watched from rank 0.
+
+    Construction starts the processes (``torch.multiprocessing`` ``spawn`` context, not
+    daemonic, so workers may start processes of their own) and the monitor thread, and
+    returns at once; rank 0 then joins the process group with ``join_process_group()``. See
+    the module docstring for what happens when a worker dies and for the orphan guarantees.
+
+    Args:
+        target: a module-level function (spawn imports it by name), called in each worker
+            as ``target(rank, tp_size, init_method, *args)``; it is expected to call
+            ``init_distributed(rank, tp_size, backend, init_method, timeout_s)`` and then serve
+            broadcasts until told to stop, and must not destroy the process group. Its return
+            ends the worker (exit code 0); an exception ends it with code 1 after the
+            traceback is printed (see ``_worker_entry``).
+        tp_size: ranks in all, rank 0 included (``tp_size - 1`` processes are started).
+        backend: ``"nccl"`` or ``"gloo"``: decides how the monitor escalates.
+        init_method: the ``tcp://host:port`` rendezvous (``free_init_method()``).
+        args: extra arguments for ``target`` (picklable: spawn sends them to the child).
+        timeout_s: the process-group timeout rank 0 joins with (``join_process_group``).
+        exit_after_s: seconds after a worker's death before an undelivered error makes rank
+            0 send itself SIGTERM, and again before ``os._exit``; None: never.
+        on_failure: called once, from the monitor thread, with the ``WorkerDiedError`` as
+            soon as a death is noticed (e.g. to wake an idle engine loop); what it raises is
+            logged and ignored.
+
+    Raises:
+        ValueError: ``tp_size < 1``, or an unknown backend.
+    """
+
+    def __init__(self, target: Callable[..., Any], tp_size: int, *, backend: str,
+                 init_method: str, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S,
+                 exit_after_s: float | None = 10.0,
+                 on_failure: Callable[[WorkerDiedError], None] | None = None) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+        self.tp_size, self.backend, self.init_method = tp_size, backend, init_method
+        self.timeout_s, self.exit_after_s, self.on_failure = timeout_s, exit_after_s, on_failure
+        self._lock = threading.Lock()
+        self._error: WorkerDiedError | None = None
+        self._delivered = threading.Event()
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        ctx = torch_mp.get_context("spawn")
+        self._procs: dict[int, Any] = {}
+        # Registered before any process starts, so even a failed start reaps what started.
+        # weakref.finalize's exit hook is registered after multiprocessing.util's (imported
+        # above), so at interpreter exit it runs first and multiprocessing's join of
+        # non-daemonic children finds them already gone.
+        self._finalizer = weakref.finalize(self, _reap, self._procs, self._stopping, 0.0)
+        try:
+            for rank in range(1, tp_size):
+                proc = ctx.Process(target=_worker_entry, name=f"manylora-tp-worker-{rank}",
+                                   args=(target, rank, tp_size, init_method, os.getpid(),
+                                         tuple(args)), daemon=False)
+                proc.start()
+                self._procs[rank] = proc
+        except BaseException:
+            self._finalizer()
+            self._close_wake()
+            raise
+        self._monitor = threading.Thread(target=self._watch, daemon=True,
+                                         name="manylora-worker-monitor")
+        self._monitor.start()
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> process id of each worker."""
+        return {rank: p.pid for rank, p in self._procs.items()}
+
+    @property
+    def error(self) -> WorkerDiedError | None:
+        """The recorded death, if any (reading it does not count as delivering it)."""
+        return self._error
+
+    def join_process_group(self) -> None:
+        """Rank 0's side of ``init_distributed``: ``init_distributed(0, tp_size, backend,
+        init_method, timeout_s, check=self.check)``.
+
+        Raises:
+            WorkerDiedError: a worker died before every worker had connected.
+            TimeoutError, RuntimeError, ValueError: as ``init_distributed``.
+        """
+        init_distributed(0, self.tp_size, self.backend, self.init_method, self.timeout_s,
+                         check=self.check)
+
+    def _scan(self) -> WorkerDiedError | None:
+        """Record (once) and return the death of the lowest dead rank, if any."""
+        with self._lock:
+            if self._error is None and not self._stopping.is_set():
+                for rank, p in sorted(self._procs.items()):
+                    if p.exitcode is not None:
+                        self._error = WorkerDiedError(rank, p.pid, p.exitcode)
+                        break
+            return self._error
+
+    def _raise(self) -> None:
+        err = self._error
+        if err is not None:
+            self._delivered.set()
+            raise WorkerDiedError(err.rank, err.pid, err.exitcode)
+
+    def check(self) -> None:
+        """Raise if a worker has exited before ``shutdown()``; cheap (no system call beyond a
+        non-blocking ``waitpid`` per worker). Call it at least once per engine step.
+
+        Raises:
+            WorkerDiedError: naming the (lowest) dead rank, its pid and exit code; raised by
+                every later call too.
+        """
+        self._scan()
+        self._raise()
+
+    @contextlib.contextmanager
+    def guard(self, wait_s: float = 2.0) -> Iterator[None]:
+        """Run a block of collectives, turning a failure caused by a dead worker into
+        ``WorkerDiedError``.
+
+        Calls ``check()`` before the block and again after it completes (a collective that
+        NCCL's abort ended returns garbage without an error). If the block raises a
+        ``RuntimeError`` (what failed collectives raise; ``WorkerDiedError`` itself
+        excepted), waits up to ``wait_s`` seconds for a worker's death to show (a collective
+        can fail a moment before the process is reaped) and raises ``WorkerDiedError`` from
+        the original exception if one did; otherwise, and for every other exception, the
+        original exception propagates.
+
+        Raises:
+            WorkerDiedError: a worker has died.
+        """
+        self.check()
+        try:
+            yield
+        except WorkerDiedError:
+            raise
+        except RuntimeError as exc:
+            deadline = time.monotonic() + wait_s
+            while self._scan() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if self._error is not None:
+                self._delivered.set()
+                err = self._error
+                raise WorkerDiedError(err.rank, err.pid, err.exitcode) from exc
+            raise
+        self.check()
+
+    def broadcast(self, data: dict, device: torch.device | str | None = None) -> dict:
+        """``broadcast_tensor_dict(data, src=0, device=device)`` inside ``guard()``.
+
+        Raises:
+            WorkerDiedError: a worker has died (before or during the broadcast).
+            TypeError: as ``broadcast_tensor_dict`` (bad ``data``; nothing was sent).
+            RuntimeError: another collective failure.
+        """
+        with self.guard():
+            return broadcast_tensor_dict(data, src=0, device=device)
+
+    def _watch(self) -> None:
+        """Monitor thread: wait on the workers' sentinels; escalate on the first death."""
+        sentinels = [p.sentinel for p in self._procs.values()]
+        while not self._stopping.is_set():
+            multiprocessing.connection.wait([*sentinels, self._wake_r], timeout=1.0)
+            if self._stopping.is_set():
+                return
+            err = self._scan()
+            if err is not None:
+                self._escalate(err)
+                return
+
+    def _escalate(self, err: WorkerDiedError) -> None:
+        """Monitor thread, after a death: steps 1-4 of the module docstring."""
+        logger.error("%s; stopping the other workers", err)
+        if self.on_failure is not None:
+            try:
+                self.on_failure(err)
+            except Exception:
+                logger.exception("on_failure callback raised")
+        others = {r: p for r, p in self._procs.items() if p.exitcode is None}
+        if others:
+            _reap(others, threading.Event(), 0.0)
+        if self.backend == "nccl":
+            _abort_process_groups()
+        if self.exit_after_s is None or self._wait_delivered(self.exit_after_s):
+            return
+        logger.critical("rank 0 did not react to the death of worker rank %d within %.1f s; "
+                        "sending SIGTERM to itself (pid %d)", err.rank, self.exit_after_s,
+                        os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        if self._wait_delivered(self.exit_after_s):
+            return
+        logger.critical("rank 0 is still stuck %.1f s after SIGTERM; exiting with status %d",
+                        self.exit_after_s, HARD_EXIT_CODE)
+        logging.shutdown()
+        os._exit(HARD_EXIT_CODE)
+
+    def _wait_delivered(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the error to be delivered or the group shut down."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self._delivered.wait(0.05) or self._stopping.is_set():
+                return True
+        return self._delivered.is_set() or self._stopping.is_set()
+
+    def shutdown(self, timeout: float = 10.0) -> dict[int, int | None]:
+        """Stop the workers: wait up to ``timeout`` seconds for them to exit on their own,
+        then SIGTERM, then (2 s later) SIGKILL what is left. Idempotent; never raises for a
+        dead worker.
+
+        The polite part is the caller's: before this, rank 0 broadcasts its own stop message
+        (while ``check()`` passes) so the workers' targets return. Afterwards rank 0 destroys
+        its process group (``torch.distributed.destroy_process_group()``).
+
+        Returns:
+            rank -> exit code of each worker (negative: killed by that signal).
+        """
+        self._stopping.set()
+        self._delivered.set()
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
+        if self._monitor.is_alive() and self._monitor is not threading.current_thread():
+            self._monitor.join(5.0)
+        codes = _reap(self._procs, self._stopping, timeout)
+        self._finalizer.detach()
+        if not self._monitor.is_alive():
+            self._close_wake()
+        return codes
+
+    def _close_wake(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _abort_process_groups() -> None:
+    """Abort the communicators of every process group of this process (monitor thread, NCCL
+    only): a collective waiting on a dead peer ends, and later ones raise."""
+    if not dist.is_initialized():
+        return
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {}) or [dist.group.WORLD]
+    for pg in groups:
+        try:
+            pg.abort()
+        except Exception:
+            logger.exception("aborting a process group failed")

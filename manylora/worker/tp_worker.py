@@ -1,0 +1,195 @@
+"""Tensor parallelism: the worker loop of ranks 1..N-1, and rank 0's driver of it.
+
+Rank 0 is the engine's own process: it schedules, and before each step's forward pass it
+broadcasts the step's host inputs (``StepInputs``, as flat tensors); every rank then builds
+the same metadata and runs the same forward pass on its shard, so the collectives inside
+the model line up (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers
+that hold no scheduler state). The other messages are the KV cache's allocation (with
+the capture of the decode CUDA graphs, whose all-reduces are captured too) and an adapter
+entering a slot (the whole host copy; each rank slices it, ``LoRASlots.set_slot``).
+Every message is a ``broadcast_tensor_dict`` with an ``"op"``: no pickle travels.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from manylora.config import LoRAConfig, ModelConfig
+from manylora.distributed.broadcast import broadcast_tensor_dict
+from manylora.distributed.parallel_state import TPGroup
+from manylora.distributed.workers import WorkerGroup, free_init_method, init_distributed
+from manylora.lora.adapter import LoRAAdapter
+from manylora.lora.layers import LoRASlots
+from manylora.model.loader import load_hf_config, load_model
+from manylora.worker.kv_cache import allocate_kv_caches
+from manylora.worker.model_runner import ModelRunner, StepInputs
+from manylora.worker.step_codec import decode_step, encode_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its shard; given to it once, when it is started.
+
+    Attributes:
+        model_dir: the checkpoint directory (already resolved from a hub id).
+        key_dict: extra checkpoint key translations.
+        load_format: ``"auto"`` or ``"dummy"``.
+        dtype: the model dtype's name, e.g. ``"bfloat16"``.
+        device_type: ``"cuda"`` (rank r uses GPU r) or ``"cpu"``.
+        max_model_len: the engine's context length, tokens.
+        trust_remote_code: passed to transformers for the config.
+        lora: the adapter slots' config (None: LoRA off).
+        block_size: tokens per KV block.
+        kv_cache_dtype: ``"auto"``, ``"int8"`` or ``"fp8_e4m3"``.
+    """
+
+    model_dir: str
+    key_dict: dict
+    load_format: str
+    dtype: str
+    device_type: str
+    max_model_len: int
+    trust_remote_code: bool
+    lora: LoRAConfig | None
+    block_size: int
+    kv_cache_dtype: str
+
+
+def rank_device(device_type: str, rank: int) -> torch.device:
+    """Rank ``rank``'s device: GPU ``rank`` on CUDA, else the CPU."""
+    return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+
+
+def slot_message(slot: int, adapter: LoRAAdapter) -> dict:
+    """The ``"slot"`` message of an adapter entering ``slot``: its whole host tensors, keyed
+    ``a|b|d/<layer>/<module>`` (``d``: DoRA scale, when it has one)."""
+    msg: dict[str, Any] = {"op": "slot", "slot": slot}
+    for (layer, module), w in adapter.weights.items():
+        msg[f"a/{layer}/{module}"] = w.a
+        msg[f"b/{layer}/{module}"] = w.b
+        if w.dora_scale is not None:
+            msg[f"d/{layer}/{module}"] = w.dora_scale
+    return msg
+
+
+def write_slot(slots: dict[tuple[int, str], LoRASlots], msg: dict) -> None:
+    """Write a ``"slot"`` message into this rank's slot buffers (modules the adapter does
+    not target are zeroed, as ``LoRAManager`` does)."""
+    slot = int(msg["slot"])
+    for (layer, module), lora in slots.items():
+        a = msg.get(f"a/{layer}/{module}")
+        b = msg.get(f"b/{layer}/{module}")
+        lora.set_slot(slot, module, a, b, msg.get(f"d/{layer}/{module}"))
+
+
+def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
+               timeout_s: float) -> None:
+    """A worker process's life (``WorkerGroup``'s target): join the group, load the shard,
+    then serve rank 0's messages until ``"stop"``."""
+    device = rank_device(spec.device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_distributed(rank, tp_size, backend, init_method, timeout_s)
+    tp = TPGroup.from_process_group()
+    hf_config = load_hf_config(Path(spec.model_dir), spec.trust_remote_code)
+    cfg = ModelConfig.from_hf(hf_config, getattr(torch, spec.dtype), spec.max_model_len)
+    model = load_model(Path(spec.model_dir), cfg, device, spec.key_dict, spec.load_format, tp)
+    slots = model.create_lora_slots(spec.lora) if spec.lora is not None else {}
+    max_loras = spec.lora.max_loras if spec.lora is not None else 0
+    runner: ModelRunner | None = None
+    with torch.inference_mode():
+        while True:
+            msg = broadcast_tensor_dict(None, src=0)
+            op = msg.pop("op")
+            if op == "stop":
+                break
+            if op == "kv":
+                kv_caches = allocate_kv_caches(model.cfg, int(msg["num_blocks"]),
+                                               spec.block_size, device, spec.kv_cache_dtype)
+                runner = ModelRunner(model, kv_caches, spec.block_size, max_loras,
+                                     int(msg["max_model_len"]), tuple(msg["graph_sizes"]))
+                runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
+            elif op == "step":
+                inputs = decode_step(msg)
+                hidden = runner.forward_step(inputs)
+                if inputs.sample_rows:
+                    runner.logits(hidden, inputs.sample_rows)
+            elif op == "slot":
+                write_slot(slots, msg)
+            else:
+                raise RuntimeError(f"tensor-parallel worker {rank}: unknown message {op!r}")
+    dist.destroy_process_group()
+
+
+class TPDriver:
+    """Rank 0's end: starts ranks 1..N-1, joins the process group with them, and sends
+    them every message.
+
+    Args:
+        spec: what the workers build.
+        tp_size: ranks in all.
+        timeout_s: the process-group timeout, seconds (every collective's bound).
+
+    Attributes:
+        tp: rank 0's ``TPGroup``.
+
+    Raises:
+        WorkerDiedError: a worker died while starting (or later, from any method).
+    """
+
+    def __init__(self, spec: WorkerSpec, tp_size: int, timeout_s: float = 300.0) -> None:
+        backend = "nccl" if spec.device_type == "cuda" else "gloo"
+        self.workers = WorkerGroup(run_worker, tp_size, backend=backend,
+                                   init_method=free_init_method(),
+                                   args=(spec, backend, timeout_s), timeout_s=timeout_s)
+        try:
+            self.workers.join_process_group()
+        except BaseException:
+            self.workers.shutdown()
+            raise
+        self.tp = TPGroup.from_process_group()
+        self._stopped = False
+
+    def send(self, msg: dict) -> None:
+        """Broadcast one message to the workers.
+
+        Raises:
+            WorkerDiedError: a worker has died.
+        """
+        self.workers.broadcast(msg)
+
+    def allocate_kv(self, num_blocks: int, max_model_len: int,
+                    graph_sizes: tuple[int, ...]) -> None:
+        """Every worker allocates ``num_blocks`` KV blocks and captures the decode graphs of
+        ``graph_sizes`` (for sequences up to ``max_model_len`` tokens); rank 0 must then
+        capture its own (the captures' collectives pair up)."""
+        self.send({"op": "kv", "num_blocks": num_blocks, "max_model_len": max_model_len,
+                   "graph_sizes": list(graph_sizes)})
+
+    def step(self, inputs: StepInputs) -> None:
+        self.send({"op": "step", **encode_step(inputs)})
+
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.send(slot_message(slot, adapter))
+
+    def shutdown(self) -> None:
+        """Tell the workers to stop, reap them, and leave the process group (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.workers.error is None:
+                self.send({"op": "stop"})
+        except Exception:
+            logger.exception("telling the tensor-parallel workers to stop failed")
+        self.workers.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

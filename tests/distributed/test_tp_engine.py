@@ -1,0 +1,102 @@
+"""The engine with ``tensor_parallel_size`` 2 and 4 (gloo, CPU): greedy outputs of a mixed
+batch of adapters and the base model equal those of one rank; a killed worker ends the
+engine with an error within seconds.
+
+Reference: the same engine at ``tensor_parallel_size=1`` (itself checked token for token
+against transformers + peft in tests/engine/test_peft_equivalence.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from manylora import LLM, LoRARequest, SamplingParams
+from manylora.distributed.workers import WorkerDiedError
+from manylora.testing import (
+    compare_greedy,
+    hf_greedy_reference,
+    make_checkpoint,
+    make_peft_adapter,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ENGINE = dict(max_lora_rank=8, block_size=4, max_model_len=128, device="cpu", dtype="float32",
+              max_loras=2, num_kv_blocks=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPTS = ["The quick brown fox", "SELECT name FROM users", "Low-rank adaptation",
+           "A large language model", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("tp") / "base", "llama", seed=0, **TINY)
+
+
+@pytest.fixture(scope="module")
+def loras(base_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-loras")
+    specs = [(4, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+             (8, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]),
+             (2, ["o_proj", "down_proj"])]
+    return [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(
+        base_dir, root / f"a{i}", r=r, target_modules=t, seed=i + 1)))
+        for i, (r, t) in enumerate(specs)]
+
+
+def _generate(base_dir, loras, **kwargs):
+    llm = LLM(str(base_dir), **ENGINE, **kwargs)
+    try:
+        adapters = [None, loras[0], loras[1], loras[2], loras[0]]
+        outs = llm.generate(PROMPTS, GREEDY, adapters, use_tqdm=False)
+        kv = llm.llm_engine.kv_cache_stats()
+        assert kv.used_blocks == 0
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_equals_one_rank(base_dir, loras, tp):
+    assert _generate(base_dir, loras, tensor_parallel_size=tp) == _generate(base_dir, loras)
+
+
+def test_killed_worker_ends_the_engine_within_seconds(base_dir):
+    llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2, enable_lora=False)
+    try:
+        assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        pid = llm.llm_engine.tp_driver.workers.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_tensor_parallel_matches_peft(base_dir, loras):
+    """TP 2 on two GPUs (NCCL, decode steps replayed as CUDA graphs on both ranks) against
+    transformers + peft on the same weights, float32."""
+    llm = LLM(str(base_dir), **{**ENGINE, "device": "cuda"}, tensor_parallel_size=2)
+    try:
+        tok = llm.get_tokenizer()
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        adapters = [None, loras[0], loras[1], loras[2], loras[0]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapters,
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    refs = hf_greedy_reference(base_dir, {lo.lora_name: lo.lora_path for lo in loras},
+                               prompts, [a.lora_name if a else None for a in adapters],
+                               GREEDY.max_tokens)
+    for out, ref in zip(outs, refs):
+        ok, where = compare_greedy(out.outputs[0].token_ids, ref)
+        assert ok, where
