@@ -93,7 +93,8 @@ def write_slot(slots: dict[tuple[int, str], LoRASlots], msg: dict) -> None:
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
                timeout_s: float) -> None:
     """A worker process's life (``WorkerGroup``'s target): join the group, load the shard,
-    then serve rank 0's messages until ``"stop"``."""
+    then serve rank 0's messages until ``"stop"``. The process group is left to rank 0 to
+    destroy (``WorkerGroup`` ends the worker with ``os._exit``)."""
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -126,7 +127,6 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 write_slot(slots, msg)
             else:
                 raise RuntimeError(f"tensor-parallel worker {rank}: unknown message {op!r}")
-    dist.destroy_process_group()
 
 
 class TPDriver:

@@ -100,3 +100,48 @@ def test_cuda_tensor_parallel_matches_peft(base_dir, loras):
     for out, ref in zip(outs, refs):
         ok, where = compare_greedy(out.outputs[0].token_ids, ref)
         assert ok, where
+
+
+def _twice(base_dir, loras, **kwargs):
+    """The mixed batch twice on a cache too small for it: preemption, then prefix hits."""
+    llm = LLM(str(base_dir), **{**ENGINE, "num_kv_blocks": 14}, **kwargs)
+    try:
+        adapters = [None, loras[0], loras[1], loras[2], loras[0]]
+        outs = [llm.generate(PROMPTS, GREEDY, adapters, use_tqdm=False) for _ in range(2)]
+        return [[o.outputs[0].token_ids for o in run] for run in outs], \
+            llm.llm_engine.kv_cache_stats()
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_preemption_and_prefix_cache_under_tensor_parallelism(base_dir, loras):
+    (tp_runs, tp_kv), (one_runs, _) = (_twice(base_dir, loras, tensor_parallel_size=2),
+                                       _twice(base_dir, loras))
+    assert tp_runs == one_runs
+    assert tp_runs[0] == tp_runs[1]
+    assert tp_kv.preemptions > 0 and tp_kv.prefix_hits > 0
+    assert tp_kv.used_blocks == 0
+
+
+def test_server_under_tensor_parallelism(base_dir):
+    import openai
+
+    from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
+
+    texts = []
+    for tp in (1, 2):
+        args = serve_parser().parse_args(
+            ["--model", str(base_dir), "--served-model-name", "base", "--device", "cpu",
+             "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
+             "--tensor-parallel-size", str(tp), "--no-enable-lora"])
+        server = create_server(args)
+        try:
+            with ServerThread(server.app) as http:
+                client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="x", max_retries=0)
+                streamed = "".join(c.choices[0].text for c in client.completions.create(
+                    model="base", prompt=PROMPTS[0], max_tokens=8, temperature=0.0,
+                    stream=True, extra_body={"ignore_eos": True}) if c.choices)
+                texts.append(streamed)
+        finally:
+            server.shutdown()
+    assert texts[0] == texts[1] and texts[0]
