@@ -32,7 +32,6 @@ from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.request import Request, RequestStatus
-from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import dora_row_norm
 from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
@@ -116,6 +115,7 @@ class LLMEngine:
             self.runner.on_step = self.tp_driver.step
             if self.lora_manager is not None:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
+                self.lora_manager.background_dora_reads = False
         self.output_processor = OutputProcessor(self.tokenizer, self._eos_ids(model_dir))
         self._ids = itertools.count()
 
@@ -174,10 +174,12 @@ class LLMEngine:
         model = self.model
 
         def dora_norm(layer: int, module: str, a: torch.Tensor, b: torch.Tensor):
-            if self.tp_driver is not None:
-                raise LoRAAdapterError("DoRA adapters are not supported with "
-                                       "tensor_parallel_size > 1 yet")
-            return dora_row_norm(model.lora_module_weight(layer, module), a, b)
+            if self.tp_driver is None:
+                return dora_row_norm(model.lora_module_weight(layer, module), a, b)
+            # every rank holds part of the base weight: the norm is a collective, started
+            # here on the engine's thread (DoRA adapters are never read on loader threads)
+            self.tp_driver.dora_norm(layer, module, a, b)
+            return model.lora_dora_norm(layer, module, a, b)
 
         target = AdapterTarget(
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,

@@ -88,6 +88,7 @@ def _check_unchanged(adapter: LoRAAdapter, known: _Known) -> None:
 class _Known:
     request: LoRARequest      # how to read it again ("" path: only the host copy exists)
     digest: str
+    has_dora: bool = False
 
 
 class LoRAManager:
@@ -106,6 +107,9 @@ class LoRAManager:
         stats: ``LoRACacheStats``.
         on_write_slot: called with ``(slot, adapter)`` before an adapter's weights are
             written into a slot (tensor parallelism sends them to the other ranks there).
+        background_dora_reads: whether evicted DoRA adapters are re-read on the loader
+            threads; False under tensor parallelism, where DoRA's norms are a collective
+            that only the engine's thread may start: ``prefetch`` then reads them itself.
     """
 
     def __init__(self, lora_config: LoRAConfig, target: AdapterTarget,
@@ -136,6 +140,7 @@ class LoRAManager:
         self._slot_events: dict[int, torch.cuda.Event] = {}
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
         self.on_write_slot: Callable[[int, LoRAAdapter], None] | None = None
+        self.background_dora_reads = True
 
     # ------------------------------------------------------------------ requests come and go
 
@@ -163,7 +168,7 @@ class LoRAManager:
                 known = None
             if known is None:
                 self._insert_host(adapter.pin_memory(), must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest)
+                self._known[lid] = known = _Known(request, adapter.digest, adapter.has_dora)
             else:
                 self._touch_host(lid)
         elif request.lora_path:
@@ -175,7 +180,7 @@ class LoRAManager:
             if known is None:
                 adapter = self._read(request)
                 self._insert_host(adapter, must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest)
+                self._known[lid] = known = _Known(request, adapter.digest, adapter.has_dora)
             else:
                 self._touch_host(lid)
         elif known is None:
@@ -316,6 +321,9 @@ class LoRAManager:
             known = self._known.get(lid)
             if known is None or not known.request.lora_path:
                 continue
+            if known.has_dora and not self.background_dora_reads:
+                self._read_now(lid, known)
+                continue
             if len(self._loading) >= self._max_in_flight:
                 break
             self._loading[lid] = self._executor.submit(self._read, known.request)
@@ -330,6 +338,20 @@ class LoRAManager:
             self._load_slot(slot, self._host[lid])
             self._device[lid] = slot
             busy.add(lid)
+
+    def _read_now(self, lid: int, known: _Known) -> None:
+        """Stage an adapter from disk on the calling thread (a failure ends its requests
+        at the next ``poll``, as a failed background read does)."""
+        try:
+            adapter = self._read(known.request)
+            _check_unchanged(adapter, known)
+        except AdapterReloadError as e:
+            self._failures.append(e)
+            return
+        except (LoRAAdapterError, FileNotFoundError, OSError) as e:
+            self._failures.append(AdapterReloadError(lid, e))
+            return
+        self._insert_host(adapter, must_fit=False)
 
     def _wanted_resident(self) -> set[int]:
         return {lid for lid in self._wanted if lid in self._device}

@@ -6,8 +6,9 @@ the same metadata and runs the same forward pass on its shard, so the collective
 the model line up (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers
 that hold no scheduler state). The other messages are the KV cache's allocation (with
 the capture of the decode CUDA graphs, whose all-reduces are captured too) and an adapter
-entering a slot (the whole host copy; each rank slices it, ``LoRASlots.set_slot``).
-Every message is a ``broadcast_tensor_dict`` with an ``"op"``: no pickle travels.
+entering a slot (the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a
+DoRA adapter's row norms, which need every rank's part of the base weight. Every message
+is a ``broadcast_tensor_dict`` with an ``"op"``: no pickle travels.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                     runner.logits(hidden, inputs.sample_rows)
             elif op == "slot":
                 write_slot(slots, msg)
+            elif op == "dora_norm":
+                model.lora_dora_norm(int(msg["layer"]), msg["module"], msg["a"], msg["b"])
             else:
                 raise RuntimeError(f"tensor-parallel worker {rank}: unknown message {op!r}")
 
@@ -179,6 +182,12 @@ class TPDriver:
 
     def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.send(slot_message(slot, adapter))
+
+    def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Have every worker enter the DoRA row-norm collective of ``(layer, module)`` with
+        the adapter's whole ``a [r, in]`` and ``b [out, r]``; rank 0 then enters it too
+        (``LlamaForCausalLM.lora_dora_norm``)."""
+        self.send({"op": "dora_norm", "layer": layer, "module": module, "a": a, "b": b})
 
     def shutdown(self) -> None:
         """Tell the workers to stop, reap them, and leave the process group (idempotent)."""

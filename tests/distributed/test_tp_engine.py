@@ -145,3 +145,24 @@ def test_server_under_tensor_parallelism(base_dir):
         finally:
             server.shutdown()
     assert texts[0] == texts[1] and texts[0]
+
+
+def test_dora_under_tensor_parallelism(base_dir, loras, tmp_path_factory):
+    """DoRA's row norms are a collective under TP (row-parallel projections hold part of
+    every row): outputs equal one rank's, with one slot for three adapters so the DoRA ones
+    are evicted and read again (on the engine's thread)."""
+    root = tmp_path_factory.mktemp("tp-dora")
+    dora = [LoRARequest(f"d{i}", 10 + i, str(make_peft_adapter(
+        base_dir, root / f"d{i}", r=4, target_modules=["q_proj", "o_proj", "down_proj"],
+        seed=20 + i, use_dora=True))) for i in range(2)]
+    adapters = [dora[0], loras[0], dora[1], None, dora[0]]
+
+    def run(**kwargs):
+        llm = LLM(str(base_dir), **{**ENGINE, "max_loras": 1, "max_cpu_loras": 1}, **kwargs)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, adapters,
+                                                                 use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+
+    assert run(tensor_parallel_size=2) == run()
