@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device-machine benchmarks, each recorded in BENCHMARKS.md (copied to $OUT):
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
-#                                           prefix-cache serving
+#                                           prefix-cache serving tp (tp: two GPUs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/manylora-gpu}
@@ -20,6 +20,7 @@ for part in "$@"; do
     adapter-cache) python3 -m benchmarks.bench_adapter_cache ;;
     prefix-cache) python3 -m benchmarks.bench_prefix_cache ;;
     serving) python3 -m benchmarks.bench_serving ;;
+    tp) python3 -m benchmarks.bench_tp ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac 2>&1 | tee "$out/bench_$part.log"
   cp BENCHMARKS.md "$out/" 2>/dev/null
