@@ -126,7 +126,10 @@ def main() -> None:
         results = {}
         for tp, lora, fully in VARIANTS:
             rng = random.Random(0)
+            start = time.perf_counter()
             engine = build(model_dir, tp, lora, fully, args.quick)
+            print(f"TP {tp}, LoRA {lora}, fully sharded {fully}: engine built in "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
             try:
                 b1 = decode_step_ms(engine, 1, 512 if not args.quick else 32, vocab, adapters,
                                     lora, rng)
@@ -140,6 +143,8 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             results[(tp, lora, fully)] = (b1, b64, rate)
+            print(f"  batch-1 step {b1:.2f} ms, batch-64 step {b64:.2f} ms, {rate:,.0f} tok/s",
+                  flush=True)
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
     for (tp, lora, fully), (b1, b64, rate) in results.items():

@@ -85,7 +85,8 @@ def test_killed_worker_ends_the_engine_within_seconds(base_dir):
 def test_cuda_tensor_parallel_matches_peft(base_dir, loras):
     """TP 2 on two GPUs (NCCL, decode steps replayed as CUDA graphs on both ranks) against
     transformers + peft on the same weights, float32."""
-    llm = LLM(str(base_dir), **{**ENGINE, "device": "cuda"}, tensor_parallel_size=2)
+    llm = LLM(str(base_dir), **{**ENGINE, "device": "cuda", "max_num_seqs": 8},
+              tensor_parallel_size=2)
     try:
         tok = llm.get_tokenizer()
         prompts = [tok(p).input_ids for p in PROMPTS]
