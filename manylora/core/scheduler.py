@@ -144,6 +144,11 @@ class Scheduler:
         return sorted((r for q in self._queues.values() for r in q),
                       key=lambda r: self._order[r.request_id])
 
+    def waiting_lora_requests(self) -> list:
+        """The ``LoRARequest`` of each adapter with waiting requests (None for the base
+        model), one per adapter queue; no sorting."""
+        return [q[0].lora_request for q in self._queues.values() if q]
+
     @property
     def num_waiting(self) -> int:
         return sum(len(q) for q in self._queues.values())

@@ -351,7 +351,7 @@ class AsyncLLM:
             num_running=len(sched.running), num_waiting=sched.num_waiting + pending,
             max_loras=self.max_loras,
             running_lora_adapters=_names(r.lora_request for r in sched.running),
-            waiting_lora_adapters=_names(r.lora_request for r in sched.waiting),
+            waiting_lora_adapters=_names(sched.waiting_lora_requests()),
             kv=self.engine.kv_cache_stats(), lora=self.engine.lora_cache_stats())
 
     def _fail_all(self, error: BaseException) -> None:

@@ -130,9 +130,7 @@ class LLMEngine:
             raise ValueError("lora_device_cache_percent is not supported with "
                              "tensor_parallel_size > 1 yet: set max_loras")
         self.model_config.shard(args.tensor_parallel_size)       # ValueError if it won't split
-        lora = (LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras,
-                           args.lora_target_modules, args.max_cpu_lora_bytes,
-                           args.fully_sharded_loras) if args.enable_lora else None)
+        lora = _lora_config(args, args.max_loras) if args.enable_lora else None
         spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
                           str(dtype).removeprefix("torch."), self.device.type,
                           self.model_config.max_model_len, args.trust_remote_code, lora,
@@ -164,12 +162,7 @@ class LLMEngine:
 
     def _create_lora(self, args: EngineArgs, model_dir, max_loras: int) -> None:
         cfg = self.model_config
-        max_cpu_loras = args.max_cpu_loras
-        if args.lora_device_cache_percent is not None:
-            max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.lora_config = LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras,
-                                      args.lora_target_modules, args.max_cpu_lora_bytes,
-                                      args.fully_sharded_loras)
+        self.lora_config = _lora_config(args, max_loras)
         slots = self.model.create_lora_slots(self.lora_config)
         model = self.model
 
@@ -423,3 +416,13 @@ class LLMEngine:
         while self.has_unfinished_requests():
             finished.extend(o for o in self.step() if o.finished)
         return finished
+
+
+def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:
+    """The slots' config for ``max_loras`` slots (the host tier holds at least as many
+    adapters as there are slots when the slots are sized from memory)."""
+    max_cpu_loras = args.max_cpu_loras
+    if args.lora_device_cache_percent is not None:
+        max_cpu_loras = max(max_cpu_loras, max_loras)
+    return LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras, args.lora_target_modules,
+                      args.max_cpu_lora_bytes, args.fully_sharded_loras)

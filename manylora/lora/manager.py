@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from manylora.config import LoRAConfig
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
 from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.layers import LoRASlots
@@ -73,6 +73,19 @@ class LoRACacheStats:
     device_evictions: int = 0
     device_load_seconds: float = 0.0
     device_load_bytes: int = 0
+
+
+def write_slot_weights(slots: Mapping[tuple[int, str], LoRASlots], slot: int,
+                       weights: Mapping[tuple[int, str], LoRAWeights]) -> None:
+    """Write an adapter's ``{(layer, module): LoRAWeights}`` (whole tensors; each
+    ``LoRASlots`` keeps its rank's shard) into ``slot``; modules it does not target are
+    zeroed."""
+    for (layer, module), lora in slots.items():
+        w = weights.get((layer, module))
+        if w is None:
+            lora.set_slot(slot, module, None, None)
+        else:
+            lora.set_slot(slot, module, w.a, w.b, w.dora_scale)
 
 
 def _check_unchanged(adapter: LoRAAdapter, known: _Known) -> None:
@@ -483,12 +496,7 @@ class LoRAManager:
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         if self.on_write_slot is not None:
             self.on_write_slot(slot, adapter)
-        for (layer, module), slots in self.slots.items():
-            w = adapter.weights.get((layer, module))
-            if w is None:
-                slots.set_slot(slot, module, None, None)
-            else:
-                slots.set_slot(slot, module, w.a, w.b, w.dora_scale)
+        write_slot_weights(self.slots, slot, adapter.weights)
 
     def _wait_for(self, slots: Iterable[int]) -> None:
         if self._copy_stream is None:

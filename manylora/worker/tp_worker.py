@@ -25,8 +25,8 @@ from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.broadcast import broadcast_tensor_dict
 from manylora.distributed.parallel_state import TPGroup
 from manylora.distributed.workers import WorkerGroup, free_init_method, init_distributed
-from manylora.lora.adapter import LoRAAdapter
-from manylora.lora.layers import LoRASlots
+from manylora.lora.adapter import LoRAAdapter, LoRAWeights
+from manylora.lora.manager import write_slot_weights
 from manylora.model.loader import load_hf_config, load_model
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.model_runner import ModelRunner, StepInputs
@@ -81,14 +81,15 @@ def slot_message(slot: int, adapter: LoRAAdapter) -> dict:
     return msg
 
 
-def write_slot(slots: dict[tuple[int, str], LoRASlots], msg: dict) -> None:
-    """Write a ``"slot"`` message into this rank's slot buffers (modules the adapter does
-    not target are zeroed, as ``LoRAManager`` does)."""
-    slot = int(msg["slot"])
-    for (layer, module), lora in slots.items():
-        a = msg.get(f"a/{layer}/{module}")
-        b = msg.get(f"b/{layer}/{module}")
-        lora.set_slot(slot, module, a, b, msg.get(f"d/{layer}/{module}"))
+def slot_weights(msg: dict) -> dict[tuple[int, str], LoRAWeights]:
+    """The adapter of a ``"slot"`` message, as ``{(layer, module): LoRAWeights}``."""
+    weights = {}
+    for key, a in msg.items():
+        if key.startswith("a/"):
+            _, layer, module = key.split("/")
+            weights[(int(layer), module)] = LoRAWeights(
+                a, msg[f"b/{layer}/{module}"], msg.get(f"d/{layer}/{module}"))
+    return weights
 
 
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
@@ -125,7 +126,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 if inputs.sample_rows:
                     runner.logits(hidden, inputs.sample_rows)
             elif op == "slot":
-                write_slot(slots, msg)
+                write_slot_weights(slots, int(msg["slot"]), slot_weights(msg))
             elif op == "dora_norm":
                 model.lora_dora_norm(int(msg["layer"]), msg["module"], msg["a"], msg["b"])
             else:

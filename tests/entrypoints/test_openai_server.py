@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import BASE, ENGINE
+from server_helpers import BASE, ENGINE
 
 from manylora import LLM, LoRARequest, SamplingParams
 

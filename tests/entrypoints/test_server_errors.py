@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import BASE, running_server
+from server_helpers import BASE, running_server
 
 from manylora.testing import make_peft_adapter
 

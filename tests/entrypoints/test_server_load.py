@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import BASE, running_server
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import BASE, running_server
 
 NUM_REQUESTS = 200
 MAX_TOKENS = 32

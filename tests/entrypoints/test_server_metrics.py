@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import BASE, running_server
 from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import BASE, running_server
 
 PROMPTS = [("The quick brown fox", "ad0"), ("SELECT name FROM users", "ad1"),
            ("The quick brown fox", "ad0"), ("Low-rank adaptation", None)]

@@ -527,9 +527,8 @@ class OpenAIServing:
 
     @staticmethod
     async def finish_stream(merged: MergedStream) -> None:
-        """Clean up after a stream, even while being cancelled: abort and cancel at once,
-        then wait for the tasks if the task is still allowed to wait."""
-        merged.close()
+        """Clean up after a stream, even while being cancelled: ``aclose`` aborts and
+        cancels before it first waits, then waits for the tasks if the task still may."""
         try:
             await merged.aclose()
         except asyncio.CancelledError:
