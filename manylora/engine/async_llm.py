@@ -231,10 +231,13 @@ class AsyncLLM:
                     block = not (self.engine.has_unfinished_requests() or self._pending_removals)
                     if not self._take_commands(block):
                         break
-                    if self.engine.has_unfinished_requests():
-                        self._dispatch(self.engine.step())
+                    outputs = (self.engine.step() if self.engine.has_unfinished_requests()
+                               else [])
+                    # before the outputs go out: a caller that sees its request finish also
+                    # sees the adapter it waited on gone
                     self._remove_unused_adapters()
                     self._publish()
+                    self._dispatch(outputs)
         except Exception as e:       # a failed step: every stream learns why
             logger.exception("the engine loop stopped")
             self._error = e
