@@ -506,6 +506,28 @@ class WorkerGroup:
         self.shutdown()
 
 
+def destroy_process_group_within(timeout_s: float) -> None:
+    """Destroy this process's default process group, giving up after ``timeout_s`` seconds:
+    then the communicators are aborted instead (NCCL's finalisation can wait forever, e.g.
+    on a CUDA graph that still holds a captured collective), so shutdown never hangs."""
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.exception("destroying the process group failed")
+        done.set()
+
+    threading.Thread(target=destroy, name="destroy-process-group", daemon=True).start()
+    if not done.wait(timeout_s):
+        logger.error("destroy_process_group did not finish within %.0f s; aborting the "
+                     "process group instead", timeout_s)
+        _abort_process_groups()
+
+
 def _abort_process_groups() -> None:
     """Abort the communicators of every process group of this process (monitor thread, NCCL
     only): a collective waiting on a dead peer ends, and later ones raise."""

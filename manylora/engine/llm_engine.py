@@ -141,8 +141,12 @@ class LLMEngine:
         return TPDriver(spec, args.tensor_parallel_size)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the adapter loader threads."""
+        """Stop the tensor-parallel workers and the adapter loader threads. Under tensor
+        parallelism the decode graphs are destroyed first (their captured collectives hold
+        the NCCL communicator) and the engine cannot step again."""
         if self.tp_driver is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()
             self.tp_driver.shutdown()
         if self.lora_manager is not None:
             self.lora_manager.shutdown()

@@ -208,6 +208,12 @@ class ModelRunner:
                                                    device=self.device)
                 self.graphs.run((size, schedule), (input_ids, positions, attn, lora))
 
+    def release_graphs(self) -> None:
+        """Destroy the captured decode graphs; later decode steps run eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def release(self, request_ids: list[str]) -> None:
         """Drop the per-request state (seeded generators) of finished requests."""
         for rid in request_ids:

@@ -19,12 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.broadcast import broadcast_tensor_dict
 from manylora.distributed.parallel_state import TPGroup
-from manylora.distributed.workers import WorkerGroup, free_init_method, init_distributed
+from manylora.distributed.workers import (
+    WorkerGroup,
+    destroy_process_group_within,
+    free_init_method,
+    init_distributed,
+)
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.manager import write_slot_weights
 from manylora.model.loader import load_hf_config, load_model
@@ -33,6 +37,9 @@ from manylora.worker.model_runner import ModelRunner, StepInputs
 from manylora.worker.step_codec import decode_step, encode_step
 
 logger = logging.getLogger(__name__)
+
+#: Seconds rank 0 gives ``destroy_process_group`` at shutdown before aborting the group.
+DESTROY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -201,5 +208,4 @@ class TPDriver:
         except Exception:
             logger.exception("telling the tensor-parallel workers to stop failed")
         self.workers.shutdown()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_group_within(DESTROY_TIMEOUT_S)
