@@ -1,5 +1,5 @@
 """Tensor parallelism: decode step time and throughput at TP 1 and 2, LoRA off and on,
-``fully_sharded_loras`` off and on.
+``fully_sharded_loras`` off and on; and at TP 2 the one-shot all-reduce against NCCL's.
 
 A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; every rank
 holds the slices of the same random model), 16 distinct rank-16 q/k/v/o adapters in PEFT's
@@ -10,7 +10,7 @@ decode, captured on every rank), built and shut down in turn.
   LoRA is on) are prefilled, then 32 decode steps are timed one by one (``LLMEngine.step``,
   which ends with the sampled tokens on the host, so each time is a whole step: rank 0's
   broadcast of the step's inputs included); the median is reported. B = 1 and 64.
-* **Throughput**: 256 requests at once, 256-token prompts, 128 new tokens (greedy,
+* **Throughput**: 256 requests at once, 128-token prompts, 64 new tokens (greedy,
   ignore_eos); output tokens over the wall time of stepping them all to the end.
 
 Floor of a batch-1 step: the bytes one GPU must read (its share of the weights, plus the
@@ -41,17 +41,18 @@ from manylora.engine.llm_engine import LLMEngine
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 NUM_ADAPTERS = 16
 RANK = 16
-# (tensor_parallel_size, LoRA on, fully_sharded_loras)
-VARIANTS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False),
-            (2, True, True)]
+# (tensor_parallel_size, LoRA on, fully_sharded_loras, NCCL for every all-reduce)
+VARIANTS = [(1, False, False, False), (1, True, False, False), (2, False, False, False),
+            (2, True, False, False), (2, True, True, False), (2, False, False, True)]
 
 
-def build(model_dir: Path, tp: int, lora: bool, fully_sharded: bool, quick: bool
-          ) -> LLMEngine:
+def build(model_dir: Path, tp: int, lora: bool, fully_sharded: bool, nccl_only: bool,
+          quick: bool) -> LLMEngine:
     return LLMEngine(EngineArgs(
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
         device="cpu" if quick else "cuda", dtype="auto", tensor_parallel_size=tp,
-        enable_lora=lora, fully_sharded_loras=fully_sharded, max_loras=NUM_ADAPTERS,
+        enable_lora=lora, fully_sharded_loras=fully_sharded,
+        disable_custom_all_reduce=nccl_only, max_loras=NUM_ADAPTERS,
         max_lora_rank=RANK, max_num_seqs=64, max_model_len=1024,
         num_kv_blocks=4096 if not quick else 512))
 
@@ -64,8 +65,10 @@ def _lora(adapters: list[Path], i: int, on: bool) -> LoRARequest | None:
 
 
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
-                   adapters: list[Path], lora: bool, rng: random.Random) -> float:
-    """Median wall time of a decode step of ``batch`` requests, ms."""
+                   adapters: list[Path], lora: bool, rng: random.Random
+                   ) -> tuple[float, float]:
+    """Median wall time of a decode step of ``batch`` requests, and the median part of it
+    rank 0 spends broadcasting the step's inputs to the other ranks (0 at TP 1), ms."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
                                                           for _ in range(prompt_len)]},
@@ -75,13 +78,22 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         seen.update(o.request_id for o in engine.step())
     for _ in range(3):
         engine.step()
+    sends: list[float] = []
+    send = engine.runner.on_step
+    if send is not None:
+        def timed_send(inputs) -> None:
+            t = time.perf_counter()
+            send(inputs)
+            sends.append(time.perf_counter() - t)
+        engine.runner.on_step = timed_send
     times = []
     for _ in range(32):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    engine.runner.on_step = send
     engine.abort_request(ids)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, statistics.median(sends or [0.0]) * 1e3
 
 
 def throughput(engine: LLMEngine, vocab: int, adapters: list[Path], lora: bool,
@@ -116,7 +128,7 @@ def main() -> None:
     config = TINY if args.quick else LLAMA3_8B
     device = torch.device("cpu" if args.quick else "cuda")
     vocab = config["vocab_size"]
-    sizes = (16, 8, 4) if args.quick else (256, 256, 128)
+    sizes = (16, 8, 4) if args.quick else (256, 128, 64)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp) / "model", config)
@@ -124,48 +136,58 @@ def main() -> None:
                                        TARGETS, device,
                                        torch.float32 if args.quick else torch.bfloat16)
         results = {}
-        for tp, lora, fully in VARIANTS:
+        for variant in VARIANTS:
+            tp, lora, fully, nccl_only = variant
             rng = random.Random(0)
             start = time.perf_counter()
-            engine = build(model_dir, tp, lora, fully, args.quick)
-            print(f"TP {tp}, LoRA {lora}, fully sharded {fully}: engine built in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            engine = build(model_dir, tp, lora, fully, nccl_only, args.quick)
+            print(f"TP {tp}, LoRA {lora}, fully sharded {fully}, NCCL only {nccl_only}: engine "
+                  f"built in {time.perf_counter() - start:.1f} s", flush=True)
             try:
-                b1 = decode_step_ms(engine, 1, 512 if not args.quick else 32, vocab, adapters,
-                                    lora, rng)
-                b64 = decode_step_ms(engine, 64 if not args.quick else 8,
-                                     512 if not args.quick else 32, vocab, adapters, lora, rng)
-                rate = throughput(engine, vocab, adapters, lora, rng, *sizes)
+                b1, send1 = decode_step_ms(engine, 1, 512 if not args.quick else 32, vocab,
+                                           adapters, lora, rng)
+                b64, _ = decode_step_ms(engine, 64 if not args.quick else 8,
+                                        512 if not args.quick else 32, vocab, adapters, lora, rng)
+                start = time.perf_counter()
+                rate = float("nan") if nccl_only else throughput(engine, vocab, adapters, lora,
+                                                                 rng, *sizes)
+                print(f"  throughput run {time.perf_counter() - start:.1f} s", flush=True)
             finally:
                 engine.shutdown()
                 del engine
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            results[(tp, lora, fully)] = (b1, b64, rate)
-            print(f"  batch-1 step {b1:.2f} ms, batch-64 step {b64:.2f} ms, {rate:,.0f} tok/s",
-                  flush=True)
+            results[variant] = (b1, send1, b64, rate)
+            print(f"  batch-1 step {b1:.2f} ms (broadcast {send1:.3f} ms), batch-64 step "
+                  f"{b64:.2f} ms, {rate:,.0f} tok/s", flush=True)
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
-    for (tp, lora, fully), (b1, b64, rate) in results.items():
-        base = results[(1, lora, False)]
+    for (tp, lora, fully, nccl_only), (b1, send1, b64, rate) in results.items():
+        base = results[(1, lora, False, False)]
         rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
-                     f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{floor1 / tp:.2f}",
-                     f"{b64:.2f}", f"{b64 / base[1]:.2f}", f"{rate:,.0f}",
-                     f"{rate / base[2]:.2f}"])
+                     "—" if tp == 1 else "NCCL" if nccl_only else "one-shot ≤ 1 MiB",
+                     f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{floor1 / tp:.2f}",
+                     f"{b64:.2f}", f"{b64 / base[2]:.2f}", f"{rate:,.0f}",
+                     f"{rate / base[3]:.2f}"])
     gpu = gpu_name(device)
     record(f"Tensor parallelism ({gpu}): Llama-3-8B shape, decode step and throughput at TP 1 "
            "and 2", command_line("benchmarks.bench_tp"),
-           ["TP", "LoRA", "fully sharded", "batch-1 step ms", "vs TP 1", "floor ms (weights / "
-            "BW / TP)", "batch-64 step ms", "vs TP 1", "tok/s (256 requests)", "vs TP 1"],
+           ["TP", "LoRA", "fully sharded", "all-reduce", "batch-1 step ms", "vs TP 1",
+            "of it broadcast ms", "floor ms (weights / BW / TP)", "batch-64 step ms", "vs TP 1",
+            "tok/s (256 requests)", "vs TP 1"],
            rows,
            notes="Random bf16 weights; step = `LLMEngine.step` wall time (rank 0's broadcast of "
                  "the step's inputs and the sampled tokens' read-back included), median of 32 "
-                 "decode steps at context 512; batch-1 LoRA rows use one adapter, batch-64 rows "
-                 "16. Throughput: 256 requests at once, 256-token prompts, 128 new tokens, "
-                 "request i on adapter i % 16. 'vs TP 1' compares with TP 1 at the same LoRA "
-                 "setting. Floor: the bf16 weights one GPU reads per step over the measured "
-                 "copy bandwidth (KV and adapters excluded).",
+                 "decode steps at context 512; 'of it broadcast': the median time rank 0 "
+                 "spends sending a batch-1 step's inputs (`TPDriver.step`); batch-1 LoRA rows "
+                 "use one adapter, batch-64 rows 16. Throughput: 256 requests at once, "
+                 "128-token prompts, 64 new tokens, "
+                 "request i on adapter i % 16 (not run for the NCCL-only row). 'all-reduce': "
+                 "NCCL for every all-reduce (`disable_custom_all_reduce=True`) or the one-shot "
+                 "symmetric-memory all-reduce for those of at most 1 MiB. 'vs TP 1' compares "
+                 "with TP 1 at the same LoRA setting. Floor: the bf16 weights one GPU reads per "
+                 "step over the measured copy bandwidth (KV and adapters excluded).",
            write=not args.quick, device=device)
 
 

@@ -134,7 +134,8 @@ class LLMEngine:
         spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
                           str(dtype).removeprefix("torch."), self.device.type,
                           self.model_config.max_model_len, args.trust_remote_code, lora,
-                          args.block_size, args.kv_cache_dtype)
+                          args.block_size, args.kv_cache_dtype,
+                          one_shot_all_reduce=not args.disable_custom_all_reduce)
         if self.device.type == "cuda":
             self.device = rank_device("cuda", 0)
             torch.cuda.set_device(self.device)
