@@ -4,7 +4,8 @@
 A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; every rank
 holds the slices of the same random model), 16 distinct rank-16 q/k/v/o adapters in PEFT's
 format. Each variant gets its own ``LLMEngine`` (max_num_seqs 64, 16 slots, CUDA graphs for
-decode, captured on every rank), built and shut down in turn.
+decode, captured on every rank) in its own process, one after the other (the one-shot
+all-reduce can be set up once per process).
 
 * **Decode step**: ``B`` requests (random 512-token prompts, request i on adapter i % 16 when
   LoRA is on) are prefilled, then 32 decode steps are timed one by one (``LLMEngine.step``,
@@ -24,7 +25,8 @@ so the ideal step is 0.5x TP 1's.
 from __future__ import annotations
 
 import argparse
-import gc
+import multiprocessing
+import queue
 import random
 import statistics
 import tempfile
@@ -121,14 +123,53 @@ def weight_bytes(config: dict) -> int:
     return 2 * (layers * per_layer + config["vocab_size"] * h)
 
 
+def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
+                adapters: list[Path], quick: bool, results_q) -> None:
+    """One variant in its own process; puts ``(batch-1 ms, its broadcast ms, batch-64 ms,
+    tok/s, whether the one-shot all-reduce was in use)`` on ``queue``."""
+    tp, lora, fully, nccl_only = variant
+    config = TINY if quick else LLAMA3_8B
+    vocab = config["vocab_size"]
+    rng = random.Random(0)
+    start = time.perf_counter()
+    engine = build(model_dir, tp, lora, fully, nccl_only, quick)
+    print(f"TP {tp}, LoRA {lora}, fully sharded {fully}, NCCL only {nccl_only}: engine "
+          f"built in {time.perf_counter() - start:.1f} s", flush=True)
+    try:
+        one_shot = engine.tp_driver is not None and engine.tp_driver.tp.one_shot is not None
+        b1, send1 = decode_step_ms(engine, 1, 32 if quick else 512, vocab, adapters, lora, rng)
+        b64, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
+                                adapters, lora, rng)
+        rate = float("nan") if nccl_only else throughput(
+            engine, vocab, adapters, lora, rng, *((16, 8, 4) if quick else (256, 128, 64)))
+    finally:
+        engine.shutdown()
+    print(f"  batch-1 step {b1:.2f} ms (broadcast {send1:.3f} ms), batch-64 step "
+          f"{b64:.2f} ms, {rate:,.0f} tok/s, one-shot all-reduce {one_shot}", flush=True)
+    results_q.put((b1, send1, b64, rate, one_shot))
+
+
+def _result(q, proc, variant: tuple) -> tuple:
+    """What ``run_variant`` put on ``q``, waiting while ``proc`` lives.
+
+    Raises:
+        RuntimeError: the variant's process ended without a result.
+    """
+    while True:
+        try:
+            return q.get(timeout=5)
+        except queue.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"variant {variant} ended with exit code {proc.exitcode} "
+                                   "and no result") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     config = TINY if args.quick else LLAMA3_8B
     device = torch.device("cpu" if args.quick else "cuda")
-    vocab = config["vocab_size"]
-    sizes = (16, 8, 4) if args.quick else (256, 128, 64)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp) / "model", config)
@@ -136,37 +177,20 @@ def main() -> None:
                                        TARGETS, device,
                                        torch.float32 if args.quick else torch.bfloat16)
         results = {}
-        for variant in VARIANTS:
-            tp, lora, fully, nccl_only = variant
-            rng = random.Random(0)
-            start = time.perf_counter()
-            engine = build(model_dir, tp, lora, fully, nccl_only, args.quick)
-            print(f"TP {tp}, LoRA {lora}, fully sharded {fully}, NCCL only {nccl_only}: engine "
-                  f"built in {time.perf_counter() - start:.1f} s", flush=True)
-            try:
-                b1, send1 = decode_step_ms(engine, 1, 512 if not args.quick else 32, vocab,
-                                           adapters, lora, rng)
-                b64, _ = decode_step_ms(engine, 64 if not args.quick else 8,
-                                        512 if not args.quick else 32, vocab, adapters, lora, rng)
-                start = time.perf_counter()
-                rate = float("nan") if nccl_only else throughput(engine, vocab, adapters, lora,
-                                                                 rng, *sizes)
-                print(f"  throughput run {time.perf_counter() - start:.1f} s", flush=True)
-            finally:
-                engine.shutdown()
-                del engine
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            results[variant] = (b1, send1, b64, rate)
-            print(f"  batch-1 step {b1:.2f} ms (broadcast {send1:.3f} ms), batch-64 step "
-                  f"{b64:.2f} ms, {rate:,.0f} tok/s", flush=True)
+        ctx = multiprocessing.get_context("spawn")
+        for variant in VARIANTS:        # each in a fresh process: see available_in_process
+            results_q = ctx.Queue()
+            proc = ctx.Process(target=run_variant, args=(variant, model_dir, adapters,
+                                                         args.quick, results_q))
+            proc.start()
+            results[variant] = _result(results_q, proc, variant)
+            proc.join()
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
-    for (tp, lora, fully, nccl_only), (b1, send1, b64, rate) in results.items():
+    for (tp, lora, fully, _), (b1, send1, b64, rate, one_shot) in results.items():
         base = results[(1, lora, False, False)]
         rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
-                     "—" if tp == 1 else "NCCL" if nccl_only else "one-shot ≤ 1 MiB",
+                     "—" if tp == 1 else "one-shot ≤ 1 MiB" if one_shot else "NCCL",
                      f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{floor1 / tp:.2f}",
                      f"{b64:.2f}", f"{b64 / base[2]:.2f}", f"{rate:,.0f}",
                      f"{rate / base[3]:.2f}"])

@@ -34,6 +34,18 @@ DEFAULT_MAX_BYTES = 1 << 20
 #: The dtypes torch's one-shot kernel sums (``AT_DISPATCH_FLOAT_AND_BFLOAT16``).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
+# Rendezvous this process has entered. torch numbers a process's symmetric-memory store
+# exchanges from 0 over its whole life, so once rank 0 has made one, the fresh worker
+# processes of a later group wait for keys it has long passed (seen on two H200s, torch
+# 2.11: a 300 s hang in the second engine of a process). Hence one group per process.
+_rendezvous_entered = 0
+
+
+def available_in_process() -> bool:
+    """Whether this process may still build a ``SymmetricAllReduce``: it has entered no
+    symmetric-memory rendezvous yet (see ``_rendezvous_entered``)."""
+    return _rendezvous_entered == 0
+
 
 class SymmetricAllReduce:
     """Sums tensors of one dtype over a process group with torch's one-shot kernel.
@@ -62,14 +74,18 @@ class SymmetricAllReduce:
         """The one-shot all-reduce of ``group`` on ``device`` for ``dtype``, or None where it
         cannot be had (not CUDA, a dtype it does not sum, no symmetric memory in this torch,
         or its allocation, rendezvous or self-check failed on any rank: the ranks agree, so
-        all take the same path). Every rank of ``group`` must call it.
+        all take the same path). Every rank of ``group`` must call it, each in a process
+        where ``available_in_process()`` held (the caller decides for all ranks at once:
+        see ``WorkerSpec.one_shot_all_reduce``).
 
         The self-check sums ``rank + 1`` over the ranks and compares with
         ``size * (size + 1) / 2`` on every element.
         """
         if device.type != "cuda" or dtype not in SUPPORTED_DTYPES:
             return None
+        global _rendezvous_entered
         found = None
+        _rendezvous_entered += 1
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
