@@ -118,14 +118,16 @@ def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _layout(specs: list[tuple[torch.dtype, list[int]]]) -> tuple[list[int | None], int]:
+def _layout(specs: list[tuple[torch.dtype, list[int]]], pack_all: bool = False
+            ) -> tuple[list[int | None], int]:
     """Where each tensor's bytes go: its offset in the packed buffer, or None when it is
-    broadcast on its own (large) or not at all (empty); and the packed buffer's size."""
+    broadcast on its own (large, unless ``pack_all``) or not at all (empty); and the packed
+    buffer's size."""
     offsets: list[int | None] = []
     total = 0
     for dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        if 0 < nbytes < PACK_LIMIT_BYTES:
+        if 0 < nbytes and (pack_all or nbytes < PACK_LIMIT_BYTES):
             total = -(-total // _ALIGN) * _ALIGN
             offsets.append(total)
             total += nbytes
@@ -253,4 +255,57 @@ def broadcast_tensor_dict(data: dict | None, src: int = 0, group: Any = None,
             buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             dist.broadcast(buf, src=src, group=group)
             out[key] = buf.view(dtype).view(shape)
+    return out
+
+
+def pack_tensor_dict(data: dict) -> bytes:
+    """``data`` (as ``broadcast_tensor_dict`` takes it; tensors are copied to the host) as
+    one byte string for a pipe: an 8-byte little-endian metadata length, the JSON metadata,
+    then every tensor's raw bytes at the offsets ``_layout`` gives (all of them packed,
+    whatever their size). ``unpack_tensor_dict`` reverses it; no pickle is involved.
+
+    Raises:
+        TypeError: as ``broadcast_tensor_dict`` (the message names the key).
+    """
+    meta, tensors = _encode(data)
+    specs = [(t.dtype, list(t.shape)) for t in tensors]
+    offsets, total = _layout(specs, pack_all=True)
+    body = bytearray(total)
+    view = memoryview(body)
+    for t, off in zip(tensors, offsets):
+        if off is not None:
+            raw = _as_bytes(t, torch.device("cpu")).numpy()
+            view[off:off + raw.size] = raw.tobytes()
+    return len(meta).to_bytes(8, "little") + meta + bytes(body)
+
+
+def unpack_tensor_dict(buf: bytes) -> dict:
+    """The dict ``pack_tensor_dict`` packed into ``buf``: host tensors (read-only views of
+    one copy of ``buf``'s tensor bytes) and plain values, keys in the sender's order.
+
+    Raises:
+        ValueError: ``buf`` is not in the format ``pack_tensor_dict`` writes.
+    """
+    n = int.from_bytes(buf[:8], "little")
+    meta = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ValueError("unpack_tensor_dict: not a packed tensor dict of format "
+                         f"{_FORMAT}")
+    items = meta["items"]
+    specs = [(SUPPORTED_DTYPES[it[2]], it[3]) for it in items if it[1] == "t"]
+    offsets, total = _layout(specs, pack_all=True)
+    body = buf[8 + n:]
+    if len(body) != total:
+        raise ValueError(f"unpack_tensor_dict: {len(body)} bytes of tensors, expected {total}")
+    packed = torch.frombuffer(bytearray(body), dtype=torch.uint8) if total else None
+    out: dict[str, Any] = {}
+    specs_iter = iter(zip(specs, offsets))
+    for item in items:
+        if item[1] == "v":
+            out[item[0]] = item[2]
+            continue
+        (dtype, shape), off = next(specs_iter)
+        nbytes = math.prod(shape) * dtype.itemsize
+        out[item[0]] = (torch.empty(shape, dtype=dtype) if nbytes == 0
+                        else packed[off:off + nbytes].view(dtype).view(shape))
     return out

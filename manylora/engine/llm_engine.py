@@ -9,6 +9,7 @@ back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -380,7 +381,10 @@ class LLMEngine:
                 self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
         if not out.scheduled:
             return outputs
-        sampled = self.runner.execute(out, lora_slots, self._slot_ranks(), self._slot_dora())
+        with (self.tp_driver.workers.guard() if self.tp_driver is not None
+              else contextlib.nullcontext()):        # a dead worker: WorkerDiedError
+            sampled = self.runner.execute(out, lora_slots, self._slot_ranks(),
+                                          self._slot_dora())
         self.scheduler.update(out, sampled.tokens)
         for rid, token in sampled.tokens.items():
             status = self.output_processor.process_token(rid, token, sampled.logprobs.get(rid))

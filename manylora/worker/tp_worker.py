@@ -1,19 +1,21 @@
 """Tensor parallelism: the worker loop of ranks 1..N-1, and rank 0's driver of it.
 
 Rank 0 is the engine's own process: it schedules, and before each step's forward pass it
-broadcasts the step's host inputs (``StepInputs``, as flat tensors); every rank then builds
-the same metadata and runs the same forward pass on its shard, so the collectives inside
-the model line up (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers
+sends the step's host inputs (``StepInputs``, as flat tensors) down each worker's pipe;
+every rank then builds the same metadata and runs the same forward pass on its shard, so
+the collectives inside the model line up (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers
 that hold no scheduler state). The other messages are the KV cache's allocation (with
 the capture of the decode CUDA graphs, whose all-reduces are captured too) and an adapter
 entering a slot (the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a
 DoRA adapter's row norms, which need every rank's part of the base weight. Every message
-is a ``broadcast_tensor_dict`` with an ``"op"``: no pickle travels.
+is a dict with an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for an adapter's
+weights, follow by ``broadcast_tensor_dict``): no pickle travels.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,11 @@ from typing import Any
 import torch
 
 from manylora.config import LoRAConfig, ModelConfig
-from manylora.distributed.broadcast import broadcast_tensor_dict
+from manylora.distributed.broadcast import (
+    broadcast_tensor_dict,
+    pack_tensor_dict,
+    unpack_tensor_dict,
+)
 from manylora.distributed.parallel_state import TPGroup
 from manylora.distributed.workers import (
     WorkerGroup,
@@ -111,10 +117,16 @@ def slot_weights(msg: dict) -> dict[tuple[int, str], LoRAWeights]:
 
 
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
-               timeout_s: float) -> None:
+               timeout_s: float, readers: tuple) -> None:
     """A worker process's life (``WorkerGroup``'s target): join the group, load the shard,
     then serve rank 0's messages until ``"stop"``. The process group is left to rank 0 to
-    destroy (``WorkerGroup`` ends the worker with ``os._exit``)."""
+    destroy (``WorkerGroup`` ends the worker with ``os._exit``).
+
+    Messages arrive on this rank's pipe (``readers[rank - 1]``, packed by
+    ``pack_tensor_dict``), where waiting has no time limit: an idle engine never times a
+    collective out. Only the tensors of ``"slot"`` and ``"dora_norm"`` follow through a
+    ``broadcast_tensor_dict`` on the process group. EOF (rank 0 is gone) ends the worker."""
+    reader = readers[rank - 1]
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -128,7 +140,9 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     runner: ModelRunner | None = None
     with torch.inference_mode():
         while True:
-            msg = broadcast_tensor_dict(None, src=0)
+            msg = unpack_tensor_dict(reader.recv_bytes())
+            if msg.pop("then_broadcast"):
+                msg.update(broadcast_tensor_dict(None, src=0))
             op = msg.pop("op")
             if op == "stop":
                 break
@@ -169,9 +183,13 @@ class TPDriver:
 
     def __init__(self, spec: WorkerSpec, tp_size: int, timeout_s: float = 300.0) -> None:
         backend = "nccl" if spec.device_type == "cuda" else "gloo"
+        pipes = [multiprocessing.get_context("spawn").Pipe(duplex=False)
+                 for _ in range(tp_size - 1)]
+        self._writers = [w for _, w in pipes]
         self.workers = WorkerGroup(run_worker, tp_size, backend=backend,
                                    init_method=free_init_method(),
-                                   args=(spec, backend, timeout_s), timeout_s=timeout_s)
+                                   args=(spec, backend, timeout_s, tuple(r for r, _ in pipes)),
+                                   timeout_s=timeout_s)
         try:
             self.workers.join_process_group()
         except BaseException:
@@ -180,13 +198,22 @@ class TPDriver:
         self.tp = spec.tp_group(0)
         self._stopped = False
 
-    def send(self, msg: dict) -> None:
-        """Broadcast one message to the workers.
+    def send(self, msg: dict, tensors: dict | None = None) -> None:
+        """Send one message to the workers: ``msg`` (plain values and small host tensors)
+        down every worker's pipe, then ``tensors``, if any, by ``broadcast_tensor_dict``.
 
         Raises:
             WorkerDiedError: a worker has died.
         """
-        self.workers.broadcast(msg)
+        data = pack_tensor_dict({**msg, "then_broadcast": tensors is not None})
+        with self.workers.guard():
+            try:
+                for writer in self._writers:
+                    writer.send_bytes(data)
+            except OSError as exc:
+                raise RuntimeError(f"a tensor-parallel worker's pipe failed: {exc}") from exc
+            if tensors is not None:
+                broadcast_tensor_dict(tensors, src=0)
 
     def allocate_kv(self, num_blocks: int, max_model_len: int,
                     graph_sizes: tuple[int, ...]) -> None:
@@ -200,13 +227,14 @@ class TPDriver:
         self.send({"op": "step", **encode_step(inputs)})
 
     def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.send(slot_message(slot, adapter))
+        tensors = slot_message(slot, adapter)
+        self.send({"op": tensors.pop("op"), "slot": tensors.pop("slot")}, tensors)
 
     def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Have every worker enter the DoRA row-norm collective of ``(layer, module)`` with
         the adapter's whole ``a [r, in]`` and ``b [out, r]``; rank 0 then enters it too
         (``LlamaForCausalLM.lora_dora_norm``)."""
-        self.send({"op": "dora_norm", "layer": layer, "module": module, "a": a, "b": b})
+        self.send({"op": "dora_norm", "layer": layer, "module": module}, {"a": a, "b": b})
 
     def shutdown(self) -> None:
         """Tell the workers to stop, reap them, and leave the process group (idempotent)."""
@@ -219,4 +247,6 @@ class TPDriver:
         except Exception:
             logger.exception("telling the tensor-parallel workers to stop failed")
         self.workers.shutdown()
+        for writer in self._writers:
+            writer.close()
         destroy_process_group_within(DESTROY_TIMEOUT_S)

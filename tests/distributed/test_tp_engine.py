@@ -8,6 +8,7 @@ against transformers + peft in tests/engine/test_peft_equivalence.py).
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -23,6 +24,7 @@ from manylora.testing import (
     make_checkpoint,
     make_peft_adapter,
 )
+from manylora.worker.tp_worker import TPDriver
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -64,6 +66,23 @@ def _generate(base_dir, loras, **kwargs):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_equals_one_rank(base_dir, loras, tp):
     assert _generate(base_dir, loras, tensor_parallel_size=tp) == _generate(base_dir, loras)
+
+
+def test_idle_engine_outlives_the_collective_timeout(base_dir, loras, monkeypatch):
+    """Workers wait for rank 0's next message on a pipe, with no time limit: an engine idle
+    for longer than the process group's timeout (3 s here, 300 s by default) still serves."""
+    import manylora.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine, "TPDriver", functools.partial(TPDriver, timeout_s=3.0))
+    llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
+    try:
+        first = llm.generate(PROMPTS[:2], GREEDY, [None, loras[0]], use_tqdm=False)
+        time.sleep(5)
+        second = llm.generate(PROMPTS[:2], GREEDY, [None, loras[0]], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in first] == \
+            [o.outputs[0].token_ids for o in second]
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_killed_worker_ends_the_engine_within_seconds(base_dir):
