@@ -271,12 +271,11 @@ def pack_tensor_dict(data: dict) -> bytes:
     specs = [(t.dtype, list(t.shape)) for t in tensors]
     offsets, total = _layout(specs, pack_all=True)
     body = bytearray(total)
-    view = memoryview(body)
     for t, off in zip(tensors, offsets):
         if off is not None:
             raw = _as_bytes(t, torch.device("cpu")).numpy()
-            view[off:off + raw.size] = raw.tobytes()
-    return len(meta).to_bytes(8, "little") + meta + bytes(body)
+            body[off:off + raw.size] = raw.data
+    return b"".join((len(meta).to_bytes(8, "little"), meta, body))
 
 
 def unpack_tensor_dict(buf: bytes) -> dict:
@@ -294,7 +293,7 @@ def unpack_tensor_dict(buf: bytes) -> dict:
     items = meta["items"]
     specs = [(SUPPORTED_DTYPES[it[2]], it[3]) for it in items if it[1] == "t"]
     offsets, total = _layout(specs, pack_all=True)
-    body = buf[8 + n:]
+    body = memoryview(buf)[8 + n:]
     if len(body) != total:
         raise ValueError(f"unpack_tensor_dict: {len(body)} bytes of tensors, expected {total}")
     packed = torch.frombuffer(bytearray(body), dtype=torch.uint8) if total else None

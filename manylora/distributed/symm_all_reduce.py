@@ -34,17 +34,17 @@ DEFAULT_MAX_BYTES = 1 << 20
 #: The dtypes torch's one-shot kernel sums (``AT_DISPATCH_FLOAT_AND_BFLOAT16``).
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 
-# Rendezvous this process has entered. torch numbers a process's symmetric-memory store
+# Whether this process has entered a rendezvous. torch numbers a process's symmetric-memory store
 # exchanges from 0 over its whole life, so once rank 0 has made one, the fresh worker
 # processes of a later group wait for keys it has long passed (seen on two H200s, torch
 # 2.11: a 300 s hang in the second engine of a process). Hence one group per process.
-_rendezvous_entered = 0
+_rendezvous_entered = False
 
 
 def available_in_process() -> bool:
     """Whether this process may still build a ``SymmetricAllReduce``: it has entered no
     symmetric-memory rendezvous yet (see ``_rendezvous_entered``)."""
-    return _rendezvous_entered == 0
+    return not _rendezvous_entered
 
 
 class SymmetricAllReduce:
@@ -84,8 +84,7 @@ class SymmetricAllReduce:
         if device.type != "cuda" or dtype not in SUPPORTED_DTYPES:
             return None
         global _rendezvous_entered
-        found = None
-        _rendezvous_entered += 1
+        _rendezvous_entered = True
         try:
             import torch.distributed._symmetric_memory as symm_mem
 

@@ -3,13 +3,14 @@
 Rank 0 is the engine's own process: it schedules, and before each step's forward pass it
 sends the step's host inputs (``StepInputs``, as flat tensors) down each worker's pipe;
 every rank then builds the same metadata and runs the same forward pass on its shard, so
-the collectives inside the model line up (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers
-that hold no scheduler state). The other messages are the KV cache's allocation (with
-the capture of the decode CUDA graphs, whose all-reduces are captured too) and an adapter
-entering a slot (the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a
-DoRA adapter's row norms, which need every rank's part of the base weight. Every message
-is a dict with an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for an adapter's
-weights, follow by ``broadcast_tensor_dict``): no pickle travels.
+the collectives inside the model line up (Megatron-LM's tensor parallelism, as vLLM drives
+it: one driver, workers that hold no scheduler state). The other messages are the KV
+cache's allocation (with the capture of the decode CUDA graphs, whose all-reduces are
+captured too), an adapter entering a slot (the whole host copy; each rank slices it,
+``LoRASlots.set_slot``), and a DoRA adapter's row norms, which need every rank's part of
+the base weight. Every message is a dict with an ``"op"`` packed by ``pack_tensor_dict``
+(whose tensors, for an adapter's weights, follow by ``broadcast_tensor_dict``): no pickle
+travels.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -83,9 +83,9 @@ class WorkerSpec:
         """Rank ``rank``'s group, once ``torch.distributed`` is initialized (with the one-shot
         all-reduce when asked for and on CUDA; a collective, entered by every rank)."""
         device = rank_device(self.device_type, rank)
-        use = self.one_shot_all_reduce and device.type == "cuda"
-        return TPGroup.from_process_group(one_shot_device=device if use else None,
-                                          dtype=getattr(torch, self.dtype))
+        return TPGroup.from_process_group(
+            one_shot_device=device if self.one_shot_all_reduce else None,
+            dtype=getattr(torch, self.dtype))
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -93,16 +93,17 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def slot_message(slot: int, adapter: LoRAAdapter) -> dict:
-    """The ``"slot"`` message of an adapter entering ``slot``: its whole host tensors, keyed
-    ``a|b|d/<layer>/<module>`` (``d``: DoRA scale, when it has one)."""
-    msg: dict[str, Any] = {"op": "slot", "slot": slot}
+def slot_tensors(adapter: LoRAAdapter) -> dict[str, torch.Tensor]:
+    """The tensors of an adapter entering a slot, as the ``"slot"`` message carries them:
+    its whole host tensors, keyed ``a|b|d/<layer>/<module>`` (``d``: DoRA scale, when it has
+    one)."""
+    tensors = {}
     for (layer, module), w in adapter.weights.items():
-        msg[f"a/{layer}/{module}"] = w.a
-        msg[f"b/{layer}/{module}"] = w.b
+        tensors[f"a/{layer}/{module}"] = w.a
+        tensors[f"b/{layer}/{module}"] = w.b
         if w.dora_scale is not None:
-            msg[f"d/{layer}/{module}"] = w.dora_scale
-    return msg
+            tensors[f"d/{layer}/{module}"] = w.dora_scale
+    return tensors
 
 
 def slot_weights(msg: dict) -> dict[tuple[int, str], LoRAWeights]:
@@ -227,8 +228,7 @@ class TPDriver:
         self.send({"op": "step", **encode_step(inputs)})
 
     def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        tensors = slot_message(slot, adapter)
-        self.send({"op": tensors.pop("op"), "slot": tensors.pop("slot")}, tensors)
+        self.send({"op": "slot", "slot": slot}, slot_tensors(adapter))
 
     def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Have every worker enter the DoRA row-norm collective of ``(layer, module)`` with
