@@ -10,7 +10,7 @@ all-reduce can be set up once per process).
 * **Decode step**: ``B`` requests (random 512-token prompts, request i on adapter i % 16 when
   LoRA is on) are prefilled, then 32 decode steps are timed one by one (``LLMEngine.step``,
   which ends with the sampled tokens on the host, so each time is a whole step: rank 0's
-  broadcast of the step's inputs included); the median is reported. B = 1 and 64.
+  sending of the step's inputs included); the median is reported. B = 1 and 64.
 * **Throughput**: 256 requests at once, 128-token prompts, 64 new tokens (greedy,
   ignore_eos); output tokens over the wall time of stepping them all to the end.
 
@@ -68,9 +68,11 @@ def _lora(adapters: list[Path], i: int, on: bool) -> LoRARequest | None:
 
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
                    adapters: list[Path], lora: bool, rng: random.Random
-                   ) -> tuple[float, float]:
-    """Median wall time of a decode step of ``batch`` requests, and the median part of it
-    rank 0 spends broadcasting the step's inputs to the other ranks (0 at TP 1), ms."""
+                   ) -> tuple[float, float, float]:
+    """Medians over 32 decode steps of ``batch`` requests, ms: the step's wall time, the part
+    of it rank 0 spends sending the step's inputs to the other ranks (0 at TP 1), and rank
+    0's GPU time of the step's decode graph (CUDA events around its replay; nan without
+    CUDA graphs)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
                                                           for _ in range(prompt_len)]},
@@ -80,22 +82,36 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         seen.update(o.request_id for o in engine.step())
     for _ in range(3):
         engine.step()
+    runner = engine.runner
     sends: list[float] = []
-    send = engine.runner.on_step
+    send = runner.on_step
     if send is not None:
         def timed_send(inputs) -> None:
             t = time.perf_counter()
             send(inputs)
             sends.append(time.perf_counter() - t)
-        engine.runner.on_step = timed_send
+        runner.on_step = timed_send
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    if runner.graphs is not None:
+        def timed_replay(key, inputs, replay=runner.graphs.run):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = replay(key, inputs)
+            end.record()
+            events.append((start, end))
+            return out
+        runner.graphs.run = timed_replay
     times = []
     for _ in range(32):
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    engine.runner.on_step = send
+    runner.on_step = send
+    if runner.graphs is not None:
+        del runner.graphs.run                                  # the class's method again
     engine.abort_request(ids)
-    return statistics.median(times) * 1e3, statistics.median(sends or [0.0]) * 1e3
+    graph_ms = statistics.median(s.elapsed_time(e) for s, e in events) if events else float("nan")
+    return (statistics.median(times) * 1e3, statistics.median(sends or [0.0]) * 1e3, graph_ms)
 
 
 def throughput(engine: LLMEngine, vocab: int, adapters: list[Path], lora: bool,
@@ -125,8 +141,8 @@ def weight_bytes(config: dict) -> int:
 
 def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
                 adapters: list[Path], quick: bool, results_q) -> None:
-    """One variant in its own process; puts ``(batch-1 ms, its broadcast ms, batch-64 ms,
-    tok/s, whether the one-shot all-reduce was in use)`` on ``queue``."""
+    """One variant in its own process; puts ``(batch-1 ms, its send ms, its graph GPU ms,
+    batch-64 ms, tok/s, whether the one-shot all-reduce was in use)`` on ``results_q``."""
     tp, lora, fully, nccl_only = variant
     config = TINY if quick else LLAMA3_8B
     vocab = config["vocab_size"]
@@ -137,16 +153,17 @@ def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
           f"built in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         one_shot = engine.tp_driver is not None and engine.tp_driver.tp.one_shot is not None
-        b1, send1 = decode_step_ms(engine, 1, 32 if quick else 512, vocab, adapters, lora, rng)
-        b64, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
+        b1, send1, graph1 = decode_step_ms(engine, 1, 32 if quick else 512, vocab, adapters,
+                                           lora, rng)
+        b64, _, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
                                 adapters, lora, rng)
         rate = float("nan") if nccl_only else throughput(
             engine, vocab, adapters, lora, rng, *((16, 8, 4) if quick else (256, 128, 64)))
     finally:
         engine.shutdown()
-    print(f"  batch-1 step {b1:.2f} ms (broadcast {send1:.3f} ms), batch-64 step "
-          f"{b64:.2f} ms, {rate:,.0f} tok/s, one-shot all-reduce {one_shot}", flush=True)
-    results_q.put((b1, send1, b64, rate, one_shot))
+    print(f"  batch-1 step {b1:.2f} ms (send {send1:.3f} ms, graph {graph1:.2f} ms), batch-64 "
+          f"step {b64:.2f} ms, {rate:,.0f} tok/s, one-shot all-reduce {one_shot}", flush=True)
+    results_q.put((b1, send1, graph1, b64, rate, one_shot))
 
 
 def _result(q, proc, variant: tuple) -> tuple:
@@ -187,24 +204,29 @@ def main() -> None:
             proc.join()
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
-    for (tp, lora, fully, _), (b1, send1, b64, rate, one_shot) in results.items():
+    for (tp, lora, fully, _), (b1, send1, graph1, b64, rate, one_shot) in results.items():
         base = results[(1, lora, False, False)]
         rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
                      "—" if tp == 1 else "one-shot ≤ 1 MiB" if one_shot else "NCCL",
-                     f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{floor1 / tp:.2f}",
-                     f"{b64:.2f}", f"{b64 / base[2]:.2f}", f"{rate:,.0f}",
-                     f"{rate / base[3]:.2f}"])
+                     f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{graph1:.2f}",
+                     f"{graph1 / base[2]:.2f}", f"{floor1 / tp:.2f}",
+                     f"{b64:.2f}", f"{b64 / base[3]:.2f}", f"{rate:,.0f}",
+                     f"{rate / base[4]:.2f}"])
     gpu = gpu_name(device)
     record(f"Tensor parallelism ({gpu}): Llama-3-8B shape, decode step and throughput at TP 1 "
            "and 2", command_line("benchmarks.bench_tp"),
            ["TP", "LoRA", "fully sharded", "all-reduce", "batch-1 step ms", "vs TP 1",
-            "of it broadcast ms", "floor ms (weights / BW / TP)", "batch-64 step ms", "vs TP 1",
+            "of it send ms", "of it graph GPU ms", "graph vs TP 1",
+            "floor ms (weights / BW / TP)", "batch-64 step ms", "vs TP 1",
             "tok/s (256 requests)", "vs TP 1"],
            rows,
-           notes="Random bf16 weights; step = `LLMEngine.step` wall time (rank 0's broadcast of "
+           notes="Random bf16 weights; step = `LLMEngine.step` wall time (rank 0's sending of "
                  "the step's inputs and the sampled tokens' read-back included), median of 32 "
-                 "decode steps at context 512; 'of it broadcast': the median time rank 0 "
-                 "spends sending a batch-1 step's inputs (`TPDriver.step`); batch-1 LoRA rows "
+                 "decode steps at context 512; 'of it send': the median time rank 0 spends "
+                 "sending a batch-1 step's inputs (`TPDriver.step`); 'of it graph GPU': rank "
+                 "0's GPU time of the batch-1 step's decode graph (CUDA events around its "
+                 "replay: every layer and its all-reduces; not the LM head, sampling or the "
+                 "host's work, which the step adds); batch-1 LoRA rows "
                  "use one adapter, batch-64 rows 16. Throughput: 256 requests at once, "
                  "128-token prompts, 64 new tokens, "
                  "request i on adapter i % 16 (not run for the NCCL-only row). 'all-reduce': "
