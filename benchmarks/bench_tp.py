@@ -1,11 +1,11 @@
 """Tensor parallelism: decode step time and throughput at TP 1 and 2, LoRA off and on,
-``fully_sharded_loras`` off and on; and at TP 2 the one-shot all-reduce against NCCL's.
+``fully_sharded_loras`` off and on.
 
 A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; every rank
 holds the slices of the same random model), 16 distinct rank-16 q/k/v/o adapters in PEFT's
 format. Each variant gets its own ``LLMEngine`` (max_num_seqs 64, 16 slots, CUDA graphs for
-decode, captured on every rank) in its own process, one after the other (the one-shot
-all-reduce can be set up once per process).
+decode, captured on every rank) in its own process, one after the other (each starts on
+empty GPUs).
 
 * **Decode step**: ``B`` requests (random 512-token prompts, request i on adapter i % 16 when
   LoRA is on) are prefilled, then 32 decode steps are timed one by one (``LLMEngine.step``,
@@ -43,18 +43,18 @@ from manylora.engine.llm_engine import LLMEngine
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 NUM_ADAPTERS = 16
 RANK = 16
-# (tensor_parallel_size, LoRA on, fully_sharded_loras, NCCL for every all-reduce)
-VARIANTS = [(1, False, False, False), (1, True, False, False), (2, False, False, False),
-            (2, True, False, False), (2, True, True, False), (2, False, False, True)]
+# (tensor_parallel_size, LoRA on, fully_sharded_loras)
+VARIANTS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False),
+            (2, True, True)]
 
 
-def build(model_dir: Path, tp: int, lora: bool, fully_sharded: bool, nccl_only: bool,
-          quick: bool) -> LLMEngine:
+def build(model_dir: Path, tp: int, lora: bool, fully_sharded: bool, quick: bool
+          ) -> LLMEngine:
     return LLMEngine(EngineArgs(
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True,
         device="cpu" if quick else "cuda", dtype="auto", tensor_parallel_size=tp,
         enable_lora=lora, fully_sharded_loras=fully_sharded,
-        disable_custom_all_reduce=nccl_only, max_loras=NUM_ADAPTERS,
+        max_loras=NUM_ADAPTERS,
         max_lora_rank=RANK, max_num_seqs=64, max_model_len=1024,
         num_kv_blocks=4096 if not quick else 512))
 
@@ -142,28 +142,27 @@ def weight_bytes(config: dict) -> int:
 def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
                 adapters: list[Path], quick: bool, results_q) -> None:
     """One variant in its own process; puts ``(batch-1 ms, its send ms, its graph GPU ms,
-    batch-64 ms, tok/s, whether the one-shot all-reduce was in use)`` on ``results_q``."""
-    tp, lora, fully, nccl_only = variant
+    batch-64 ms, tok/s)`` on ``results_q``."""
+    tp, lora, fully = variant
     config = TINY if quick else LLAMA3_8B
     vocab = config["vocab_size"]
     rng = random.Random(0)
     start = time.perf_counter()
-    engine = build(model_dir, tp, lora, fully, nccl_only, quick)
-    print(f"TP {tp}, LoRA {lora}, fully sharded {fully}, NCCL only {nccl_only}: engine "
+    engine = build(model_dir, tp, lora, fully, quick)
+    print(f"TP {tp}, LoRA {lora}, fully sharded {fully}: engine "
           f"built in {time.perf_counter() - start:.1f} s", flush=True)
     try:
-        one_shot = engine.tp_driver is not None and engine.tp_driver.tp.one_shot is not None
         b1, send1, graph1 = decode_step_ms(engine, 1, 32 if quick else 512, vocab, adapters,
                                            lora, rng)
         b64, _, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
                                 adapters, lora, rng)
-        rate = float("nan") if nccl_only else throughput(
+        rate = throughput(
             engine, vocab, adapters, lora, rng, *((16, 8, 4) if quick else (256, 128, 64)))
     finally:
         engine.shutdown()
     print(f"  batch-1 step {b1:.2f} ms (send {send1:.3f} ms, graph {graph1:.2f} ms), batch-64 "
-          f"step {b64:.2f} ms, {rate:,.0f} tok/s, one-shot all-reduce {one_shot}", flush=True)
-    results_q.put((b1, send1, graph1, b64, rate, one_shot))
+          f"step {b64:.2f} ms, {rate:,.0f} tok/s", flush=True)
+    results_q.put((b1, send1, graph1, b64, rate))
 
 
 def _result(q, proc, variant: tuple) -> tuple:
@@ -195,7 +194,7 @@ def main() -> None:
                                        torch.float32 if args.quick else torch.bfloat16)
         results = {}
         ctx = multiprocessing.get_context("spawn")
-        for variant in VARIANTS:        # each in a fresh process: see available_in_process
+        for variant in VARIANTS:
             results_q = ctx.Queue()
             proc = ctx.Process(target=run_variant, args=(variant, model_dir, adapters,
                                                          args.quick, results_q))
@@ -204,10 +203,9 @@ def main() -> None:
             proc.join()
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
-    for (tp, lora, fully, _), (b1, send1, graph1, b64, rate, one_shot) in results.items():
-        base = results[(1, lora, False, False)]
+    for (tp, lora, fully), (b1, send1, graph1, b64, rate) in results.items():
+        base = results[(1, lora, False)]
         rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
-                     "—" if tp == 1 else "one-shot ≤ 1 MiB" if one_shot else "NCCL",
                      f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{graph1:.2f}",
                      f"{graph1 / base[2]:.2f}", f"{floor1 / tp:.2f}",
                      f"{b64:.2f}", f"{b64 / base[3]:.2f}", f"{rate:,.0f}",
@@ -215,7 +213,7 @@ def main() -> None:
     gpu = gpu_name(device)
     record(f"Tensor parallelism ({gpu}): Llama-3-8B shape, decode step and throughput at TP 1 "
            "and 2", command_line("benchmarks.bench_tp"),
-           ["TP", "LoRA", "fully sharded", "all-reduce", "batch-1 step ms", "vs TP 1",
+           ["TP", "LoRA", "fully sharded", "batch-1 step ms", "vs TP 1",
             "of it send ms", "of it graph GPU ms", "graph vs TP 1",
             "floor ms (weights / BW / TP)", "batch-64 step ms", "vs TP 1",
             "tok/s (256 requests)", "vs TP 1"],
@@ -229,9 +227,7 @@ def main() -> None:
                  "host's work, which the step adds); batch-1 LoRA rows "
                  "use one adapter, batch-64 rows 16. Throughput: 256 requests at once, "
                  "128-token prompts, 64 new tokens, "
-                 "request i on adapter i % 16 (not run for the NCCL-only row). 'all-reduce': "
-                 "NCCL for every all-reduce (`disable_custom_all_reduce=True`) or the one-shot "
-                 "symmetric-memory all-reduce for those of at most 1 MiB. 'vs TP 1' compares "
+                 "request i on adapter i % 16. All-reduces: NCCL's. 'vs TP 1' compares "
                  "with TP 1 at the same LoRA setting. Floor: the bf16 weights one GPU reads per "
                  "step over the measured copy bandwidth (KV and adapters excluded).",
            write=not args.quick, device=device)

@@ -354,7 +354,9 @@ class LoRAConfig:
             that is otherwise replicated (vLLM's ``fully_sharded_loras``, after S-LoRA):
             A along the rank for column-parallel projections (``max_lora_rank`` must be
             divisible by the number of ranks), B along its output for row-parallel ones, at
-            the cost of one more collective per projection. No effect on one rank.
+            the cost of one more collective per column-parallel projection (an all-gather)
+            and two more per row-parallel one (an all-reduce, an all-gather). No effect on
+            one rank.
     """
 
     max_loras: int = 8

@@ -10,13 +10,11 @@ single-GPU code paths pay nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from manylora.distributed.symm_all_reduce import SymmetricAllReduce
 
 
 @dataclass(frozen=True)
@@ -27,8 +25,6 @@ class TPGroup:
         rank: this process's index in the group, in ``[0, size)``.
         size: the number of ranks the model is split over.
         group: the ``torch.distributed`` process group (None: the default, world group).
-        one_shot: the one-shot all-reduce of small tensors (``SymmetricAllReduce``, CUDA
-            only), or None: every all-reduce goes through ``torch.distributed`` (NCCL, gloo).
 
     Collectives must be entered by every rank of the group, in the same order, with tensors
     of the same shape and dtype (``torch.distributed``'s contract). Constructing a group
@@ -42,7 +38,6 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None
-    one_shot: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -56,14 +51,8 @@ class TPGroup:
         return cls(0, 1, None)
 
     @classmethod
-    def from_process_group(cls, group: Any = None, *, one_shot_device: torch.device | None = None,
-                           dtype: torch.dtype | None = None) -> TPGroup:
+    def from_process_group(cls, group: Any = None) -> TPGroup:
         """This process's rank and the size of ``group`` (None: the world group).
-
-        With ``one_shot_device`` (a CUDA device) and ``dtype``, small all-reduces of
-        ``dtype`` take the one-shot symmetric-memory path where it works
-        (``SymmetricAllReduce.create``: a collective, so every rank must pass the same
-        choice at the same point).
 
         Raises:
             RuntimeError: ``torch.distributed`` is not initialized.
@@ -71,10 +60,7 @@ class TPGroup:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized: call "
                                "init_process_group before building a tensor-parallel group")
-        one_shot = None
-        if one_shot_device is not None and dtype is not None:
-            one_shot = SymmetricAllReduce.create(group, one_shot_device, dtype)
-        return cls(dist.get_rank(group), dist.get_world_size(group), group, one_shot)
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     @property
     def is_single(self) -> bool:
@@ -96,8 +82,6 @@ class TPGroup:
         if self.size == 1:
             return t
         self._check()
-        if self.one_shot is not None and self.one_shot.applies(t):
-            return self.one_shot(t)
         if t.is_contiguous():
             dist.all_reduce(t, group=self.group)
         else:

@@ -59,10 +59,9 @@ class EngineArgs:
             rank r uses GPU r.
         fully_sharded_loras: under tensor parallelism, also split the half of each adapter
             that is otherwise whole on every rank (A of column-parallel projections, B of
-            row-parallel ones), at the cost of one more collective per projection (vLLM's).
-        disable_custom_all_reduce: under tensor parallelism on CUDA, sum every activation
-            with NCCL; by default those of at most 1 MiB (decode steps) take the one-shot
-            symmetric-memory all-reduce instead (vLLM's name for the same switch).
+            row-parallel ones), at the cost of one more collective per column-parallel
+            projection and two more per row-parallel one (vLLM's option; at rank 16 on two
+            H200s it made decode steps slower: BENCHMARKS.md).
     """
 
     model: str
@@ -94,7 +93,6 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     fully_sharded_loras: bool = False
-    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:

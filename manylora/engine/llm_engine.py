@@ -29,7 +29,6 @@ from manylora.config import (
 )
 from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from manylora.core.scheduler import Scheduler
-from manylora.distributed import symm_all_reduce
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
@@ -136,24 +135,11 @@ class LLMEngine:
         spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
                           str(dtype).removeprefix("torch."), self.device.type,
                           self.model_config.max_model_len, args.trust_remote_code, lora,
-                          args.block_size, args.kv_cache_dtype,
-                          one_shot_all_reduce=self._one_shot_all_reduce(args))
+                          args.block_size, args.kv_cache_dtype)
         if self.device.type == "cuda":
             self.device = rank_device("cuda", 0)
             torch.cuda.set_device(self.device)
         return TPDriver(spec, args.tensor_parallel_size)
-
-    def _one_shot_all_reduce(self, args: EngineArgs) -> bool:
-        """Whether the ranks sum small activations one-shot (CUDA, not disabled, and the
-        first tensor-parallel engine of this process: ``available_in_process``)."""
-        if args.disable_custom_all_reduce or self.device.type != "cuda":
-            return False
-        if not symm_all_reduce.available_in_process():
-            logger.warning("this process already built a tensor-parallel engine: the new one "
-                           "sums every activation with NCCL (the one-shot all-reduce's "
-                           "rendezvous works once per process)")
-            return False
-        return True
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers and the adapter loader threads. Under tensor

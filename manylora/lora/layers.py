@@ -34,7 +34,7 @@ the rank's part:
   A DoRA row stays exact: ``sum_i scale * (y_i + delta_i) + b = scale * (x W^T + delta) + b``.
 
 With ``fully_sharded`` (vLLM's ``fully_sharded_loras``, after S-LoRA) the replicated half is
-split too, for one more collective:
+split too, for more collectives:
 
 * column-parallel: A cut along the (padded) rank; each rank shrinks to its ``max_lora_rank /
   tp`` columns of the buffer and the buffer is all-gathered along the rank;

@@ -63,8 +63,6 @@ class WorkerSpec:
         lora: the adapter slots' config (None: LoRA off).
         block_size: tokens per KV block.
         kv_cache_dtype: ``"auto"``, ``"int8"`` or ``"fp8_e4m3"``.
-        one_shot_all_reduce: on CUDA, sum small activations with the one-shot
-            symmetric-memory all-reduce (``SymmetricAllReduce``) rather than NCCL's.
     """
 
     model_dir: str
@@ -77,15 +75,6 @@ class WorkerSpec:
     lora: LoRAConfig | None
     block_size: int
     kv_cache_dtype: str
-    one_shot_all_reduce: bool = True
-
-    def tp_group(self, rank: int) -> TPGroup:
-        """Rank ``rank``'s group, once ``torch.distributed`` is initialized (with the one-shot
-        all-reduce when asked for and on CUDA; a collective, entered by every rank)."""
-        device = rank_device(self.device_type, rank)
-        return TPGroup.from_process_group(
-            one_shot_device=device if self.one_shot_all_reduce else None,
-            dtype=getattr(torch, self.dtype))
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -132,7 +121,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_distributed(rank, tp_size, backend, init_method, timeout_s)
-    tp = spec.tp_group(rank)
+    tp = TPGroup.from_process_group()
     hf_config = load_hf_config(Path(spec.model_dir), spec.trust_remote_code)
     cfg = ModelConfig.from_hf(hf_config, getattr(torch, spec.dtype), spec.max_model_len)
     model = load_model(Path(spec.model_dir), cfg, device, spec.key_dict, spec.load_format, tp)
@@ -196,7 +185,7 @@ class TPDriver:
         except BaseException:
             self.workers.shutdown()
             raise
-        self.tp = spec.tp_group(0)
+        self.tp = TPGroup.from_process_group()
         self._stopped = False
 
     def send(self, msg: dict, tensors: dict | None = None) -> None:

@@ -112,7 +112,6 @@ def test_cuda_tensor_parallel_matches_peft(base_dir, loras):
         adapters = [None, loras[0], loras[1], loras[2], loras[0]]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, adapters,
                             use_tqdm=False)
-        assert llm.llm_engine.tp_driver.tp.one_shot is not None   # decode all-reduces one-shot
     finally:
         llm.llm_engine.shutdown()
     refs = hf_greedy_reference(base_dir, {lo.lora_name: lo.lora_path for lo in loras},
