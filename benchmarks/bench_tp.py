@@ -43,6 +43,8 @@ from manylora.engine.llm_engine import LLMEngine
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 NUM_ADAPTERS = 16
 RANK = 16
+#: Kinds of kernel time in ``kernel_breakdown``.
+KINDS = ("gemm", "collective", "lora", "other")
 # (tensor_parallel_size, LoRA on, fully_sharded_loras)
 VARIANTS = [(1, False, False), (1, True, False), (2, False, False), (2, True, False),
             (2, True, True)]
@@ -66,13 +68,39 @@ def _lora(adapters: list[Path], i: int, on: bool) -> LoRARequest | None:
     return LoRARequest(f"a{k}", k + 1, str(adapters[k]))
 
 
+def kernel_breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Rank 0's GPU kernels over ``steps`` engine steps (``torch.profiler``), per step: the
+    summed kernel time by kind, ms (``gemm``: cuBLAS, split-K reductions included;
+    ``collective``: NCCL; ``lora``: the shrink/expand kernels; ``other``: attention, norms,
+    rotary, copies, sampling), and ``count``, the kernels launched."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+    out = {"gemm": 0.0, "collective": 0.0, "lora": 0.0, "other": 0.0, "count": 0.0}
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        name = evt.key.lower()
+        kind = ("collective" if "nccl" in name else
+                "lora" if "shrink" in name or "expand" in name else
+                "gemm" if any(k in name for k in ("nvjet", "gemm", "cublas", "cutlass"))
+                else "other")
+        out[kind] += evt.self_device_time_total / 1e3 / steps
+        out["count"] += evt.count / steps
+    return out
+
+
 def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
-                   adapters: list[Path], lora: bool, rng: random.Random
-                   ) -> tuple[float, float, float]:
+                   adapters: list[Path], lora: bool, rng: random.Random,
+                   profile_steps: int = 0) -> tuple[float, float, float, dict | None]:
     """Medians over 32 decode steps of ``batch`` requests, ms: the step's wall time, the part
     of it rank 0 spends sending the step's inputs to the other ranks (0 at TP 1), and rank
     0's GPU time of the step's decode graph (CUDA events around its replay; nan without
-    CUDA graphs)."""
+    CUDA graphs); then, with ``profile_steps``, the ``kernel_breakdown`` of that many more
+    steps (else None)."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
                                                           for _ in range(prompt_len)]},
@@ -109,9 +137,11 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
     runner.on_step = send
     if runner.graphs is not None:
         del runner.graphs.run                                  # the class's method again
+    kernels = kernel_breakdown(engine, profile_steps) if profile_steps else None
     engine.abort_request(ids)
     graph_ms = statistics.median(s.elapsed_time(e) for s, e in events) if events else float("nan")
-    return (statistics.median(times) * 1e3, statistics.median(sends or [0.0]) * 1e3, graph_ms)
+    return (statistics.median(times) * 1e3, statistics.median(sends or [0.0]) * 1e3, graph_ms,
+            kernels)
 
 
 def throughput(engine: LLMEngine, vocab: int, adapters: list[Path], lora: bool,
@@ -142,7 +172,7 @@ def weight_bytes(config: dict) -> int:
 def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
                 adapters: list[Path], quick: bool, results_q) -> None:
     """One variant in its own process; puts ``(batch-1 ms, its send ms, its graph GPU ms,
-    batch-64 ms, tok/s)`` on ``results_q``."""
+    batch-64 ms, tok/s, the batch-1 kernel breakdown or None)`` on ``results_q``."""
     tp, lora, fully = variant
     config = TINY if quick else LLAMA3_8B
     vocab = config["vocab_size"]
@@ -152,9 +182,10 @@ def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
     print(f"TP {tp}, LoRA {lora}, fully sharded {fully}: engine "
           f"built in {time.perf_counter() - start:.1f} s", flush=True)
     try:
-        b1, send1, graph1 = decode_step_ms(engine, 1, 32 if quick else 512, vocab, adapters,
-                                           lora, rng)
-        b64, _, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
+        b1, send1, graph1, kernels = decode_step_ms(
+            engine, 1, 32 if quick else 512, vocab, adapters, lora, rng,
+            profile_steps=0 if quick else 10)
+        b64, _, _, _ = decode_step_ms(engine, 8 if quick else 64, 32 if quick else 512, vocab,
                                 adapters, lora, rng)
         rate = throughput(
             engine, vocab, adapters, lora, rng, *((16, 8, 4) if quick else (256, 128, 64)))
@@ -162,7 +193,7 @@ def run_variant(variant: tuple[int, bool, bool, bool], model_dir: Path,
         engine.shutdown()
     print(f"  batch-1 step {b1:.2f} ms (send {send1:.3f} ms, graph {graph1:.2f} ms), batch-64 "
           f"step {b64:.2f} ms, {rate:,.0f} tok/s", flush=True)
-    results_q.put((b1, send1, graph1, b64, rate))
+    results_q.put((b1, send1, graph1, b64, rate, kernels))
 
 
 def _result(q, proc, variant: tuple) -> tuple:
@@ -203,7 +234,7 @@ def main() -> None:
             proc.join()
         bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     floor1 = weight_bytes(config) / bandwidth * 1e3
-    for (tp, lora, fully), (b1, send1, graph1, b64, rate) in results.items():
+    for (tp, lora, fully), (b1, send1, graph1, b64, rate, _) in results.items():
         base = results[(1, lora, False)]
         rows.append([tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
                      f"{b1:.2f}", f"{b1 / base[0]:.2f}", f"{send1:.3f}", f"{graph1:.2f}",
@@ -231,6 +262,29 @@ def main() -> None:
                  "with TP 1 at the same LoRA setting. Floor: the bf16 weights one GPU reads per "
                  "step over the measured copy bandwidth (KV and adapters excluded).",
            write=not args.quick, device=device)
+    breakdown = [[tp, "rank-16 q/k/v/o" if lora else "off", "on" if fully else "off",
+                  f"{b1:.2f}", f"{graph1:.2f}", f"{sum(k[c] for c in KINDS):.2f}",
+                  *(f"{k[c]:.2f}" for c in KINDS), f"{k['count']:.0f}",
+                  f"{b1 - sum(k[c] for c in KINDS):.2f}", f"{floor1 / tp:.2f}"]
+                 for (tp, lora, fully), (b1, _, graph1, _, _, k) in results.items()
+                 if k is not None]
+    if breakdown:
+        record(f"Tensor parallelism ({gpu}): where a batch-1 decode step's time goes on rank 0",
+               command_line("benchmarks.bench_tp"),
+               ["TP", "LoRA", "fully sharded", "step ms", "graph GPU ms", "kernels ms",
+                "of them GEMM", "NCCL", "LoRA", "other", "kernels per step",
+                "step − kernels ms", "floor ms"],
+               breakdown,
+               notes="Same run as the table above. Kernels: `torch.profiler` over 10 more "
+                     "batch-1 steps, rank 0's CUDA kernel time per step by kind (GEMM: "
+                     "cuBLAS, split-K reductions included; NCCL: the all-reduces and the "
+                     "logits' all-gather; LoRA: shrink/expand; other: attention, norms, "
+                     "rotary, activation, KV writes, copies, sampling). 'step − kernels': "
+                     "the part of the step when rank 0's GPU runs no kernel: host work "
+                     "(scheduling, inputs, sending, sampling, outputs) and the gaps between "
+                     "a graph's kernels. Floor: the weights one GPU reads over the copy "
+                     "bandwidth.",
+               write=True, device=device)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,8 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
             ``SGMV_MIN_ROWS_PER_SLOT``, else BGMV.
 
     Returns:
-        The ``LoRAMapping``; its seven int32 tensors come from one host → device copy.
+        The ``LoRAMapping``; its seven int32 tensors come from one host → device copy
+        (pinned and non-blocking on CUDA).
 
     Raises:
         IndexError: a slot outside ``[-1, len(slot_ranks))``.
@@ -129,8 +130,9 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
     pad = max_loras - len(active)
     host = torch.tensor(
         list(token_slots) + [-1] * (total - num_rows) + list(slot_ranks) + sorted_rows
-        + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad + dora, dtype=torch.int32)
-    (indices, ranks, srows, act, start, length, dora_t) = host.to(device).split(
+        + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad + dora, dtype=torch.int32,
+        pin_memory=torch.device(device).type == "cuda")
+    (indices, ranks, srows, act, start, length, dora_t) = host.to(device, non_blocking=True).split(
         (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
     num_lora_rows = num_rows - len(base_rows)
     if schedule is None:

@@ -176,17 +176,28 @@ class ModelRunner:
             lora = build_lora_mapping(inputs.token_slots, inputs.slot_ranks, dev,
                                       slot_dora=inputs.slot_dora, pad_to=bucket)
         host = torch.tensor(inputs.ids + [0] * (pad - num_rows) + inputs.positions
-                            + [0] * (pad - num_rows), dtype=torch.int64)
-        input_ids, pos = host.to(dev).split((pad, pad))
+                            + [0] * (pad - num_rows), dtype=torch.int64,
+                            pin_memory=dev.type == "cuda")
+        input_ids, pos = host.to(dev, non_blocking=True).split((pad, pad))
         if bucket is None:
             return self._forward(input_ids, pos, attn, lora)
         key = (bucket, None if lora is None else lora.schedule)
         return self.graphs.run(key, (input_ids, pos, attn, lora))
 
     def logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        """float32 ``[len(sample_rows), vocab]``: the logits of the sampled rows."""
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        """float32 ``[len(sample_rows), vocab]``: the logits of the sampled rows.
+
+        Nothing here waits for the GPU: a decode step samples rows ``0..n-1``, a slice of
+        ``hidden``; other row lists go from pinned memory in a non-blocking copy (a pageable
+        one would first wait for the forward pass to end, leaving the GPU idle while the
+        host then launches the LM head and the sampler)."""
+        n = len(sample_rows)
+        if sample_rows == list(range(n)):
+            return self.model.compute_logits(hidden[:n])
+        rows = torch.tensor(sample_rows, dtype=torch.int64,
+                            pin_memory=self.device.type == "cuda")
+        return self.model.compute_logits(
+            hidden.index_select(0, rows.to(self.device, non_blocking=True)))
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
