@@ -72,17 +72,25 @@ def kernel_breakdown(engine: LLMEngine, steps: int) -> dict[str, float]:
     """Rank 0's GPU kernels over ``steps`` engine steps (``torch.profiler``), per step: the
     summed kernel time by kind, ms (``gemm``: cuBLAS, split-K reductions included;
     ``collective``: NCCL; ``lora``: the shrink/expand kernels; ``other``: attention, norms,
-    rotary, copies, sampling), and ``count``, the kernels launched."""
+    rotary, copies, sampling), and ``count``, the kernels launched. Prints the eight
+    costliest kernels.
+
+    Raises:
+        RuntimeError: a step had no request to run (the figures would be diluted).
+    """
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            engine.step()
+            if not engine.step():
+                raise RuntimeError("a profiled step ran no request")
     out = {"gemm": 0.0, "collective": 0.0, "lora": 0.0, "other": 0.0, "count": 0.0}
-    for evt in prof.key_averages():
-        if evt.device_type != DeviceType.CUDA:
-            continue
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    for evt in sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]:
+        print(f"    {evt.self_device_time_total / 1e3 / steps:7.3f} ms/step "
+              f"{evt.count / steps:5.0f}x  {evt.key[:90]}", flush=True)
+    for evt in kernels:
         name = evt.key.lower()
         kind = ("collective" if "nccl" in name else
                 "lora" if "shrink" in name or "expand" in name else
@@ -101,7 +109,7 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
     0's GPU time of the step's decode graph (CUDA events around its replay; nan without
     CUDA graphs); then, with ``profile_steps``, the ``kernel_breakdown`` of that many more
     steps (else None)."""
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40 + profile_steps, ignore_eos=True)
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(vocab)
                                                           for _ in range(prompt_len)]},
                               params, _lora(adapters, i, lora)) for i in range(batch)]
