@@ -190,7 +190,7 @@ class TPDriver:
 
     def send(self, msg: dict, tensors: dict | None = None) -> None:
         """Send one message to the workers: ``msg`` (plain values and small host tensors)
-        down every worker's pipe, then ``tensors``, if any, by ``broadcast_tensor_dict``.
+        down every worker's pipe, then ``tensors``, if any, by ``WorkerGroup.broadcast``.
 
         Raises:
             WorkerDiedError: a worker has died.
@@ -202,8 +202,8 @@ class TPDriver:
                     writer.send_bytes(data)
             except OSError as exc:
                 raise RuntimeError(f"a tensor-parallel worker's pipe failed: {exc}") from exc
-            if tensors is not None:
-                broadcast_tensor_dict(tensors, src=0)
+        if tensors is not None:
+            self.workers.broadcast(tensors)
 
     def allocate_kv(self, num_blocks: int, max_model_len: int,
                     graph_sizes: tuple[int, ...]) -> None:
