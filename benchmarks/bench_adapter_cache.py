@@ -172,10 +172,12 @@ def cold_start_note(llm: LLM, fresh: list[Path], vocab: int, loras: list[LoRAReq
                     stats: dict, quick: bool) -> str:
     """Time to first token for cold (disk), host-tier and resident adapters; H2D vs PCIe."""
     engine = llm.llm_engine
-    resident_id = next(i for i in engine.lora_manager.slot_to_id if i is not None)
+    resident_id = next(i for i in engine.engine_core.lora_manager.slot_to_id
+                       if i is not None)
     resident = [time_to_first_token(llm, loras[resident_id - 1], vocab) for _ in range(5)]
+    manager = engine.engine_core.lora_manager
     host_only = [lid for lid in range(1, len(loras) + 1)
-                 if engine.lora_manager.is_ready(lid) and not engine.lora_manager.is_resident(lid)]
+                 if manager.is_ready(lid) and not manager.is_resident(lid)]
     warm = [time_to_first_token(llm, loras[lid - 1], vocab) for lid in host_only[:5]]
     cold = [time_to_first_token(llm, LoRARequest(f"cold{i}", 10_000 + i, str(p)), vocab)
             for i, p in enumerate(fresh)]

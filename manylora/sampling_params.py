@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import operator
@@ -15,6 +16,22 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # The most top tokens ``logprobs`` may ask for per generated token (vLLM's default
 # ``max_logprobs`` is 20 too).
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a request reports (vLLM's ``RequestOutputKind``).
+
+    * ``CUMULATIVE``: after every step that gave it a token, the whole text, token ids and
+      log-probabilities so far.
+    * ``DELTA``: after every such step, only what is new since its previous output (text,
+      token ids, log-probabilities); ``cumulative_logprob`` is still the running sum.
+    * ``FINAL_ONLY``: one output, when it ends, with everything (what ``LLM.generate``
+      uses).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value: object) -> bool:
@@ -62,6 +79,8 @@ class SamplingParams:
             model distribution ``log_softmax(logits)`` before temperature, top-k, top-p and
             min-p (vLLM v1's default ``logprobs_mode="raw_logprobs"``). See
             ``CompletionOutput.logprobs``.
+        output_kind: which outputs the request reports while it runs
+            (:class:`RequestOutputKind`; default ``CUMULATIVE``).
 
     Treat instances as values: do not mutate them after construction (validation only runs
     in ``__post_init__``).
@@ -85,6 +104,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -100,7 +120,8 @@ class SamplingParams:
                 and below 1; ``min_tokens`` is negative or above ``max_tokens``; a stop
                 string is empty or not a str; a stop token id is not an int; ``seed`` is not
                 None and not an int; ``logprobs`` is not None and not an int in
-                ``[0, MAX_LOGPROBS]``.
+                ``[0, MAX_LOGPROBS]``; ``output_kind`` is not a
+                ``RequestOutputKind``.
         """
         # n
         if not _is_int(self.n):
@@ -200,6 +221,9 @@ class SamplingParams:
                     f"got logprobs={self.logprobs}."
                 )
 
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got "
+                             f"output_kind={self.output_kind!r}.")
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)

@@ -28,7 +28,7 @@ from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
 from manylora.lora.request import LoRARequest
-from manylora.sampling_params import SamplingParams
+from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class _Stream:
     first_token: float | None = None
     last_token: float | None = None
     num_tokens: int = 0
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 @dataclass
@@ -140,9 +141,11 @@ class AsyncLLM:
         """Add a request and yield its ``RequestOutput`` after every step that gave it a
         token, the last one with ``finished`` True.
 
-        Each output holds the request's whole text and token ids so far (vLLM's cumulative
-        output kind). Closing the iterator, or cancelling the task iterating it, aborts the
-        request and frees its KV blocks and adapter reference.
+        Each output holds what ``sampling_params.output_kind`` asks for: the whole text
+        and token ids so far (``CUMULATIVE``, the default), only what is new since the
+        previous output (``DELTA``), or everything once at the end (``FINAL_ONLY``).
+        Closing the iterator, or cancelling the task iterating it, aborts the request and
+        frees its KV blocks and adapter reference.
 
         Args:
             prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``).
@@ -276,7 +279,9 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.add_request(request_id, prompt, params, lora_request)
-        stream.num_prompt_tokens = self.engine.scheduler.requests[request_id].num_prompt_tokens
+        stream.num_prompt_tokens = len(
+            self.engine.output_processor.states[request_id].prompt_token_ids)
+        stream.kind = params.output_kind
         self._streams[request_id] = stream
 
     def _do_abort(self, ids: list[str], only: _Stream | None = None) -> None:
@@ -314,6 +319,8 @@ class AsyncLLM:
             if stream is None:
                 continue
             n = len(out.outputs[0].token_ids)
+            if stream.kind is RequestOutputKind.DELTA:
+                n += stream.num_tokens
             new = n - stream.num_tokens
             if new > 0:
                 stats.num_generation_tokens += new
@@ -347,15 +354,13 @@ class AsyncLLM:
                 logger.exception("stat logger %r failed", stat_logger)
 
     def _publish(self) -> None:
-        sched = self.engine.scheduler
+        stats = self.engine.scheduler_stats()
         with self._pending_lock:
             pending = self._pending_adds
         self._snapshot = EngineSnapshot(
-            num_running=len(sched.running), num_waiting=sched.num_waiting + pending,
-            max_loras=self.max_loras,
-            running_lora_adapters=_names(r.lora_request for r in sched.running),
-            waiting_lora_adapters=_names(sched.waiting_lora_requests()),
-            kv=self.engine.kv_cache_stats(), lora=self.engine.lora_cache_stats())
+            num_running=stats.num_running, num_waiting=stats.num_waiting + pending,
+            max_loras=self.max_loras, running_lora_adapters=stats.running_lora_adapters,
+            waiting_lora_adapters=stats.waiting_lora_adapters, kv=stats.kv, lora=stats.lora)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -397,6 +402,4 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_result(result)
 
 
-def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:
-    return tuple(sorted({r.lora_name for r in requests if r is not None}))
 

@@ -1,98 +1,189 @@
-"""Turns sampled tokens into text and decides when a request stops (vLLM's rules).
+"""The front's side of every step: the core's per-request deltas (new token ids, their
+log-probabilities, the core's finish reason) become text and ``RequestOutput`` (vLLM v1's
+``OutputProcessor``).
 
-Order of the checks for each new token: ``min_tokens`` holds every stop off; then EOS
-(unless ``ignore_eos``), ``stop_token_ids``, stop strings (the text is cut before the stop
-string unless ``include_stop_str_in_output``), and last the length caps (``max_tokens``,
-the context length).
+The core has already applied the token-level rules (``min_tokens``, EOS, ``stop_token_ids``,
+the length caps). Here each new token is detokenized incrementally and, once ``min_tokens``
+tokens exist, the text is searched for stop strings: a hit cuts the text before the stop
+string (after it with ``include_stop_str_in_output``), ends the request with ``"stop"`` even
+when the core had ended it on length, and the request is reported back so the core stops
+it too. A request that ends otherwise also gets the text its detokenizer held back (an
+incomplete UTF-8 tail).
 
-With ``SamplingParams.logprobs`` set, each token's :class:`TokenLogprobs` from the runner
-becomes one ``{token_id: Logprob}`` dict (sampled token first, then the top N, as vLLM's
+With ``SamplingParams.logprobs`` set, each token's :class:`TokenLogprobs` becomes one
+``{token_id: Logprob}`` dict (sampled token first, then the top N, as vLLM's
 ``LogprobsProcessor``), and the sampled log-probabilities add up in ``cumulative_logprob``.
+
+Per step the work is O(new tokens) per request, except what the request's
+``output_kind`` asks for: ``CUMULATIVE`` copies the whole output into each
+``RequestOutput``; ``DELTA`` and ``FINAL_ONLY`` do not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Iterable
 
 from manylora.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from manylora.engine.request import Request, RequestStatus
+from manylora.engine.protocol import EngineCoreOutput, FinishReason
+from manylora.lora.request import LoRARequest
 from manylora.sample.sampler import TokenLogprobs
+from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestState:
-    """Per-request output state: the detokenizer, the text as the user sees it and, when
-    ``SamplingParams.logprobs`` is set, the per-token ``logprobs`` dicts and their
-    ``cumulative_logprob`` (both None otherwise)."""
+    """One request's output state in the front.
 
-    def __init__(self, request: Request, tokenizer) -> None:
-        self.request = request
+    Attributes:
+        prompt, prompt_token_ids: the prompt (text or None; ids, a session's history
+            included).
+        output_token_ids: every token the request generated so far.
+        text: its text so far, as the user sees it (stop string cut off).
+        logprobs, cumulative_logprob: the per-token dicts and their running sum when
+            ``SamplingParams.logprobs`` is set, None otherwise.
+        finish_reason, stop_reason: set when it ended.
+        arrival_time: when the front accepted it (``time.monotonic``, seconds).
+        num_sent_tokens, num_sent_chars: how much of the output the ``DELTA`` outputs have
+            reported already.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, lora_request: LoRARequest | None, tokenizer,
+                 arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.lora_request = lora_request
+        self.arrival_time = arrival_time
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, request.token_ids, request.sampling_params.skip_special_tokens)
+            tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.output_token_ids: list[int] = []
         self.text = ""
-        wants = request.sampling_params.logprobs is not None
+        wants = params.logprobs is not None
         self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
         self.cumulative_logprob: float | None = 0.0 if wants else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
 
-    def to_output(self, status: RequestStatus | None) -> RequestOutput:
-        req = self.request
-        finish = status.value if status is not None and status.finished else None
-        completion = CompletionOutput(
-            0, self.text, list(req.output_token_ids), finish, req.stop_reason,
-            req.lora_request, self.cumulative_logprob,
-            None if self.logprobs is None else list(self.logprobs))
-        return RequestOutput(req.request_id, req.prompt, req.token_ids[:req.num_prompt_tokens],
-                             [completion], finish is not None, req.lora_request)
+    def make_output(self) -> RequestOutput | None:
+        """The ``RequestOutput`` its ``output_kind`` reports now (None: nothing to report)."""
+        kind = self.params.output_kind
+        finished = self.finish_reason is not None
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        tokens, text, logprobs = self.output_token_ids, self.text, self.logprobs
+        if kind is RequestOutputKind.DELTA:
+            start, chars = self.num_sent_tokens, self.num_sent_chars
+            tokens, text = tokens[start:], text[chars:]
+            logprobs = None if logprobs is None else logprobs[start:]
+            self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), len(self.text)
+        else:
+            tokens = list(tokens)
+            logprobs = None if logprobs is None else list(logprobs)
+        completion = CompletionOutput(0, text, tokens, self.finish_reason, self.stop_reason,
+                                      self.lora_request, self.cumulative_logprob, logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finished, self.lora_request)
 
 
 class OutputProcessor:
-    """Applies each step's new tokens to request states and finds finished requests.
+    """Applies the core's deltas to the front's request states.
 
     Args:
         tokenizer: a ``transformers`` tokenizer (for detokenization), or None: token ids
             only, the text stays empty.
-        eos_token_ids: the ids that end generation (generation config and tokenizer).
     """
 
-    def __init__(self, tokenizer, eos_token_ids: Collection[int]) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.states: dict[str, RequestState] = {}
         self._token_text: dict[int, str] = {}
 
-    def add(self, request: Request) -> None:
-        self.states[request.request_id] = RequestState(request, self.tokenizer)
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams, lora_request: LoRARequest | None,
+            arrival_time: float) -> None:
+        """Start tracking a request the core accepted."""
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
+                                               lora_request, self.tokenizer, arrival_time)
 
     def remove(self, request_id: str) -> RequestState | None:
         return self.states.pop(request_id, None)
 
-    def process_token(self, request_id: str, token: int,
-                      logprobs: TokenLogprobs | None = None) -> RequestStatus | None:
-        """Detokenize the request's newest token; its finish status, or None to go on.
-
-        A request that ends otherwise than on a stop string also gets the text its
-        detokenizer held back (an incomplete UTF-8 tail).
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's deltas.
 
         Args:
-            request_id: a request added with :meth:`add`.
-            token: its newly sampled token id.
-            logprobs: that token's log-probabilities from the runner; recorded when the
-                request's ``SamplingParams.logprobs`` is set, ignored otherwise.
+            outputs: the core's ``EngineCoreOutput``s of the step; those of requests the
+                front no longer tracks (aborted) are skipped.
+
+        Returns:
+            ``(request_outputs, stopped)``: the ``RequestOutput``s the requests' output
+            kinds report, and the ids of requests that a stop string ended while the core
+            still runs them (the caller ends them in the core with ``FinishReason.STOP``).
+            Finished requests are no longer tracked.
 
         Raises:
-            ValueError: the request asked for log-probabilities and ``logprobs`` is None.
+            ValueError: a request asked for log-probabilities and a token came without.
         """
-        state = self.states[request_id]
-        if state.logprobs is not None:
-            if logprobs is None:
-                raise ValueError(f"request {request_id!r} asked for logprobs, but token "
-                                 f"{token} came without them")
-            self._append_logprobs(state, token, logprobs)
-        status = self._check(state, token)
-        if (status is not None and state.detokenizer is not None
-                and not isinstance(state.request.stop_reason, str)):
-            state.text += state.detokenizer.flush()
-        return status
+        request_outputs: list[RequestOutput] = []
+        stopped: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:
+                continue
+            lps = out.new_logprobs
+            if state.logprobs is not None and lps is None and out.new_token_ids:
+                raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
+                                 f"{out.new_token_ids} came without them")
+            hit = False
+            last = len(out.new_token_ids) - 1
+            core_stop = out.finish_reason is FinishReason.STOP
+            for i, token in enumerate(out.new_token_ids):
+                state.output_token_ids.append(token)
+                if state.logprobs is not None:
+                    self._append_logprobs(state, token, lps[i])
+                if self._add_text(state, token, not (core_stop and i == last)):
+                    hit = True
+                    break
+            if hit:
+                state.finish_reason = FinishReason.STOP.value
+                if out.finish_reason is None:
+                    stopped.append(out.request_id)
+            elif out.finish_reason is not None:
+                state.finish_reason = out.finish_reason.value
+                state.stop_reason = out.stop_reason
+                if state.detokenizer is not None:
+                    state.text += state.detokenizer.flush()
+            output = state.make_output()
+            if output is not None:
+                request_outputs.append(output)
+            if state.finish_reason is not None:
+                del self.states[out.request_id]
+        return request_outputs, stopped
+
+    def _add_text(self, state: RequestState, token: int, check_stop: bool) -> bool:
+        """Detokenize one new token; True when it completed a stop string (the text is cut
+        and ``stop_reason`` set). ``check_stop`` False: the core ended the request on this
+        token (EOS or a stop token id), which no stop string overrides."""
+        if state.detokenizer is None:
+            return False
+        delta = state.detokenizer.append(token)
+        state.text += delta
+        params = state.params
+        if not (check_stop and delta and params.stop
+                and len(state.output_token_ids) >= params.min_tokens):
+            return False
+        found = check_stop_strings(state.text, len(delta), params.stop,
+                                   params.include_stop_str_in_output)
+        if found is None:
+            return False
+        state.text, index = found
+        state.stop_reason = params.stop[index]
+        return True
 
     def _append_logprobs(self, state: RequestState, token: int, lp: TokenLogprobs) -> None:
         """Add one position's ``{token_id: Logprob}`` dict and the sampled log-probability.
@@ -122,25 +213,3 @@ class OutputProcessor:
             text = "" if piece is None else self.tokenizer.convert_tokens_to_string([piece])
             self._token_text[token_id] = text
         return text
-
-    def _check(self, state: RequestState, token: int) -> RequestStatus | None:
-        req, params = state.request, state.request.sampling_params
-        delta = "" if state.detokenizer is None else state.detokenizer.append(token)
-        state.text += delta
-        n_out = req.num_output_tokens
-        if n_out >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop:
-                hit = check_stop_strings(state.text, len(delta), params.stop,
-                                         params.include_stop_str_in_output)
-                if hit is not None:
-                    state.text, index = hit
-                    req.stop_reason = params.stop[index]
-                    return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= req.max_total_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -41,6 +41,7 @@ class Request:
             output), so ``num_prompt_tokens`` counts the history too.
         block_hashes: the prefix-cache hashes of the full blocks of ``token_ids`` so far
             (filled by the KV cache manager, ``core.block_pool.extend_block_hashes``).
+        eos_token_ids: the ids that end generation unless ``ignore_eos``.
     """
 
     request_id: str
@@ -57,6 +58,7 @@ class Request:
     lora_digest: str | None = None
     session_id: str | None = None
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    eos_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

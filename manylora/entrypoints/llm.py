@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import RequestOutput
 from manylora.lora.request import LoRARequest
-from manylora.sampling_params import SamplingParams
+from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict
 
@@ -63,10 +64,14 @@ class LLM:
         loras = _per_prompt(lora_request, n, "lora_request")
         sessions = _per_prompt(session_id, n, "session_id")
         engine = self.llm_engine
+        final: dict[int, SamplingParams] = {}      # each request reports only its end
         ids: list[str] = []
         try:
             for prompt, p, lora, sid in zip(prompts, params, loras, sessions):
-                ids.append(engine.add_request(None, prompt, p, lora, sid))
+                if id(p) not in final:
+                    final[id(p)] = dataclasses.replace(
+                        p, output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(engine.add_request(None, prompt, final[id(p)], lora, sid))
         except Exception:
             engine.abort_request(ids)
             raise

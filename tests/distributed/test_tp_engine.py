@@ -71,9 +71,9 @@ def test_tensor_parallel_equals_one_rank(base_dir, loras, tp):
 def test_idle_engine_outlives_the_collective_timeout(base_dir, loras, monkeypatch):
     """Workers wait for rank 0's next message on a pipe, with no time limit: an engine idle
     for longer than the process group's timeout (3 s here, 300 s by default) still serves."""
-    import manylora.engine.llm_engine as llm_engine
+    import manylora.engine.core as engine_core
 
-    monkeypatch.setattr(llm_engine, "TPDriver", functools.partial(TPDriver, timeout_s=3.0))
+    monkeypatch.setattr(engine_core, "TPDriver", functools.partial(TPDriver, timeout_s=3.0))
     llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
     try:
         first = llm.generate(PROMPTS[:2], GREEDY, [None, loras[0]], use_tqdm=False)
@@ -89,7 +89,7 @@ def test_killed_worker_ends_the_engine_within_seconds(base_dir):
     llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2, enable_lora=False)
     try:
         assert llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-        pid = llm.llm_engine.tp_driver.workers.pids[1]
+        pid = llm.llm_engine.engine_core.tp_driver.workers.pids[1]
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(WorkerDiedError, match="rank 1"):

@@ -136,7 +136,7 @@ def test_adapters_sharing_a_name_keep_their_own_identity(base_dir, adapters):
     two = LoRARequest("shared", 2, str(adapters["a7"]))
     engine.add_request("one", prompt, GREEDY, one)
     engine.add_request("two", prompt, GREEDY, two)
-    reqs = engine.scheduler.requests
+    reqs = engine.engine_core.scheduler.requests
     assert reqs["one"].lora_digest and reqs["one"].lora_digest != reqs["two"].lora_digest
     outs = sorted(engine.generate_all(), key=lambda o: o.request_id)
     _assert_reference(outs, base_dir, {"one": adapters["a3"], "two": adapters["a7"]},
@@ -153,7 +153,7 @@ def test_adapter_changed_on_disk_after_eviction_ends_only_its_requests(base_dir,
     changing = LoRARequest("changing", 1, str(path))
     llm.generate([prompt], GREEDY, changing, use_tqdm=False)
     llm.generate([prompt], GREEDY, LoRARequest("a1", 2, str(adapters["a1"])), use_tqdm=False)
-    assert not engine.lora_manager.is_ready(1)              # evicted from both tiers
+    assert not engine.engine_core.lora_manager.is_ready(1)              # evicted from both tiers
     shutil.rmtree(path)
     shutil.copytree(adapters["a2"], path)                   # same path, other weights
     engine.add_request("victim", prompt, GREEDY, changing)
@@ -165,7 +165,7 @@ def test_adapter_changed_on_disk_after_eviction_ends_only_its_requests(base_dir,
 
 def test_host_tier_is_bounded_by_bytes(base_dir, adapters):
     llm = LLM(str(base_dir), **ENGINE, max_loras=1, max_cpu_loras=8)
-    manager = llm.llm_engine.lora_manager
+    manager = llm.llm_engine.engine_core.lora_manager
     llm.llm_engine.add_lora(LoRARequest("a1", 1, str(adapters["a1"])))
     one = manager.host_bytes
     bound = int(1.5 * one)
@@ -173,7 +173,7 @@ def test_host_tier_is_bounded_by_bytes(base_dir, adapters):
                   max_cpu_lora_bytes=bound)
     for i, name in enumerate(("a1", "a5")):          # the same shapes: one fits at a time
         bounded.llm_engine.add_lora(LoRARequest(name, i + 1, str(adapters[name])))
-        assert 0 < bounded.llm_engine.lora_manager.host_bytes <= bound
+        assert 0 < bounded.llm_engine.engine_core.lora_manager.host_bytes <= bound
     assert bounded.llm_engine.lora_cache_stats().host_evictions == 1
 
 

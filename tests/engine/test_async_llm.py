@@ -93,7 +93,7 @@ def test_closing_a_stream_aborts_and_frees_its_blocks(engine, loras):
     assert len(got[-1].outputs[0].token_ids) == 3 and not got[-1].finished
     assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 8
     _wait_idle(engine)
-    assert engine.engine.lora_manager._refs == {}
+    assert engine.engine.engine_core.lora_manager._refs == {}
 
 
 def _wait_idle(async_llm: AsyncLLM) -> None:
@@ -156,7 +156,7 @@ def test_remove_lora_lets_running_requests_finish(engine, loras):
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "length"
     assert len(rest[-1].outputs[0].token_ids) == 30
     _wait_idle(engine)
-    manager = engine.engine.lora_manager
+    manager = engine.engine.engine_core.lora_manager
     assert not manager.is_ready(loras[0].lora_int_id)
     assert loras[0].lora_int_id not in manager._known
     # a bare id for the removed adapter is now unknown; a path loads it again

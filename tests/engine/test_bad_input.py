@@ -78,7 +78,8 @@ def engine(llm):
     assert not eng.has_unfinished_requests()
     yield eng
     assert not eng.has_unfinished_requests()
-    assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.num_blocks
+    kv = eng.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def copy_adapter(src: Path, dst: Path) -> Path:
@@ -350,14 +351,15 @@ def test_bad_requests_do_not_disturb_good_ones(llm, engine, good_lora, tmp_path)
     (corrupt / "adapter_config.json").write_text("[]")
     with pytest.raises(LoRAAdapterError, match="not a PEFT LoRA config"):
         engine.add_request("bad-config", "hello", GREEDY8, lora(corrupt))
-    assert set(engine.scheduler.requests) == set(ids)
+    assert set(engine.engine_core.scheduler.requests) == set(ids)
 
     finished = run_to_completion(engine)
     assert set(finished) == set(ids)
     for rid in ids:
         comp = finished[rid].outputs[0]
         assert len(comp.token_ids) == 8 and comp.finish_reason == "length"
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    kv = engine.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
 
     fresh = llm.generate(PROMPTS, GREEDY8, loras, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in fresh] == \
@@ -386,7 +388,8 @@ def test_failing_generate_leaves_nothing_queued(llm, engine, good_lora, tmp_path
     with pytest.raises(error, match=match):
         llm.generate(prompts, GREEDY8, loras, use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    kv = engine.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
     # and the engine still serves
     outs = llm.generate(prompts[:3], GREEDY8, loras[:3], use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
@@ -406,7 +409,7 @@ def test_deleted_adapter_evicted_from_host_tier_aborts_only_its_requests(base_di
     eng.add_request("survivor", PROMPTS[2], GREEDY8, survivor)  # evicts doomed from host tier
     eng.add_request("doomed-2", PROMPTS[1], GREEDY8, doomed)    # reloaded: evicts survivor
     eng.add_request("survivor-2", PROMPTS[0], GREEDY8, survivor)  # evicts doomed again
-    assert eng.lora_manager.slot_of(doomed.lora_int_id) is None
+    assert eng.engine_core.lora_manager.slot_of(doomed.lora_int_id) is None
     shutil.rmtree(doomed_dir)
 
     finished = run_to_completion(eng)
@@ -416,7 +419,8 @@ def test_deleted_adapter_evicted_from_host_tier_aborts_only_its_requests(base_di
     for rid in ("base", "survivor", "survivor-2"):
         comp = finished[rid].outputs[0]
         assert comp.finish_reason == "length" and len(comp.token_ids) == 8
-    assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.num_blocks
+    kv = eng.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(FileNotFoundError):
         eng.add_request(None, "hello", GREEDY8, doomed)
     # the survivors' tokens are what a fresh run gives

@@ -95,7 +95,7 @@ def test_dora_plain_and_base_rows_in_one_batch_match_peft(llama):
     llm, outs = _generate(base, adapters, prompts, NAMES, max_loras=3, max_lora_rank=8,
                           max_num_batched_tokens=32)
     _assert_matches(outs, refs, NAMES)
-    manager = llm.llm_engine.lora_manager
+    manager = llm.llm_engine.engine_core.lora_manager
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     for slot, lid in enumerate(manager.slot_to_id):
         if lid is not None:
@@ -171,7 +171,7 @@ def test_qwen2_qkv_bias_with_dora_matches_peft(tmp_path):
     refs = hf_greedy_reference(base, adapters, prompts, names, MAX_NEW)
     llm, outs = _generate(base, adapters, prompts, names, max_loras=2, max_lora_rank=4)
     _assert_matches(outs, refs, names)
-    qkv = llm.llm_engine.model.model.layers[0].self_attn.qkv_proj
+    qkv = llm.llm_engine.engine_core.model.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None and qkv.lora.dora_shift_stacked is not None
 
 
@@ -184,7 +184,7 @@ def test_cuda_graphs_with_dora_swaps_match_peft(llama):
     reqs = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in NAMES]
     llm = LLM(str(base), device="cuda", dtype="float32", max_loras=2, max_lora_rank=8,
               num_kv_blocks=128, block_size=4)
-    graphs = llm.llm_engine.runner.graphs
+    graphs = llm.llm_engine.engine_core.runner.graphs
     captured = graphs.num_graphs
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                         lora_request=reqs, use_tqdm=False)

@@ -83,8 +83,8 @@ def test_eos_ends_generation_unless_ignored(llm):
     full = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=10,
                                                    ignore_eos=True), use_tqdm=False)[0]
     tok_id = full.outputs[0].token_ids[3]
-    saved = engine.output_processor.eos_token_ids
-    engine.output_processor.eos_token_ids = frozenset({eos, tok_id})
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({eos, tok_id})
     try:
         stopped = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=10),
                                use_tqdm=False)[0].outputs[0]
@@ -94,7 +94,7 @@ def test_eos_ends_generation_unless_ignored(llm):
         held = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=10,
                                                        min_tokens=8), use_tqdm=False)[0].outputs[0]
     finally:
-        engine.output_processor.eos_token_ids = saved
+        engine.eos_token_ids = saved
     first = full.outputs[0].token_ids.index(tok_id)
     assert stopped.token_ids == full.outputs[0].token_ids[:first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
@@ -107,7 +107,7 @@ def test_eos_ids_come_from_the_generation_config(llm, demo_set):
 
     eos = GenerationConfig.from_pretrained(demo_set.base_dir).eos_token_id
     eos = eos if isinstance(eos, list) else [eos]
-    assert set(eos) <= llm.llm_engine.output_processor.eos_token_ids
+    assert set(eos) <= llm.llm_engine.eos_token_ids
 
 
 def test_cli_generate(demo_set, capsys):

@@ -70,7 +70,7 @@ def unquantized(trained):
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_kv_agrees_with_unquantized(trained, unquantized, kv_dtype):
     llm = LLM(str(trained), **ENGINE, num_kv_blocks=256, kv_cache_dtype=kv_dtype)
-    cache = llm.llm_engine.runner.kv_caches[0]
+    cache = llm.llm_engine.engine_core.runner.kv_caches[0]
     assert cache.data.dtype == {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     agree, mean_diff = _agreement(unquantized, outs)
@@ -86,7 +86,7 @@ def test_quantized_kv_swaps_out_and_back(trained):
     big = LLM(str(trained), **ENGINE, num_kv_blocks=256, kv_cache_dtype="int8")
     small = LLM(str(trained), **ENGINE, num_kv_blocks=14, kv_cache_dtype="int8",
                 enable_prefix_caching=False, swap_space=0.01)
-    small.llm_engine.scheduler.kv.cost = PreemptionCost(1.0, 0.0, 0.0)     # always swap
+    small.llm_engine.engine_core.scheduler.kv.cost = PreemptionCost(1.0, 0.0, 0.0)     # always swap
     outs = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [
         o.outputs[0].token_ids for o in big.generate(prompts, params, use_tqdm=False)]

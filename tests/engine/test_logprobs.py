@@ -174,7 +174,7 @@ def test_logprobs_survive_preemption(demo_set, hf_models):
               num_kv_blocks=16, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions > 0
     for out in outs:
         _assert_matches_reference(out, hf_models[None], 2, llm.get_tokenizer())
 
@@ -216,7 +216,7 @@ def test_cuda_graph_decode_matches_eager(demo_set):
         llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_num_seqs=8,
                   num_kv_blocks=128, block_size=16, enforce_eager=eager)
         if not eager:
-            assert llm.llm_engine.runner.graphs is not None
+            assert llm.llm_engine.engine_core.runner.graphs is not None
         results.append(llm.generate(PROMPTS, params, use_tqdm=False))
         del llm
         torch.cuda.empty_cache()

@@ -89,13 +89,14 @@ def test_mixed_batch_matches_peft(demo_set, prompts, reference):
                            max_lora_rank=32, max_num_batched_tokens=48, block_size=4,
                            num_kv_blocks=256)
     engine = llm.llm_engine
-    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    kv = engine.engine_core.scheduler.kv
+    assert kv.num_free_blocks == kv.num_blocks
 
 
 def test_fewer_slots_than_adapters(demo_set, prompts, reference):
     llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=2,
                            max_cpu_loras=2, max_lora_rank=32, num_kv_blocks=256, block_size=8)
-    manager = llm.llm_engine.lora_manager
+    manager = llm.llm_engine.engine_core.lora_manager
     stats = llm.llm_engine.lora_cache_stats()
     assert stats.device_misses >= len(demo_set.adapters)     # 4 adapters through 2 slots
     assert all(slot is not None for slot in manager.slot_to_id)
@@ -107,7 +108,7 @@ def test_preemption_keeps_outputs_and_frees_blocks(demo_set, prompts, reference)
     # all fit, so the newest running requests are preempted and re-prefilled.
     llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=4,
                            max_lora_rank=32, block_size=4, num_kv_blocks=40)
-    scheduler = llm.llm_engine.scheduler
+    scheduler = llm.llm_engine.engine_core.scheduler
     assert scheduler.num_preemptions > 0
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
     assert not scheduler.running and not scheduler.waiting

@@ -124,7 +124,7 @@ def test_preempted_requests_swap_out_and_back(base_dir, adapters):
     a1 = LoRARequest("a1", 1, str(adapters["a1"]))
     small = LLM(str(base_dir), **ENGINE, num_kv_blocks=24, enable_prefix_caching=False,
                 swap_space=0.01)
-    kv = small.llm_engine.scheduler.kv
+    kv = small.llm_engine.engine_core.scheduler.kv
     assert kv.host.num_blocks > 0 and kv.cost.per_block > 0 and kv.cost.per_token > 0
     kv.cost = PreemptionCost(per_token=1.0, per_token_pair=0.0, per_block=0.0)  # always swap
     outs = small.generate(prompts, params, a1, use_tqdm=False)

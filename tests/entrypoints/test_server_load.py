@@ -39,7 +39,7 @@ def test_200_streams_8_adapters_quarter_disconnect(base_dir, adapters):
         assert snap.kv.used_blocks == 0
         assert snap.kv.cached_blocks + snap.kv.free_blocks == snap.kv.num_blocks
         assert not server.engine.engine.has_unfinished_requests()
-        assert server.engine.engine.lora_manager._refs == {}
+        assert server.engine.engine.engine_core.lora_manager._refs == {}
         ended = {s.labels["finished_reason"]: s.value for f in
                  text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
                  for s in f.samples if s.name == "manylora:request_success_total"

@@ -1,0 +1,434 @@
+"""``EngineCore``: the scheduler, the KV cache, the adapter cache and the model runner,
+stepped one batch at a time on token ids (vLLM v1's ``EngineCore``).
+
+A step: ``Scheduler.schedule`` picks the requests and token counts (at most ``max_loras``
+distinct adapters), ``LoRAManager.activate`` binds their adapters to device slots,
+``ModelRunner.execute`` runs the batch and samples, ``Scheduler.update`` appends the tokens,
+and the token-level stop rules (``core.stop``) end requests, whose blocks go back. What the
+step reports is a delta per request (``EngineCoreOutputs``): its new token ids and their
+log-probabilities, and why it ended. Text, stop strings and ``RequestOutput`` belong to the
+front, ``LLMEngine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from manylora.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_device,
+    resolve_dtype,
+)
+from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
+from manylora.core.scheduler import Scheduler
+from manylora.core.stop import check_stop
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+from manylora.engine.request import Request, RequestStatus
+from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.layers import dora_row_norm
+from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
+from manylora.lora.request import LoRARequest
+from manylora.lora.sizing import slot_bytes, slots_for_memory
+from manylora.model.hub import resolve_model_path
+from manylora.model.loader import load_hf_config, load_model
+from manylora.ops.attention import KVCache
+from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
+from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
+from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
+from manylora.worker.model_runner import ModelRunner
+from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+           RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+           RequestStatus.FINISHED_ABORTED: FinishReason.ABORT}
+_STATUS = {reason: status for status, reason in _FINISH.items()}
+
+
+class EngineCore:
+    """The engine on token ids: requests in, one scheduled and executed step at a time,
+    per-request deltas out.
+
+    Args:
+        args: every engine setting (the tokenizer ones are the front's and unused here).
+
+    Raises:
+        CheckpointError, ValueError, FileNotFoundError: a bad checkpoint or setting.
+
+    Bad requests (``add_request``) raise ``ValueError`` naming the problem and leave the
+    core serving every request it already accepted.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        model_dir = resolve_model_path(args.model, args.revision)
+        self.model_dir = model_dir
+        hf_config = load_hf_config(model_dir, args.trust_remote_code)
+        self.device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, self.device, hf_config)
+        self.model_config = ModelConfig.from_hf(hf_config, dtype, args.max_model_len)
+        cfg = self.model_config
+        self.tp_driver = self._start_tensor_parallel(args, model_dir, dtype)
+        tp = self.tp_driver.tp if self.tp_driver is not None else None
+        self.model = load_model(model_dir, cfg, self.device, args.key_dict, args.load_format, tp)
+
+        self.lora_config: LoRAConfig | None = None
+        self.lora_manager: LoRAManager | None = None
+        max_useful = -(-cfg.max_model_len // args.block_size) * args.max_num_seqs
+        slots_first = args.enable_lora and args.lora_device_cache_percent is None
+        if slots_first:
+            self._create_lora(args, model_dir, args.max_loras)
+        # this rank's heads under tensor parallelism; rank 0 sizes the cache for every rank
+        # (each holds the same shard sizes on the same kind of GPU)
+        rank_cfg = self.model.cfg
+        num_blocks = args.num_kv_blocks or auto_num_blocks(
+            rank_cfg, args.block_size, self.device, args.gpu_memory_utilization,
+            args.max_num_batched_tokens, max_useful, kv_cache_dtype=args.kv_cache_dtype)
+        self.cache_config = CacheConfig(
+            args.block_size, num_blocks, args.kv_cache_dtype, args.enable_prefix_caching,
+            int(args.swap_space * 2**30 // block_bytes(rank_cfg, args.block_size,
+                                                      args.kv_cache_dtype)))
+        self.max_model_len = min(cfg.max_model_len, num_blocks * args.block_size)
+        if self.max_model_len < cfg.max_model_len:
+            logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "
+                           "more", cfg.max_model_len, self.max_model_len)
+        kv_caches = allocate_kv_caches(rank_cfg, num_blocks, args.block_size, self.device,
+                                       args.kv_cache_dtype)
+        kv_manager = self._create_kv_manager(kv_caches)
+        if args.enable_lora and not slots_first:
+            self._create_lora(args, model_dir, self._slots_from_memory(args))
+        max_loras = self.lora_config.max_loras if self.lora_config else 0
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
+                            args.lora_aging_steps),
+            kv_manager, self.lora_manager)
+        graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
+            n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
+        self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
+                                  self.max_model_len, graph_sizes)
+        if self.tp_driver is not None:
+            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
+        self.runner.capture_graphs()
+        if self.tp_driver is not None:
+            self.runner.on_step = self.tp_driver.step
+            if self.lora_manager is not None:
+                self.lora_manager.on_write_slot = self.tp_driver.write_slot
+                self.lora_manager.background_dora_reads = False
+        # the start-up heap (modules, weights' Python objects, configs) never becomes
+        # garbage: keep the collector from walking it every generation-2 pass
+        gc.collect()
+        gc.freeze()
+
+    def _start_tensor_parallel(self, args: EngineArgs, model_dir, dtype: torch.dtype
+                               ) -> TPDriver | None:
+        """Start ranks 1..N-1 and join their process group (None at one rank)."""
+        if args.tensor_parallel_size == 1:
+            return None
+        if args.swap_space:
+            raise ValueError("swap_space is not supported with tensor_parallel_size > 1 yet")
+        if args.lora_device_cache_percent is not None:
+            raise ValueError("lora_device_cache_percent is not supported with "
+                             "tensor_parallel_size > 1 yet: set max_loras")
+        self.model_config.shard(args.tensor_parallel_size)       # ValueError if it won't split
+        lora = _lora_config(args, args.max_loras) if args.enable_lora else None
+        spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
+                          str(dtype).removeprefix("torch."), self.device.type,
+                          self.model_config.max_model_len, args.trust_remote_code, lora,
+                          args.block_size, args.kv_cache_dtype)
+        if self.device.type == "cuda":
+            self.device = rank_device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        return TPDriver(spec, args.tensor_parallel_size)
+
+    def _create_kv_manager(self, kv_caches: list[KVCache]) -> KVCacheManager:
+        """The block allocator, with swap space (and its measured cost) when configured."""
+        cc = self.cache_config
+        self.swapper = None
+        cost = None
+        if cc.num_host_blocks:
+            self.swapper = KVSwapper(kv_caches, cc.num_host_blocks)
+            cost = measure_preemption_cost(self.model_config, self.swapper, cc.num_blocks)
+            logger.info("swap space: %d blocks; per block %.1f us, recompute %.2f us per token",
+                        cc.num_host_blocks, cost.per_block * 1e6, cost.per_token * 1e6)
+        return KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                              cc.num_host_blocks, cost)
+
+    def _create_lora(self, args: EngineArgs, model_dir, max_loras: int) -> None:
+        cfg = self.model_config
+        self.lora_config = _lora_config(args, max_loras)
+        slots = self.model.create_lora_slots(self.lora_config)
+        model = self.model
+
+        def dora_norm(layer: int, module: str, a: torch.Tensor, b: torch.Tensor):
+            if self.tp_driver is None:
+                return dora_row_norm(model.lora_module_weight(layer, module), a, b)
+            # every rank holds part of the base weight: the norm is a collective, started
+            # here on the engine's thread (DoRA adapters are never read on loader threads)
+            self.tp_driver.dora_norm(layer, module, a, b)
+            return model.lora_dora_norm(layer, module, a, b)
+
+        target = AdapterTarget(
+            cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
+            self.lora_config.target_modules, cfg.dtype, (args.model, str(model_dir)),
+            dora_norm=dora_norm)
+        self.lora_manager = LoRAManager(self.lora_config, target, slots)
+
+    def _slots_from_memory(self, args: EngineArgs) -> int:
+        """Slots in ``lora_device_cache_percent`` of the GPU memory left free now."""
+        if self.device.type != "cuda":
+            raise ValueError("lora_device_cache_percent sizes slots from free GPU memory; on "
+                             f"{self.device} set max_loras instead")
+        cfg = self.model_config
+        biased = ("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()
+        per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
+                              args.lora_target_modules, args.max_lora_rank, cfg.dtype, biased)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot)
+        logger.info("LoRA device cache: %d slots of %.1f MiB (%.0f%% of %.1f GiB free)",
+                    slots, per_slot / 2**20, 100 * args.lora_device_cache_percent, free / 2**30)
+        return slots
+
+
+    def add_request(self, request: EngineCoreRequest) -> list[int]:
+        """Queue a request; the session history prepended to its prompt (empty without
+        ``session_id``).
+
+        With ``session_id``, the request is the next turn of that multi-turn session
+        (TurboMind's interactive mode): ``prompt_token_ids`` holds only the turn's new
+        tokens, the session supplies its history (earlier prompts and outputs), and the KV
+        of that history, kept since the last turn or found in the prefix cache, is not
+        prefilled again. A session whose turns change adapter recomputes its history under
+        the new one. ``end_session`` frees what the session holds.
+
+        Raises:
+            ValueError: an empty prompt, ids outside the vocabulary, a prompt (with its
+                session's history) that leaves no room to generate within max_model_len, a
+                duplicate id, a session with a turn still in flight, a LoRA request while
+                LoRA is off, or an adapter that cannot be served (``LoRAAdapterError``,
+                ``FileNotFoundError``).
+        """
+        rid, params, session_id = request.request_id, request.sampling_params, request.session_id
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        ids = request.prompt_token_ids
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
+        history: list[int] = []
+        if session_id is not None:
+            if not isinstance(session_id, str) or not session_id:
+                raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+            history = self.scheduler.sessions.history(session_id)
+            ids = history + ids
+        if len(ids) >= self.max_model_len:
+            where = f" ({len(history)} of them the session's history)" if history else ""
+            raise ValueError(f"the prompt has {len(ids)} tokens{where}, but the context holds "
+                             f"{self.max_model_len} (max_model_len) with room for at least one "
+                             "generated token")
+        lora_request = request.lora_request
+        digest = None
+        if lora_request is not None:
+            digest = self._lora_manager(lora_request).add(lora_request)
+        limit = len(ids) + (params.max_tokens or self.max_model_len)
+        req = Request(rid, None, list(ids), params, lora_request,
+                      min(limit, self.max_model_len), arrival_time=request.arrival_time,
+                      lora_digest=digest, session_id=session_id,
+                      eos_token_ids=request.eos_token_ids)
+        self.scheduler.add_request(req)
+        return history
+
+    def _lora_manager(self, lora_request: LoRARequest) -> LoRAManager:
+        if self.lora_manager is None:
+            raise ValueError(f"LoRA request {lora_request.lora_name!r}: LoRA is disabled "
+                             "(enable_lora=False)")
+        return self.lora_manager
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``).
+
+        Raises:
+            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``.
+        """
+        manager = self._lora_manager(lora_request)
+        manager.add(lora_request)
+        manager.release(lora_request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``).
+
+        Returns:
+            True when it is gone (or was never loaded); False while requests still use it,
+            in which case nothing changes: call again when they have finished.
+        """
+        return self.lora_manager is None or self.lora_manager.remove(lora_int_id)
+
+    def end_session(self, session_id: str) -> bool:
+        """End a multi-turn session: blocks only it held are freed (its full blocks stay in
+        the prefix cache for other requests). A turn in flight finishes first. False when
+        the session is unknown."""
+        return self.scheduler.end_session(session_id)
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        """The KV cache's state and counters: blocks total, used, cached and free; prefix
+        queries and hits (tokens); preemptions, recomputed tokens, swapped blocks."""
+        return self.scheduler.kv.snapshot()
+
+    def lora_cache_stats(self) -> LoRACacheStats:
+        """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
+        if self.lora_manager is None:
+            return LoRACacheStats()
+        return dataclasses.replace(self.lora_manager.stats)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The core's state now: running and waiting requests and their adapters, the KV
+        cache's and the adapter cache's counters."""
+        sched = self.scheduler
+        return SchedulerStats(
+            len(sched.running), sched.num_waiting,
+            _names(r.lora_request for r in sched.running),
+            _names(sched.waiting_lora_requests()),
+            self.kv_cache_stats(), self.lora_cache_stats())
+
+    def _finish(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            req = self.scheduler.requests.get(rid)
+            if req is not None and req.lora_int_id and self.lora_manager is not None:
+                self.lora_manager.release(req.lora_int_id)
+        self.scheduler.finish_requests(request_ids, status)
+
+    def abort_requests(self, request_ids: Sequence[str],
+                       reason: FinishReason = FinishReason.ABORT) -> None:
+        """End requests now; their blocks and adapter references go back. Unknown or
+        finished ids are ignored.
+
+        Args:
+            request_ids: the requests.
+            reason: ``ABORT`` (the caller gave up on them), or ``STOP`` when the front found
+                a stop string: a session's turn that stops so keeps its KV for the next turn.
+        """
+        self._finish(request_ids, _STATUS[reason])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one step; an ``EngineCoreOutput`` for every request that got a token or
+        ended."""
+        outputs = self._end_failed_adapters()
+        out = self.scheduler.schedule()
+        if out.swaps:
+            self.swapper.apply(out.swaps)
+        self.runner.release(out.finished_ids)
+        lora_slots, failed = self._activate_adapters()
+        outputs.extend(failed)
+        if not failed:
+            if self.lora_manager is not None:
+                self.lora_manager.prefetch(
+                    self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
+            if out.scheduled:
+                outputs.extend(self._execute(out, lora_slots))
+        return EngineCoreOutputs(outputs)
+
+    def _execute(self, out, lora_slots: dict[int, int]) -> list[EngineCoreOutput]:
+        with (self.tp_driver.workers.guard() if self.tp_driver is not None
+              else contextlib.nullcontext()):        # a dead worker: WorkerDiedError
+            sampled = self.runner.execute(out, lora_slots, self._slot_ranks(),
+                                          self._slot_dora())
+        self.scheduler.update(out, sampled.tokens)
+        requests = self.scheduler.requests
+        outputs = []
+        finished: dict[RequestStatus, list[str]] = {}
+        for rid, token in sampled.tokens.items():
+            req = requests[rid]
+            status = check_stop(req)
+            lp = sampled.logprobs.get(rid)
+            reason = None
+            if status is not None:
+                finished.setdefault(status, []).append(rid)
+                reason = _FINISH[status]
+            outputs.append(EngineCoreOutput(rid, [token], None if lp is None else [lp],
+                                            reason, req.stop_reason))
+        for status, ids in finished.items():
+            self._finish(ids, status)
+        return outputs
+
+    def _slot_ranks(self) -> list[int]:
+        return self.lora_manager.slot_ranks if self.lora_manager else []
+
+    def _slot_dora(self) -> list[int]:
+        return self.lora_manager.slot_dora if self.lora_manager else []
+
+    def _end_failed_adapters(self) -> list[EngineCoreOutput]:
+        """End the requests of adapters whose background re-read failed."""
+        if self.lora_manager is None:
+            return []
+        outputs = []
+        for error in self.lora_manager.poll():
+            outputs.extend(self._end_adapter_requests(error))
+        return outputs
+
+    def _end_adapter_requests(self, error: AdapterReloadError) -> list[EngineCoreOutput]:
+        logger.error("adapter %d: %s; its requests are aborted", error.lora_int_id, error)
+        ids = [r.request_id for r in self.scheduler.requests.values()
+               if r.lora_int_id == error.lora_int_id]
+        self._finish(ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in ids]
+
+    def _activate_adapters(self) -> tuple[dict[int, int], list[EngineCoreOutput]]:
+        if self.lora_manager is None:
+            return {}, []
+        wanted = {r.lora_int_id: r.lora_request for r in self.scheduler.running if r.lora_int_id}
+        try:
+            return self.lora_manager.activate(wanted.values()), []
+        except AdapterReloadError as e:
+            # An adapter that loaded once failed to reload (files removed or changed): end
+            # its requests; the next step re-plans the others.
+            return {}, self._end_adapter_requests(e)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and the adapter loader threads, and give the
+        start-up heap back to the garbage collector. Under tensor parallelism the decode
+        graphs are destroyed first (their captured collectives hold the NCCL communicator)
+        and the core cannot step again."""
+        if self.tp_driver is not None:
+            if getattr(self, "runner", None) is not None:
+                self.runner.release_graphs()
+            self.tp_driver.shutdown()
+        if self.lora_manager is not None:
+            self.lora_manager.shutdown()
+        gc.unfreeze()
+
+
+def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:
+    """The slots' config for ``max_loras`` slots (the host tier holds at least as many
+    adapters as there are slots when the slots are sized from memory)."""
+    max_cpu_loras = args.max_cpu_loras
+    if args.lora_device_cache_percent is not None:
+        max_cpu_loras = max(max_cpu_loras, max_loras)
+    return LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras, args.lora_target_modules,
+                      args.max_cpu_lora_bytes, args.fully_sharded_loras)
+
+
+def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r is not None}))
