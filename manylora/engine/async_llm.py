@@ -26,9 +26,9 @@ import torch
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import RequestOutput
-from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
+from manylora.engine.stats import EngineSnapshot, IterationStats
 from manylora.lora.request import LoRARequest
-from manylora.sampling_params import RequestOutputKind, SamplingParams
+from manylora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +49,12 @@ class StatLogger(Protocol):
 
 @dataclass
 class _Stream:
-    """One request's output queue on its caller's event loop, and its timing."""
+    """One request's output queue on its caller's event loop, and when it arrived
+    (``time.monotonic``, seconds)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float
-    lora_name: str | None
-    num_prompt_tokens: int = 0
-    first_token: float | None = None
-    last_token: float | None = None
-    num_tokens: int = 0
-    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
 
 @dataclass
@@ -169,8 +164,7 @@ class AsyncLLM:
             self._pending_adds += 1
         request_id = f"async-{next(self._ids)}" if request_id is None else request_id
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic(),
-                         lora_request.lora_name if lora_request else None)
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic())
         added = finished = False
         try:
             try:
@@ -234,13 +228,14 @@ class AsyncLLM:
                     block = not (self.engine.has_unfinished_requests() or self._pending_removals)
                     if not self._take_commands(block):
                         break
-                    outputs = (self.engine.step() if self.engine.has_unfinished_requests()
-                               else [])
+                    stats = IterationStats()
+                    outputs = (self.engine.step(stats)
+                               if self.engine.has_unfinished_requests() else [])
                     # before the outputs go out: a caller that sees its request finish also
                     # sees the adapter it waited on gone
                     self._remove_unused_adapters()
                     self._publish()
-                    self._dispatch(outputs)
+                    self._dispatch(outputs, stats)
         except Exception as e:       # a failed step: every stream learns why
             logger.exception("the engine loop stopped")
             self._error = e
@@ -278,25 +273,20 @@ class AsyncLLM:
             self._pending_adds -= 1
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.add_request(request_id, prompt, params, lora_request)
-        stream.num_prompt_tokens = len(
-            self.engine.output_processor.states[request_id].prompt_token_ids)
-        stream.kind = params.output_kind
+        self.engine.add_request(request_id, prompt, params, lora_request,
+                                arrival_time=stream.arrival)
         self._streams[request_id] = stream
 
     def _do_abort(self, ids: list[str], only: _Stream | None = None) -> None:
         live = [rid for rid in ids if rid in self._streams
                 and (only is None or self._streams[rid] is only)]
-        self.engine.abort_request(live)
+        if not live:
+            return
         stats = IterationStats()
-        now = time.monotonic()
+        self.engine.abort_request(live, stats)
         for rid in live:
-            stream = self._streams.pop(rid)
-            stats.finished.append(FinishedRequestStats(
-                "abort", now - stream.arrival, stream.num_prompt_tokens, stream.num_tokens,
-                stream.lora_name))
-        if live:
-            self._log(stats)
+            del self._streams[rid]
+        self._log(stats)
 
     def _do_add_lora(self, lora_request: LoRARequest) -> None:
         self.engine.add_lora(lora_request)
@@ -310,35 +300,16 @@ class AsyncLLM:
             if self.engine.remove_lora(lid):
                 self._pending_removals.discard(lid)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
-        stats = IterationStats()
+    def _dispatch(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
+        self._log(stats)
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            n = len(out.outputs[0].token_ids)
-            if stream.kind is RequestOutputKind.DELTA:
-                n += stream.num_tokens
-            new = n - stream.num_tokens
-            if new > 0:
-                stats.num_generation_tokens += new
-                if stream.first_token is None:
-                    stream.first_token = now
-                    stats.num_prompt_tokens += stream.num_prompt_tokens
-                    stats.time_to_first_tokens.append(now - stream.arrival)
-                else:
-                    stats.inter_token_latencies.append(now - stream.last_token)
-                stream.last_token = now
-                stream.num_tokens = n
             if out.finished:
                 del self._streams[out.request_id]
-                stats.finished.append(FinishedRequestStats(
-                    out.outputs[0].finish_reason, now - stream.arrival,
-                    stream.num_prompt_tokens, n, stream.lora_name))
             batches.setdefault(stream.loop, []).append((stream, out))
-        self._log(stats)
         # one wake-up of each caller's event loop per step, not one per request
         gone = [out.request_id for loop, batch in batches.items()
                 if not _call_soon(loop, _put_all, batch)

@@ -12,6 +12,7 @@ front, ``LLMEngine``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -130,10 +131,7 @@ class EngineCore:
             if self.lora_manager is not None:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
                 self.lora_manager.background_dora_reads = False
-        # the start-up heap (modules, weights' Python objects, configs) never becomes
-        # garbage: keep the collector from walking it every generation-2 pass
-        gc.collect()
-        gc.freeze()
+        _freeze_startup_heap()
 
     def _start_tensor_parallel(self, args: EngineArgs, model_dir, dtype: torch.dtype
                                ) -> TPDriver | None:
@@ -418,6 +416,22 @@ class EngineCore:
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
         gc.unfreeze()
+
+
+def _freeze_startup_heap() -> None:
+    """Move every object alive now out of the collector's reach (vLLM's ``gc.freeze`` after
+    start-up): the start-up heap (modules, configs, tokenizer) never becomes garbage, so
+    generation-2 collections stop walking it. ``EngineCore.shutdown`` and interpreter exit
+    give it back."""
+    gc.collect()
+    gc.freeze()
+    global _unfreeze_at_exit
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)       # extension modules' leak checks run at exit
+        _unfreeze_at_exit = True
+
+
+_unfreeze_at_exit = False
 
 
 def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:

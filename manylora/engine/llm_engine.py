@@ -24,6 +24,7 @@ from manylora.engine.core import EngineCore
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats
+from manylora.engine.stats import IterationStats
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
@@ -108,13 +109,14 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | dict,
                     params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None,
-                    session_id: str | None = None) -> str:
+                    session_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; its id.
 
         With ``session_id``, the request is the next turn of that multi-turn session
         (TurboMind's interactive mode): ``prompt`` holds only the turn's new tokens, the
         session supplies its history (see ``EngineCore.add_request``); the outputs'
-        ``prompt_token_ids`` include that history.
+        ``prompt_token_ids`` include that history. ``arrival_time`` (``time.monotonic``,
+        seconds; default now) is when the caller received the request, for its latencies.
 
         Raises:
             ValueError: a bad prompt, a prompt (with its session's history) that leaves no
@@ -133,7 +135,7 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
-        arrival = time.monotonic()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         history = self.engine_core.add_request(EngineCoreRequest(
             request_id, ids, params, lora_request, self.eos_token_ids, session_id, arrival))
         self.output_processor.add(request_id, text, history + ids if history else ids,
@@ -170,21 +172,28 @@ class LLMEngine:
         """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
         return self.engine_core.lora_cache_stats()
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests now; their blocks go back. Unknown ids are ignored."""
+    def abort_request(self, request_ids: str | Sequence[str],
+                      stats: IterationStats | None = None) -> None:
+        """Stop requests now; their blocks go back. Unknown ids are ignored. With
+        ``stats``, each one still running is counted there as finished with ``"abort"``."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            self.output_processor.remove(rid)
+            self.output_processor.abort(rid, stats)
         self.engine_core.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.engine_core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, stats: IterationStats | None = None) -> list[RequestOutput]:
         """Run one step; an output for every request that reports one this step (see
-        ``SamplingParams.output_kind``: every step that gave it a token, or only its end)."""
+        ``SamplingParams.output_kind``: every step that gave it a token, or only its end).
+
+        Args:
+            stats: when given, the step's tokens, latencies and finished requests are
+                added to it.
+        """
         core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, stats)
         if stopped:          # stop strings the front found: the core stops them too
             self.engine_core.abort_requests(stopped, FinishReason.STOP)
         return outputs

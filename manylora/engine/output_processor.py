@@ -16,19 +16,33 @@ With ``SamplingParams.logprobs`` set, each token's :class:`TokenLogprobs` become
 
 Per step the work is O(new tokens) per request, except what the request's
 ``output_kind`` asks for: ``CUMULATIVE`` copies the whole output into each
-``RequestOutput``; ``DELTA`` and ``FINAL_ONLY`` do not.
+``RequestOutput``; ``DELTA`` and ``FINAL_ONLY`` do not. A ``DELTA`` output never carries
+text a stop string might still cut away: an unfinished request's last
+``max(len(stop)) - 1`` characters wait for the next token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 
 from manylora.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from manylora.engine.protocol import EngineCoreOutput, FinishReason
+from manylora.engine.stats import FinishedRequestStats, IterationStats
 from manylora.lora.request import LoRARequest
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import RequestOutputKind, SamplingParams
+
+
+def stop_holdback(stop: Sequence[str], include_stop_str_in_output: bool) -> int:
+    """How many trailing characters of an unfinished request's text a ``DELTA`` output
+    holds back (vLLM's stop-string buffer): ``max(len(s) for s in stop) - 1``, since the
+    next token may complete a stop string that is then cut away; 0 without stop strings or
+    when the stop string is kept in the output."""
+    if not stop or include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in stop) - 1
 
 
 class RequestState:
@@ -43,8 +57,12 @@ class RequestState:
             ``SamplingParams.logprobs`` is set, None otherwise.
         finish_reason, stop_reason: set when it ended.
         arrival_time: when the front accepted it (``time.monotonic``, seconds).
+        first_token_time, last_token_time: when its first and latest tokens were processed
+            (``time.monotonic``, seconds).
         num_sent_tokens, num_sent_chars: how much of the output the ``DELTA`` outputs have
             reported already.
+        holdback: trailing characters a ``DELTA`` output of the unfinished request keeps
+            back (:func:`stop_holdback`), so that no part of a stop string is ever sent.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -67,6 +85,9 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
+        self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
+        self.first_token_time: float | None = None
+        self.last_token_time = 0.0
 
     def make_output(self) -> RequestOutput | None:
         """The ``RequestOutput`` its ``output_kind`` reports now (None: nothing to report)."""
@@ -77,9 +98,10 @@ class RequestState:
         tokens, text, logprobs = self.output_token_ids, self.text, self.logprobs
         if kind is RequestOutputKind.DELTA:
             start, chars = self.num_sent_tokens, self.num_sent_chars
-            tokens, text = tokens[start:], text[chars:]
+            end = len(text) if finished else max(chars, len(text) - self.holdback)
+            tokens, text = tokens[start:], text[chars:end]
             logprobs = None if logprobs is None else logprobs[start:]
-            self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), len(self.text)
+            self.num_sent_tokens, self.num_sent_chars = len(self.output_token_ids), end
         else:
             tokens = list(tokens)
             logprobs = None if logprobs is None else list(logprobs)
@@ -109,16 +131,23 @@ class OutputProcessor:
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                lora_request, self.tokenizer, arrival_time)
 
-    def remove(self, request_id: str) -> RequestState | None:
-        return self.states.pop(request_id, None)
+    def abort(self, request_id: str, stats: IterationStats | None = None) -> None:
+        """Stop tracking a request the caller gave up on (unknown ids are ignored); with
+        ``stats``, it is counted as finished with ``"abort"``."""
+        state = self.states.pop(request_id, None)
+        if state is not None and stats is not None:
+            _finished(stats, state, FinishReason.ABORT.value, time.monotonic())
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
+                        stats: IterationStats | None = None
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Apply one step's deltas.
 
         Args:
             outputs: the core's ``EngineCoreOutput``s of the step; those of requests the
                 front no longer tracks (aborted) are skipped.
+            stats: when given, the step's tokens and latencies are added to it (vLLM's
+                ``IterationStats``: timed here, per token, whatever the output kinds).
 
         Returns:
             ``(request_outputs, stopped)``: the ``RequestOutput``s the requests' output
@@ -131,10 +160,13 @@ class OutputProcessor:
         """
         request_outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        now = time.monotonic()
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue
+            if stats is not None and out.new_token_ids:
+                _count_tokens(stats, state, len(out.new_token_ids), now)
             lps = out.new_logprobs
             if state.logprobs is not None and lps is None and out.new_token_ids:
                 raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
@@ -163,6 +195,8 @@ class OutputProcessor:
                 request_outputs.append(output)
             if state.finish_reason is not None:
                 del self.states[out.request_id]
+                if stats is not None:
+                    _finished(stats, state, state.finish_reason, now)
         return request_outputs, stopped
 
     def _add_text(self, state: RequestState, token: int, check_stop: bool) -> bool:
@@ -213,3 +247,22 @@ class OutputProcessor:
             text = "" if piece is None else self.tokenizer.convert_tokens_to_string([piece])
             self._token_text[token_id] = text
         return text
+
+
+def _count_tokens(stats: IterationStats, state: RequestState, num_new: int,
+                  now: float) -> None:
+    stats.num_generation_tokens += num_new
+    if state.first_token_time is None:
+        state.first_token_time = now
+        stats.num_prompt_tokens += len(state.prompt_token_ids)
+        stats.time_to_first_tokens.append(now - state.arrival_time)
+    else:
+        stats.inter_token_latencies.append(now - state.last_token_time)
+    state.last_token_time = now
+
+
+def _finished(stats: IterationStats, state: RequestState, reason: str, now: float) -> None:
+    stats.finished.append(FinishedRequestStats(
+        reason, now - state.arrival_time, len(state.prompt_token_ids),
+        len(state.output_token_ids),
+        state.lora_request.lora_name if state.lora_request is not None else None))

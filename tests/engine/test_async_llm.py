@@ -200,7 +200,7 @@ def test_a_failed_step_ends_every_stream(base_dir, monkeypatch):
     def broken_step():
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(async_llm.engine, "step", broken_step)
+    monkeypatch.setattr(async_llm.engine.engine_core, "step", broken_step)
 
     async def main():
         with pytest.raises(EngineDeadError, match="device lost"):

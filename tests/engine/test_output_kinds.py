@@ -130,3 +130,25 @@ def test_session_turn_ended_by_a_stop_string_keeps_its_history(llm):
 def test_output_kind_must_be_a_request_output_kind():
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
+
+
+def test_delta_outputs_never_carry_part_of_a_stop_string(llm):
+    engine = llm.llm_engine
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=24,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop.strip()) == 3, text
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop],
+                            output_kind=RequestOutputKind.DELTA)
+    rid = engine.add_request(None, PROMPTS[0], params)
+    sent = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id != rid:
+                continue
+            sent += out.outputs[0].text
+            if not out.finished:
+                # what was sent so far never reaches into the stop string's first character
+                assert len(sent) <= text.index(stop)
+    assert sent == text[:text.index(stop)]

@@ -157,7 +157,7 @@ def test_full_waiting_queue_is_503_and_others_finish(base_dir):
                         max_num_seqs=1) as (server, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         done: list[str] = []
-        engine = server.engine.engine
+        engine = server.engine.engine.engine_core
         step = engine.step
 
         def slow_step():          # a tiny model steps in a millisecond: keep requests busy

@@ -78,7 +78,7 @@ async def _load(url: str, names: list[str]):
 
 def test_non_streamed_request_aborted_when_client_leaves(base_dir):
     with running_server(base_dir) as (server, url):
-        engine = server.engine.engine
+        engine = server.engine.engine.engine_core
         step = engine.step
 
         def slow_step():          # a tiny model steps in a millisecond: keep the request busy

@@ -1,6 +1,6 @@
 """Unit tests of the OpenAI serving layer without a server or a model: request validation,
-log-probability formatting, streamed text hold-back, SSE framing, and the endpoints driven
-by a fake engine (canned cumulative outputs) to check response shapes and clean-up."""
+log-probability formatting, SSE framing, and the endpoints driven by a fake engine (canned
+outputs of the kind each request asks for) to check response shapes and clean-up."""
 
 from __future__ import annotations
 
@@ -25,13 +25,11 @@ from manylora.entrypoints.openai.protocol import (
 from manylora.entrypoints.openai.serving import (
     SSE_DONE,
     MergedStream,
-    TextDelta,
     check_context_length,
     child_sampling_params,
     chunk_event,
     make_sampling_params,
     sse_event,
-    stop_holdback,
     to_openai_error,
     usage_info,
 )
@@ -40,6 +38,7 @@ from manylora.entrypoints.openai.serving_completion import (
     OpenAIServingCompletion,
     completion_logprobs,
 )
+from manylora.sampling_params import RequestOutputKind
 
 
 def _status(fn, *args, **kwargs) -> OpenAIError:
@@ -175,35 +174,6 @@ def test_chat_logprobs_top_list_holds_only_the_most_likely():
     assert as_ids.token == "token_id:5" and as_ids.top_logprobs[0].token == "token_id:1"
 
 
-# ------------------------------------------------------------------------ text deltas
-
-
-def test_stop_holdback():
-    assert stop_holdback(None, False) == 0
-    assert stop_holdback(["ab", "wxyz"], False) == 3
-    assert stop_holdback(["ab", "wxyz"], True) == 0
-
-
-def test_text_delta_never_sends_part_of_a_stop_string():
-    delta = TextDelta(stop_holdback(["STOP"], False))
-    sent = [delta.update("Hello", False), delta.update("Hello ST", False),
-            delta.update("Hello STO", False)]
-    # the engine found "STOP" and cut it away
-    sent.append(delta.update("Hello ", True))
-    assert "".join(sent) == "Hello "
-    assert not any("S" in s for s in sent)
-
-
-def test_text_delta_flushes_on_finish_and_survives_shrinking_text():
-    delta = TextDelta(2)
-    assert delta.update("abcdef", False) == "abcd"
-    assert delta.update("abc", False) == ""
-    assert delta.update("abcdefgh", True) == "efgh"
-    assert delta.update("abcdefgh", True) == ""
-    plain = TextDelta()
-    assert [plain.update(t, False) for t in ("a", "ab", "abc")] == ["a", "b", "c"]
-
-
 # ------------------------------------------------------------------------ SSE and helpers
 
 
@@ -298,12 +268,18 @@ class FakeEngine:
             raise self.fail
         self.seen_params.append(sampling_params)
         self.running.add(request_id)
+        kind = sampling_params.output_kind
         try:
+            sent = ""
             for step, text in enumerate(self.script):
                 await asyncio.sleep(0)
                 if self.die_after is not None and step == self.die_after:
                     raise EngineDeadError("the engine stopped")
                 last = step == len(self.script) - 1
+                if kind is RequestOutputKind.FINAL_ONLY and not last:
+                    continue
+                if kind is RequestOutputKind.DELTA:        # the script holds whole texts
+                    text, sent = text[len(sent):], text
                 ids = [ord(c) for c in text]
                 logprobs = None
                 if sampling_params.logprobs is not None:
@@ -353,23 +329,22 @@ def test_completion_non_streaming_shape_and_usage():
     assert [p.max_tokens for p in engine.seen_params] == [16] * 4
 
 
-def test_completion_streaming_holds_back_and_reports_usage():
+def test_completion_streaming_sends_deltas_and_reports_usage():
     async def run():
         engine = FakeEngine(["x", "xy", "xyz", "xyzw"])
         serving = OpenAIServingCompletion(engine, FakeModels())
         stream = await serving.create_completion(CompletionRequest(
             model="base", prompt="p", stream=True, stop=["abc"], logprobs=0,
             stream_options={"include_usage": True}))
-        return await _drain(stream)
+        return [p.output_kind for p in engine.seen_params], await _drain(stream)
 
-    events = asyncio.run(run())
+    engine_kinds, events = asyncio.run(run())
     assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
     assert all(c["usage"] is None for c in chunks)
-    assert "".join(c["choices"][0]["text"] for c in chunks) == "xyzw"
-    # two characters are held back until the choice finishes
-    assert chunks[0]["choices"][0]["text"] == ""
+    assert [c["choices"][0]["text"] for c in chunks] == list("xyzw")
+    assert engine_kinds == [RequestOutputKind.DELTA]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == list("xyzw")
     offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]

@@ -6,9 +6,9 @@
   parallel sampling: child ``i`` gets ``n=1`` and ``seed + i``).
 * :class:`MergedStream`: the child requests' output streams run concurrently and merged
   into one, each child's outputs in order; closing it aborts every unfinished child.
-* :class:`TextDelta`: turns the engine's cumulative text into streamed deltas, holding back
-  the last ``max(len(stop)) - 1`` characters of an unfinished choice so that no part of a
-  stop string is ever sent (vLLM's stop-string buffer).
+* The engine requests of a streamed HTTP request report ``DELTA`` outputs (only what is
+  new, with no part of a stop string ever in them), the others ``FINAL_ONLY`` (one output
+  at the end): :func:`output_kind`.
 * Server-sent event framing (:func:`sse_event`, :data:`SSE_DONE`, :func:`sse_error`),
   usage counts, and the mapping of engine errors to HTTP errors (:func:`to_openai_error`).
 
@@ -28,7 +28,7 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,7 @@ from manylora.entrypoints.openai.errors import (
 )
 from manylora.entrypoints.openai.protocol import StreamOptions, UsageInfo
 from manylora.lora.request import LoRARequest
-from manylora.sampling_params import SamplingParams
+from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ __all__ = [
     "ChildRequest",
     "MergedStream",
     "OpenAIServing",
-    "TextDelta",
     "check_context_length",
     "guard_stream",
     "child_sampling_params",
@@ -65,7 +64,7 @@ __all__ = [
     "random_id",
     "sse_error",
     "sse_event",
-    "stop_holdback",
+    "output_kind",
     "to_openai_error",
     "token_text",
     "usage_info",
@@ -149,40 +148,6 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
     return None
 
 
-def stop_holdback(stop: Sequence[str] | None, include_stop_str_in_output: bool) -> int:
-    """How many trailing characters of an unfinished choice's text to hold back:
-    ``max(len(s) for s in stop) - 1`` (a stop string may be completed by the next token,
-    and the engine then cuts it away), 0 without stop strings or when the stop string is
-    kept in the output."""
-    if not stop or include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in stop) - 1
-
-
-class TextDelta:
-    """Turns one choice's cumulative text into the deltas to stream.
-
-    Args:
-        holdback: characters to keep back while the choice is unfinished
-            (:func:`stop_holdback`).
-    """
-
-    def __init__(self, holdback: int = 0) -> None:
-        self.holdback = max(0, holdback)
-        self.sent = 0
-
-    def update(self, text: str, finished: bool) -> str:
-        """The part of ``text`` not sent yet: all of it once ``finished``, else all but the
-        last ``holdback`` characters. Empty when there is nothing new (or the text shrank
-        below what was sent, which the hold-back prevents for stop strings)."""
-        end = len(text) if finished else len(text) - self.holdback
-        if end <= self.sent:
-            return ""
-        delta = text[self.sent:end]
-        self.sent = end
-        return delta
-
-
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
                          *, prompt_param: str = "prompt",
                          max_tokens_param: str = "max_tokens") -> int:
@@ -230,6 +195,12 @@ def make_sampling_params(**fields: Any) -> SamplingParams:
         message = str(e)
         first = message.split(" ", 1)[0]
         raise bad_request(message, param=first if first in _SAMPLING_FIELDS else None) from None
+
+
+def output_kind(stream: bool) -> RequestOutputKind:
+    """What the engine reports for a request: ``DELTA`` when streamed (each chunk is the
+    new part), else ``FINAL_ONLY`` (the response is built from the last output)."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 def child_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:

@@ -32,16 +32,15 @@ from manylora.entrypoints.openai.serving import (
     ChildRequest,
     MergedStream,
     OpenAIServing,
-    TextDelta,
     check_context_length,
     child_sampling_params,
     chunk_event,
     clamp_logprob,
     guard_stream,
     make_sampling_params,
+    output_kind,
     random_id,
     sse_event,
-    stop_holdback,
     token_text,
     usage_info,
 )
@@ -108,7 +107,6 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
 
 @dataclass
 class _ChoiceState:
-    delta: TextDelta
     num_tokens: int = 0
 
 
@@ -193,7 +191,8 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=(True if request.skip_special_tokens is None
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            logprobs=(request.top_logprobs or 0) if request.logprobs else None)
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            output_kind=output_kind(bool(request.stream)))
         base_id = random_id("chatcmpl")
         n = request.n or 1
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
@@ -230,9 +229,7 @@ class OpenAIServingChat(OpenAIServing):
         created = self.now()
         options = request.stream_options
         num_prompt_tokens = len(children[0].prompt_token_ids)
-        states = [_ChoiceState(TextDelta(stop_holdback(c.params.stop,
-                                                       c.params.include_stop_str_in_output)))
-                  for c in children]
+        states = [_ChoiceState() for _ in children]
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -265,16 +262,15 @@ class OpenAIServingChat(OpenAIServing):
                index: int, state: _ChoiceState,
                output: RequestOutput) -> ChatCompletionStreamResponse | None:
         """The chunk for a choice's new output; None when it brings nothing to send."""
-        out = output.outputs[0]
+        out = output.outputs[0]          # a DELTA output: only what is new
         finished = out.finish_reason is not None
-        text = state.delta.update(out.text, finished)
-        new_ids = out.token_ids[state.num_tokens:]
+        text = out.text
+        new_ids = out.token_ids
         logprobs = None
         if request.logprobs and new_ids and out.logprobs is not None:
-            logprobs = chat_logprobs(new_ids, out.logprobs[state.num_tokens:],
-                                     request.top_logprobs or 0,
+            logprobs = chat_logprobs(new_ids, out.logprobs, request.top_logprobs or 0,
                                      bool(request.return_tokens_as_token_ids))
-        state.num_tokens = len(out.token_ids)
+        state.num_tokens += len(new_ids)
         if not text and logprobs is None and not finished:
             return None
         return ChatCompletionStreamResponse(

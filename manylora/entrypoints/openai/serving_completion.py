@@ -27,16 +27,15 @@ from manylora.entrypoints.openai.serving import (
     ChildRequest,
     MergedStream,
     OpenAIServing,
-    TextDelta,
     check_context_length,
     child_sampling_params,
     chunk_event,
     clamp_logprob,
     guard_stream,
     make_sampling_params,
+    output_kind,
     random_id,
     sse_event,
-    stop_holdback,
     token_text,
     usage_info,
 )
@@ -95,7 +94,6 @@ class _Prompt:
 
 @dataclass
 class _ChoiceState:
-    delta: TextDelta
     echo: str | None
     num_tokens: int = 0
     offset: int = 0
@@ -145,7 +143,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 skip_special_tokens=(True if request.skip_special_tokens is None
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
-                logprobs=request.logprobs)
+                logprobs=request.logprobs,
+                output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
                                              prompt.text, child_params))
@@ -229,9 +228,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       merged: MergedStream, num_prompt_tokens: int) -> AsyncIterator[str]:
         created = self.now()
         options = request.stream_options
-        states = [_ChoiceState(TextDelta(stop_holdback(c.params.stop,
-                                                       c.params.include_stop_str_in_output)),
-                               echoes[c.prompt_index]) for c in children]
+        states = [_ChoiceState(echoes[c.prompt_index]) for c in children]
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -260,20 +257,20 @@ class OpenAIServingCompletion(OpenAIServing):
         """The chunk for a choice's new output; None when it brings no new token (a chunk
         whose text is empty still marks a token's arrival, as vLLM's: held back for a stop
         string, an incomplete UTF-8 character, or no tokenizer)."""
-        out = output.outputs[0]
+        out = output.outputs[0]          # a DELTA output: only what is new
         finished = out.finish_reason is not None
-        text = state.delta.update(out.text, finished)
+        text = out.text
         if state.echo is not None:
             text, state.echo = state.echo + text, None
-        new_ids = out.token_ids[state.num_tokens:]
+        new_ids = out.token_ids
         logprobs = None
         if request.logprobs is not None and new_ids and out.logprobs is not None:
-            steps = out.logprobs[state.num_tokens:]
+            steps = out.logprobs
             logprobs = completion_logprobs(new_ids, steps, request.logprobs, state.offset,
                                            bool(request.return_tokens_as_token_ids))
             state.offset += sum(len(token_text(t, _decoded(e, t)))
                                 for t, e in zip(new_ids, steps))
-        state.num_tokens = len(out.token_ids)
+        state.num_tokens += len(new_ids)
         if not text and not new_ids and not finished:
             return None
         return CompletionStreamResponse(
