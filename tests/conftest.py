@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The engine core runs in this process unless a test asks for its own process (the
+# `engine_process` fixture): most tests look inside the core (scheduler, runner, adapter
+# cache), and a spawned core would cost each engine a second interpreter start.
+os.environ.setdefault("MANYLORA_ENABLE_MULTIPROCESSING", "0")
+
 import pytest  # noqa: E402
 
 from manylora.testing import make_demo_set  # noqa: E402

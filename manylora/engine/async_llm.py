@@ -1,12 +1,16 @@
-"""``AsyncLLM``: the engine's step loop on its own thread, requests streamed to asyncio.
+"""``AsyncLLM``: the engine's front on its own thread, requests streamed to asyncio.
 
-The server (``manylora serve``) and any asyncio caller share one ``LLMEngine`` through this
-front, as the offline ``LLM`` drives the same engine class in a loop of its own (vLLM's
-``AsyncLLM`` over ``EngineCore``, in one process). Every call into the engine runs on the
-loop thread: callers put commands on a queue (add, abort, load or remove an adapter), the
-thread takes all pending commands, runs one step, and hands each request's outputs to that
-request's ``asyncio.Queue`` on the caller's event loop. So the engine is never touched by two
-threads, and a slow step never blocks the event loop.
+The server (``manylora serve``) and any asyncio caller share one ``LLMEngine`` (the front:
+tokenizer, detokenizer, stop strings) through this class, as the offline ``LLM`` drives the
+same front in a loop of its own (vLLM's ``AsyncLLM``). The engine core runs in a process of
+its own (``engine/core_client.py``), so its busy loop never shares an interpreter with the
+event loop; with ``MANYLORA_ENABLE_MULTIPROCESSING=0`` the front's thread steps it instead.
+
+Every call into the front runs on the front's thread: callers put commands on a queue (add,
+abort, load or remove an adapter) and wake it; the thread takes all pending commands, takes
+what the core reported (its answers to adds, its steps' deltas), and hands each request's
+outputs to that request's ``asyncio.Queue`` on the caller's event loop. A core that dies
+ends every stream with ``EngineDeadError`` at once, and ``is_running`` turns False.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import RequestOutput
+from manylora.engine.protocol import EngineDeadError
 from manylora.engine.stats import EngineSnapshot, IterationStats
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import SamplingParams
@@ -35,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue holds ``max_waiting_requests`` requests already (HTTP 503)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's loop stopped (shut down, or a step failed); nothing more is served."""
 
 
 class StatLogger(Protocol):
@@ -66,10 +67,10 @@ class _Command:
 
 
 class AsyncLLM:
-    """An ``LLMEngine`` stepped on a background thread, with per-request output streams.
+    """An ``LLMEngine`` driven by a background thread, with per-request output streams.
 
     Args:
-        engine: the engine; only the loop thread calls it from now on.
+        engine: the engine; only the front's thread calls it from now on.
         max_waiting_requests: bound on requests accepted but not running (the scheduler's
             waiting queue plus those not yet taken in); None: unbounded.
         stat_loggers: called with each step's ``IterationStats`` on the loop thread.
@@ -87,13 +88,13 @@ class AsyncLLM:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self.max_loras = engine.lora_config.max_loras if engine.lora_config else 0
+        self.max_loras = engine.max_loras
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._pending_adds = 0
-        self._pending_removals: set[int] = set()
+        self._adding: dict[str, _Command] = {}
         self._pending_lock = threading.Lock()
         self._snapshot = EngineSnapshot(max_loras=self.max_loras)
         self._ids = itertools.count()
@@ -128,6 +129,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._commands.put(_Command(name, args, loop, future))
+        self.engine.wake()
         return await future
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
@@ -185,6 +187,7 @@ class AsyncLLM:
         finally:
             if added and not finished and self._thread.is_alive():
                 self._commands.put(_Command("abort", ([request_id], stream)))
+                self.engine.wake()
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (any thread, no waiting): their streams end, their blocks and
@@ -192,6 +195,7 @@ class AsyncLLM:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids and self._thread.is_alive():
             self._commands.put(_Command("abort", (ids,)))
+            self.engine.wake()
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Read an adapter into the host tier now (``LLMEngine.add_lora``).
@@ -216,6 +220,7 @@ class AsyncLLM:
         stop the engine's workers and loader threads."""
         self._stopped = True
         self._commands.put(_Command("stop", ()))
+        self.engine.wake()
         self._thread.join(timeout)
         self.engine.shutdown()
 
@@ -224,16 +229,16 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             with torch.inference_mode():
+                in_process = self.engine.client.in_process
                 while not self._stopped:
-                    block = not (self.engine.has_unfinished_requests() or self._pending_removals)
-                    if not self._take_commands(block):
+                    # in this process, wait on the queue while idle; otherwise the wait is
+                    # in step(), which a command's wake() ends
+                    idle = in_process and not self.engine.has_unfinished_requests()
+                    if not self._take_commands(idle):
                         break
                     stats = IterationStats()
-                    outputs = (self.engine.step(stats)
-                               if self.engine.has_unfinished_requests() else [])
-                    # before the outputs go out: a caller that sees its request finish also
-                    # sees the adapter it waited on gone
-                    self._remove_unused_adapters()
+                    outputs = self.engine.step(stats)
+                    self._settle_adds()
                     self._publish()
                     self._dispatch(outputs, stats)
         except Exception as e:       # a failed step: every stream learns why
@@ -261,21 +266,35 @@ class AsyncLLM:
     def _execute(self, cmd: _Command) -> None:
         result: Any = None
         error: BaseException | None = None
+        self._current = cmd
         try:
             result = getattr(self, f"_do_{cmd.name}")(*cmd.args)
         except Exception as e:
             error = e
+        if result is _DEFERRED:
+            return
         if cmd.future is not None:
             _call_soon(cmd.loop, _settle, cmd.future, result, error)
 
-    def _do_add(self, request_id: str, prompt, params, lora_request, stream: _Stream) -> None:
+    def _do_add(self, request_id: str, prompt, params, lora_request, stream: _Stream) -> Any:
         with self._pending_lock:
             self._pending_adds -= 1
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.engine.add_request(request_id, prompt, params, lora_request,
-                                arrival_time=stream.arrival)
+        self.engine.submit_request(request_id, prompt, params, lora_request,
+                                   arrival_time=stream.arrival)
         self._streams[request_id] = stream
+        self._adding[request_id] = self._current
+        return _DEFERRED
+
+    def _settle_adds(self) -> None:
+        """Answer each ``generate`` whose request the core took or refused."""
+        for done in self.engine.take_added():
+            cmd = self._adding.pop(done.request_id, None)
+            if done.error is not None:
+                self._streams.pop(done.request_id, None)
+            if cmd is not None:
+                _call_soon(cmd.loop, _settle, cmd.future, None, done.error)
 
     def _do_abort(self, ids: list[str], only: _Stream | None = None) -> None:
         live = [rid for rid in ids if rid in self._streams
@@ -292,13 +311,7 @@ class AsyncLLM:
         self.engine.add_lora(lora_request)
 
     def _do_remove_lora(self, lora_int_id: int) -> None:
-        self._pending_removals.add(lora_int_id)
-        self._remove_unused_adapters()
-
-    def _remove_unused_adapters(self) -> None:
-        for lid in list(self._pending_removals):
-            if self.engine.remove_lora(lid):
-                self._pending_removals.discard(lid)
+        self.engine.remove_lora(lora_int_id)     # at once, or when its requests are done
 
     def _dispatch(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         self._log(stats)
@@ -334,6 +347,9 @@ class AsyncLLM:
             waiting_lora_adapters=stats.waiting_lora_adapters, kv=stats.kv, lora=stats.lora)
 
     def _fail_all(self, error: BaseException) -> None:
+        adding, self._adding = self._adding, {}
+        for cmd in adding.values():
+            _call_soon(cmd.loop, _settle, cmd.future, None, error)
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             _deliver(stream, error)
@@ -344,6 +360,10 @@ class AsyncLLM:
                 break
             if cmd.future is not None:
                 _call_soon(cmd.loop, _settle, cmd.future, None, error)
+
+
+#: What a command returns when its caller is answered later (an add: by the core).
+_DEFERRED = object()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

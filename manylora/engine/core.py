@@ -34,6 +34,7 @@ from manylora.core.scheduler import Scheduler
 from manylora.core.stop import check_stop
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.protocol import (
+    CoreInfo,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -131,6 +132,7 @@ class EngineCore:
             if self.lora_manager is not None:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
                 self.lora_manager.background_dora_reads = False
+        self._pending_removals: set[int] = set()
         _freeze_startup_heap()
 
     def _start_tensor_parallel(self, args: EngineArgs, model_dir, dtype: torch.dtype
@@ -273,13 +275,24 @@ class EngineCore:
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``).
+        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)
+        once no request uses it: requests already accepted finish with it first.
 
         Returns:
-            True when it is gone (or was never loaded); False while requests still use it,
-            in which case nothing changes: call again when they have finished.
+            True when it is gone now (or was never loaded); False while requests still use
+            it: it goes at the end of the step in which the last of them finishes (before
+            that step's outputs are reported).
         """
-        return self.lora_manager is None or self.lora_manager.remove(lora_int_id)
+        if self.lora_manager is None or self.lora_manager.remove(lora_int_id):
+            self._pending_removals.discard(lora_int_id)
+            return True
+        self._pending_removals.add(lora_int_id)
+        return False
+
+    def _remove_unused_adapters(self) -> None:
+        for lid in list(self._pending_removals):
+            if self.lora_manager.remove(lid):
+                self._pending_removals.discard(lid)
 
     def end_session(self, session_id: str) -> bool:
         """End a multi-turn session: blocks only it held are freed (its full blocks stay in
@@ -326,9 +339,16 @@ class EngineCore:
                 a stop string: a session's turn that stops so keeps its KV for the next turn.
         """
         self._finish(request_ids, _STATUS[reason])
+        if self._pending_removals:
+            self._remove_unused_adapters()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def info(self) -> CoreInfo:
+        """What the front needs to know of this core."""
+        return CoreInfo(self.max_model_len, self.model_config.vocab_size,
+                        self.lora_config.max_loras if self.lora_config else 0)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; an ``EngineCoreOutput`` for every request that got a token or
@@ -346,6 +366,8 @@ class EngineCore:
                     self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
             if out.scheduled:
                 outputs.extend(self._execute(out, lora_slots))
+        if self._pending_removals:
+            self._remove_unused_adapters()
         return EngineCoreOutputs(outputs)
 
     def _execute(self, out, lora_slots: dict[int, int]) -> list[EngineCoreOutput]:

@@ -1,18 +1,19 @@
-"""``LLMEngine``: the engine's front. Text in, ``RequestOutput`` out, over an ``EngineCore``
-that works on token ids (vLLM v1's ``LLMEngine`` over its engine core).
+"""``LLMEngine``: the engine's front. Text in, ``RequestOutput`` out, over an engine core
+that works on token ids (vLLM v1's ``LLMEngine`` over its ``EngineCoreClient``).
 
-The front tokenizes and checks a request, hands the core an ``EngineCoreRequest``, and
-turns each step's per-request deltas (new token ids, their log-probabilities, the core's
-finish reason) into text and ``RequestOutput``s in its ``OutputProcessor``: incremental
-detokenization, stop strings (a request that hits one is aborted in the core), per-token
-log-probability dicts. The core (``engine/core.py``) schedules, runs the model and applies
-the token-level stop rules.
+The front tokenizes and checks a request and hands the core an ``EngineCoreRequest``; the
+core, in its own process by default (``engine/core_client.py``), schedules, runs the model
+and applies the token-level stop rules, and sends back per-request deltas (new token ids,
+their log-probabilities, its finish reason). The front's ``OutputProcessor`` turns them
+into text and ``RequestOutput``s: incremental detokenization, stop strings (a request that
+hits one is ended in the core), per-token log-probability dicts.
 """
 
 from __future__ import annotations
 
 import operator
 import time
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -20,14 +21,20 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.core import EngineCore
+from manylora.engine.core_client import AddDone, make_client
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
-from manylora.engine.protocol import EngineCoreRequest, FinishReason, SchedulerStats
+from manylora.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from manylora.engine.stats import IterationStats
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
+from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
 
 
@@ -35,28 +42,42 @@ class LLMEngine:
     """The offline engine behind ``LLM``; build it with ``LLMEngine.from_engine_args``.
 
     Attributes:
-        engine_core: the ``EngineCore`` this front drives, in this process (its scheduler,
-            runner and adapter cache are there for tests and debugging).
         tokenizer: the ``transformers`` tokenizer, None with ``skip_tokenizer_init``.
+        eos_token_ids: the ids that end generation (generation config and tokenizer).
         max_model_len: the context length in tokens (prompt + output).
+        vocab_size: the model's vocabulary size.
+        max_loras: adapter slots (0 when LoRA is off).
+        engine_core: the ``EngineCore`` itself when it runs in this process
+            (``MANYLORA_ENABLE_MULTIPROCESSING=0``: its scheduler, runner and adapter cache
+            are there for tests and debugging), else None.
 
     Bad requests (``add_request``) raise ``ValueError`` naming the problem and leave the
     engine serving every request it already accepted.
+
+    Raises:
+        CheckpointError, ValueError, FileNotFoundError: the model or a setting is bad.
     """
 
     def __init__(self, args: EngineArgs) -> None:
+        model_dir = resolve_model_path(args.model, args.revision)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
-            tok_dir = resolve_model_path(args.tokenizer or args.model, args.revision)
+            tok_dir = (resolve_model_path(args.tokenizer, args.revision) if args.tokenizer
+                       else model_dir)
             self.tokenizer = AutoTokenizer.from_pretrained(
                 tok_dir, trust_remote_code=args.trust_remote_code)
-        self.engine_core = EngineCore(args)
-        core = self.engine_core
-        self.model_config = core.model_config
-        self.lora_config = core.lora_config
-        self.max_model_len = core.max_model_len
-        self.eos_token_ids = frozenset(self._eos_ids(core.model_dir))
+        self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = make_client(args)
+        info = self.client.info
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.max_loras = info.max_loras
+        self.engine_core = getattr(self.client, "engine_core", None)
+        self._stats = SchedulerStats()
+        self._outputs: deque[EngineCoreOutputs] = deque()
+        self._added: dict[str, AddDone] = {}
+        self._forget: set[str] = set()
         self._next_id = 0
 
     @classmethod
@@ -64,21 +85,21 @@ class LLMEngine:
         return cls(args)
 
     def shutdown(self) -> None:
-        """Stop the core: its tensor-parallel workers and adapter loader threads (also when
-        the engine is dropped)."""
-        self.engine_core.shutdown()
+        """Stop the core: its process, tensor-parallel workers and adapter loader threads
+        (also when the engine is dropped)."""
+        self.client.shutdown()
 
     def __del__(self) -> None:
-        core = getattr(self, "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.shutdown()
 
-    def _eos_ids(self, model_dir) -> set[int]:
+    def _eos_ids(self, model_dir, trust_remote_code: bool) -> set[int]:
         ids: set[int] = set()
         try:
             eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         except OSError:
-            eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+            eos = getattr(load_hf_config(model_dir, trust_remote_code), "eos_token_id", None)
         if eos is not None:
             ids.update(eos if isinstance(eos, list) else [eos])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -89,8 +110,8 @@ class LLMEngine:
         """A prompt (text or ``{"prompt_token_ids": [...]}``) → ``(text, token ids)``.
 
         Raises:
-            ValueError: a text prompt without a tokenizer, ids that are not integers, or a
-                malformed prompt. (The core checks emptiness and the vocabulary.)
+            ValueError: a text prompt without a tokenizer, ids that are not integers or lie
+                outside the vocabulary, or a malformed prompt. (The core checks emptiness.)
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -102,7 +123,12 @@ class LLMEngine:
             not_ints = [t for t in raw if isinstance(t, bool) or not hasattr(t, "__index__")]
             if not_ints:
                 raise ValueError(f"prompt_token_ids must be integers, got {not_ints[:5]}")
-            return prompt.get("prompt"), [operator.index(t) for t in raw]
+            ids = [operator.index(t) for t in raw]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            return prompt.get("prompt"), ids
         raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}, got "
                          f"{type(prompt).__name__}")
 
@@ -124,6 +150,26 @@ class LLMEngine:
                 a tokenizer, a session with a turn still in flight, a LoRA request while
                 LoRA is off, or an adapter that cannot be served (``LoRAAdapterError``,
                 ``FileNotFoundError``).
+            EngineDeadError: the core stopped.
+        """
+        rid = self.submit_request(request_id, prompt, params, lora_request, session_id,
+                                  arrival_time)
+        error = self.wait_added([rid])[rid]
+        if error is not None:
+            raise error
+        return rid
+
+    def submit_request(self, request_id: str | None, prompt: str | dict,
+                       params: SamplingParams | None = None,
+                       lora_request: LoRARequest | None = None,
+                       session_id: str | None = None,
+                       arrival_time: float | None = None) -> str:
+        """``add_request`` without waiting for the core's answer: the front's checks raise
+        here; the core's answer comes later (``wait_added``, ``take_added``).
+
+        Raises:
+            ValueError: a bad prompt, a duplicate id, stop strings without a tokenizer.
+            EngineDeadError: the core stopped.
         """
         params = params or SamplingParams()
         if request_id is None:
@@ -136,11 +182,45 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        history = self.engine_core.add_request(EngineCoreRequest(
-            request_id, ids, params, lora_request, self.eos_token_ids, session_id, arrival))
-        self.output_processor.add(request_id, text, history + ids if history else ids,
-                                  params, lora_request, arrival)
+        self.output_processor.add(request_id, text, ids, params, lora_request, arrival)
+        try:
+            self.client.add_request(EngineCoreRequest(
+                request_id, ids, params, lora_request, self.eos_token_ids, session_id, arrival))
+        except BaseException:
+            self.output_processor.abort(request_id)
+            raise
         return request_id
+
+    def wait_added(self, request_ids: Sequence[str]) -> dict[str, Exception | None]:
+        """Wait for the core's answers to submitted requests: ``{id: None}`` for each
+        accepted, ``{id: the error}`` for each refused. Outputs that arrive meanwhile wait
+        for the next ``step``.
+
+        Raises:
+            EngineDeadError: the core stopped.
+        """
+        while any(rid not in self._added for rid in request_ids):
+            for message in self.client.get_messages(block=True):
+                self._take(message)
+        return {rid: self._added.pop(rid).error for rid in request_ids}
+
+    def take_added(self) -> list[AddDone]:
+        """The core's answers received so far to submitted requests, each once."""
+        added, self._added = list(self._added.values()), {}
+        return added
+
+    def _take(self, message: AddDone | EngineCoreOutputs) -> None:
+        if isinstance(message, EngineCoreOutputs):
+            self._outputs.append(message)
+            return
+        if message.request_id in self._forget:      # aborted before the core answered
+            self._forget.discard(message.request_id)
+            return
+        self._added[message.request_id] = message
+        if message.error is not None:
+            self.output_processor.abort(message.request_id)
+        else:
+            self.output_processor.answered(message.request_id, message.history)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``).
@@ -148,29 +228,32 @@ class LLMEngine:
         Raises:
             ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``.
         """
-        return self.engine_core.add_lora(lora_request)
+        return self.client.call("add_lora", lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``).
-
-        Returns:
-            True when it is gone (or was never loaded); False while requests still use it,
-            in which case nothing changes: call again when they have finished.
-        """
-        return self.engine_core.remove_lora(lora_int_id)
+        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)
+        once no request uses it (``EngineCore.remove_lora``); True when it went now."""
+        return self.client.call("remove_lora", lora_int_id)
 
     def end_session(self, session_id: str) -> bool:
         """End a multi-turn session (``EngineCore.end_session``); False when unknown."""
-        return self.engine_core.end_session(session_id)
+        return self.client.call("end_session", session_id)
 
     def kv_cache_stats(self) -> KVCacheStats:
         """The KV cache's state and counters: blocks total, used, cached and free; prefix
         queries and hits (tokens); preemptions, recomputed tokens, swapped blocks."""
-        return self.engine_core.kv_cache_stats()
+        return self.client.call("kv_cache_stats")
 
     def lora_cache_stats(self) -> LoRACacheStats:
         """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
-        return self.engine_core.lora_cache_stats()
+        return self.client.call("lora_cache_stats")
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The core's state: now when it runs in this process, else as of its latest
+        message (it sends its state with every message)."""
+        if self.client.in_process:
+            return self.client.call("scheduler_stats")
+        return self._stats
 
     def abort_request(self, request_ids: str | Sequence[str],
                       stats: IterationStats | None = None) -> None:
@@ -178,29 +261,50 @@ class LLMEngine:
         ``stats``, each one still running is counted there as finished with ``"abort"``."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
+            if rid in self.output_processor.states and not self.output_processor.states[
+                    rid].answered:
+                self._forget.add(rid)
+            self._added.pop(rid, None)
             self.output_processor.abort(rid, stats)
-        self.engine_core.abort_requests(ids)
+        self.client.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine_core.has_unfinished_requests()
+        """Whether a request is still running (or waiting for the core's answer)."""
+        return bool(self.output_processor.states)
 
-    def step(self, stats: IterationStats | None = None) -> list[RequestOutput]:
-        """Run one step; an output for every request that reports one this step (see
+    def step(self, stats: IterationStats | None = None,
+             block: bool = True) -> list[RequestOutput]:
+        """Advance the requests; an output for every request that reports one (see
         ``SamplingParams.output_kind``: every step that gave it a token, or only its end).
 
+        In this process the core runs one step here; in its own process this takes the
+        steps it reported since, waiting for one when ``block`` (a ``wake`` from another
+        thread, or the core's answer to a submitted request, also ends the wait).
+
         Args:
-            stats: when given, the step's tokens, latencies and finished requests are
-                added to it.
+            stats: when given, the tokens, latencies and finished requests are added to it.
+            block: wait for the core when nothing has arrived yet.
+
+        Raises:
+            EngineDeadError: the core stopped.
         """
-        core_outputs = self.engine_core.step()
-        outputs, stopped = self.output_processor.process_outputs(core_outputs.outputs, stats)
-        if stopped:          # stop strings the front found: the core stops them too
-            self.engine_core.abort_requests(stopped, FinishReason.STOP)
+        if not self._outputs:
+            for message in self.client.get_messages(block):
+                self._take(message)
+        outputs: list[RequestOutput] = []
+        while self._outputs:
+            core_outputs = self._outputs.popleft()
+            if core_outputs.scheduler_stats is not None:
+                self._stats = core_outputs.scheduler_stats
+            done, stopped = self.output_processor.process_outputs(core_outputs.outputs, stats)
+            outputs.extend(done)
+            if stopped:          # stop strings the front found: the core stops them too
+                self.client.abort_requests(stopped, FinishReason.STOP)
         return outputs
 
-    def scheduler_stats(self) -> SchedulerStats:
-        """The core's state now (``EngineCore.scheduler_stats``)."""
-        return self.engine_core.scheduler_stats()
+    def wake(self) -> None:
+        """End a ``step`` blocked in another thread (any thread)."""
+        self.client.wake()
 
     @torch.inference_mode()
     def generate_all(self) -> list[RequestOutput]:

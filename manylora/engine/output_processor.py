@@ -59,6 +59,7 @@ class RequestState:
         arrival_time: when the front accepted it (``time.monotonic``, seconds).
         first_token_time, last_token_time: when its first and latest tokens were processed
             (``time.monotonic``, seconds).
+        answered: the core took the request (its answer to the add came back).
         num_sent_tokens, num_sent_chars: how much of the output the ``DELTA`` outputs have
             reported already.
         holdback: trailing characters a ``DELTA`` output of the unfinished request keeps
@@ -87,6 +88,7 @@ class RequestState:
         self.num_sent_chars = 0
         self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
         self.first_token_time: float | None = None
+        self.answered = False
         self.last_token_time = 0.0
 
     def make_output(self) -> RequestOutput | None:
@@ -130,6 +132,18 @@ class OutputProcessor:
         """Start tracking a request the core accepted."""
         self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params,
                                                lora_request, self.tokenizer, arrival_time)
+
+    def answered(self, request_id: str, history: list[int]) -> None:
+        """The core took the request. A session turn's history, known only now, heads the
+        prompt ids (and the detokenizer's context). Call before any output of it."""
+        state = self.states[request_id]
+        state.answered = True
+        if not history:
+            return
+        state.prompt_token_ids = history + state.prompt_token_ids
+        if state.detokenizer is not None:
+            state.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
 
     def abort(self, request_id: str, stats: IterationStats | None = None) -> None:
         """Stop tracking a request the caller gave up on (unknown ids are ignored); with

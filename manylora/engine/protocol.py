@@ -7,6 +7,10 @@ step the core reports, per request that advanced, the token ids new this step (a
 the whole output), their log-probabilities when asked, and whether the core ended the
 request (EOS, a stop token id, the length cap, or an abort). Stop strings are the front's
 business: it finds them in the text and aborts the request in the core.
+
+When the core runs in its own process (``engine/core_proc.py``), each message is a ZMQ
+multipart ``[type, msgpack body]`` (``engine/serial.py``): :class:`RequestType` front →
+core, :class:`ReplyType` core → front, in order on one socket each way.
 """
 
 from __future__ import annotations
@@ -14,12 +18,19 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from manylora.core.kv_cache_manager import KVCacheStats
+from manylora.engine.serial import ErrorInfo
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora.request import LoRARequest
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core stopped (shut down, a failed step, or its process died); nothing
+    more is served."""
 
 
 class FinishReason(enum.Enum):
@@ -108,6 +119,78 @@ class EngineCoreOutputs:
 
     Attributes:
         outputs: one entry per request that got tokens or ended this step.
+        scheduler_stats: the core's state after the step, when the core sends it (its own
+            process does, every message); None otherwise.
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+
+
+class RequestType(bytes, enum.Enum):
+    """The first frame of a front → core message; the body's type follows the name."""
+
+    ADD = b"\x00"            # EngineCoreRequest
+    ABORT = b"\x01"          # AbortRequests
+    UTILITY = b"\x02"        # UtilityCall
+    SHUTDOWN = b"\x03"       # no body
+
+
+class ReplyType(bytes, enum.Enum):
+    """The first frame of a core → front message."""
+
+    READY = b"\x10"          # CoreInfo, once, after start-up
+    ADD_RESULT = b"\x11"     # AddResult, for every ADD, before any output of that request
+    UTILITY_RESULT = b"\x12"  # UtilityResult
+    OUTPUTS = b"\x13"        # EngineCoreOutputs
+    DEAD = b"\x14"           # ErrorInfo: start-up or a step failed; the process exits
+
+
+@dataclass
+class AbortRequests:
+    """End requests (``EngineCore.abort_requests``)."""
+
+    request_ids: list[str]
+    reason: FinishReason = FinishReason.ABORT
+
+
+@dataclass
+class UtilityCall:
+    """Call ``EngineCore.<method>(*args)``; the answer comes as a ``UtilityResult`` with
+    the same ``call_id``."""
+
+    call_id: int
+    method: str
+    args: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+@dataclass
+class AddResult:
+    """The core's answer to an ``EngineCoreRequest``: the session history it prepended
+    (empty without a session), or why it refused the request."""
+
+    request_id: str
+    history: list[int] = field(default_factory=list)
+    error: ErrorInfo | None = None
+
+
+@dataclass
+class CoreInfo:
+    """What the front needs to know of a core that started.
+
+    Attributes:
+        max_model_len: the context length in tokens (the KV cache may have lowered it).
+        vocab_size: the model's vocabulary.
+        max_loras: adapter slots (0 when LoRA is off).
+    """
+
+    max_model_len: int
+    vocab_size: int
+    max_loras: int

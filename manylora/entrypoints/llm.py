@@ -71,8 +71,12 @@ class LLM:
                 if id(p) not in final:
                     final[id(p)] = dataclasses.replace(
                         p, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.add_request(None, prompt, final[id(p)], lora, sid))
-        except Exception:
+                ids.append(engine.submit_request(None, prompt, final[id(p)], lora, sid))
+            # every request goes to the core before the first answer is awaited
+            errors = [e for e in engine.wait_added(ids).values() if e is not None]
+            if errors:
+                raise errors[0]
+        except BaseException:
             engine.abort_request(ids)
             raise
         done: dict[str, RequestOutput] = {}

@@ -281,7 +281,7 @@ def test_empty_prompt(engine):
 
 @pytest.mark.parametrize("bad_id", [-1, 512, 10**9])
 def test_token_ids_outside_vocab(engine, bad_id):
-    assert engine.model_config.vocab_size == 512
+    assert engine.vocab_size == 512
     with pytest.raises(ValueError, match=rf"\[{bad_id}\] are outside the vocabulary \[0, 512\)"):
         engine.add_request(None, {"prompt_token_ids": [1, 2, bad_id, 3]}, GREEDY8)
 

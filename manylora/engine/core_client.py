@@ -1,0 +1,340 @@
+"""The front's handle on the engine core (vLLM v1's ``EngineCoreClient``): in this process
+(``InprocClient``, for tests and debugging) or in a process of its own (``MPClient``, the
+default), behind one interface.
+
+Requests and aborts are sent without waiting. What comes back is a stream of messages, in
+the order the core produced them: an ``AddResult`` for every request sent (before any of
+its outputs) and ``EngineCoreOutputs`` per step. ``call`` runs one of the core's utility
+methods and waits for its answer; messages that arrive meanwhile are kept, in order, for
+the next ``get_messages``.
+
+``MANYLORA_ENABLE_MULTIPROCESSING=0`` keeps the core in the caller's process (as vLLM's
+``VLLM_ENABLE_V1_MULTIPROCESSING``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.core import EngineCore
+from manylora.engine.core_proc import UTILITY_METHODS
+from manylora.engine.protocol import (
+    AbortRequests,
+    AddResult,
+    CoreInfo,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDeadError,
+    FinishReason,
+    ReplyType,
+    RequestType,
+    UtilityCall,
+    UtilityResult,
+)
+from manylora.engine.serial import Decoder, Encoder, ErrorInfo
+
+logger = logging.getLogger(__name__)
+
+#: How long the core gets to stop its workers and exit before it is killed, seconds.
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def multiprocessing_enabled() -> bool:
+    """Whether the core runs in its own process (``MANYLORA_ENABLE_MULTIPROCESSING``,
+    default on)."""
+    return os.environ.get("MANYLORA_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "")
+
+
+def make_client(args: EngineArgs) -> InprocClient | MPClient:
+    """The core for ``args``, started: in its own process unless multiprocessing is off.
+
+    Raises:
+        CheckpointError, ValueError, FileNotFoundError: the core could not start (raised
+            again here from the core process).
+    """
+    return MPClient(args) if multiprocessing_enabled() else InprocClient(args)
+
+
+@dataclass
+class AddDone:
+    """The front-side form of an ``AddResult``: the exception itself, not its record."""
+
+    request_id: str
+    history: list[int] = field(default_factory=list)
+    error: Exception | None = None
+
+
+class InprocClient:
+    """The core in this process, called directly.
+
+    Attributes:
+        engine_core: the ``EngineCore`` (its scheduler, runner and adapter cache are there
+            for tests and debugging).
+        info: its ``CoreInfo``.
+    """
+
+    in_process = True
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.engine_core = EngineCore(args)
+        self.info = self.engine_core.info()
+        self._results: deque[AddDone] = deque()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        try:
+            history = self.engine_core.add_request(request)
+        except Exception as e:
+            self._results.append(AddDone(request.request_id, error=e))
+        else:
+            self._results.append(AddDone(request.request_id, history))
+
+    def abort_requests(self, request_ids: list[str],
+                       reason: FinishReason = FinishReason.ABORT) -> None:
+        self.engine_core.abort_requests(request_ids, reason)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.engine_core, method)(*args)
+
+    def get_messages(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
+        """Pending add results, else one step's outputs when the core has work (``block``
+        changes nothing: a step always runs to its end)."""
+        if self._results:
+            results = list(self._results)
+            self._results.clear()
+            return results
+        if self.engine_core.has_unfinished_requests():
+            return [self.engine_core.step()]
+        return []
+
+    def wake(self) -> None:
+        """Nothing to wake: ``get_messages`` never waits."""
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class MPClient:
+    """The core in a process of its own (``python -m manylora.engine.core_proc``), over two
+    ZMQ ``ipc://`` sockets this side binds.
+
+    Start-up waits for the core's ``READY`` (its model loaded, graphs captured). Any thread
+    may send (a lock orders the sends) and call ``wake``; one thread at a time receives.
+    The core process's death is seen at once (a pidfd of it is polled with the socket)
+    and raised as ``EngineDeadError``.
+
+    Raises:
+        CheckpointError, ValueError, FileNotFoundError, ...: the core's start-up error.
+        EngineDeadError: the process died during start-up.
+    """
+
+    in_process = False
+
+    def __init__(self, args: EngineArgs) -> None:
+        self._dir = tempfile.mkdtemp(prefix="manylora-")
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        self._input.bind(input_address)
+        self._output.bind(output_address)
+        self._encoder = Encoder()
+        self._decoders = {ReplyType.READY: Decoder(CoreInfo),
+                          ReplyType.ADD_RESULT: Decoder(AddResult),
+                          ReplyType.UTILITY_RESULT: Decoder(UtilityResult),
+                          ReplyType.OUTPUTS: Decoder(EngineCoreOutputs),
+                          ReplyType.DEAD: Decoder(ErrorInfo)}
+        self._send_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._calls = itertools.count()
+        self._utility: dict[int, UtilityResult] = {}
+        self._kept: deque[AddDone | EngineCoreOutputs] = deque()
+        self.error: EngineDeadError | None = None
+        self._closed = False
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "manylora.engine.core_proc", input_address,
+             output_address, str(os.getpid())], stdin=subprocess.PIPE)
+        self.process.stdin.write(self._encoder.encode(args))
+        self.process.stdin.close()
+        # a pidfd becomes readable when the process ends: its death wakes every poll
+        self._pidfd = os.pidfd_open(self.process.pid)
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self._pidfd, zmq.POLLIN)
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def _wait_ready(self) -> CoreInfo:
+        while True:
+            ready = dict(self._poller.poll())
+            if self._output in ready:
+                kind, message = self._recv()
+                if kind is ReplyType.READY:
+                    return message
+                if kind is ReplyType.DEAD:
+                    raise message.to_exception()
+            elif self._pidfd in ready:
+                raise EngineDeadError("the engine core process died while starting (exit "
+                                      f"code {self.process.wait()})")
+            else:
+                self._drain_wake()
+
+    def _recv(self) -> tuple[ReplyType, Any]:
+        kind, body = self._output.recv_multipart(copy=False)
+        kind = ReplyType(bytes(kind.buffer))
+        return kind, self._decoders[kind].decode(body.buffer)
+
+    def _send(self, kind: RequestType, message: Any = None) -> None:
+        self._check_alive()
+        frames = [kind.value, b"" if message is None else self._encoder.encode(message)]
+        with self._send_lock:
+            self._input.send_multipart(frames, copy=False)
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self._closed:
+            raise EngineDeadError("the engine core was shut down")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str],
+                       reason: FinishReason = FinishReason.ABORT) -> None:
+        if request_ids and self.error is None and not self._closed:
+            self._send(RequestType.ABORT, AbortRequests(list(request_ids), reason))
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``EngineCore.<method>(*args)`` in the core and return its answer; messages
+        that arrive meanwhile are kept for ``get_messages``.
+
+        Raises:
+            ValueError: ``method`` is not one the core offers.
+            EngineDeadError: the core process died.
+            Exception: what the method raised, raised again here.
+        """
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"the engine core has no method {method!r} to call")
+        call_id = next(self._calls)
+        self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+        while call_id not in self._utility:
+            self._kept.extend(self._poll(block=True))
+        result = self._utility.pop(call_id)
+        if result.error is not None:
+            raise result.error.to_exception()
+        return msgspec.convert(result.result, UTILITY_METHODS[method][1])
+
+    def get_messages(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
+        """Every message received so far (waiting for one, or for ``wake``, when
+        ``block``), in order.
+
+        Raises:
+            EngineDeadError: the core reported a failure or its process died.
+        """
+        if self._kept:
+            kept = list(self._kept)
+            self._kept.clear()
+            return kept
+        return self._poll(block)
+
+    def _poll(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
+        self._check_alive()
+        ready = dict(self._poller.poll(None if block else 0))
+        if self._wake_r in ready:
+            self._drain_wake()
+        messages: list[AddDone | EngineCoreOutputs] = []
+        while True:
+            try:
+                kind, message = self._recv_nowait()
+            except zmq.Again:
+                break
+            if kind is ReplyType.OUTPUTS:
+                messages.append(message)
+            elif kind is ReplyType.ADD_RESULT:
+                messages.append(AddDone(message.request_id, message.history,
+                                        None if message.error is None
+                                        else message.error.to_exception()))
+            elif kind is ReplyType.UTILITY_RESULT:
+                self._utility[message.call_id] = message
+            elif kind is ReplyType.DEAD:
+                self.error = EngineDeadError(f"the engine core failed: {message.type}: "
+                                             f"{message.message}")
+        if self.error is None and not messages and self._pidfd in ready:
+            self.error = EngineDeadError("the engine core process died (exit code "
+                                         f"{self.process.wait()})")
+        if self.error is not None and not messages:
+            raise self.error
+        return messages
+
+    def _recv_nowait(self) -> tuple[ReplyType, Any]:
+        kind, body = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
+        kind = ReplyType(bytes(kind.buffer))
+        return kind, self._decoders[kind].decode(body.buffer)
+
+    def wake(self) -> None:
+        """Make a blocked ``get_messages`` return (any thread)."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass           # a wake-up is pending already (or the client is closed)
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def shutdown(self) -> None:
+        """Ask the core to stop (it stops its workers), wait for it, kill it if it hangs,
+        and release the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.process.poll() is None:
+            try:
+                with self._send_lock:
+                    self._input.send_multipart([RequestType.SHUTDOWN.value, b""])
+            except zmq.ZMQError:
+                pass
+            try:
+                self.process.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.error("the engine core did not stop in %.0f s: killed",
+                             SHUTDOWN_TIMEOUT_S)
+                self.process.kill()
+                self.process.wait()
+        self._input.close()
+        self._output.close()
+        self._ctx.term()
+        for fd in (self._wake_r, self._wake_w, self._pidfd):
+            os.close(fd)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,214 @@
+"""The engine core in a process of its own (vLLM v1's ``EngineCoreProc``): a busy loop
+that takes the front's messages and steps the core, so that nothing of the front
+(tokenizer, detokenizer, HTTP, SSE, metrics) shares its interpreter.
+
+Two ZMQ sockets, both bound by the front: the core PULLs ``RequestType`` messages and
+PUSHes ``ReplyType`` messages, in order (``engine/protocol.py``). The loop:
+
+1. take every message waiting (block for one when there is no work): ``ADD`` →
+   ``EngineCore.add_request`` and its ``AddResult`` at once; ``ABORT``; ``UTILITY`` →
+   ``UtilityResult``; ``SHUTDOWN`` → ``EngineCore.shutdown`` and exit;
+2. one ``EngineCore.step`` when requests are unfinished;
+3. ``OUTPUTS`` with the step's deltas and ``SchedulerStats``, when the step produced any or
+   a message changed the state.
+
+A failed start-up or step sends ``DEAD`` with the error and ends the process (exit 1). The
+core also exits when its parent dies (checked once a second while idle).
+
+The front starts it as ``python -m manylora.engine.core_proc INPUT OUTPUT PARENT_PID`` with
+the msgpack-encoded ``EngineArgs`` on standard input: a fresh interpreter that imports
+nothing of the caller's ``__main__`` (no ``if __name__ == "__main__"`` guard needed in
+scripts, notebooks welcome) and receives no pickle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import torch
+import zmq
+
+from manylora.core.kv_cache_manager import KVCacheStats
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.core import EngineCore
+from manylora.engine.protocol import (
+    AbortRequests,
+    AddResult,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ReplyType,
+    RequestType,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+from manylora.engine.serial import Decoder, Encoder, ErrorInfo
+from manylora.lora.manager import LoRACacheStats
+from manylora.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+#: The ``EngineCore`` methods the front may call: the types of their arguments and of
+#: their result.
+UTILITY_METHODS: dict[str, tuple[tuple[type, ...], type]] = {
+    "add_lora": ((LoRARequest,), bool),
+    "remove_lora": ((int,), bool),
+    "end_session": ((str,), bool),
+    "kv_cache_stats": ((), KVCacheStats),
+    "lora_cache_stats": ((), LoRACacheStats),
+    "scheduler_stats": ((), SchedulerStats),
+}
+
+_IDLE_POLL_MS = 1000
+
+
+def run_engine_core(args: bytes, input_address: str, output_address: str,
+                    parent_pid: int) -> None:
+    """The core process's main: build an ``EngineCore`` from msgpack-encoded
+    ``EngineArgs``, report ``READY`` (or ``DEAD``), then serve until ``SHUTDOWN``.
+
+    Args:
+        args: ``EngineArgs`` encoded by ``serial.Encoder``.
+        input_address, output_address: the front's bound ZMQ addresses (``ipc://...``).
+        parent_pid: the front's pid; the core exits when it is gone.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the front decides when to stop
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 10_000)
+    out.connect(output_address)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_address)
+    encoder = Encoder()
+    code = 0
+    try:
+        try:
+            core = EngineCore(Decoder(EngineArgs).decode(args))
+        except BaseException as e:
+            logger.exception("the engine core failed to start")
+            out.send_multipart([ReplyType.DEAD.value, encoder.encode(ErrorInfo.of(e))])
+            code = 1
+            return
+        out.send_multipart([ReplyType.READY.value, encoder.encode(core.info())])
+        proc = EngineCoreProc(core, inp, out, parent_pid)
+        try:
+            proc.run()
+        except BaseException as e:
+            logger.exception("the engine core stopped")
+            out.send_multipart([ReplyType.DEAD.value, encoder.encode(ErrorInfo.of(e))])
+            code = 1
+            core.shutdown()
+    finally:
+        inp.close()
+        out.close()
+        ctx.term()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)        # this process's own end: no atexit work on a half-dead core
+
+
+class EngineCoreProc:
+    """The core's loop over its two sockets (see the module doc).
+
+    Args:
+        core: the started ``EngineCore``.
+        inp: PULL socket of ``RequestType`` messages; out: PUSH socket of replies.
+        parent_pid: the front's pid.
+    """
+
+    def __init__(self, core: EngineCore, inp: zmq.Socket, out: zmq.Socket,
+                 parent_pid: int) -> None:
+        self.core = core
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.encoder = Encoder()
+        self._decoders = {RequestType.ADD: Decoder(EngineCoreRequest),
+                          RequestType.ABORT: Decoder(AbortRequests),
+                          RequestType.UTILITY: Decoder(UtilityCall)}
+
+    def run(self) -> None:
+        """Serve until ``SHUTDOWN`` (or the parent's death).
+
+        Raises:
+            Exception: whatever a step raised (the caller reports it as ``DEAD``).
+        """
+        core = self.core
+        with torch.inference_mode():
+            while True:
+                handled = self._take_messages(block=not core.has_unfinished_requests())
+                if handled is None:
+                    core.shutdown()
+                    return
+                outputs = core.step() if core.has_unfinished_requests() else EngineCoreOutputs()
+                if outputs.outputs or handled:
+                    outputs.scheduler_stats = core.scheduler_stats()
+                    self._send(ReplyType.OUTPUTS, outputs)
+
+    def _take_messages(self, block: bool) -> bool | None:
+        """Handle every waiting message (waiting for one when ``block``); whether any was
+        handled, or None on ``SHUTDOWN`` (or when the parent is gone)."""
+        handled = False
+        while True:
+            if block and not handled:
+                while not self.inp.poll(_IDLE_POLL_MS):
+                    if os.getppid() != self.parent_pid:
+                        logger.error("the front (pid %d) is gone: the engine core exits",
+                                     self.parent_pid)
+                        return None
+            try:
+                kind, body = self.inp.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return handled
+            kind = RequestType(bytes(kind.buffer))
+            if kind is RequestType.SHUTDOWN:
+                return None
+            self._handle(kind, self._decoders[kind].decode(body.buffer))
+            handled = True
+
+    def _handle(self, kind: RequestType, message) -> None:
+        core = self.core
+        if kind is RequestType.ADD:
+            try:
+                history = core.add_request(message)
+            except Exception as e:
+                self._send(ReplyType.ADD_RESULT, AddResult(message.request_id, [],
+                                                           ErrorInfo.of(e)))
+            else:
+                self._send(ReplyType.ADD_RESULT, AddResult(message.request_id, history))
+        elif kind is RequestType.ABORT:
+            core.abort_requests(message.request_ids, message.reason)
+        else:
+            self._send(ReplyType.UTILITY_RESULT, self._call(message))
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        types, _ = UTILITY_METHODS.get(call.method, (None, None))
+        try:
+            if types is None:
+                raise ValueError(f"the engine core has no method {call.method!r} to call")
+            if len(call.args) != len(types):
+                raise ValueError(f"{call.method} takes {len(types)} arguments, got "
+                                 f"{len(call.args)}")
+            args = [msgspec.convert(a, t) for a, t in zip(call.args, types)]
+            return UtilityResult(call.call_id, getattr(self.core, call.method)(*args))
+        except Exception as e:
+            return UtilityResult(call.call_id, error=ErrorInfo.of(e))
+
+    def _send(self, kind: ReplyType, message) -> None:
+        self.out.send_multipart([kind.value, self.encoder.encode(message)], copy=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m manylora.engine.core_proc INPUT OUTPUT PARENT_PID`` < encoded args."""
+    input_address, output_address, parent_pid = (argv or sys.argv[1:])[:3]
+    run_engine_core(sys.stdin.buffer.read(), input_address, output_address, int(parent_pid))
+
+
+if __name__ == "__main__":
+    main()
