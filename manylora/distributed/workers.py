@@ -227,11 +227,11 @@ def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
 
 
 def end_startup(device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Every rank, once its start-up is over (shard loaded, KV cache allocated, graphs
-    captured): wait, under the start-up timeout, until every rank has got here (a one-element
-    all-reduce on ``device``, synchronized to the host), then bound every later collective of
-    the default process group by ``timeout_s`` seconds. So a short collective timeout never
-    races a slow start.
+    """Every rank, once its start-up is over (shard loaded, KV cache allocated; the TP
+    engine calls it on the ``"kv"`` message): wait, under the start-up timeout, until every
+    rank has got here (a one-element all-reduce on ``device``, synchronized to the host),
+    then bound every later collective of the default process group by ``timeout_s``
+    seconds. So a short collective timeout never races a slow start.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialized, or the all-reduce failed
