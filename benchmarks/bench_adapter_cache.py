@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import itertools
 import random
 import statistics
 import sys
@@ -63,11 +64,17 @@ def generate(llm: LLM, work, loras: list[LoRARequest], new: int) -> tuple[float,
     return seconds, tokens
 
 
+_ttft_seeds = itertools.count(1000)
+
+
 def time_to_first_token(llm: LLM, lora: LoRARequest, vocab: int) -> float:
-    """Seconds from ``add_request`` to the step that returns the request's first token."""
+    """Seconds from ``add_request`` to the step that returns the request's first token; each
+    call's 32-token prompt is new (a seed of its own), so no call finds its prompt in the
+    prefix cache and every time includes the whole prefill."""
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    prompt = {"prompt_token_ids": [random.Random(1).randrange(vocab) for _ in range(32)]}
+    rng = random.Random(next(_ttft_seeds))
+    prompt = {"prompt_token_ids": [rng.randrange(vocab) for _ in range(32)]}
     t0 = time.perf_counter()
     rid = engine.add_request(None, prompt, params, lora)
     while True:

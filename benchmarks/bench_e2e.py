@@ -9,9 +9,12 @@
 
 A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``); adapters are
 written in PEFT's format and loaded by the engine. Timed calls follow two untimed passes of
-the workload (with every adapter, and without), so adapters are in the host tier and the
-Triton kernels are compiled (both happen once per server lifetime). Tokens per second =
-generated tokens / wall time of the call (the peers' measure).
+the workload's shapes (with every adapter, and without), so adapters are in the host tier and
+the Triton kernels are compiled (both happen once per server lifetime). Every pass, warm-up
+included, has the same prompt and output lengths but token ids of its own (``fresh_ids``,
+one seed per pass): no timed pass finds its prompts in the prefix cache (prefix caching stays
+on, as users run it), which the table's "prefix-hit tokens" column shows. Tokens per second
+= generated tokens / wall time of the call (the peers' measure).
 
     python -m benchmarks.bench_e2e --part i            # adds --skip-peft to leave peft out
     python -m benchmarks.bench_e2e --part ii
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import gpu_name, record
+from benchmarks.common import gpu_name, prefix_hit_tokens, record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
 from benchmarks.peft_baseline import run_peft_baseline
 from manylora import LLM, LoRARequest, SamplingParams
@@ -50,11 +53,20 @@ def workload_ii(vocab: int, n: int = 1000, quick: bool = False):
              rng.randint(out_lo, out_hi)) for _ in range(n)]
 
 
-def run(llm: LLM, work, adapters: list[LoRARequest] | None) -> tuple[float, int]:
-    """Generate ``work`` (prompt ids, new tokens) round-robin over ``adapters``; (tok/s, tokens)."""
+def fresh_ids(work, vocab: int, seed: int):
+    """``work`` with the same prompt and output lengths but new random token ids (``seed``):
+    a pass the prefix cache has not seen."""
+    rng = random.Random(seed)
+    return [([rng.randrange(vocab) for _ in ids], new) for ids, new in work]
+
+
+def run(llm: LLM, work, adapters: list[LoRARequest] | None) -> tuple[float, int, int]:
+    """Generate ``work`` (prompt ids, new tokens) round-robin over ``adapters``; (tok/s,
+    output tokens, prompt tokens found in the prefix cache during the call)."""
     prompts = [{"prompt_token_ids": ids} for ids, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
     loras = [adapters[i % len(adapters)] if adapters else None for i in range(len(work))]
+    hits = prefix_hit_tokens(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, loras, use_tqdm=False)
     seconds = time.perf_counter() - t0
@@ -62,7 +74,7 @@ def run(llm: LLM, work, adapters: list[LoRARequest] | None) -> tuple[float, int]
     expected = sum(n for _, n in work)
     if tokens != expected:
         raise RuntimeError(f"generated {tokens} tokens, expected {expected}")
-    return tokens / seconds, tokens
+    return tokens / seconds, tokens, prefix_hit_tokens(llm) - hits
 
 
 def peft_baseline(adapters: int, quick: bool) -> float:
@@ -104,22 +116,24 @@ def main() -> None:
         vocab = config["vocab_size"]
         work = workload_i(vocab) if args.part == "i" else workload_ii(
             vocab, 40 if quick else 1000, quick)
-        # Warm-up: the whole workload once with every adapter and once without, so each
+        seeds = iter(range(1, 100))
+        # Warm-up: the workload's shapes once with every adapter and once without, so each
         # Triton specialization it needs is compiled and every adapter is in the host tier.
-        run(llm, work, requests[: max(counts)])
-        run(llm, work, None)
+        run(llm, fresh_ids(work, vocab, next(seeds)), requests[: max(counts)])
+        run(llm, fresh_ids(work, vocab, next(seeds)), None)
         rows = []
-        off, _ = run(llm, work, None)
+        off, _, off_hits = run(llm, fresh_ids(work, vocab, next(seeds)), None)
         for n in counts:
-            on, tokens = run(llm, work, requests[:n])
-            row = [n, len(work), tokens, f"{on:,.0f}", f"{off:,.0f}", f"{on / off:.1%}"]
+            on, tokens, hits = run(llm, fresh_ids(work, vocab, next(seeds)), requests[:n])
+            row = [n, len(work), tokens, f"{on:,.0f}", f"{off:,.0f}", f"{on / off:.1%}",
+                   f"{hits:,} / {off_hits:,}"]
             if args.part == "i":
                 row += [f"{peft[n]:,.1f}" if n in peft else "-",
                         f"{on / peft[n]:,.0f}x" if n in peft else "-"]
             rows.append(row)
             print(row, flush=True)
     columns = ["adapters", "requests", "output tokens", "manylora LoRA tok/s",
-               "manylora LoRA off tok/s", "LoRA / off"]
+               "manylora LoRA off tok/s", "LoRA / off", "prefix-hit tokens (LoRA / off)"]
     if args.part == "i":
         columns += ["transformers + peft tok/s", "manylora / peft"]
         title = (f"End to end (i) ({gpu_name(device)}): batch 64, prompt 128, 64 new tokens, "
@@ -129,8 +143,11 @@ def main() -> None:
                  "output 64-256, seed 0")
     notes = ("Llama-3-8B shape, random bf16 weights, greedy, ignore_eos; tok/s = output tokens "
              "/ wall time of one `LLM.generate` call (prefill included). LoRA off = the same "
-             "requests without adapters on the same engine. Engine: max_num_seqs 256, "
-             "max_num_batched_tokens 8192, block 16, max_lora_rank 16, CUDA graphs for decode.")
+             "requests without adapters on the same engine. Every pass (warm-up included) "
+             "has token ids of its own: prefix-hit tokens = prompt tokens the timed call found "
+             "in the prefix cache (0 unless preempted requests found their own blocks). "
+             "Engine: max_num_seqs 256, max_num_batched_tokens 8192, block 16, "
+             "max_lora_rank 16, prefix caching on, CUDA graphs for decode.")
     record(title, "python -m benchmarks.bench_e2e " + " ".join(sys.argv[1:]), columns, rows,
            notes=notes, write=not (args.no_record or quick))
 

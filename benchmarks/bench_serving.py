@@ -46,7 +46,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import command_line, gpu_name, record
+from benchmarks.common import command_line, gpu_name, prefix_hit_tokens, record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
 from manylora import LLM, LoRARequest, SamplingParams
 
@@ -83,10 +83,12 @@ def offline(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: in
     llm.generate([{"prompt_token_ids": p} for p in warm],
                  dataclasses.replace(params, max_tokens=WARMUP_TOKENS), loras, use_tqdm=False)
     for run in prompts:
+        hits = prefix_hit_tokens(llm)
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in run], params, loras,
                             use_tqdm=False)
         seconds = time.perf_counter() - start
+        hits = prefix_hit_tokens(llm) - hits
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     kv = llm.llm_engine.kv_cache_stats()
     del llm
@@ -94,7 +96,7 @@ def offline(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: in
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"seconds": seconds, "tokens": tokens, "preemptions": kv.preemptions,
-            "blocks": kv.num_blocks}
+            "blocks": kv.num_blocks, "prefix_hits": hits}
 
 
 def start_server(model_dir: Path, adapters: list[Path], port: int, quick: bool):
@@ -177,6 +179,7 @@ def drive(port: int, prompts, warm, max_tokens: int, procs: int) -> dict:
 
         run(warm, WARMUP_TOKENS)
         for batch in prompts:
+            hits = _prefix_hits(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
             parts, seconds = run(batch, max_tokens)
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     preemptions = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
@@ -184,7 +187,14 @@ def drive(port: int, prompts, warm, max_tokens: int, procs: int) -> dict:
     return {"seconds": seconds, "tokens": sum(sum(p[0]) for p in parts),
             "ttft": statistics.median(t for p in parts for t in p[1]),
             "itl": statistics.median(t for p in parts for t in p[2]),
-            "preemptions": int(preemptions), "blocks": _kv_blocks(text)}
+            "preemptions": int(preemptions), "blocks": _kv_blocks(text),
+            "prefix_hits": _prefix_hits(text) - hits}
+
+
+def _prefix_hits(text: str) -> int:
+    """Prompt tokens found in the prefix cache so far, from one scrape."""
+    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "manylora:prefix_cache_hits_total"))
 
 
 def _kv_blocks(text: str) -> int:
@@ -225,22 +235,26 @@ def main() -> None:
     off_rate = base["tokens"] / base["seconds"]
     srv_rate = served["tokens"] / served["seconds"]
     rows = [["offline `LLM.generate`", f"{base['tokens']:,}", f"{base['seconds']:.2f}",
-             f"{off_rate:,.0f}", "1.00", "-", "-", base["preemptions"], f"{base['blocks']:,}"],
+             f"{off_rate:,.0f}", "1.00", "-", "-", base["preemptions"], f"{base['blocks']:,}",
+             f"{base['prefix_hits']:,}"],
             ["`manylora serve` + `openai` client, streamed", f"{served['tokens']:,}",
              f"{served['seconds']:.2f}", f"{srv_rate:,.0f}", f"{srv_rate / off_rate:.2f}",
              f"{served['ttft'] * 1e3:.0f}", f"{served['itl'] * 1e3:.1f}",
-             served["preemptions"], f"{served['blocks']:,}"]]
+             served["preemptions"], f"{served['blocks']:,}", f"{served['prefix_hits']:,}"]]
     gpu = gpu_name(device)
     record(f"Serving over HTTP vs the offline engine ({gpu}): {args.requests} requests, "
            f"{args.prompt_len}-token prompts, {args.max_tokens} new tokens, 16 adapters + base",
            command_line("benchmarks.bench_serving"),
            ["path", "output tokens", "seconds", "output tok/s", "vs offline",
-            "TTFT median (ms)", "ITL median (ms)", "preemptions", "KV blocks"], rows,
+            "TTFT median (ms)", "ITL median (ms)", "preemptions", "KV blocks",
+            "prefix-hit tokens"], rows,
            notes="Llama-3-8B shape, random bf16 weights, 16 rank-16 q/k/v/o adapters, "
                  "max_num_seqs 256, all requests at once, greedy. The server runs in its own "
                  "process (engine loop thread + uvicorn); the clients in "
                  f"{args.client_procs} others. "
-                 "TTFT and ITL are medians over requests and chunks, at the client.",
+                 "TTFT and ITL are medians over requests and chunks, at the client. "
+                 "Prefix-hit tokens: prompt tokens the reported run found in the prefix cache "
+                 "(every run and the warm-up have prompts of their own: 0 expected).",
            write=not args.quick, device=device)
 
 

@@ -195,6 +195,12 @@ def _time_matmul(dev: torch.device, n: int) -> float:
     return do_bench_median(lambda: torch.mm(a, b, out=c), warmup=100, rep=500)
 
 
+def prefix_hit_tokens(llm) -> int:
+    """Prompt tokens an ``LLM``'s engine has found in its prefix cache so far (a counter:
+    take the difference around a timed call to see whether it reused earlier passes)."""
+    return llm.llm_engine.kv_cache_stats().prefix_hits
+
+
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table; every cell is ``str()``-ed, so format numbers beforehand."""
     lines = ["| " + " | ".join(str(c) for c in columns) + " |",

@@ -9,55 +9,49 @@ Division of responsibility:
 * ``WorkerGroup`` owns the worker *processes*: it starts them, watches them and stops them.
   It never creates or destroys a process group.
 * Every rank joins ``torch.distributed`` itself through ``init_distributed``: a worker from
-  inside its ``target``; rank 0 after constructing the ``WorkerGroup``, through
-  ``WorkerGroup.join_process_group`` (``init_distributed`` with ``check=group.check``, so a
-  worker that dies while starting up fails rank 0's wait instead of letting it run to the
-  timeout).
-* Stopping, in this order: rank 0 broadcasts its own stop message (the workers' targets
-  return), calls ``WorkerGroup.shutdown()`` (the workers exit with ``os._exit``, never
-  destroying their process group), then ``torch.distributed.destroy_process_group()``. Under
-  NCCL a worker's ``destroy_process_group`` waits for rank 0's, so only rank 0 destroys one,
-  once the workers are gone.
+  inside its ``target``; rank 0 through ``WorkerGroup.join_process_group`` (which fails at
+  once, with ``WorkerDiedError``, if a worker dies while starting). Two bounds: the
+  *start-up* timeout covers the rendezvous, the process group's creation and every
+  collective until start-up is over (ranks spawn, import and load their shards at different
+  speeds); then every rank calls ``end_startup``, which waits for all of them and bounds
+  every later collective by the (shorter) *collective* timeout.
+* Stopping, in this order: rank 0 sends its own stop message (the workers' targets return),
+  calls ``WorkerGroup.shutdown()`` (the workers exit with ``os._exit``, never destroying
+  their process group), then destroys its process group.
 
 What happens when a worker dies (any exit before ``shutdown``, exit code 0 included):
 
-1. Within a few milliseconds (the monitor thread waits on the processes' sentinels) the
-   group records a ``WorkerDiedError`` naming the rank, pid and exit code, logs it, and calls
+1. Within milliseconds (the monitor thread waits on the processes' sentinels) the group
+   records a ``WorkerDiedError`` naming the rank, pid and exit code, logs it, and calls
    ``on_failure`` if given. From then on ``check()``, ``guard()`` and ``broadcast()`` raise it.
 2. The monitor kills the other workers (SIGTERM, then SIGKILL after 2 s): a group that lost a
-   rank cannot run another collective. This is also what unblocks rank 0 under gloo. Gloo
-   raises ``Connection closed by peer`` at once when rank 0 talks to the dead rank directly,
-   but in a group of three or more a collective whose traffic reaches rank 0 through a live
-   rank that is itself waiting on the dead one blocks until the process-group timeout;
-   killing the live ranks closes their connections, so rank 0's pending collective raises
-   too. (``ProcessGroupGloo.abort()`` does not unblock a waiting gloo collective.)
-3. Under NCCL, killing the peers does not end a collective kernel waiting on them, so the
-   monitor also aborts every process group's communicators (``ProcessGroup.abort()``, which
-   is what NCCL's own watchdog thread calls and is safe from another thread). Seen on two
-   H200s (torch 2.11, NCCL 2.28): a host thread waiting on a pending all-reduce
-   (``synchronize()``, ``.item()``) returns about 0.1 s after the death *without an error*,
-   its result garbage; every later collective raises ``DistBackendError`` ("NCCL communicator
-   was aborted"). Hence ``guard()`` checks again when its block ends: run a whole step
-   (broadcast, forward, the copy of the sampled tokens to the host) inside one ``guard()``
-   and never use a result the guard did not let through.
-4. Rank 0 must then notice: the error has been *delivered* once ``check()``, ``guard()`` or
-   ``broadcast()`` has raised it, or ``shutdown()`` has been called. If that has not happened
-   ``exit_after_s`` seconds after the death (rank 0 is stuck, or ignores the error), the
-   monitor logs a critical message and sends SIGTERM to its own process (a server's SIGTERM
-   handler gets to shut down; with the default handler the process ends there); if the
-   process is still alive and the error still undelivered ``exit_after_s`` seconds later, it
-   flushes the logs and ends the process with ``os._exit(HARD_EXIT_CODE)``.
-   ``exit_after_s=None`` disables this last resort.
+   rank cannot run another collective, and their closed connections make a gloo collective
+   rank 0 is waiting in raise.
+3. Under NCCL the monitor also aborts this process's communicators (``ProcessGroup.abort()``):
+   a collective waiting on the dead rank ends, possibly *without* an error and with a
+   garbage result, and every later collective raises. Hence ``guard()`` checks again when its
+   block ends: run a whole step (send, forward, the copy of the sampled tokens to the host)
+   inside one ``guard()`` and never use a result the guard did not let through.
+4. Rank 0's process is never signalled or ended by this module: the death reaches the engine
+   as ``WorkerDiedError`` from its current or next step. The one exception is opt-in, for a
+   process that is nothing but a server (``manylora serve``): after ``exit_when_stuck(s)``,
+   if no ``check()`` / ``guard()`` / ``broadcast()`` has delivered the error ``s`` seconds
+   after a death, the monitor sends SIGTERM to its own process, and ``os._exit(
+   HARD_EXIT_CODE)`` if it is still there ``s`` seconds later.
+
+Under NCCL rank 0 creates its process group with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (unless
+the variable is set): a collective that times out aborts the communicators and raises in the
+engine instead of tearing the process down (NCCL's default).
 
 Orphans: if rank 0 exits normally (even without ``shutdown``) a ``weakref.finalize``
 (which runs at interpreter exit, before ``multiprocessing``'s own exit handler would join
 the workers) kills the workers. If rank 0 is killed outright, each worker notices within
 0.5 s that its parent process is gone (a thread polls ``os.getppid()``) and exits with
-``os._exit(1)``; a worker waiting in a gloo collective with rank 0 usually raises even sooner
-(``Connection closed by peer``).
+``os._exit(1)``.
 
 Workers ignore SIGINT: a Ctrl-C in a terminal reaches the whole process group, and the
-workers are rank 0's to stop.
+workers are rank 0's to stop. How gloo and NCCL behaved when ranks die (what the rules above
+rest on): docs/notes-tensor-parallel.md.
 """
 
 from __future__ import annotations
@@ -87,18 +81,44 @@ from manylora.distributed.broadcast import broadcast_tensor_dict
 
 logger = logging.getLogger(__name__)
 
-#: Process-group timeout (seconds) when none is given: how long any collective, and the
-#: start-up rendezvous, may wait before raising. Long enough for ranks to finish loading their
-#: shards at different speeds, far below torch's 30-minute default.
+#: Start-up timeout (seconds) when none is given: how long the rendezvous, the process
+#: group's creation and any collective before ``end_startup`` may wait. Ranks spawn, import
+#: torch and load their shards at different speeds, on a loaded machine too.
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+
+#: Collective timeout (seconds) when none is given: how long any collective after
+#: ``end_startup`` may wait before raising; far below torch's 30-minute default.
 DEFAULT_TIMEOUT_S = 300.0
 
-#: Exit status of rank 0 when the monitor has to end it (``os._exit``), EX_SOFTWARE.
+#: Exit status of rank 0 when the opt-in of ``exit_when_stuck`` ends it (EX_SOFTWARE).
 HARD_EXIT_CODE = 70
 
 # Seconds a worker's parent watch sleeps between looks at os.getppid().
 _PARENT_POLL_S = 0.5
 # The store key every worker increments once it has reached the rendezvous.
 _ARRIVED_KEY = "manylora/tp_workers_arrived"
+# Seconds after an undelivered death before the monitor ends its own process; None: never
+# (set only by ``exit_when_stuck``).
+_stuck_exit_after_s: float | None = None
+
+
+def exit_when_stuck(after_s: float | None) -> None:
+    """Opt in (or out, with None) to ending this process when rank 0 is stuck: if a worker
+    dies and no ``check()`` / ``guard()`` / ``broadcast()`` of its group has delivered the
+    error ``after_s`` seconds later, the monitor thread sends SIGTERM to this process, and
+    ends it with ``os._exit(HARD_EXIT_CODE)`` if it is still there ``after_s`` seconds after
+    that. For a process that is nothing but a server (``manylora serve``'s launcher), where
+    an engine thread that is idle or stuck would otherwise leave a process that looks
+    healthy with a dead worker; never for one that embeds an engine (the default: off).
+    Applies to every ``WorkerGroup`` of the process, existing ones too.
+
+    Raises:
+        ValueError: ``after_s`` is not positive.
+    """
+    global _stuck_exit_after_s
+    if after_s is not None and not after_s > 0:
+        raise ValueError(f"after_s must be > 0 seconds, got {after_s}")
+    _stuck_exit_after_s = after_s
 
 
 class WorkerDiedError(RuntimeError):
@@ -148,23 +168,25 @@ def _parse_tcp(init_method: str) -> tuple[str, int]:
 
 
 def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
-                     timeout_s: float = DEFAULT_TIMEOUT_S, *,
+                     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, *,
                      check: Callable[[], None] | None = None) -> None:
     """Join the default ``torch.distributed`` process group as ``rank`` of ``tp_size``.
 
     Rank 0 hosts the rendezvous (a ``TCPStore`` listening on ``init_method``'s port) and waits
     until the ``tp_size - 1`` workers have connected, calling ``check`` about every 20 ms
     while it waits; then every rank calls ``init_process_group`` on that store with
-    ``timeout_s`` as the process-group timeout (which bounds every later collective). Under
-    NCCL the rank's CUDA device is set to ``cuda:rank`` first (one host: the local rank is
-    the rank).
+    ``timeout_s`` as the process-group timeout, which bounds every collective until
+    ``end_startup`` replaces it with the collective timeout. Under NCCL the rank's CUDA device
+    is set to ``cuda:rank`` first (one host: the local rank is the rank), and rank 0 sets
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless it is set (see the module docstring).
 
     Args:
         rank: this process's rank, ``[0, tp_size)``.
         tp_size: the number of ranks.
         backend: ``"nccl"`` or ``"gloo"``.
         init_method: ``tcp://host:port`` (see ``free_init_method``), the same on every rank.
-        timeout_s: seconds any wait (rendezvous, collective) may take before raising.
+        timeout_s: the start-up timeout: seconds the rendezvous, and any collective before
+            ``end_startup``, may wait before raising.
         check: on rank 0, polled while waiting for the workers (``WorkerGroup.check``);
             whatever it raises propagates. Ignored on other ranks.
 
@@ -183,6 +205,8 @@ def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
     host, port = _parse_tcp(init_method)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        if rank == 0:
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         store = dist.TCPStore(host, port, tp_size, is_master=True, timeout=timeout,
@@ -200,6 +224,26 @@ def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
         store.add(_ARRIVED_KEY, 1)
     dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size,
                             timeout=timeout)
+
+
+def end_startup(device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Every rank, once its start-up is over (shard loaded, KV cache allocated; the TP
+    engine calls it on the ``"kv"`` message): wait, under the start-up timeout, until every
+    rank has got here (a one-element all-reduce on ``device``, synchronized to the host),
+    then bound every later collective of the default process group by ``timeout_s``
+    seconds. So a short collective timeout never races a slow start.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialized, or the all-reduce failed
+            (a rank died or did not arrive within the start-up timeout).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("end_startup needs an initialized process group")
+    flag = torch.ones(1, device=device)
+    dist.all_reduce(flag)
+    flag.item()
+    # torch's setter of a live group's timeout (gloo and NCCL); private, present since 2.3
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -274,17 +318,16 @@ class WorkerGroup:
     Args:
         target: a module-level function (spawn imports it by name), called in each worker
             as ``target(rank, tp_size, init_method, *args)``; it is expected to call
-            ``init_distributed(rank, tp_size, backend, init_method, timeout_s)`` and then serve
-            broadcasts until told to stop, and must not destroy the process group. Its return
+            ``init_distributed(rank, tp_size, backend, init_method, timeout_s)`` (and
+            ``end_startup`` when rank 0 does) and then serve rank 0's messages until told to
+            stop, and must not destroy the process group. Its return
             ends the worker (exit code 0); an exception ends it with code 1 after the
             traceback is printed (see ``_worker_entry``).
         tp_size: ranks in all, rank 0 included (``tp_size - 1`` processes are started).
         backend: ``"nccl"`` or ``"gloo"``: decides how the monitor escalates.
         init_method: the ``tcp://host:port`` rendezvous (``free_init_method()``).
         args: extra arguments for ``target`` (picklable: spawn sends them to the child).
-        timeout_s: the process-group timeout rank 0 joins with (``join_process_group``).
-        exit_after_s: seconds after a worker's death before an undelivered error makes rank
-            0 send itself SIGTERM, and again before ``os._exit``; None: never.
+        timeout_s: the start-up timeout rank 0 joins with (``join_process_group``).
         on_failure: called once, from the monitor thread, with the ``WorkerDiedError`` as
             soon as a death is noticed (e.g. to wake an idle engine loop); what it raises is
             logged and ignored.
@@ -294,15 +337,15 @@ class WorkerGroup:
     """
 
     def __init__(self, target: Callable[..., Any], tp_size: int, *, backend: str,
-                 init_method: str, args: tuple = (), timeout_s: float = DEFAULT_TIMEOUT_S,
-                 exit_after_s: float | None = 10.0,
+                 init_method: str, args: tuple = (),
+                 timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
                  on_failure: Callable[[WorkerDiedError], None] | None = None) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
         self.tp_size, self.backend, self.init_method = tp_size, backend, init_method
-        self.timeout_s, self.exit_after_s, self.on_failure = timeout_s, exit_after_s, on_failure
+        self.timeout_s, self.on_failure = timeout_s, on_failure
         self._lock = threading.Lock()
         self._error: WorkerDiedError | None = None
         self._delivered = threading.Event()
@@ -434,7 +477,8 @@ class WorkerGroup:
                 return
 
     def _escalate(self, err: WorkerDiedError) -> None:
-        """Monitor thread, after a death: steps 1-4 of the module docstring."""
+        """Monitor thread, after a death: steps 1-4 of the module docstring. Returns at
+        once after step 3 unless ``exit_when_stuck`` opted in."""
         logger.error("%s; stopping the other workers", err)
         if self.on_failure is not None:
             try:
@@ -446,16 +490,17 @@ class WorkerGroup:
             _reap(others, threading.Event(), 0.0)
         if self.backend == "nccl":
             _abort_process_groups()
-        if self.exit_after_s is None or self._wait_delivered(self.exit_after_s):
+        after_s = _stuck_exit_after_s
+        if after_s is None or self._wait_delivered(after_s):
             return
         logger.critical("rank 0 did not react to the death of worker rank %d within %.1f s; "
-                        "sending SIGTERM to itself (pid %d)", err.rank, self.exit_after_s,
-                        os.getpid())
+                        "sending SIGTERM to itself (pid %d, exit_when_stuck)", err.rank,
+                        after_s, os.getpid())
         os.kill(os.getpid(), signal.SIGTERM)
-        if self._wait_delivered(self.exit_after_s):
+        if self._wait_delivered(after_s):
             return
         logger.critical("rank 0 is still stuck %.1f s after SIGTERM; exiting with status %d",
-                        self.exit_after_s, HARD_EXIT_CODE)
+                        after_s, HARD_EXIT_CODE)
         logging.shutdown()
         os._exit(HARD_EXIT_CODE)
 

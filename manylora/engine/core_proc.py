@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from manylora.core.kv_cache_manager import KVCacheStats
+from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
 from manylora.engine.protocol import (
@@ -65,6 +66,9 @@ UTILITY_METHODS: dict[str, tuple[tuple[type, ...], type]] = {
 
 _IDLE_POLL_MS = 1000
 
+#: Seconds a core blocked past a tensor-parallel worker's death waits before ending itself.
+STUCK_EXIT_S = 10.0
+
 
 def run_engine_core(args: bytes, input_address: str, output_address: str,
                     parent_pid: int) -> None:
@@ -77,6 +81,9 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
         parent_pid: the front's pid; the core exits when it is gone.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the front decides when to stop
+    # this process is nothing but the core: one stuck on a dead tensor-parallel worker ends
+    # itself, which the front sees at once (EngineDeadError, an unhealthy server)
+    exit_when_stuck(STUCK_EXIT_S)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)

@@ -30,8 +30,11 @@ from manylora.distributed.broadcast import (
 )
 from manylora.distributed.parallel_state import TPGroup
 from manylora.distributed.workers import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
     WorkerGroup,
     destroy_process_group_within,
+    end_startup,
     free_init_method,
     init_distributed,
 )
@@ -107,10 +110,12 @@ def slot_weights(msg: dict) -> dict[tuple[int, str], LoRAWeights]:
 
 
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
-               timeout_s: float, readers: tuple) -> None:
+               timeouts: tuple[float, float], readers: tuple) -> None:
     """A worker process's life (``WorkerGroup``'s target): join the group, load the shard,
     then serve rank 0's messages until ``"stop"``. The process group is left to rank 0 to
-    destroy (``WorkerGroup`` ends the worker with ``os._exit``).
+    destroy (``WorkerGroup`` ends the worker with ``os._exit``). ``timeouts`` is
+    ``(startup_s, collective_s)``: start-up (``init_distributed``) ends with the ``"kv"``
+    message, in ``end_startup`` (rank 0 enters it in ``TPDriver.allocate_kv``).
 
     Messages arrive on this rank's pipe (``readers[rank - 1]``, packed by
     ``pack_tensor_dict``), where waiting has no time limit: an idle engine never times a
@@ -120,7 +125,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_distributed(rank, tp_size, backend, init_method, timeout_s)
+    startup_s, collective_s = timeouts
+    init_distributed(rank, tp_size, backend, init_method, startup_s)
     tp = TPGroup.from_process_group()
     hf_config = load_hf_config(Path(spec.model_dir), spec.trust_remote_code)
     cfg = ModelConfig.from_hf(hf_config, getattr(torch, spec.dtype), spec.max_model_len)
@@ -141,6 +147,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                                                spec.block_size, device, spec.kv_cache_dtype)
                 runner = ModelRunner(model, kv_caches, spec.block_size, max_loras,
                                      int(msg["max_model_len"]), tuple(msg["graph_sizes"]))
+                end_startup(device, collective_s)
                 runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
             elif op == "step":
                 inputs = decode_step(msg)
@@ -162,7 +169,10 @@ class TPDriver:
     Args:
         spec: what the workers build.
         tp_size: ranks in all.
-        timeout_s: the process-group timeout, seconds (every collective's bound).
+        timeout_s: the collective timeout, seconds: every collective's bound once start-up
+            is over (``allocate_kv``).
+        startup_timeout_s: seconds the workers may take to start, join the process group
+            and load their shards (every wait until ``allocate_kv``).
 
     Attributes:
         tp: rank 0's ``TPGroup``.
@@ -171,15 +181,23 @@ class TPDriver:
         WorkerDiedError: a worker died while starting (or later, from any method).
     """
 
-    def __init__(self, spec: WorkerSpec, tp_size: int, timeout_s: float = 300.0) -> None:
+    def __init__(self, spec: WorkerSpec, tp_size: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         backend = "nccl" if spec.device_type == "cuda" else "gloo"
         pipes = [multiprocessing.get_context("spawn").Pipe(duplex=False)
                  for _ in range(tp_size - 1)]
         self._writers = [w for _, w in pipes]
+        self.timeout_s = timeout_s
+        self.device = rank_device(spec.device_type, 0)
         self.workers = WorkerGroup(run_worker, tp_size, backend=backend,
                                    init_method=free_init_method(),
-                                   args=(spec, backend, timeout_s, tuple(r for r, _ in pipes)),
-                                   timeout_s=timeout_s)
+                                   args=(spec, backend, (startup_timeout_s, timeout_s),
+                                         tuple(r for r, _ in pipes)),
+                                   timeout_s=startup_timeout_s)
+        # the workers hold the read ends now; with rank 0's copies closed, a write to a dead
+        # worker's pipe fails (EPIPE) instead of blocking on a full pipe
+        for reader, _ in pipes:
+            reader.close()
         try:
             self.workers.join_process_group()
         except BaseException:
@@ -209,9 +227,17 @@ class TPDriver:
                     graph_sizes: tuple[int, ...]) -> None:
         """Every worker allocates ``num_blocks`` KV blocks and captures the decode graphs of
         ``graph_sizes`` (for sequences up to ``max_model_len`` tokens); rank 0 must then
-        capture its own (the captures' collectives pair up)."""
+        capture its own (the captures' collectives pair up). Start-up ends here: every rank
+        waits for the others (``end_startup``), and from then on every collective is bounded
+        by ``timeout_s``.
+
+        Raises:
+            WorkerDiedError: a worker has died.
+        """
         self.send({"op": "kv", "num_blocks": num_blocks, "max_model_len": max_model_len,
                    "graph_sizes": list(graph_sizes)})
+        with self.workers.guard():
+            end_startup(self.device, self.timeout_s)
 
     def step(self, inputs: StepInputs) -> None:
         self.send({"op": "step", **encode_step(inputs)})

@@ -4,6 +4,7 @@ module-level targets below."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,11 +27,15 @@ from manylora.distributed.workers import (
     HARD_EXIT_CODE,
     WorkerDiedError,
     WorkerGroup,
+    end_startup,
+    exit_when_stuck,
     free_init_method,
     init_distributed,
 )
 
-_TIMEOUT_S = 20.0
+# Every group here starts with the default start-up timeout (600 s): spawning a worker and
+# importing torch on a loaded machine may take many seconds, and no test depends on how many.
+# The bounds below time what follows a death (a kill, an exit), never a process start.
 
 
 def _payload() -> dict:
@@ -98,7 +103,7 @@ def _compare(expected: dict, got: dict) -> str:
 
 def _echo_target(rank: int, tp_size: int, init_method: str, out_dir: str) -> None:
     """Worker: the first message must equal _payload(), the second is the stop message."""
-    init_distributed(rank, tp_size, "gloo", init_method, _TIMEOUT_S)
+    init_distributed(rank, tp_size, "gloo", init_method)
     first = broadcast_tensor_dict(None, src=0)
     verdict = _compare(_payload(), first)
     second = broadcast_tensor_dict(None, src=0)
@@ -109,21 +114,30 @@ def _echo_target(rank: int, tp_size: int, init_method: str, out_dir: str) -> Non
 
 def _serve_target(rank: int, tp_size: int, init_method: str) -> None:
     """Worker: receive broadcasts until {'stop': True}."""
-    init_distributed(rank, tp_size, "gloo", init_method, _TIMEOUT_S)
+    init_distributed(rank, tp_size, "gloo", init_method)
     while not broadcast_tensor_dict(None, src=0).get("stop"):
         pass
 
 
 def _stall_target(rank: int, tp_size: int, init_method: str) -> None:
     """Worker: the last rank never enters the all-reduce (the test kills it); the others do."""
-    init_distributed(rank, tp_size, "gloo", init_method, _TIMEOUT_S)
+    init_distributed(rank, tp_size, "gloo", init_method)
     if rank == tp_size - 1:
         time.sleep(600)
     dist.all_reduce(torch.ones(4))
 
 
-def _exit_target(rank: int, tp_size: int, init_method: str) -> None:
-    """Worker: gives up before joining the process group."""
+def _startup_then_hang_target(rank: int, tp_size: int, init_method: str) -> None:
+    """Worker: end start-up with a 1 s collective timeout, then never enter a collective."""
+    init_distributed(rank, tp_size, "gloo", init_method)
+    end_startup("cpu", 1.0)
+    time.sleep(600)
+
+
+def _exit_target(rank: int, tp_size: int, init_method: str, out_dir: str) -> None:
+    """Worker: gives up before joining the process group, writing when (``time.monotonic``,
+    one clock for every process of the machine) it did."""
+    Path(out_dir, "exit_time").write_text(repr(time.monotonic()))
     raise SystemExit(3)
 
 
@@ -160,7 +174,7 @@ def _wait_gone(pids, seconds: float) -> list[int]:
 @pytest.mark.parametrize("tp_size", [2, 3])
 def test_round_trip_every_kind(tp_size, tmp_path, cleanup):
     group = WorkerGroup(_echo_target, tp_size, backend="gloo", init_method=free_init_method(),
-                        args=(str(tmp_path),), timeout_s=_TIMEOUT_S)
+                        args=(str(tmp_path),))
     cleanup.append(group)
     group.join_process_group()
 
@@ -186,8 +200,7 @@ def test_round_trip_every_kind(tp_size, tmp_path, cleanup):
 
 
 def test_killed_worker_fails_the_next_broadcast(cleanup):
-    group = WorkerGroup(_serve_target, 3, backend="gloo", init_method=free_init_method(),
-                        timeout_s=_TIMEOUT_S)
+    group = WorkerGroup(_serve_target, 3, backend="gloo", init_method=free_init_method())
     cleanup.append(group)
     group.join_process_group()
     group.broadcast({"x": torch.arange(5)})
@@ -205,19 +218,19 @@ def test_killed_worker_fails_the_next_broadcast(cleanup):
     with pytest.raises(WorkerDiedError):
         group.check()
     # the monitor stopped the surviving worker too
-    assert _wait_gone(pids.values(), 5.0) == []
+    assert _wait_gone(pids.values(), 30.0) == []
     group.shutdown(timeout=1.0)
     assert _wait_gone(pids.values(), 0.0) == []
 
 
-def test_worker_dying_at_start_fails_the_rendezvous(cleanup):
+def test_worker_dying_at_start_fails_the_rendezvous(tmp_path, cleanup):
     group = WorkerGroup(_exit_target, 2, backend="gloo", init_method=free_init_method(),
-                        timeout_s=_TIMEOUT_S)
+                        args=(str(tmp_path),))
     cleanup.append(group)
-    t0 = time.monotonic()
     with pytest.raises(WorkerDiedError, match="exited with code 3"):
         group.join_process_group()
-    assert time.monotonic() - t0 < 10.0
+    # timed from the worker's exit, not its start: rank 0 did not wait for the timeout
+    assert time.monotonic() - float((tmp_path / "exit_time").read_text()) < 10.0
     assert not dist.is_initialized()
     assert group.shutdown(timeout=1.0) == {1: 3}
 
@@ -225,8 +238,7 @@ def test_worker_dying_at_start_fails_the_rendezvous(cleanup):
 def test_worker_death_unblocks_a_waiting_collective(cleanup):
     # Rank 0 and rank 1 wait in an all-reduce for rank 2, which is killed while they wait:
     # gloo alone would block rank 0 until the process-group timeout.
-    group = WorkerGroup(_stall_target, 3, backend="gloo", init_method=free_init_method(),
-                        timeout_s=_TIMEOUT_S)
+    group = WorkerGroup(_stall_target, 3, backend="gloo", init_method=free_init_method())
     cleanup.append(group)
     group.join_process_group()
     killer = threading.Timer(0.5, os.kill, args=(group.pids[2], signal.SIGKILL))
@@ -243,11 +255,25 @@ def test_worker_death_unblocks_a_waiting_collective(cleanup):
     assert _wait_gone(pids, 0.0) == []
 
 
+def test_end_startup_bounds_later_collectives(cleanup):
+    """Start-up runs under the 600 s start-up timeout; after ``end_startup`` a collective the
+    worker never enters raises after the collective timeout (1 s) instead of waiting."""
+    group = WorkerGroup(_startup_then_hang_target, 2, backend="gloo",
+                        init_method=free_init_method())
+    cleanup.append(group)
+    group.join_process_group()
+    end_startup("cpu", 1.0)
+    with pytest.raises(RuntimeError, match="[Tt]imed out"), group.guard(wait_s=0.0):
+        dist.all_reduce(torch.ones(4))
+    assert group.error is None     # the worker is alive: a timeout, not a death
+
+
 def _rank0_main(mode: str, pid_file: str) -> None:
     """A rank 0 in its own process (see the test below): start a worker, broadcast once,
     write the worker's pid, then misbehave as ``mode`` says."""
-    group = WorkerGroup(_serve_target, 2, backend="gloo", init_method=free_init_method(),
-                        timeout_s=_TIMEOUT_S, exit_after_s=1.0)
+    if mode == "stuck_opted_in":
+        exit_when_stuck(1.0)
+    group = WorkerGroup(_serve_target, 2, backend="gloo", init_method=free_init_method())
     group.join_process_group()
     group.broadcast({"hello": 1})
     Path(pid_file).write_text(" ".join(str(p) for p in group.pids.values()))
@@ -255,10 +281,19 @@ def _rank0_main(mode: str, pid_file: str) -> None:
         return
     if mode == "kill":  # no cleanup at all: the workers must notice by themselves
         os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "stuck":  # a worker dies, rank 0 never looks and its SIGTERM handler is useless
-        signal.signal(signal.SIGTERM, lambda *_: None)
-        os.kill(group.pids[1], signal.SIGKILL)
-        time.sleep(60)
+    sigterms = []
+    signal.signal(signal.SIGTERM, lambda *args: sigterms.append(args))
+    os.kill(group.pids[1], signal.SIGKILL)
+    if mode == "stuck":  # a worker dies and rank 0 does not look: its process is left alone
+        group._monitor.join()          # the monitor is done with the death, and returned
+        with contextlib.suppress(WorkerDiedError):
+            group.check()
+            raise AssertionError("check() did not raise")
+        print(f"rank 0 alive, SIGTERMs received: {len(sigterms)}", file=sys.stderr)
+        group.shutdown()
+        return
+    if mode == "stuck_opted_in":  # exit_when_stuck: SIGTERM (ignored here), then os._exit
+        time.sleep(600)
         os._exit(0)  # not reached: the monitor ends the process
 
 
@@ -270,28 +305,40 @@ def _start_rank0(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     return proc, pid_file
 
 
-def test_rank0_exit_leaves_no_orphans_and_a_stuck_rank0_is_ended(tmp_path):
-    modes = ["return", "kill", "stuck"]
+def test_rank0_exit_leaves_no_orphans_and_a_dead_worker_never_ends_rank0(tmp_path):
+    modes = ["return", "kill", "stuck", "stuck_opted_in"]
     started = {m: _start_rank0(m, tmp_path) for m in modes}  # concurrently: it saves time
     results = {}
     for mode, (proc, pid_file) in started.items():
         try:
-            _, err = proc.communicate(timeout=60)
+            # a bound on four Python processes each starting a worker: only a hang fails it
+            _, err = proc.communicate(timeout=300)
         finally:
             proc.kill()
         results[mode] = (proc.returncode, err)
         pids = [int(p) for p in pid_file.read_text().split()]
-        assert _wait_gone(pids, 5.0) == [], (mode, err)
+        assert _wait_gone(pids, 30.0) == [], (mode, err)
     assert results["return"][0] == 0, results["return"][1]
     assert results["kill"][0] == -signal.SIGKILL
-    # the monitor's last resort: SIGTERM (ignored here), then os._exit
-    assert results["stuck"][0] == HARD_EXIT_CODE, results["stuck"][1]
-    assert "did not react" in results["stuck"][1] and "still stuck" in results["stuck"][1]
+    # without the opt-in, the monitor neither signals nor ends the process
+    assert results["stuck"][0] == 0, results["stuck"][1]
+    assert "rank 0 alive, SIGTERMs received: 0" in results["stuck"][1]
+    assert "did not react" not in results["stuck"][1]
+    # the server's opt-in: SIGTERM (ignored here), then os._exit
+    assert results["stuck_opted_in"][0] == HARD_EXIT_CODE, results["stuck_opted_in"][1]
+    assert "did not react" in results["stuck_opted_in"][1]
+    assert "still stuck" in results["stuck_opted_in"][1]
+
+
+def test_exit_when_stuck_wants_a_positive_delay():
+    with pytest.raises(ValueError, match="after_s"):
+        exit_when_stuck(0.0)
+    exit_when_stuck(None)
 
 
 def _nccl_target(rank: int, tp_size: int, init_method: str, out_dir: str) -> None:
     """Worker (NCCL): check one payload, join one all-reduce, then hang until killed."""
-    init_distributed(rank, tp_size, "nccl", init_method, _TIMEOUT_S)
+    init_distributed(rank, tp_size, "nccl", init_method)
     got = broadcast_tensor_dict(None, src=0)
     verdict = _compare(_payload(), got)
     if verdict == "ok" and any(isinstance(v, torch.Tensor) and v.device.type != "cuda"

@@ -9,11 +9,14 @@ every KV block free or cached.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
 from manylora import LLM, EngineArgs, LoRARequest, SamplingParams
 from manylora.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from manylora.engine.protocol import EngineCoreOutputs
 from manylora.testing import make_checkpoint, make_peft_adapter
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -97,13 +100,11 @@ def test_closing_a_stream_aborts_and_frees_its_blocks(engine, loras):
 
 
 def _wait_idle(async_llm: AsyncLLM) -> None:
-    async def settle():
-        for _ in range(200):
-            if not async_llm.engine.has_unfinished_requests():
-                return
-            await asyncio.sleep(0.01)
-
-    asyncio.run(settle())
+    """Wait (up to a minute: a loaded machine may take a while) for the loop to finish every
+    request, e.g. to carry out an abort, then check the engine is idle."""
+    deadline = time.monotonic() + 60
+    while async_llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
     _assert_idle(async_llm)
 
 
@@ -173,6 +174,19 @@ def test_waiting_queue_bound(base_dir):
         EngineArgs(model=str(base_dir), **{**ENGINE, "max_num_seqs": 1}),
         max_waiting_requests=2)
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    # After q0's first step the loop steps no further until the overload is checked, so q0
+    # cannot finish (and q1 start) first however slowly this thread runs.
+    core = async_llm.engine.engine_core
+    step, release, steps = core.step, threading.Event(), []
+
+    def held_step():
+        if steps and not release.is_set():
+            time.sleep(0.01)
+            return EngineCoreOutputs()
+        steps.append(1)
+        return step()
+
+    core.step = held_step
     try:
         async def main():
             gens = [async_llm.generate("The quick", long, f"q{i}") for i in range(3)]
@@ -182,6 +196,7 @@ def test_waiting_queue_bound(base_dir):
                 await asyncio.sleep(0.01)
             with pytest.raises(EngineOverloadedError, match="max_waiting_requests=2"):
                 await _collect(async_llm, "The quick", GREEDY, "q3", None)
+            release.set()
             for f in firsts:
                 f.cancel()
             await asyncio.gather(*firsts, return_exceptions=True)

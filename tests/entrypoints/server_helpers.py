@@ -6,7 +6,10 @@ by name, and another test directory has a conftest.py too."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
+from manylora.engine.protocol import EngineCoreOutputs
 from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -39,3 +42,22 @@ def running_server(base_dir, *extra: str, lora_modules=(), **engine_overrides):
             yield server, http.url
     finally:
         server.shutdown()
+
+
+def hold_steps(engine, after: int = 1) -> threading.Event:
+    """Let ``engine`` (an ``EngineCore`` in the test's process) run ``after`` real steps,
+    then only idle ones (10 ms, no progress, the loop still takes commands such as aborts)
+    until the returned event is set. A request that is running then cannot finish on its
+    own, however slowly the test runs: what a test checks while it holds does not race the
+    engine."""
+    step, release, taken = engine.step, threading.Event(), []
+
+    def held_step():
+        if len(taken) >= after and not release.is_set():
+            time.sleep(0.01)
+            return EngineCoreOutputs()
+        taken.append(1)
+        return step()
+
+    engine.step = held_step
+    return release

@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_helpers import BASE, running_server
+from server_helpers import BASE, hold_steps, running_server
 
 from manylora.testing import make_peft_adapter
 
@@ -157,14 +157,8 @@ def test_full_waiting_queue_is_503_and_others_finish(base_dir):
                         max_num_seqs=1) as (server, url):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         done: list[str] = []
-        engine = server.engine.engine.engine_core
-        step = engine.step
-
-        def slow_step():          # a tiny model steps in a millisecond: keep requests busy
-            time.sleep(0.02)
-            return step()
-
-        engine.step = slow_step
+        # the first request runs one step, then holds until the 503 has been checked
+        release = hold_steps(server.engine.engine.engine_core)
 
         def long_request():
             out = client.completions.create(model=BASE, prompt="The quick", max_tokens=100,
@@ -172,9 +166,10 @@ def test_full_waiting_queue_is_503_and_others_finish(base_dir):
             done.append(out.choices[0].finish_reason)
 
         def wait_for(condition):
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 60
             while not condition(server.engine.snapshot()) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert condition(server.engine.snapshot())
 
         threads = [threading.Thread(target=long_request) for _ in range(2)]
         threads[0].start()
@@ -185,7 +180,8 @@ def test_full_waiting_queue_is_503_and_others_finish(base_dir):
             client.completions.create(model=BASE, prompt="hi", max_tokens=2)
         assert info.value.status_code == 503
         assert "max_waiting_requests" in info.value.message
+        release.set()
         for t in threads:
-            t.join(60)
+            t.join(120)
         assert done == ["length", "length"]
         assert client.completions.create(model=BASE, prompt="hi", max_tokens=2).choices

@@ -15,6 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.async_llm import AsyncLLM
 from manylora.entrypoints.openai.api_server import (
@@ -27,6 +28,13 @@ from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAISer
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
+
+#: Seconds after a tensor-parallel worker's death by which ``manylora serve``'s engine must
+#: have taken the error (``WorkerDiedError`` from a step) before the server ends its own
+#: process (SIGTERM, then exit status 70): an idle or stuck engine would otherwise leave a
+#: server that looks healthy with a dead worker. Only ``run_server`` opts in
+#: (``exit_when_stuck``); a server built inside another program (``create_server``) does not.
+STUCK_ENGINE_EXIT_S = 10.0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -114,7 +122,10 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """``manylora serve``: serve in the foreground until interrupted."""
+    """``manylora serve``: serve in the foreground until interrupted. The process is the
+    server's alone, so it opts in to ending itself if the engine does not take a dead
+    tensor-parallel worker's error (``STUCK_ENGINE_EXIT_S``)."""
+    exit_when_stuck(STUCK_ENGINE_EXIT_S)
     server = create_server(args)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port,
