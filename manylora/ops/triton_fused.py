@@ -191,7 +191,8 @@ def _rope_heads(row_ptr, stride_h, head0, n_heads, c_lo, c_hi, s_lo, s_hi, half,
     tl.store(ptrs + half, out_hi, mask=mask)
 
 
-@triton.jit
+# positions: a view at an offset of the step's input buffer that moves with the row count.
+@triton.jit(do_not_specialize=["pos_ptr"])
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                    n_q_heads, n_k_heads, half,

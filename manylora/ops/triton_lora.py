@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +55,13 @@ MAX_SLICES = 3
 _TARGET_PROGRAMS = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+# The per-step LoRAMapping tensors are views at offsets of one buffer that move with the row
+# count, and N_TILES varies with the batch: Triton would otherwise compile one kernel per
+# pointer alignment (16 bytes or not) and per int that happens to be 1 or a multiple of 16.
+_SEGMENT_PTRS = ["slot_ranks_ptr", "sorted_rows_ptr", "active_slots_ptr", "seg_start_ptr",
+                 "seg_len_ptr"]
+_GATHER_PTRS = ["token_lora_ptr", "slot_ranks_ptr"]
 
 # ---------------------------------------------------------------------------------------------
 # kernels
@@ -79,7 +87,7 @@ def _dora_row(p0, p1, p2, s, slot, n_out, offs_n, n_mask, other: tl.constexpr):
     return tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=other)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SEGMENT_PTRS)
 def _sgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -134,7 +142,7 @@ def _sgmv_shrink_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GATHER_PTRS)
 def _bgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, slot_ranks_ptr,
         K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
@@ -175,7 +183,7 @@ def _bgmv_shrink_kernel(
         tl.store(out_ptrs, tl.sum(acc, axis=1), mask=r_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, "slot_dora_ptr", "N_TILES"])
 def _sgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -243,7 +251,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, "slot_dora_ptr"])
 def _bgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, slot_ranks_ptr,
         slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
@@ -332,6 +340,83 @@ def _block_m(max_seg_len: int) -> int:
     return 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
 
 
+class LaunchPlan(NamedTuple):
+    """One launch of a LoRA kernel, from host ints only.
+
+    Attributes:
+        kernel: the ``@triton.jit`` kernel's name in this module.
+        grid: the launch grid (up to 3 ints).
+        constexprs: the compile-time constants (with ``num_warps``): what selects a compiled
+            specialization, with the dtypes and the run-time ints' divisibility.
+        k_per_split: shrink only: the ``in`` columns each split-K program reduces.
+        n_tiles: SGMV expand only: output tiles per row tile (the grid's first axis is
+            ``m_tiles * n_tiles``).
+    """
+
+    kernel: str
+    grid: tuple[int, ...]
+    constexprs: dict
+    k_per_split: int = 0
+    n_tiles: int = 0
+
+
+def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, k: int,
+                max_rank: int, num_slices: int, element_size: int,
+                dot_fp32: bool = False) -> LaunchPlan:
+    """The launch of ``lora_shrink_op`` for ``num_rows`` rows (``max_seg_len`` the longest
+    SGMV segment) of ``in = k`` over ``num_slices`` A stacks ``[max_loras, max_rank, k]`` of
+    ``element_size``-byte elements (``dot_fp32``: bfloat16 under the interpreter). Block
+    sizes: SGMV tiles of 16/32/64 rows by ``max_seg_len``, ranks in tiles of 16-64 (BGMV:
+    up to 32), a ``k`` step whose x and A tiles fit 32 KiB (16-bit) or 16 KiB (float32);
+    split-K up to ``_TARGET_PROGRAMS`` programs (``ATOMIC`` when split)."""
+    if schedule == "sgmv":
+        block_m = _block_m(max_seg_len)
+        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
+        # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
+        # pipeline keeps a few of them in shared memory.
+        tile_bytes = 32768 if element_size == 2 else 16384
+        block_k = max(16, min(256, _pow2_floor(tile_bytes // ((block_m + block_r) * element_size))))
+        m_tiles, r_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_rank, block_r)
+        split, k_per_split = _split_k(
+            k, block_k, triton.cdiv(num_rows, block_m) * r_tiles * num_slices)
+        return LaunchPlan("_sgmv_shrink_kernel", (m_tiles * r_tiles, split, max_loras * num_slices),
+                          dict(R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m,
+                               BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
+                               DOT_FP32=dot_fp32, num_warps=4), k_per_split)
+    block_r = min(triton.next_power_of_2(max_rank), 32)
+    block_k = max(32, min(512, 4096 // block_r))
+    r_tiles = triton.cdiv(max_rank, block_r)
+    split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
+    return LaunchPlan("_bgmv_shrink_kernel", (num_rows * r_tiles, split, num_slices),
+                      dict(R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
+                           num_warps=4), k_per_split)
+
+
+def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, max_n: int,
+                max_rank: int, num_slices: int, has_dora: bool, has_shift: bool,
+                dot_fp32: bool = False) -> LaunchPlan:
+    """The launch of ``lora_expand_op`` for ``num_rows`` rows (``max_seg_len`` the longest
+    SGMV segment) into slices at most ``max_n`` wide from B stacks ``[max_loras, out_s,
+    max_rank]``. Output tiles: the widest of 64..256 columns that still gives
+    ``_TARGET_PROGRAMS`` programs; SGMV row tiles as ``shrink_plan``'s; the rank in one tile
+    of 16-64 (BGMV: up to 32) columns."""
+    flags = dict(R=max_rank, RANK_ALIGN=math.gcd(max_rank, 8), HAS_DORA=has_dora,
+                 HAS_SHIFT=has_shift, num_warps=4)
+    if schedule == "sgmv":
+        block_m = _block_m(max_seg_len)
+        block_n = _block_n(triton.cdiv(num_rows, block_m) * num_slices, max_n,
+                           256 if block_m <= 32 else 128)
+        m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
+        return LaunchPlan("_sgmv_expand_kernel", (m_tiles * n_tiles, max_loras * num_slices),
+                          dict(flags, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_R=max(16, min(triton.next_power_of_2(max_rank), 64)),
+                               DOT_FP32=dot_fp32), n_tiles=n_tiles)
+    block_r = min(triton.next_power_of_2(max_rank), 32)
+    block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
+    return LaunchPlan("_bgmv_expand_kernel", (num_rows, triton.cdiv(max_n, block_n), num_slices),
+                      dict(flags, BLOCK_N=block_n, BLOCK_R=block_r))
+
+
 def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
                   device: torch.device) -> None:
     if not 1 <= len(stacks) <= MAX_SLICES:
@@ -390,34 +475,20 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
     out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
     if num_rows == 0 or max_rank == 0:
         return out
+    if schedule == "sgmv" and max_seg_len == 0:
+        return out
     a0, a1, a2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
+    plan = shrink_plan(schedule, num_rows, max_seg_len, max_loras, k, max_rank, num_slices,
+                       x.element_size(), _interpreted_bf16(x))
+    strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
     if schedule == "sgmv":
-        if max_seg_len == 0:
-            return out
-        block_m = _block_m(max_seg_len)
-        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
-        # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
-        # pipeline keeps a few of them in shared memory.
-        tile_bytes = 32768 if x.element_size() == 2 else 16384
-        block_k = max(16, min(256, _pow2_floor(
-            tile_bytes // ((block_m + block_r) * x.element_size()))))
-        m_tiles, r_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_rank, block_r)
-        split, k_per_split = _split_k(
-            k, block_k, triton.cdiv(num_rows, block_m) * r_tiles * num_slices)
-        _sgmv_shrink_kernel[(m_tiles * r_tiles, split, max_loras * num_slices)](
+        _sgmv_shrink_kernel[plan.grid](
             x, a0, a1, a2, out, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
-            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r,
-            BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=_interpreted_bf16(x), num_warps=4)
+            k, plan.k_per_split, *strides, **plan.constexprs)
     else:
-        block_r = min(triton.next_power_of_2(max_rank), 32)
-        block_k = max(32, min(512, 4096 // block_r))
-        r_tiles = triton.cdiv(max_rank, block_r)
-        split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
-        _bgmv_shrink_kernel[(num_rows * r_tiles, split, num_slices)](
-            x, a0, a1, a2, out, token_lora_indices, slot_ranks,
-            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1, num_warps=4)
+        _bgmv_shrink_kernel[plan.grid](
+            x, a0, a1, a2, out, token_lora_indices, slot_ranks, k, plan.k_per_split, *strides,
+            **plan.constexprs)
     return out
 
 
@@ -469,12 +540,12 @@ def _pad_pointers(y: torch.Tensor, stacks: Sequence[torch.Tensor] | None) -> lis
 
 def _dora_launch_args(y: torch.Tensor, slot_dora: torch.Tensor | None,
                       scales: Sequence[torch.Tensor] | None,
-                      shifts: Sequence[torch.Tensor] | None) -> tuple[list, dict]:
-    """``(pointer args, constexpr kwargs)`` of the expand kernels' DoRA epilogue: the flag,
-    three scale and three shift pointers, and ``HAS_DORA`` / ``HAS_SHIFT``."""
+                      shifts: Sequence[torch.Tensor] | None) -> list:
+    """The pointer arguments of the expand kernels' DoRA epilogue: the flag, three scale and
+    three shift pointers (``HAS_DORA`` / ``HAS_SHIFT`` say which are read)."""
     sc, sh = (_pad_pointers(y, t) for t in (scales, shifts))
     flag = y if scales is None else slot_dora
-    return [flag, *sc, *sh], {"HAS_DORA": scales is not None, "HAS_SHIFT": shifts is not None}
+    return [flag, *sc, *sh]
 
 
 def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[torch.Tensor],
@@ -545,34 +616,21 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
     b0, b1, b2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
     n0, n1, n2 = (sizes + [0] * MAX_SLICES)[:MAX_SLICES]
     o0, o1, o2 = (list(slice_offsets) + [0] * MAX_SLICES)[:MAX_SLICES]
-    dora_args, dora_flags = _dora_launch_args(y, slot_dora, dora_scale_stacked,
-                                              dora_shift_stacked)
-    max_n = max(sizes)
-    rank_align = math.gcd(max_rank, 8)
+    if schedule == "sgmv" and max_seg_len == 0:
+        return
+    dora_args = _dora_launch_args(y, slot_dora, dora_scale_stacked, dora_shift_stacked)
+    plan = expand_plan(schedule, num_rows, max_seg_len, max_loras, max(sizes), max_rank,
+                       num_slices, dora_scale_stacked is not None,
+                       dora_shift_stacked is not None, _interpreted_bf16(y))
     strides = (buffer.stride(0), buffer.stride(1), y.stride(0), y.stride(1))
     if schedule == "sgmv":
-        if max_seg_len == 0:
-            return
-        block_m = _block_m(max_seg_len)
-        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
-        block_n = _block_n(triton.cdiv(num_rows, block_m) * num_slices, max_n,
-                           256 if block_m <= 32 else 128)
-        m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
-        _sgmv_expand_kernel[(m_tiles * n_tiles, max_loras * num_slices)](
+        _sgmv_expand_kernel[plan.grid](
             buffer, b0, b1, b2, y, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
-            *dora_args, n0, n1, n2, o0, o1, o2, n_tiles, *strides,
-            R=max_rank, RANK_ALIGN=rank_align, NUM_SLICES=num_slices, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_R=block_r, DOT_FP32=_interpreted_bf16(y), **dora_flags,
-            num_warps=4)
+            *dora_args, n0, n1, n2, o0, o1, o2, plan.n_tiles, *strides, **plan.constexprs)
     else:
-        block_r = min(triton.next_power_of_2(max_rank), 32)
-        block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
-        _bgmv_expand_kernel[(num_rows, triton.cdiv(max_n, block_n), num_slices)](
+        _bgmv_expand_kernel[plan.grid](
             buffer, b0, b1, b2, y, token_lora_indices, slot_ranks, *dora_args,
-            n0, n1, n2, o0, o1, o2, *strides,
-            R=max_rank, RANK_ALIGN=rank_align, BLOCK_N=block_n, BLOCK_R=block_r, **dora_flags,
-            num_warps=4)
-
+            n0, n1, n2, o0, o1, o2, *strides, **plan.constexprs)
 
 def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks, sorted_rows,
                       active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets,
