@@ -47,6 +47,7 @@ from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
 from manylora.worker.model_runner import ModelRunner
 from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
+from manylora.worker.warmup import warm_up_triton
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class LLMEngine:
                                   self.max_model_len, graph_sizes)
         if self.tp_driver is not None:
             self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
+        warm_up_triton(self.model, kv_caches, args.block_size, args.max_num_batched_tokens,
+                       args.max_num_seqs, self.max_model_len)
         self.runner.capture_graphs()
         if self.tp_driver is not None:
             self.runner.on_step = self.tp_driver.step

@@ -41,7 +41,7 @@ loads along the rank stay vectorized.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -415,6 +415,22 @@ def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
     block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
     return LaunchPlan("_bgmv_expand_kernel", (num_rows, triton.cdiv(max_n, block_n), num_slices),
                       dict(flags, BLOCK_N=block_n, BLOCK_R=block_r))
+
+
+def lora_row_cases(max_rows: int) -> Iterator[tuple[str, int, int]]:
+    """``(schedule, num_rows, max_seg_len)`` covering every distinct ``shrink_plan`` /
+    ``expand_plan`` launch (kernel and constexprs) of steps of 1..``max_rows`` rows, for any
+    projection shape: the plans see the row count only through BGMV's ``num_rows`` and
+    SGMV's row-tile count ``cdiv(num_rows, BLOCK_M)`` (with ``BLOCK_M`` from the longest
+    segment), and stop changing once those reach ``_TARGET_PROGRAMS``. A padded CUDA-graph
+    mapping (``max_seg_len`` = rows) is one of these cases too."""
+    for n in range(1, min(max_rows, _TARGET_PROGRAMS) + 1):
+        yield "bgmv", n, n
+    for block_m, shortest in ((16, 1), (32, 17), (64, 33)):     # the classes of _block_m
+        for tiles in range(1, min(triton.cdiv(max_rows, block_m), _TARGET_PROGRAMS) + 1):
+            n = min(tiles * block_m, max_rows)
+            if n >= shortest:
+                yield "sgmv", n, min(n, block_m)
 
 
 def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
