@@ -67,6 +67,7 @@ from manylora.ops.attention import (
     check_attention_inputs,
     check_kv_cache,
 )
+from manylora.ops.host_math import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 #: Upper bound on the key-range splits of a decode launch.
@@ -396,7 +397,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _head_dim_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def tile_config(block_m: int, head_dim_pad: int, dtype: torch.dtype) -> dict[str, int]:
@@ -425,8 +426,8 @@ def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block
     sms = _sm_count(device)
     if programs == 0 or programs >= sms:
         return 1
-    key_tiles = triton.cdiv(max(max_keys, 1), block_n)
-    splits = max(1, min(triton.cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
+    key_tiles = cdiv(max(max_keys, 1), block_n)
+    splits = max(1, min(cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
     # A power of two: NUM_SPLITS is compiled in, so few values mean few compilations.
     return 1 << (splits.bit_length() - 1)
 
@@ -434,7 +435,7 @@ def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block
 def decode_block_m(num_queries_per_kv: int) -> int:
     """Rows of a decode tile: the G query heads of one KV head, padded to a power of two
     ≥ 16 (``tl.dot``'s minimum)."""
-    return max(16, triton.next_power_of_2(num_queries_per_kv))
+    return max(16, next_power_of_2(num_queries_per_kv))
 
 
 def decode_max_keys(table_width: int, block_size: int, sliding_window: int | None,
@@ -456,7 +457,7 @@ def decode_split_choices(num_queries_per_kv: int, num_kv_heads: int, head_dim: i
     block_n = tile_config(decode_block_m(num_queries_per_kv), _head_dim_pad(head_dim),
                           dtype)["BLOCK_N"]
     # Past one program per SM the heuristic answers 1; more sequences change nothing.
-    most = min(max_num_seqs, triton.cdiv(_sm_count(device), num_kv_heads))
+    most = min(max_num_seqs, cdiv(_sm_count(device), num_kv_heads))
     keys = sorted({decode_max_keys(w, block_size, sliding_window, block_n)
                    for w in range(1, max_blocks_per_seq + 1)})
     return sorted({decode_splits(n, num_kv_heads, k, block_n, device)
@@ -529,8 +530,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=data.shape[2],
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=data.shape[2],
         QUANT=kv_cache.quantized, QMAX=KV_QUANT_MAX.get(data.dtype, 0.0))
 
 
@@ -621,11 +622,11 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
             _combine_splits_kernel[(num_decode, num_heads)](
                 out, part_acc, part_ml, tile_seq, meta.query_start, num_decode, num_heads,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad, num_warps=4)
     if num_prefill:
         block_q = meta.prefill_block_q
-        block_m = max(16, triton.next_power_of_2(block_q * group))
+        block_m = max(16, next_power_of_2(block_q * group))
         _paged_attention_kernel[(num_prefill, num_kv_heads, 1)](
             out, q, k_cache, v_cache, k_scale, v_scale, *tensors, meta.tile_seq[num_decode:],
             meta.tile_query[num_decode:], out, out, num_tiles=num_prefill, BLOCK_Q=block_q,

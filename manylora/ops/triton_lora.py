@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from manylora.lora.punica import LoRAMapping
+from manylora.ops.host_math import cdiv, next_power_of_2
 
 MAX_SLICES = 3
 # Programs to aim for in one launch: ~8 per SM of an H100 (132 SMs) keep HBM busy.
@@ -311,16 +312,16 @@ def _bgmv_expand_kernel(
 def _split_k(k: int, block_k: int, programs: int) -> tuple[int, int]:
     """``(split_k, k_per_split)``: enough splits of ``k`` that ``programs * split_k`` reaches
     the target, each split a whole number of ``block_k`` blocks."""
-    k_blocks = triton.cdiv(k, block_k)
-    split = min(k_blocks, triton.next_power_of_2(triton.cdiv(_TARGET_PROGRAMS, programs)))
-    k_per_split = triton.cdiv(k_blocks, split) * block_k
-    return triton.cdiv(k, k_per_split), k_per_split
+    k_blocks = cdiv(k, block_k)
+    split = min(k_blocks, next_power_of_2(cdiv(_TARGET_PROGRAMS, programs)))
+    k_per_split = cdiv(k_blocks, split) * block_k
+    return cdiv(k, k_per_split), k_per_split
 
 
 def _block_n(programs: int, max_n: int, largest: int) -> int:
     """The widest output tile (64..``largest``) that still gives the target program count."""
     block_n = largest
-    while block_n > 64 and programs * triton.cdiv(max_n, block_n) < _TARGET_PROGRAMS:
+    while block_n > 64 and programs * cdiv(max_n, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
     return block_n
 
@@ -371,21 +372,21 @@ def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
     split-K up to ``_TARGET_PROGRAMS`` programs (``ATOMIC`` when split)."""
     if schedule == "sgmv":
         block_m = _block_m(max_seg_len)
-        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
+        block_r = max(16, min(next_power_of_2(max_rank), 64))
         # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
         # pipeline keeps a few of them in shared memory.
         tile_bytes = 32768 if element_size == 2 else 16384
         block_k = max(16, min(256, _pow2_floor(tile_bytes // ((block_m + block_r) * element_size))))
-        m_tiles, r_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_rank, block_r)
+        m_tiles, r_tiles = cdiv(max_seg_len, block_m), cdiv(max_rank, block_r)
         split, k_per_split = _split_k(
-            k, block_k, triton.cdiv(num_rows, block_m) * r_tiles * num_slices)
+            k, block_k, cdiv(num_rows, block_m) * r_tiles * num_slices)
         return LaunchPlan("_sgmv_shrink_kernel", (m_tiles * r_tiles, split, max_loras * num_slices),
                           dict(R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m,
                                BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
                                DOT_FP32=dot_fp32, num_warps=4), k_per_split)
-    block_r = min(triton.next_power_of_2(max_rank), 32)
+    block_r = min(next_power_of_2(max_rank), 32)
     block_k = max(32, min(512, 4096 // block_r))
-    r_tiles = triton.cdiv(max_rank, block_r)
+    r_tiles = cdiv(max_rank, block_r)
     split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
     return LaunchPlan("_bgmv_shrink_kernel", (num_rows * r_tiles, split, num_slices),
                       dict(R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
@@ -404,16 +405,16 @@ def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
                  HAS_SHIFT=has_shift, num_warps=4)
     if schedule == "sgmv":
         block_m = _block_m(max_seg_len)
-        block_n = _block_n(triton.cdiv(num_rows, block_m) * num_slices, max_n,
+        block_n = _block_n(cdiv(num_rows, block_m) * num_slices, max_n,
                            256 if block_m <= 32 else 128)
-        m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
+        m_tiles, n_tiles = cdiv(max_seg_len, block_m), cdiv(max_n, block_n)
         return LaunchPlan("_sgmv_expand_kernel", (m_tiles * n_tiles, max_loras * num_slices),
                           dict(flags, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
-                               BLOCK_R=max(16, min(triton.next_power_of_2(max_rank), 64)),
+                               BLOCK_R=max(16, min(next_power_of_2(max_rank), 64)),
                                DOT_FP32=dot_fp32), n_tiles=n_tiles)
-    block_r = min(triton.next_power_of_2(max_rank), 32)
+    block_r = min(next_power_of_2(max_rank), 32)
     block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
-    return LaunchPlan("_bgmv_expand_kernel", (num_rows, triton.cdiv(max_n, block_n), num_slices),
+    return LaunchPlan("_bgmv_expand_kernel", (num_rows, cdiv(max_n, block_n), num_slices),
                       dict(flags, BLOCK_N=block_n, BLOCK_R=block_r))
 
 
@@ -427,7 +428,7 @@ def lora_row_cases(max_rows: int) -> Iterator[tuple[str, int, int]]:
     for n in range(1, min(max_rows, _TARGET_PROGRAMS) + 1):
         yield "bgmv", n, n
     for block_m, shortest in ((16, 1), (32, 17), (64, 33)):     # the classes of _block_m
-        for tiles in range(1, min(triton.cdiv(max_rows, block_m), _TARGET_PROGRAMS) + 1):
+        for tiles in range(1, min(cdiv(max_rows, block_m), _TARGET_PROGRAMS) + 1):
             n = min(tiles * block_m, max_rows)
             if n >= shortest:
                 yield "sgmv", n, min(n, block_m)
