@@ -458,10 +458,14 @@ def decode_split_choices(num_queries_per_kv: int, num_kv_heads: int, head_dim: i
                           dtype)["BLOCK_N"]
     # Past one program per SM the heuristic answers 1; more sequences change nothing.
     most = min(max_num_seqs, cdiv(_sm_count(device), num_kv_heads))
-    keys = sorted({decode_max_keys(w, block_size, sliding_window, block_n)
-                   for w in range(1, max_blocks_per_seq + 1)})
+    # decode_splits sees the keys only as key tiles, capped at MAX_SPLITS: one table width
+    # per capped tile count stands for all.
+    keys: dict[int, int] = {}
+    for width in range(1, max_blocks_per_seq + 1):
+        k = decode_max_keys(width, block_size, sliding_window, block_n)
+        keys.setdefault(min(cdiv(k, block_n), MAX_SPLITS), k)
     return sorted({decode_splits(n, num_kv_heads, k, block_n, device)
-                   for n in range(1, most + 1) for k in keys})
+                   for n in range(1, most + 1) for k in keys.values()})
 
 
 @functools.cache

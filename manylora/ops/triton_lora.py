@@ -461,7 +461,8 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
                    sorted_rows: torch.Tensor, active_slots: torch.Tensor,
                    seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
                    schedule: str) -> torch.Tensor:
-    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` in one Triton launch (Punica SGMV/BGMV).
+    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` in one Triton launch (Punica SGMV/BGMV);
+    registered as ``torch.ops.manylora.lora_shrink``.
 
     Args:
         x: ``[T, in]``, float32, bfloat16 or float16.
@@ -574,7 +575,8 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
                    dora_scale_stacked: list[torch.Tensor] | None = None,
                    dora_shift_stacked: list[torch.Tensor] | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` in place, in one
-    Triton launch (Punica SGMV/BGMV expand), with DoRA's rescaling fused in.
+    Triton launch (Punica SGMV/BGMV expand), with DoRA's rescaling fused in; registered as
+    ``torch.ops.manylora.lora_expand``.
 
     For a row whose slot has ``slot_dora[slot] == 1`` (only when ``dora_scale_stacked`` is
     given), the slice's columns become instead::
@@ -655,7 +657,6 @@ def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks,
     return None
 
 
-
 # ---------------------------------------------------------------------------------------------
 # registration: torch.ops.manylora.lora_shrink / lora_expand
 
@@ -700,8 +701,8 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
     SGMV or BGMV shrink (``mapping.schedule``): ``lora_shrink_op`` with the mapping's fields.
 
     Eager calls (CUDA-graph capture included: a graph records the launches, whatever Python
-    made them) call ``lora_shrink_op`` directly, the cheapest path, about 0.05 us against
-    3.5 us through the dispatcher (``benchmarks/bench_op_dispatch.py``); under
+    made them) call ``lora_shrink_op`` directly, skipping the dispatcher hop a
+    ``torch.ops`` call costs (``benchmarks/bench_op_dispatch.py`` measures both); under
     ``torch.compile`` tracing the call goes through ``torch.ops.manylora.lora_shrink``,
     whose fake kernel Dynamo and Inductor see instead of the Triton wrapper.
 

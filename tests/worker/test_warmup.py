@@ -215,6 +215,26 @@ def test_lora_row_cases_cover_every_plan():
         assert plans(triton_lora.lora_row_cases(max_rows), k, slices, max_n, rank) == want
 
 
+@pytest.mark.parametrize("num_kv_heads, max_blocks, window", [
+    (8, 300, None), (1, 200, None), (2, 300, 700), (4, 40, 30)])
+def test_decode_split_choices_are_every_split_the_heuristic_picks(monkeypatch, num_kv_heads,
+                                                                   max_blocks, window):
+    """Against ``paged_attention_triton``'s heuristic at every (decode sequences, table
+    width) a step can have, on a 132-SM GPU."""
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 132)
+    group, head_dim, dtype, max_seqs = 4, 128, torch.bfloat16, 64
+    block_n = triton_attention.tile_config(triton_attention.decode_block_m(group), head_dim,
+                                           dtype)["BLOCK_N"]
+    every = {triton_attention.decode_splits(
+                 n, num_kv_heads,
+                 triton_attention.decode_max_keys(w, BLOCK_SIZE, window, block_n), block_n,
+                 torch.device("cpu"))
+             for n in range(1, max_seqs + 1) for w in range(1, max_blocks + 1)}
+    assert triton_attention.decode_split_choices(
+        group, num_kv_heads, head_dim, dtype, BLOCK_SIZE, max_blocks, max_seqs, window,
+        torch.device("cpu")) == sorted(every)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: nothing compiles after start-up
 
