@@ -5,8 +5,9 @@ would compile it under (constexprs, launch options, argument dtypes, and for the
 Triton specializes, whether an int is 1 / a multiple of 16 and whether a pointer is 16-byte
 aligned), and launches nothing. The model's forward pass, forced onto the Triton entry
 points, then runs random steps (decode, prefill over cached prefixes, mixed, CUDA-graph
-padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a real engine's model, slot buffers and
-KV caches: every key those steps produce must be among the keys the warm-up produces.
+padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a model with LoRA slots and its KV
+caches (llama, an int8 KV cache, mistral's window, qwen2's biases): every key those steps
+produce must be among the keys the warm-up produces.
 
 GPU: an engine with LoRA (DoRA and plain adapters) and prefix caching serves a mixed
 workload after start-up, and Triton compiles nothing during it.
@@ -21,16 +22,17 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.llm_engine import LLMEngine
+from manylora.config import LoRAConfig, ModelConfig
 from manylora.lora import layers as lora_layers
 from manylora.lora.punica import build_lora_mapping
 from manylora.model import llama
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
+from manylora.model.loader import load_hf_config, load_model
 from manylora.ops import triton_attention, triton_fused, triton_lora
 from manylora.ops.attention import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
+from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
 KERNEL_MODULES = (triton_lora, triton_attention, triton_fused)
@@ -38,6 +40,7 @@ BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
 MAX_LORAS = 3
+NUM_BLOCKS = 64
 
 
 def _is_constexpr(param: inspect.Parameter) -> bool:
@@ -121,11 +124,11 @@ def _force_triton(monkeypatch) -> None:
                                                              self.sin))
 
 
-def _random_step(rng: random.Random, engine: LLMEngine, max_blocks: int):
+def _random_step(rng: random.Random, model, max_blocks: int):
     """One step's model inputs: eager (decode, prefill, chunks over cached prefixes, mixed)
     or a CUDA-graph padded decode batch; LoRA off, or rows over random slots with the
     default, SGMV or BGMV schedule."""
-    dev = engine.device
+    dev = torch.device("cpu")
     graph = rng.random() < 0.3
     budget = MAX_TOKENS
     q_lens, c_lens = [], []
@@ -136,12 +139,9 @@ def _random_step(rng: random.Random, engine: LLMEngine, max_blocks: int):
         budget -= q
         q_lens.append(q)
         c_lens.append(q + rng.choice([0, 0, rng.randint(1, max_blocks * BLOCK_SIZE - q)]))
-    tables = [[rng.randrange(engine.cache_config.num_blocks) for _ in range(-(-c // BLOCK_SIZE))]
-              for c in c_lens]
-    pad = None
-    if graph:
-        pad = min(s for s in (1, 2, 4, 8) if s >= len(q_lens))
-    group = engine.model.cfg.num_heads // engine.model.cfg.num_kv_heads
+    tables = [[rng.randrange(NUM_BLOCKS) for _ in range(-(-c // BLOCK_SIZE))] for c in c_lens]
+    pad = min(s for s in (1, 2, 4, 8) if s >= len(q_lens)) if graph else None
+    group = model.cfg.num_heads // model.cfg.num_kv_heads
     attn = build_attention_metadata(q_lens, c_lens, tables, BLOCK_SIZE, group, dev, pad_to=pad,
                                     max_blocks_per_seq=max_blocks if graph else None)
     rows = sum(q_lens) if pad is None else pad
@@ -159,22 +159,32 @@ def _random_step(rng: random.Random, engine: LLMEngine, max_blocks: int):
     return ids, positions, attn, lora
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral-window", "qwen2-bias"])
-def engine(request, tmp_path_factory):
-    kwargs = {"llama": {}, "mistral-window": dict(arch="mistral", sliding_window=6),
-              "qwen2-bias": dict(arch="qwen2")}[request.param]
-    base = make_checkpoint(tmp_path_factory.mktemp(request.param), **kwargs)
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=str(base), device="cpu", dtype="float32", max_loras=MAX_LORAS, max_lora_rank=16,
-        num_kv_blocks=64, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_TOKENS,
-        max_num_seqs=MAX_SEQS))
+MODELS = {
+    "llama": ({}, "auto"),
+    "llama-int8-kv": ({}, "int8"),
+    "mistral-window": (dict(arch="mistral", sliding_window=6), "auto"),
+    "qwen2-bias": (dict(arch="qwen2"), "auto"),
+}
 
 
-def test_warm_up_covers_every_launch_of_real_steps(engine, monkeypatch):
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_and_caches(request, tmp_path_factory):
+    """A model with LoRA slots (every projection targeted) and its KV caches, on CPU."""
+    checkpoint_kwargs, kv_cache_dtype = MODELS[request.param]
+    base = make_checkpoint(tmp_path_factory.mktemp(request.param), **checkpoint_kwargs)
+    cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
+    model = load_model(base, cfg, torch.device("cpu"))
+    model.create_lora_slots(LoRAConfig(MAX_LORAS, 16))
+    kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"),
+                                   kv_cache_dtype)
+    return model, kv_caches
+
+
+def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch):
+    model, kv_caches = model_and_caches
     keys = _record_kernels(monkeypatch)
     _force_triton(monkeypatch)
-    model, kv_caches = engine.model, engine.runner.kv_caches
-    max_blocks = engine.runner.max_blocks_per_seq
+    max_blocks = -(-model.cfg.max_model_len // BLOCK_SIZE)
     with torch.inference_mode():
         launches = launch_every_specialization(model, kv_caches, BLOCK_SIZE, MAX_TOKENS,
                                                MAX_SEQS, max_blocks)
@@ -182,7 +192,7 @@ def test_warm_up_covers_every_launch_of_real_steps(engine, monkeypatch):
         keys.clear()
         rng = random.Random(0)
         for _ in range(100):
-            ids, positions, attn, lora = _random_step(rng, engine, max_blocks)
+            ids, positions, attn, lora = _random_step(rng, model, max_blocks)
             model(ids, positions, kv_caches, attn, lora)
     stepped = set(keys)
     assert launches >= len(warmed) > 0
