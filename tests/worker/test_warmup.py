@@ -245,6 +245,23 @@ def test_decode_split_choices_are_every_split_the_heuristic_picks(monkeypatch, n
         torch.device("cpu")) == sorted(every)
 
 
+def test_compile_log_chains_and_restores_the_jit_hook(monkeypatch):
+    """Inside the log, Triton's JIT cache hook records each specialization and still calls
+    the hook that was installed before (letting compilation proceed); on exit the previous
+    hook is back."""
+    log = TritonCompileLog()
+    owner, attr = log._owner, log._attr
+    seen = []
+    monkeypatch.setattr(owner, attr, lambda **kw: seen.append(kw["repr"]))
+    previous = getattr(owner, attr)
+    with log:
+        assert not getattr(owner, attr)(key="k", repr="_kernel[num_warps=4](x: *fp32)",
+                                        fn=None, compile={}, is_manual_warmup=False,
+                                        already_compiled=False)
+    assert log.compiled == ["_kernel[num_warps=4](x: *fp32)"] and seen == log.compiled
+    assert getattr(owner, attr) is previous
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: nothing compiles after start-up
 
