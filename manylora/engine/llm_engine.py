@@ -110,10 +110,10 @@ class LLMEngine:
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
                                   self.max_model_len, graph_sizes)
-        if self.tp_driver is not None:
-            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
         warm_up_triton(self.model, kv_caches, args.block_size, args.max_num_batched_tokens,
                        args.max_num_seqs, self.max_model_len)
+        if self.tp_driver is not None:
+            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
         self.runner.capture_graphs()
         if self.tp_driver is not None:
             self.runner.on_step = self.tp_driver.step
