@@ -55,6 +55,7 @@ from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
 from manylora.worker.model_runner import ModelRunner
 from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
+from manylora.worker.warmup import warm_up_triton
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +125,8 @@ class EngineCore:
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
                                   self.max_model_len, graph_sizes)
+        warm_up_triton(self.model, kv_caches, args.block_size, args.max_num_batched_tokens,
+                       args.max_num_seqs, self.max_model_len)
         if self.tp_driver is not None:
             self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
         self.runner.capture_graphs()

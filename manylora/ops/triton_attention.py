@@ -67,12 +67,19 @@ from manylora.ops.attention import (
     check_attention_inputs,
     check_kv_cache,
 )
+from manylora.ops.host_math import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
 #: Upper bound on the key-range splits of a decode launch.
 MAX_SPLITS = 32
 #: SMs assumed for the split heuristic when not on CUDA (Triton's interpreter).
 _CPU_SM_COUNT = 4
+# Arguments that change from step to step: the AttentionMetadata tensors are views at
+# offsets of one buffer that move with the batch, the table width (stride_bt) follows the
+# longest sequence of an eager step. Not specialized (alignment, == 1, % 16), so that the
+# kernels compiled at start-up serve every step.
+_STEP_ARGS = ["block_tables_ptr", "query_start_ptr", "query_lens_ptr", "context_lens_ptr",
+              "tile_seq_ptr", "tile_query_ptr", "num_tiles", "stride_bt"]
 
 
 @triton.jit
@@ -96,7 +103,7 @@ def _quantize_store(x, data_ptrs, scale_ptrs, mask, row_mask, QMAX: tl.constexpr
     tl.store(scale_ptrs, scale, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_ptr"])
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                      slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
@@ -306,7 +313,7 @@ def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
         tl.store(part_ml_ptr + NUM_SPLITS * num_tiles * num_heads + w_row, l_i, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=_STEP_ARGS)
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr, v_scale_cache_ptr,
         block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
@@ -351,7 +358,7 @@ def _paged_attention_kernel(
                          UPCAST_DOT, QUANT)
 
 
-@triton.jit(do_not_specialize=["num_tiles"])
+@triton.jit(do_not_specialize=["tile_seq_ptr", "query_start_ptr", "num_tiles"])
 def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, tile_seq_ptr, query_start_ptr,
                            num_tiles, num_heads, stride_ot, stride_oh,
                            NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -390,7 +397,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _head_dim_pad(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def tile_config(block_m: int, head_dim_pad: int, dtype: torch.dtype) -> dict[str, int]:
@@ -419,10 +426,46 @@ def decode_splits(num_decode_tiles: int, num_kv_heads: int, max_keys: int, block
     sms = _sm_count(device)
     if programs == 0 or programs >= sms:
         return 1
-    key_tiles = triton.cdiv(max(max_keys, 1), block_n)
-    splits = max(1, min(triton.cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
+    key_tiles = cdiv(max(max_keys, 1), block_n)
+    splits = max(1, min(cdiv(2 * sms, programs), key_tiles, MAX_SPLITS))
     # A power of two: NUM_SPLITS is compiled in, so few values mean few compilations.
     return 1 << (splits.bit_length() - 1)
+
+
+def decode_block_m(num_queries_per_kv: int) -> int:
+    """Rows of a decode tile: the G query heads of one KV head, padded to a power of two
+    ≥ 16 (``tl.dot``'s minimum)."""
+    return max(16, next_power_of_2(num_queries_per_kv))
+
+
+def decode_max_keys(table_width: int, block_size: int, sliding_window: int | None,
+                    block_n: int) -> int:
+    """Key positions a decode sequence may attend to, for the split heuristic: the block
+    table's width in tokens, at most the window plus one key tile."""
+    max_keys = table_width * block_size
+    return max_keys if sliding_window is None else min(max_keys, sliding_window + block_n)
+
+
+def decode_split_choices(num_queries_per_kv: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype, block_size: int, max_blocks_per_seq: int,
+                         max_num_seqs: int, sliding_window: int | None,
+                         device: torch.device) -> list[int]:
+    """Every ``NUM_SPLITS`` that ``paged_attention_triton`` can pick for its decode launch
+    (ascending), over 1..``max_num_seqs`` decode sequences and block tables 1..
+    ``max_blocks_per_seq`` wide: each is a compiled specialization of the decode kernel
+    (and, past 1, of the combine kernel). Host ints only."""
+    block_n = tile_config(decode_block_m(num_queries_per_kv), _head_dim_pad(head_dim),
+                          dtype)["BLOCK_N"]
+    # Past one program per SM the heuristic answers 1; more sequences change nothing.
+    most = min(max_num_seqs, cdiv(_sm_count(device), num_kv_heads))
+    # decode_splits sees the keys only as key tiles, capped at MAX_SPLITS: one table width
+    # per capped tile count stands for all.
+    keys: dict[int, int] = {}
+    for width in range(1, max_blocks_per_seq + 1):
+        k = decode_max_keys(width, block_size, sliding_window, block_n)
+        keys.setdefault(min(cdiv(k, block_n), MAX_SPLITS), k)
+    return sorted({decode_splits(n, num_kv_heads, k, block_n, device)
+                   for n in range(1, most + 1) for k in keys.values()})
 
 
 @functools.cache
@@ -491,8 +534,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=data.shape[2],
+        HEADS_PAD=next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=next_power_of_2(head_dim), BLOCK_SIZE=data.shape[2],
         QUANT=kv_cache.quantized, QMAX=KV_QUANT_MAX.get(data.dtype, 0.0))
 
 
@@ -560,13 +603,12 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
     tensors = (meta.block_tables, meta.query_start, meta.query_lens, meta.context_lens)
 
     if num_decode:
-        block_m = max(16, triton.next_power_of_2(group))
+        block_m = decode_block_m(group)
         config = tile_config(block_m, head_dim_pad, q.dtype)
-        max_keys = meta.block_tables.shape[1] * block_size
-        if sliding_window is not None:
-            max_keys = min(max_keys, sliding_window + config["BLOCK_N"])
-        splits = num_splits or decode_splits(num_decode, num_kv_heads, max_keys,
-                                             config["BLOCK_N"], q.device)
+        splits = num_splits or decode_splits(
+            num_decode, num_kv_heads, decode_max_keys(meta.block_tables.shape[1], block_size,
+                                                      sliding_window, config["BLOCK_N"]),
+            config["BLOCK_N"], q.device)
         if splits > 1:
             part_acc = torch.empty(splits, num_decode, num_heads, head_dim_pad,
                                    dtype=torch.float32, device=q.device)
@@ -584,11 +626,11 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
             _combine_splits_kernel[(num_decode, num_heads)](
                 out, part_acc, part_ml, tile_seq, meta.query_start, num_decode, num_heads,
                 out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
+                SPLITS_PAD=next_power_of_2(splits), HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad, num_warps=4)
     if num_prefill:
         block_q = meta.prefill_block_q
-        block_m = max(16, triton.next_power_of_2(block_q * group))
+        block_m = max(16, next_power_of_2(block_q * group))
         _paged_attention_kernel[(num_prefill, num_kv_heads, 1)](
             out, q, k_cache, v_cache, k_scale, v_scale, *tensors, meta.tile_seq[num_decode:],
             meta.tile_query[num_decode:], out, out, num_tiles=num_prefill, BLOCK_Q=block_q,

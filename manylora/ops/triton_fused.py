@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from manylora.ops.host_math import cdiv, next_power_of_2
+
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # RMSNorm keeps a row of up to this many elements in registers (one pass over memory);
 # wider rows are processed in chunks of this size (two passes: sum of squares, normalize).
@@ -191,7 +193,8 @@ def _rope_heads(row_ptr, stride_h, head0, n_heads, c_lo, c_hi, s_lo, s_hi, half,
     tl.store(ptrs + half, out_hi, mask=mask)
 
 
-@triton.jit
+# positions: a view at an offset of the step's input buffer that moves with the row count.
+@triton.jit(do_not_specialize=["pos_ptr"])
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                    n_q_heads, n_k_heads, half,
@@ -285,7 +288,7 @@ def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         tensors.append(residual)
     _check_device(*tensors)
     if block_size is None:
-        block = min(triton.next_power_of_2(max(n_cols, 1)), _MAX_ROW_BLOCK)
+        block = min(next_power_of_2(max(n_cols, 1)), _MAX_ROW_BLOCK)
     elif block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     else:
@@ -399,8 +402,8 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
         return out
     rows = out2.shape[0]
     x2 = _in_rows(x, width)
-    block = min(triton.next_power_of_2(n_inter), _SILU_BLOCK)
-    grid = (rows, triton.cdiv(n_inter, block))
+    block = min(next_power_of_2(n_inter), _SILU_BLOCK)
+    grid = (rows, cdiv(n_inter, block))
     _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), n_inter,
                                BLOCK=block, GPU_MATH=_GPU_MATH, num_warps=4,
                                enable_fp_fusion=False)
@@ -461,10 +464,10 @@ def rotary_embedding_triton(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     if n_tok == 0 or head_dim == 0 or n_q_heads + n_k_heads == 0:
         return q, k
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(max(n_q_heads, n_k_heads)),
+    block_half = next_power_of_2(half)
+    block_h = min(next_power_of_2(max(n_q_heads, n_k_heads)),
                   max(1, _ROPE_TILE // block_half))
-    grid = (n_tok, triton.cdiv(n_q_heads, block_h) + triton.cdiv(n_k_heads, block_h))
+    grid = (n_tok, cdiv(n_q_heads, block_h) + cdiv(n_k_heads, block_h))
     _rotary_kernel[grid](positions, q, k, cos, sin,
                          q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                          cos.stride(0), sin.stride(0), n_q_heads, n_k_heads, half,

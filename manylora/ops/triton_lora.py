@@ -27,9 +27,10 @@ the plain kernel.
 
 The wrappers are CUDA-graph safe: no host synchronisation, grids only from tensor shapes and
 the mapping's host ints, block sizes from shape heuristics (no autotuning). Both ops are
-registered as torch custom ops (``torch.ops.manylora.lora_shrink`` / ``lora_expand``) with
-fake implementations, for ``torch.compile``; they run on any device Triton runs on,
-including CPU tensors under ``TRITON_INTERPRET=1``.
+registered directly with the dispatcher (``torch.ops.manylora.lora_shrink`` / ``lora_expand``,
+a ``torch.library.Library`` definition with fake kernels, for ``torch.compile``); eager
+callers skip the dispatcher (see ``lora_shrink_triton``). They run on any device Triton runs
+on, including CPU tensors under ``TRITON_INTERPRET=1``.
 
 The slot buffers are expected as ``LoRASlots`` lays them out: contiguous (others are copied
 first), and zero (at least finite) past each slot's rank. Shrink never reads A past the
@@ -40,19 +41,28 @@ loads along the rank stay vectorized.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from manylora.lora.punica import LoRAMapping
+from manylora.ops.host_math import cdiv, next_power_of_2
 
 MAX_SLICES = 3
 # Programs to aim for in one launch: ~8 per SM of an H100 (132 SMs) keep HBM busy.
 _TARGET_PROGRAMS = 1024
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+# The per-step LoRAMapping tensors are views at offsets of one buffer that move with the row
+# count, and N_TILES varies with the batch: Triton would otherwise compile one kernel per
+# pointer alignment (16 bytes or not) and per int that happens to be 1 or a multiple of 16.
+_SEGMENT_PTRS = ["slot_ranks_ptr", "sorted_rows_ptr", "active_slots_ptr", "seg_start_ptr",
+                 "seg_len_ptr"]
+_GATHER_PTRS = ["token_lora_ptr", "slot_ranks_ptr"]
 
 # ---------------------------------------------------------------------------------------------
 # kernels
@@ -78,7 +88,7 @@ def _dora_row(p0, p1, p2, s, slot, n_out, offs_n, n_mask, other: tl.constexpr):
     return tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=other)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SEGMENT_PTRS)
 def _sgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -133,7 +143,7 @@ def _sgmv_shrink_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_GATHER_PTRS)
 def _bgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, slot_ranks_ptr,
         K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
@@ -174,7 +184,7 @@ def _bgmv_shrink_kernel(
         tl.store(out_ptrs, tl.sum(acc, axis=1), mask=r_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, "slot_dora_ptr", "N_TILES"])
 def _sgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -242,7 +252,7 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, "slot_dora_ptr"])
 def _bgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, slot_ranks_ptr,
         slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
@@ -302,16 +312,16 @@ def _bgmv_expand_kernel(
 def _split_k(k: int, block_k: int, programs: int) -> tuple[int, int]:
     """``(split_k, k_per_split)``: enough splits of ``k`` that ``programs * split_k`` reaches
     the target, each split a whole number of ``block_k`` blocks."""
-    k_blocks = triton.cdiv(k, block_k)
-    split = min(k_blocks, triton.next_power_of_2(triton.cdiv(_TARGET_PROGRAMS, programs)))
-    k_per_split = triton.cdiv(k_blocks, split) * block_k
-    return triton.cdiv(k, k_per_split), k_per_split
+    k_blocks = cdiv(k, block_k)
+    split = min(k_blocks, next_power_of_2(cdiv(_TARGET_PROGRAMS, programs)))
+    k_per_split = cdiv(k_blocks, split) * block_k
+    return cdiv(k, k_per_split), k_per_split
 
 
 def _block_n(programs: int, max_n: int, largest: int) -> int:
     """The widest output tile (64..``largest``) that still gives the target program count."""
     block_n = largest
-    while block_n > 64 and programs * triton.cdiv(max_n, block_n) < _TARGET_PROGRAMS:
+    while block_n > 64 and programs * cdiv(max_n, block_n) < _TARGET_PROGRAMS:
         block_n //= 2
     return block_n
 
@@ -329,6 +339,99 @@ def _pow2_floor(n: int) -> int:
 
 def _block_m(max_seg_len: int) -> int:
     return 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+
+
+class LaunchPlan(NamedTuple):
+    """One launch of a LoRA kernel, from host ints only.
+
+    Attributes:
+        kernel: the ``@triton.jit`` kernel's name in this module.
+        grid: the launch grid (up to 3 ints).
+        constexprs: the compile-time constants (with ``num_warps``): what selects a compiled
+            specialization, with the dtypes and the run-time ints' divisibility.
+        k_per_split: shrink only: the ``in`` columns each split-K program reduces.
+        n_tiles: SGMV expand only: output tiles per row tile (the grid's first axis is
+            ``m_tiles * n_tiles``).
+    """
+
+    kernel: str
+    grid: tuple[int, ...]
+    constexprs: dict
+    k_per_split: int = 0
+    n_tiles: int = 0
+
+
+def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, k: int,
+                max_rank: int, num_slices: int, element_size: int,
+                dot_fp32: bool = False) -> LaunchPlan:
+    """The launch of ``lora_shrink_op`` for ``num_rows`` rows (``max_seg_len`` the longest
+    SGMV segment) of ``in = k`` over ``num_slices`` A stacks ``[max_loras, max_rank, k]`` of
+    ``element_size``-byte elements (``dot_fp32``: bfloat16 under the interpreter). Block
+    sizes: SGMV tiles of 16/32/64 rows by ``max_seg_len``, ranks in tiles of 16-64 (BGMV:
+    up to 32), a ``k`` step whose x and A tiles fit 32 KiB (16-bit) or 16 KiB (float32);
+    split-K up to ``_TARGET_PROGRAMS`` programs (``ATOMIC`` when split)."""
+    if schedule == "sgmv":
+        block_m = _block_m(max_seg_len)
+        block_r = max(16, min(next_power_of_2(max_rank), 64))
+        # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
+        # pipeline keeps a few of them in shared memory.
+        tile_bytes = 32768 if element_size == 2 else 16384
+        block_k = max(16, min(256, _pow2_floor(tile_bytes // ((block_m + block_r) * element_size))))
+        m_tiles, r_tiles = cdiv(max_seg_len, block_m), cdiv(max_rank, block_r)
+        split, k_per_split = _split_k(
+            k, block_k, cdiv(num_rows, block_m) * r_tiles * num_slices)
+        return LaunchPlan("_sgmv_shrink_kernel", (m_tiles * r_tiles, split, max_loras * num_slices),
+                          dict(R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m,
+                               BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
+                               DOT_FP32=dot_fp32, num_warps=4), k_per_split)
+    block_r = min(next_power_of_2(max_rank), 32)
+    block_k = max(32, min(512, 4096 // block_r))
+    r_tiles = cdiv(max_rank, block_r)
+    split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
+    return LaunchPlan("_bgmv_shrink_kernel", (num_rows * r_tiles, split, num_slices),
+                      dict(R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1,
+                           num_warps=4), k_per_split)
+
+
+def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, max_n: int,
+                max_rank: int, num_slices: int, has_dora: bool, has_shift: bool,
+                dot_fp32: bool = False) -> LaunchPlan:
+    """The launch of ``lora_expand_op`` for ``num_rows`` rows (``max_seg_len`` the longest
+    SGMV segment) into slices at most ``max_n`` wide from B stacks ``[max_loras, out_s,
+    max_rank]``. Output tiles: the widest of 64..256 columns that still gives
+    ``_TARGET_PROGRAMS`` programs; SGMV row tiles as ``shrink_plan``'s; the rank in one tile
+    of 16-64 (BGMV: up to 32) columns."""
+    flags = dict(R=max_rank, RANK_ALIGN=math.gcd(max_rank, 8), HAS_DORA=has_dora,
+                 HAS_SHIFT=has_shift, num_warps=4)
+    if schedule == "sgmv":
+        block_m = _block_m(max_seg_len)
+        block_n = _block_n(cdiv(num_rows, block_m) * num_slices, max_n,
+                           256 if block_m <= 32 else 128)
+        m_tiles, n_tiles = cdiv(max_seg_len, block_m), cdiv(max_n, block_n)
+        return LaunchPlan("_sgmv_expand_kernel", (m_tiles * n_tiles, max_loras * num_slices),
+                          dict(flags, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=block_n,
+                               BLOCK_R=max(16, min(next_power_of_2(max_rank), 64)),
+                               DOT_FP32=dot_fp32), n_tiles=n_tiles)
+    block_r = min(next_power_of_2(max_rank), 32)
+    block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
+    return LaunchPlan("_bgmv_expand_kernel", (num_rows, cdiv(max_n, block_n), num_slices),
+                      dict(flags, BLOCK_N=block_n, BLOCK_R=block_r))
+
+
+def lora_row_cases(max_rows: int) -> Iterator[tuple[str, int, int]]:
+    """``(schedule, num_rows, max_seg_len)`` covering every distinct ``shrink_plan`` /
+    ``expand_plan`` launch (kernel and constexprs) of steps of 1..``max_rows`` rows, for any
+    projection shape: the plans see the row count only through BGMV's ``num_rows`` and
+    SGMV's row-tile count ``cdiv(num_rows, BLOCK_M)`` (with ``BLOCK_M`` from the longest
+    segment), and stop changing once those reach ``_TARGET_PROGRAMS``. A padded CUDA-graph
+    mapping (``max_seg_len`` = rows) is one of these cases too."""
+    for n in range(1, min(max_rows, _TARGET_PROGRAMS) + 1):
+        yield "bgmv", n, n
+    for block_m, shortest in ((16, 1), (32, 17), (64, 33)):     # the classes of _block_m
+        for tiles in range(1, min(cdiv(max_rows, block_m), _TARGET_PROGRAMS) + 1):
+            n = min(tiles * block_m, max_rows)
+            if n >= shortest:
+                yield "sgmv", n, min(n, block_m)
 
 
 def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
@@ -350,16 +453,16 @@ def _check_mapping(num_rows: int, token_lora_indices: torch.Tensor, schedule: st
 
 
 # ---------------------------------------------------------------------------------------------
-# custom ops
+# the ops (plain functions; registered with the dispatcher below)
 
 
-@torch.library.custom_op("manylora::lora_shrink", mutates_args=())
 def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
                    token_lora_indices: torch.Tensor, slot_ranks: torch.Tensor,
                    sorted_rows: torch.Tensor, active_slots: torch.Tensor,
                    seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
                    schedule: str) -> torch.Tensor:
-    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` in one Triton launch (Punica SGMV/BGMV).
+    """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` in one Triton launch (Punica SGMV/BGMV);
+    registered as ``torch.ops.manylora.lora_shrink``.
 
     Args:
         x: ``[T, in]``, float32, bfloat16 or float16.
@@ -390,38 +493,23 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor],
     out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
     if num_rows == 0 or max_rank == 0:
         return out
+    if schedule == "sgmv" and max_seg_len == 0:
+        return out
     a0, a1, a2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
+    plan = shrink_plan(schedule, num_rows, max_seg_len, max_loras, k, max_rank, num_slices,
+                       x.element_size(), _interpreted_bf16(x))
+    strides = (x.stride(0), x.stride(1), out.stride(0), out.stride(1))
     if schedule == "sgmv":
-        if max_seg_len == 0:
-            return out
-        block_m = _block_m(max_seg_len)
-        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
-        # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
-        # pipeline keeps a few of them in shared memory.
-        tile_bytes = 32768 if x.element_size() == 2 else 16384
-        block_k = max(16, min(256, _pow2_floor(
-            tile_bytes // ((block_m + block_r) * x.element_size()))))
-        m_tiles, r_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_rank, block_r)
-        split, k_per_split = _split_k(
-            k, block_k, triton.cdiv(num_rows, block_m) * r_tiles * num_slices)
-        _sgmv_shrink_kernel[(m_tiles * r_tiles, split, max_loras * num_slices)](
+        _sgmv_shrink_kernel[plan.grid](
             x, a0, a1, a2, out, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
-            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            R=max_rank, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=block_r,
-            BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=_interpreted_bf16(x), num_warps=4)
+            k, plan.k_per_split, *strides, **plan.constexprs)
     else:
-        block_r = min(triton.next_power_of_2(max_rank), 32)
-        block_k = max(32, min(512, 4096 // block_r))
-        r_tiles = triton.cdiv(max_rank, block_r)
-        split, k_per_split = _split_k(k, block_k, num_rows * r_tiles * num_slices)
-        _bgmv_shrink_kernel[(num_rows * r_tiles, split, num_slices)](
-            x, a0, a1, a2, out, token_lora_indices, slot_ranks,
-            k, k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            R=max_rank, BLOCK_R=block_r, BLOCK_K=block_k, ATOMIC=split > 1, num_warps=4)
+        _bgmv_shrink_kernel[plan.grid](
+            x, a0, a1, a2, out, token_lora_indices, slot_ranks, k, plan.k_per_split, *strides,
+            **plan.constexprs)
     return out
 
 
-@lora_shrink_op.register_fake
 def _lora_shrink_fake(x, lora_a_stacked, token_lora_indices, slot_ranks, sorted_rows,
                       active_slots, seg_start, seg_len, max_seg_len, schedule):
     return x.new_empty((x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1]),
@@ -470,25 +558,14 @@ def _pad_pointers(y: torch.Tensor, stacks: Sequence[torch.Tensor] | None) -> lis
 
 def _dora_launch_args(y: torch.Tensor, slot_dora: torch.Tensor | None,
                       scales: Sequence[torch.Tensor] | None,
-                      shifts: Sequence[torch.Tensor] | None) -> tuple[list, dict]:
-    """``(pointer args, constexpr kwargs)`` of the expand kernels' DoRA epilogue: the flag,
-    three scale and three shift pointers, and ``HAS_DORA`` / ``HAS_SHIFT``."""
+                      shifts: Sequence[torch.Tensor] | None) -> list:
+    """The pointer arguments of the expand kernels' DoRA epilogue: the flag, three scale and
+    three shift pointers (``HAS_DORA`` / ``HAS_SHIFT`` say which are read)."""
     sc, sh = (_pad_pointers(y, t) for t in (scales, shifts))
     flag = y if scales is None else slot_dora
-    return [flag, *sc, *sh], {"HAS_DORA": scales is not None, "HAS_SHIFT": shifts is not None}
+    return [flag, *sc, *sh]
 
 
-# Written out: inferring a schema cannot express the optional tensor lists (``Tensor[]?``).
-_LORA_EXPAND_SCHEMA = (
-    "(Tensor(a0!) y, Tensor buffer, Tensor[] lora_b_stacked, Tensor token_lora_indices, "
-    "Tensor slot_ranks, Tensor sorted_rows, Tensor active_slots, Tensor seg_start, "
-    "Tensor seg_len, SymInt max_seg_len, str schedule, SymInt[] slice_offsets, "
-    "Tensor? slot_dora=None, Tensor[]? dora_scale_stacked=None, "
-    "Tensor[]? dora_shift_stacked=None) -> ()")
-
-
-@torch.library.custom_op("manylora::lora_expand", mutates_args=("y",),
-                         schema=_LORA_EXPAND_SCHEMA)
 def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[torch.Tensor],
                    token_lora_indices: torch.Tensor, slot_ranks: torch.Tensor,
                    sorted_rows: torch.Tensor, active_slots: torch.Tensor,
@@ -498,7 +575,8 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
                    dora_scale_stacked: list[torch.Tensor] | None = None,
                    dora_shift_stacked: list[torch.Tensor] | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` in place, in one
-    Triton launch (Punica SGMV/BGMV expand), with DoRA's rescaling fused in.
+    Triton launch (Punica SGMV/BGMV expand), with DoRA's rescaling fused in; registered as
+    ``torch.ops.manylora.lora_expand``.
 
     For a row whose slot has ``slot_dora[slot] == 1`` (only when ``dora_scale_stacked`` is
     given), the slice's columns become instead::
@@ -557,40 +635,60 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
     b0, b1, b2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
     n0, n1, n2 = (sizes + [0] * MAX_SLICES)[:MAX_SLICES]
     o0, o1, o2 = (list(slice_offsets) + [0] * MAX_SLICES)[:MAX_SLICES]
-    dora_args, dora_flags = _dora_launch_args(y, slot_dora, dora_scale_stacked,
-                                              dora_shift_stacked)
-    max_n = max(sizes)
-    rank_align = math.gcd(max_rank, 8)
+    if schedule == "sgmv" and max_seg_len == 0:
+        return
+    dora_args = _dora_launch_args(y, slot_dora, dora_scale_stacked, dora_shift_stacked)
+    plan = expand_plan(schedule, num_rows, max_seg_len, max_loras, max(sizes), max_rank,
+                       num_slices, dora_scale_stacked is not None,
+                       dora_shift_stacked is not None, _interpreted_bf16(y))
     strides = (buffer.stride(0), buffer.stride(1), y.stride(0), y.stride(1))
     if schedule == "sgmv":
-        if max_seg_len == 0:
-            return
-        block_m = _block_m(max_seg_len)
-        block_r = max(16, min(triton.next_power_of_2(max_rank), 64))
-        block_n = _block_n(triton.cdiv(num_rows, block_m) * num_slices, max_n,
-                           256 if block_m <= 32 else 128)
-        m_tiles, n_tiles = triton.cdiv(max_seg_len, block_m), triton.cdiv(max_n, block_n)
-        _sgmv_expand_kernel[(m_tiles * n_tiles, max_loras * num_slices)](
+        _sgmv_expand_kernel[plan.grid](
             buffer, b0, b1, b2, y, slot_ranks, sorted_rows, active_slots, seg_start, seg_len,
-            *dora_args, n0, n1, n2, o0, o1, o2, n_tiles, *strides,
-            R=max_rank, RANK_ALIGN=rank_align, NUM_SLICES=num_slices, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_R=block_r, DOT_FP32=_interpreted_bf16(y), **dora_flags,
-            num_warps=4)
+            *dora_args, n0, n1, n2, o0, o1, o2, plan.n_tiles, *strides, **plan.constexprs)
     else:
-        block_r = min(triton.next_power_of_2(max_rank), 32)
-        block_n = _block_n(num_rows * num_slices, max_n, min(256, max(64, 4096 // block_r)))
-        _bgmv_expand_kernel[(num_rows, triton.cdiv(max_n, block_n), num_slices)](
+        _bgmv_expand_kernel[plan.grid](
             buffer, b0, b1, b2, y, token_lora_indices, slot_ranks, *dora_args,
-            n0, n1, n2, o0, o1, o2, *strides,
-            R=max_rank, RANK_ALIGN=rank_align, BLOCK_N=block_n, BLOCK_R=block_r, **dora_flags,
-            num_warps=4)
+            n0, n1, n2, o0, o1, o2, *strides, **plan.constexprs)
 
-
-@lora_expand_op.register_fake
 def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks, sorted_rows,
                       active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets,
                       slot_dora=None, dora_scale_stacked=None, dora_shift_stacked=None):
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# registration: torch.ops.manylora.lora_shrink / lora_expand
+
+_LORA_SHRINK_SCHEMA = (
+    "(Tensor x, Tensor[] lora_a_stacked, Tensor token_lora_indices, Tensor slot_ranks, "
+    "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "
+    "SymInt max_seg_len, str schedule) -> Tensor")
+_LORA_EXPAND_SCHEMA = (
+    "(Tensor(a0!) y, Tensor buffer, Tensor[] lora_b_stacked, Tensor token_lora_indices, "
+    "Tensor slot_ranks, Tensor sorted_rows, Tensor active_slots, Tensor seg_start, "
+    "Tensor seg_len, SymInt max_seg_len, str schedule, SymInt[] slice_offsets, "
+    "Tensor? slot_dora=None, Tensor[]? dora_scale_stacked=None, "
+    "Tensor[]? dora_shift_stacked=None) -> ()")
+
+#: The ``manylora`` operator namespace. Ops are defined on it directly (``define`` +
+#: ``impl`` + a fake kernel), as vLLM's ``direct_register_custom_op`` does: a call through
+#: ``torch.ops`` then costs one dispatcher hop, where ``torch.library.custom_op`` adds a
+#: Python layer of its own (schema inference, mutation and alias checks) to every call.
+LIBRARY = torch.library.Library("manylora", "FRAGMENT")
+
+
+def _register(name: str, schema: str, impl, fake) -> None:
+    """``manylora::<name>``: ``impl`` for every backend (CompositeExplicitAutograd: the Triton
+    wrappers run on CUDA, and on CPU under the interpreter) and ``fake`` for FakeTensor /
+    meta tracing (``torch.compile``)."""
+    LIBRARY.define(name + schema)
+    LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"manylora::{name}", fake, lib=LIBRARY)
+
+
+_register("lora_shrink", _LORA_SHRINK_SCHEMA, lora_shrink_op, _lora_shrink_fake)
+_register("lora_expand", _LORA_EXPAND_SCHEMA, lora_expand_op, _lora_expand_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -600,8 +698,13 @@ def _lora_expand_fake(y, buffer, lora_b_stacked, token_lora_indices, slot_ranks,
 def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
                        mapping: LoRAMapping) -> torch.Tensor:
     """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` for every slice, in one launch of Punica's
-    SGMV or BGMV shrink (``mapping.schedule``): ``torch.ops.manylora.lora_shrink`` with the
-    mapping's fields; see ``lora_shrink_op``.
+    SGMV or BGMV shrink (``mapping.schedule``): ``lora_shrink_op`` with the mapping's fields.
+
+    Eager calls (CUDA-graph capture included: a graph records the launches, whatever Python
+    made them) call ``lora_shrink_op`` directly, skipping the dispatcher hop a
+    ``torch.ops`` call costs (``benchmarks/bench_op_dispatch.py`` measures both); under
+    ``torch.compile`` tracing the call goes through ``torch.ops.manylora.lora_shrink``,
+    whose fake kernel Dynamo and Inductor see instead of the Triton wrapper.
 
     Args:
         x: ``[T, in]`` activations (float32, bfloat16 or float16).
@@ -618,10 +721,10 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
     if not mapping.has_lora:
         return torch.zeros(x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1],
                            dtype=torch.float32, device=x.device)
-    return torch.ops.manylora.lora_shrink(
-        x, list(lora_a_stacked), mapping.token_lora_indices, mapping.slot_ranks,
-        mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
-        mapping.max_seg_len, mapping.schedule)
+    op = torch.ops.manylora.lora_shrink if torch.compiler.is_compiling() else lora_shrink_op
+    return op(x, list(lora_a_stacked), mapping.token_lora_indices, mapping.slot_ranks,
+              mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
+              mapping.max_seg_len, mapping.schedule)
 
 
 def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
@@ -631,7 +734,8 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                        dora_shift_stacked: Sequence[torch.Tensor] | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s] @ B_s[slot[t]]^T`` for every slice, in
     place, in one launch of Punica's SGMV or BGMV expand (``mapping.schedule``):
-    ``torch.ops.manylora.lora_expand`` with the mapping's fields; see ``lora_expand_op``.
+    ``lora_expand_op`` with the mapping's fields, called directly when eager and through
+    ``torch.ops.manylora.lora_expand`` under ``torch.compile`` (see ``lora_shrink_triton``).
 
     With ``dora_scale_stacked``, rows whose slot is flagged in ``mapping.slot_dora`` get
     ``y[t, cols] = (y[t, cols] + delta) * scale_s[slot] (+ shift_s[slot])`` instead (float32,
@@ -661,9 +765,9 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
     if not mapping.has_lora:
         return
     dora = dora_scale_stacked is not None
-    torch.ops.manylora.lora_expand(
-        y, buffer, list(lora_b_stacked), mapping.token_lora_indices, mapping.slot_ranks,
-        mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
-        mapping.max_seg_len, mapping.schedule, [offset for offset, _ in output_slices],
-        mapping.slot_dora if dora else None, list(dora_scale_stacked) if dora else None,
-        None if dora_shift_stacked is None else list(dora_shift_stacked))
+    op = torch.ops.manylora.lora_expand if torch.compiler.is_compiling() else lora_expand_op
+    op(y, buffer, list(lora_b_stacked), mapping.token_lora_indices, mapping.slot_ranks,
+       mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
+       mapping.max_seg_len, mapping.schedule, [offset for offset, _ in output_slices],
+       mapping.slot_dora if dora else None, list(dora_scale_stacked) if dora else None,
+       None if dora_shift_stacked is None else list(dora_shift_stacked))

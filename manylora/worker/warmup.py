@@ -1,0 +1,274 @@
+"""Start-up compilation of every Triton kernel specialization the engine can launch.
+
+Triton compiles a kernel the first time it sees a new *specialization*: a new value of a
+``tl.constexpr`` argument, a new dtype, or a run-time int or pointer argument that turns 1,
+a multiple of 16 or 16-byte aligned where it was not. Compiling takes seconds, so a
+specialization first met inside a request stalls every request of that step. vLLM and
+SGLang compile (or capture) at start-up for the same reason; this module does it for
+manylora's kernels.
+
+What selects a specialization, kernel by kernel (``manylora/ops``):
+
+* LoRA (``triton_lora``): per projection, the slot buffers' rank and slice count (``R``,
+  ``NUM_SLICES``, ``RANK_ALIGN``) and dtype, whether the projection has a bias
+  (``HAS_SHIFT``; ``HAS_DORA`` is always on in the engine, the DoRA flag is data); per step,
+  the schedule (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
+  pick from the row count and the longest SGMV segment (``BLOCK_M``, ``BLOCK_N``,
+  ``BLOCK_K``, split-K's ``ATOMIC``).
+* Attention (``triton_attention``): the model's G, head_dim, block_size, KV-cache dtype
+  (``QUANT``), each layer's window (``USE_WINDOW``); per step, decode tiles vs prefill tiles
+  (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the decode launch's ``NUM_SPLITS``
+  (with the combine kernel), which ``decode_split_choices`` enumerates.
+* Fused elementwise (``triton_fused``): RMSNorm with and without the residual; SiLU-and-mul
+  and RoPE have one specialization per model.
+
+Everything else that used to vary per step (the metadata tensors' alignment, the table
+width, ``N_TILES``, ``num_tiles``, the rotary positions) is ``do_not_specialize``. The
+warm-up launches each remaining combination once, through the same entry points the model
+calls, on the engine's own slot buffers and KV caches: LoRA mappings whose slots all have
+rank 0 (the kernels read nothing and return), KV writes to slot -1 (nothing written),
+attention whose output is discarded. No collective is involved, so it runs on any
+tensor-parallel rank on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+
+from manylora.lora.layers import LoRALinear
+from manylora.lora.punica import build_lora_mapping
+from manylora.model.layers.norm import RMSNorm
+from manylora.model.llama import LlamaForCausalLM
+from manylora.ops import triton_attention, triton_fused, triton_lora
+from manylora.ops.attention import KVCache, build_attention_metadata
+
+logger = logging.getLogger(__name__)
+
+# Rows of the synthetic tensors of the shape-independent launches (fused ops, attention).
+_ROWS = 2
+
+
+class TritonCompileLog:
+    """Context manager recording every kernel specialization Triton compiles (or loads from
+    its on-disk cache) into the process's in-memory kernel cache while it is active.
+
+    Installs Triton's JIT cache hook (``triton.knobs.runtime.jit_cache_hook`` from Triton
+    3.4, ``JITFunction.cache_hook`` before), chained to any hook already set; the hook runs
+    before each compilation and lets it proceed. Under ``TRITON_INTERPRET=1`` nothing is
+    compiled and the log stays empty.
+
+    Attributes:
+        compiled: one description per specialization (the kernel's name with its argument
+            types, constants and launch options, as Triton's hook gives it), in order.
+    """
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+            self._owner, self._attr = knobs.runtime, "jit_cache_hook"
+        else:
+            self._owner, self._attr = triton.runtime.jit.JITFunction, "cache_hook"
+        self._previous = None
+
+    def __enter__(self) -> TritonCompileLog:
+        self._previous = previous = getattr(self._owner, self._attr)
+
+        def hook(*args, **kwargs):
+            self.compiled.append(str(kwargs.get("repr") or kwargs.get("key")))
+            return previous(*args, **kwargs) if previous is not None else False
+
+        setattr(self._owner, self._attr, hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self._owner, self._attr, self._previous)
+
+
+class WarmupReport(NamedTuple):
+    """What ``warm_up_triton`` did.
+
+    Attributes:
+        launches: kernel entry-point calls made.
+        compiled: specializations compiled or loaded into memory (``TritonCompileLog``).
+        seconds: wall time, compilation included.
+    """
+
+    launches: int
+    compiled: int
+    seconds: float
+
+
+def warm_up_triton(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_size: int,
+                   max_num_batched_tokens: int, max_num_seqs: int,
+                   max_model_len: int) -> WarmupReport | None:
+    """Compile every Triton specialization the engine can launch, before serving (see the
+    module docstring); logs how long it took. Call it once the model's LoRA slots and KV
+    caches exist, before CUDA graphs are captured.
+
+    Args:
+        model: the loaded model, with its LoRA slots when LoRA is on.
+        kv_caches: the engine's per-layer caches (read, never written).
+        block_size: tokens per cache block.
+        max_num_batched_tokens, max_num_seqs: the scheduler's limits (rows of a step, decode
+            sequences of a step).
+        max_model_len: the longest sequence, tokens (bounds a block table's width).
+
+    Returns:
+        A ``WarmupReport``; None off CUDA, where the engine runs no Triton kernel.
+    """
+    if kv_caches[0].data.device.type != "cuda":
+        return None
+    start = time.perf_counter()
+    with torch.inference_mode(), TritonCompileLog() as log:
+        launches = launch_every_specialization(
+            model, kv_caches, block_size, max(max_num_batched_tokens, max_num_seqs),
+            max_num_seqs, -(-max_model_len // block_size))
+        torch.cuda.synchronize()
+    report = WarmupReport(launches, len(log.compiled), time.perf_counter() - start)
+    logger.info("Triton warm-up: %d launches, %d kernel specializations compiled or loaded, "
+                "%.1f s", report.launches, report.compiled, report.seconds)
+    return report
+
+
+def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVCache],
+                                block_size: int, max_rows: int, max_num_seqs: int,
+                                max_blocks_per_seq: int) -> int:
+    """Call the Triton entry points once per specialization the engine can reach (the body
+    of ``warm_up_triton``, on any device Triton runs on).
+
+    Args:
+        model, kv_caches, block_size: as ``warm_up_triton``.
+        max_rows: the most token rows a step can have.
+        max_num_seqs: the most sequences a step can have.
+        max_blocks_per_seq: the widest block table.
+
+    Returns:
+        The number of entry-point calls made.
+    """
+    return (_warm_lora(model, max_rows)
+            + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA
+
+
+def _lora_targets(model: LlamaForCausalLM) -> dict[tuple, LoRALinear]:
+    """One ``LoRALinear`` per distinct kernel-facing shape (layers repeat them)."""
+    targets: dict[tuple, LoRALinear] = {}
+    for m in model.modules():
+        if not isinstance(m, LoRALinear) or m.lora is None:
+            continue
+        slots = m.lora
+        key = (m.in_features, _expand_width(m), slots.output_slices,
+               tuple(slots.lora_a_stacked[0].shape), tuple(slots.lora_b_stacked[0].shape),
+               slots.lora_a_stacked[0].dtype, slots.dora_shift_stacked is not None)
+        targets.setdefault(key, m)
+    return targets
+
+
+def _expand_width(m: LoRALinear) -> int:
+    """Columns of the ``y`` the expand writes: the layer's output, or under fully sharded
+    row parallelism this rank's LoRA columns of it."""
+    if m.parallel == "row" and m.fully_sharded:
+        lo, hi = m._lora_cols
+        return hi - lo
+    return m.weight.shape[0]
+
+
+def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
+    launches = 0
+    for m in _lora_targets(model).values():
+        slots = m.lora
+        a, b = slots.lora_a_stacked, slots.lora_b_stacked
+        max_loras, rank_a, k = a[0].shape
+        rank_b = b[0].shape[2]
+        max_n = max(size for _, size in slots.output_slices)
+        dtype, device = a[0].dtype, a[0].device
+        dot_fp32 = triton_lora._interpreted_bf16(a[0])
+        shift = slots.dora_shift_stacked is not None
+        cases: dict[tuple, tuple[str, int, int]] = {}
+        for schedule, n, s in triton_lora.lora_row_cases(max_rows):
+            sp = triton_lora.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
+                                         a[0].element_size(), dot_fp32)
+            ep = triton_lora.expand_plan(schedule, n, s, max_loras, max_n, rank_b, len(b),
+                                         True, shift, dot_fp32)
+            key = (sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
+                   tuple(ep.constexprs.items()))
+            cases.setdefault(key, (schedule, n, s))
+        for schedule, n, s in cases.values():
+            # Every slot rank 0: the launches compile, the programs read nothing and return.
+            mapping = build_lora_mapping([0] * s + [-1] * (n - s), [0] * max_loras, device,
+                                         slot_dora=[0] * max_loras, schedule=schedule)
+            x = torch.zeros(n, m.in_features, dtype=dtype, device=device)
+            triton_lora.lora_shrink_triton(x, a, mapping)
+            buffer = torch.zeros(n, len(b), rank_b, dtype=torch.float32, device=device)
+            y = torch.zeros(n, _expand_width(m), dtype=dtype, device=device)
+            triton_lora.lora_expand_triton(y, buffer, b, mapping, slots.output_slices,
+                                           slots.dora_scale_stacked, slots.dora_shift_stacked)
+            launches += 2
+    return launches
+
+
+# ---------------------------------------------------------------------------------------------
+# norms, activation, RoPE, KV write, attention
+
+
+def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_size: int,
+                 max_num_seqs: int, max_blocks_per_seq: int) -> int:
+    cfg = model.cfg
+    device = kv_caches[0].data.device
+    dtype = cfg.dtype
+    launches = 0
+    hidden = torch.zeros(_ROWS, cfg.hidden_size, dtype=dtype, device=device)
+    norms = {(n.weight.shape, n.weight.dtype): n for n in model.modules()
+             if isinstance(n, RMSNorm)}
+    for norm in norms.values():
+        triton_fused.rms_norm_triton(hidden, norm.weight, norm.eps)
+        triton_fused.fused_add_rms_norm_triton(hidden, hidden.clone(), norm.weight, norm.eps)
+        launches += 2
+    triton_fused.silu_and_mul_triton(
+        torch.zeros(_ROWS, 2 * cfg.intermediate_size, dtype=dtype, device=device))
+    launches += 1
+
+    group = cfg.num_heads // cfg.num_kv_heads
+    positions = torch.zeros(_ROWS, dtype=torch.int64, device=device)
+    seen = set()
+    for layer, kv_cache in zip(model.model.layers, kv_caches):
+        attn = layer.self_attn
+        key = (attn.sliding_window, kv_cache.data.dtype, tuple(kv_cache.data.shape[2:]),
+               kv_cache.quantized)
+        if key in seen:
+            continue
+        seen.add(key)
+        # q, k, v as LlamaAttention takes them: views of the packed qkv projection's output.
+        qkv = torch.zeros(_ROWS, cfg.q_size + 2 * cfg.kv_size, dtype=dtype, device=device)
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        triton_fused.rotary_embedding_triton(positions, q, k, model.model.rotary.cos,
+                                             model.model.rotary.sin)
+        triton_attention.write_kv_triton(
+            k, v, kv_cache, torch.full((_ROWS,), -1, dtype=torch.int64, device=device))
+        # one prefill sequence of _ROWS tokens: the prefill launch
+        meta = build_attention_metadata([_ROWS], [_ROWS], [[0]], block_size, group, device)
+        triton_attention.paged_attention_triton(q, kv_cache, meta, attn.scale,
+                                                attn.sliding_window)
+        launches += 3
+        # one decode sequence, once per split count the heuristic can pick
+        meta = build_attention_metadata([1], [1], [[0]], block_size, group, device)
+        for splits in triton_attention.decode_split_choices(
+                group, cfg.num_kv_heads, cfg.head_dim, q.dtype, block_size, max_blocks_per_seq,
+                max_num_seqs, attn.sliding_window, device):
+            triton_attention.paged_attention_triton(q[:1], kv_cache, meta, attn.scale,
+                                                    attn.sliding_window, num_splits=splits)
+            launches += 1
+    return launches
