@@ -37,10 +37,12 @@ def adapters(base_dir, lora_root):
 
 @pytest.fixture(scope="module")
 def served(base_dir, adapters, lora_root):
-    """A server with four adapters from start-up and run-time updates under lora_root."""
+    """A server with four adapters from start-up and run-time updates under lora_root, its
+    engine core in a process of its own (as ``manylora serve`` runs it)."""
     modules = [f"{name}={adapters[name]}" for name in ("ad0", "ad1", "ad2", "ad3")]
     with running_server(base_dir, "--enable-lora-runtime-updates", "--lora-root",
-                        str(lora_root), lora_modules=modules) as (server, url):
+                        str(lora_root), lora_modules=modules,
+                        engine_process=True) as (server, url):
         yield server, url
 
 

@@ -9,6 +9,8 @@ import contextlib
 import threading
 import time
 
+import pytest
+
 from manylora.engine.protocol import EngineCoreOutputs
 from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
 
@@ -29,14 +31,19 @@ def engine_flags(**overrides) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_server(base_dir, *extra: str, lora_modules=(), **engine_overrides):
+def running_server(base_dir, *extra: str, lora_modules=(), engine_process: bool = False,
+                   **engine_overrides):
     """``manylora serve --model base_dir ...`` on a free loopback port; yields
-    ``(server, url)``; stops the server and the engine afterwards."""
+    ``(server, url)``; stops the server and the engine afterwards. ``engine_process``: the
+    engine core in a process of its own, as ``manylora serve`` runs it (else in this one,
+    where a test can look inside it)."""
     argv = ["--model", str(base_dir), "--served-model-name", BASE, *engine_flags(
         **engine_overrides), *extra]
     if lora_modules:
         argv += ["--lora-modules", *lora_modules]
-    server = create_server(serve_parser().parse_args(argv))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "1" if engine_process else "0")
+        server = create_server(serve_parser().parse_args(argv))
     try:
         with ServerThread(server.app) as http:
             yield server, http.url
