@@ -23,20 +23,24 @@ from manylora.entrypoints.openai.protocol import (
     StreamOptions,
 )
 from manylora.entrypoints.openai.serving import (
-    SSE_DONE,
-    MergedStream,
     check_context_length,
     child_sampling_params,
-    chunk_event,
     make_sampling_params,
-    sse_event,
     to_openai_error,
-    usage_info,
 )
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from manylora.entrypoints.openai.serving_completion import (
     OpenAIServingCompletion,
     completion_logprobs,
+)
+from manylora.entrypoints.openai.sse import (
+    SSE_DONE,
+    chunk_event,
+    sse_event,
+    usage_info,
+)
+from manylora.entrypoints.openai.streams import (
+    MergedStream,
 )
 from manylora.sampling_params import RequestOutputKind
 

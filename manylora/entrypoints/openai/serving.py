@@ -4,13 +4,13 @@
   model lookup, tokenization, the context-length checks, and starting the engine requests
   of one HTTP request (``n`` choices per prompt, each its own engine request, as vLLM's
   parallel sampling: child ``i`` gets ``n=1`` and ``seed + i``).
-* :class:`MergedStream`: the child requests' output streams run concurrently and merged
-  into one, each child's outputs in order; closing it aborts every unfinished child.
+* The child requests' output streams, merged (``streams.py``) and framed as server-sent
+  events (``sse.py``).
 * The engine requests of a streamed HTTP request report ``DELTA`` outputs (only what is
   new, with no part of a stop string ever in them), the others ``FINAL_ONLY`` (one output
   at the end): :func:`output_kind`.
-* Server-sent event framing (:func:`sse_event`, :data:`SSE_DONE`, :func:`sse_error`),
-  usage counts, and the mapping of engine errors to HTTP errors (:func:`to_openai_error`).
+* The mapping of engine errors to HTTP errors (:func:`to_openai_error`), sampling
+  parameters and context-length checks, log-probability values JSON can carry.
 
 Every check of a request runs before its stream is handed back, so a bad request gets its
 own status code; an error after streaming began is sent as one ``data: {"error": ...}``
@@ -20,19 +20,11 @@ event before ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
-import weakref
-from collections import deque
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
-
-from pydantic import BaseModel
 
 from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
 from manylora.engine.outputs import RequestOutput
@@ -43,7 +35,8 @@ from manylora.entrypoints.openai.errors import (
     overloaded,
     too_large,
 )
-from manylora.entrypoints.openai.protocol import StreamOptions, UsageInfo
+from manylora.entrypoints.openai.sse import sse_error
+from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
 
@@ -51,26 +44,16 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LOGPROB_FLOOR",
-    "SSE_DONE",
-    "ChildRequest",
-    "MergedStream",
     "OpenAIServing",
     "check_context_length",
-    "guard_stream",
     "child_sampling_params",
-    "chunk_event",
     "clamp_logprob",
     "make_sampling_params",
-    "random_id",
-    "sse_error",
-    "sse_event",
     "output_kind",
+    "random_id",
     "to_openai_error",
     "token_text",
-    "usage_info",
 ]
-
-SSE_DONE = "data: [DONE]\n\n"
 
 # JSON has no -inf: log-probabilities below this are sent as this (as vLLM).
 LOGPROB_FLOOR = -9999.0
@@ -86,32 +69,6 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse_event(payload: BaseModel | dict) -> str:
-    """One server-sent event, ``data: <json>\\n\\n``, of a pydantic model or a dict."""
-    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-def sse_error(error: OpenAIError) -> str:
-    """The event that reports an error after streaming began: ``data: {"error": ...}``."""
-    return sse_event(error.body())
-
-
-def chunk_event(chunk: BaseModel, stream_options: StreamOptions | None,
-                usage: UsageInfo | None) -> str:
-    """A streamed chunk (completion or chat) as an event, with ``usage`` as the stream
-    options want it: absent without ``include_usage``, the usage so far with
-    ``continuous_usage_stats`` (vLLM), ``null`` otherwise."""
-    data = chunk.model_dump(mode="json")
-    if stream_options is None or not stream_options.include_usage:
-        data.pop("usage", None)
-    elif stream_options.continuous_usage_stats and usage is not None:
-        data["usage"] = usage.model_dump(mode="json")
-    else:
-        data["usage"] = None
-    return sse_event(data)
-
-
 def clamp_logprob(value: float) -> float:
     """A log-probability JSON can carry: ``-inf`` (and anything below) becomes
     :data:`LOGPROB_FLOOR`, NaN too."""
@@ -122,12 +79,6 @@ def token_text(token_id: int, decoded: str | None, as_token_id: bool = False) ->
     """A token's text for log-probabilities: its decoded text, or ``token_id:<id>`` (vLLM's
     form) when asked for (``return_tokens_as_token_ids``) or without a tokenizer."""
     return f"token_id:{token_id}" if as_token_id or decoded is None else decoded
-
-
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """A :class:`UsageInfo` with its total."""
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def to_openai_error(exc: BaseException) -> OpenAIError | None:
@@ -209,180 +160,6 @@ def child_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams
     if params.seed is None:
         return [params] * n
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
-
-
-@dataclass
-class ChildRequest:
-    """One engine request of an HTTP request: one choice of one prompt.
-
-    Attributes:
-        request_id: the engine request id (unique).
-        prompt_index: which prompt of the request it completes.
-        prompt_token_ids: that prompt's ids; ``prompt_text`` its text when known.
-        params: its sampling parameters (``n == 1``).
-    """
-
-    request_id: str
-    prompt_index: int
-    prompt_token_ids: list[int]
-    prompt_text: str | None
-    params: SamplingParams
-
-    def engine_prompt(self) -> dict[str, Any]:
-        """The prompt as ``AsyncLLM.generate`` takes it (ids, and the text when known)."""
-        prompt: dict[str, Any] = {"prompt_token_ids": self.prompt_token_ids}
-        if self.prompt_text is not None:
-            prompt["prompt"] = self.prompt_text
-        return prompt
-
-
-_END = object()
-
-
-@dataclass
-class MergedStream:
-    """The output streams of several engine requests, run concurrently, as one stream of
-    ``(child_index, RequestOutput)`` pairs; each child's outputs keep their order.
-
-    Each child's generator is iterated by its own task that feeds one queue. :meth:`prime`
-    waits for every child's first output, so that the engine's rejection of a child
-    (``ValueError``, ``EngineOverloadedError``, ...) is raised before anything is streamed.
-    Iterating raises the first error a child meets. :meth:`close` (sync) aborts every
-    child whose last output was not taken yet and cancels the tasks; :meth:`aclose` also
-    waits for them. Create it on the event loop that iterates it.
-
-    Args:
-        engine: has ``abort(request_ids)``.
-        request_ids: the children's engine request ids.
-        generators: the children's ``AsyncLLM.generate`` iterators, in the same order.
-    """
-
-    engine: Any
-    request_ids: list[str]
-    generators: list[AsyncIterator[RequestOutput]]
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue, init=False, repr=False)
-    _buffer: deque = field(default_factory=deque, init=False, repr=False)
-    _tasks: list[asyncio.Task] = field(default_factory=list, init=False, repr=False)
-    _finished: list[bool] = field(default_factory=list, init=False)
-    _live: int = field(default=0, init=False)
-    _closed: bool = field(default=False, init=False)
-
-    def __post_init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._finished = [False] * len(self.generators)
-        self._live = len(self.generators)
-        # one child (n = 1, one prompt: the common case) is iterated directly, without a
-        # task and a second queue between it and the response
-        self._direct = len(self.generators) == 1
-        if not self._direct:
-            self._tasks = [self._loop.create_task(self._pump(i, gen))
-                           for i, gen in enumerate(self.generators)]
-
-    async def _next_direct(self) -> tuple[int, object]:
-        try:
-            return 0, await self.generators[0].__anext__()
-        except StopAsyncIteration:
-            return 0, _END
-        except Exception as e:
-            return 0, e
-
-    async def _pump(self, index: int, gen: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in gen:
-                self._queue.put_nowait((index, output))
-            self._queue.put_nowait((index, _END))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._queue.put_nowait((index, e))
-        finally:
-            aclose = getattr(gen, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def prime(self) -> None:
-        """Wait until every child gave its first output (kept for iteration).
-
-        Raises:
-            Exception: the first error a child met (the caller closes the stream).
-        """
-        seen: set[int] = set()
-        while len(seen) < len(self.generators):
-            index, item = await (self._next_direct() if self._direct else self._queue.get())
-            self._buffer.append((index, item))
-            if isinstance(item, BaseException):
-                raise item
-            seen.add(index)
-
-    def __aiter__(self) -> MergedStream:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        """The next ``(child_index, output)``.
-
-        Raises:
-            StopAsyncIteration: every child finished.
-            Exception: a child's error (``EngineDeadError``, ...).
-        """
-        while self._live > 0:
-            if self._buffer:
-                index, item = self._buffer.popleft()
-            else:
-                index, item = await (self._next_direct() if self._direct else self._queue.get())
-            if item is _END:
-                self._live -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self._finished[index] = True
-            return index, item
-        raise StopAsyncIteration
-
-    @property
-    def unfinished_ids(self) -> list[str]:
-        """The request ids whose last output was not taken yet."""
-        return [rid for rid, done in zip(self.request_ids, self._finished) if not done]
-
-    def close(self) -> None:
-        """Abort the unfinished children in the engine and cancel the tasks (any thread;
-        idempotent; no waiting)."""
-        if self._closed:
-            return
-        self._closed = True
-        ids = self.unfinished_ids
-        if ids:
-            self.engine.abort(ids)
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            for task in self._tasks:
-                task.cancel()
-            return
-        try:
-            for task in self._tasks:
-                self._loop.call_soon_threadsafe(task.cancel)
-        except RuntimeError:     # the loop is closed: the tasks are gone with it
-            pass
-
-    async def aclose(self) -> None:
-        """:meth:`close`, then wait for the tasks (and so the child generators) to end."""
-        self.close()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._direct:
-            with contextlib.suppress(RuntimeError):    # already closing elsewhere
-                await self.generators[0].aclose()
-
-
-def guard_stream(stream: AsyncIterator[str], merged: MergedStream) -> AsyncIterator[str]:
-    """``stream``, with ``merged`` closed (its children aborted) when ``stream`` is
-    garbage-collected without having run, e.g. when the client left before the response
-    started (a started stream closes ``merged`` in its own ``finally``)."""
-    finalizer = weakref.finalize(stream, merged.close)
-    finalizer.atexit = False
-    return stream
 
 
 class OpenAIServing:

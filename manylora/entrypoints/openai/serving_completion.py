@@ -23,21 +23,25 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.serving import (
-    SSE_DONE,
-    ChildRequest,
-    MergedStream,
     OpenAIServing,
     check_context_length,
     child_sampling_params,
-    chunk_event,
     clamp_logprob,
-    guard_stream,
     make_sampling_params,
     output_kind,
     random_id,
-    sse_event,
     token_text,
+)
+from manylora.entrypoints.openai.sse import (
+    SSE_DONE,
+    chunk_event,
+    sse_event,
     usage_info,
+)
+from manylora.entrypoints.openai.streams import (
+    ChildRequest,
+    MergedStream,
+    guard_stream,
 )
 
 __all__ = ["OpenAIServingCompletion", "completion_logprobs"]
