@@ -31,8 +31,8 @@ import zmq
 
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
-from manylora.engine.core_proc import UTILITY_METHODS
 from manylora.engine.protocol import (
+    UTILITY_METHODS,
     AbortRequests,
     AddResult,
     CoreInfo,

@@ -32,37 +32,24 @@ import msgspec
 import torch
 import zmq
 
-from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
 from manylora.engine.protocol import (
+    UTILITY_METHODS,
     AbortRequests,
     AddResult,
     EngineCoreOutputs,
     EngineCoreRequest,
     ReplyType,
     RequestType,
-    SchedulerStats,
     UtilityCall,
     UtilityResult,
 )
 from manylora.engine.serial import Decoder, Encoder, ErrorInfo
-from manylora.lora.manager import LoRACacheStats
-from manylora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
-#: The ``EngineCore`` methods the front may call: the types of their arguments and of
-#: their result.
-UTILITY_METHODS: dict[str, tuple[tuple[type, ...], type]] = {
-    "add_lora": ((LoRARequest,), bool),
-    "remove_lora": ((int,), bool),
-    "end_session": ((str,), bool),
-    "kv_cache_stats": ((), KVCacheStats),
-    "lora_cache_stats": ((), LoRACacheStats),
-    "scheduler_stats": ((), SchedulerStats),
-}
 
 _IDLE_POLL_MS = 1000
 

@@ -194,3 +194,15 @@ class CoreInfo:
     max_model_len: int
     vocab_size: int
     max_loras: int
+
+
+#: The ``EngineCore`` methods the front may call: the types of their arguments and of
+#: their result.
+UTILITY_METHODS: dict[str, tuple[tuple[type, ...], type]] = {
+    "add_lora": ((LoRARequest,), bool),
+    "remove_lora": ((int,), bool),
+    "end_session": ((str,), bool),
+    "kv_cache_stats": ((), KVCacheStats),
+    "lora_cache_stats": ((), LoRACacheStats),
+    "scheduler_stats": ((), SchedulerStats),
+}
