@@ -14,7 +14,8 @@ kernels read that flag as data, so a captured CUDA graph stays valid when DoRA a
 adapters are swapped in and out of slots.
 
 All index tensors are int32 on the model's device and are built from one host buffer with
-a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row Python). A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
+a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
+Python). A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
 padding rows are base rows, and ``max_seg_len`` is the padded batch size.
 """
 
