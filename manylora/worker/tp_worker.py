@@ -7,11 +7,11 @@ replica of the device block table and step buffers, applies the same writes and 
 same forward pass on its shard, so the collectives inside the model line up
 (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers that hold no
 scheduler state). The other messages are the KV cache's allocation (with the capture of
-the decode CUDA graphs, whose all-reduces are captured too), an adapter entering a slot (the whole host copy; each rank slices it,
-``LoRASlots.set_slot``), and a DoRA adapter's row norms, which need every rank's part of
-the base weight. Every message is a dict with an ``"op"`` packed by ``pack_tensor_dict``
-(whose tensors, for an adapter's weights, follow by ``broadcast_tensor_dict``): no pickle
-travels.
+the decode CUDA graphs, whose all-reduces are captured too), an adapter entering a slot
+(the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a DoRA adapter's
+row norms, which need every rank's part of the base weight. Every message is a dict with
+an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for an adapter's weights,
+follow by ``broadcast_tensor_dict``): no pickle travels.
 """
 
 from __future__ import annotations
