@@ -19,6 +19,7 @@ positions and query starts, one fancy index for the token ids, a stable ``argsor
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ class InputBatch:
         self.block_table = BlockTable(num_rows, self.width)
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
-        self._free_rows = list(range(num_rows - 1, -1, -1))    # pop() gives the lowest
+        self._free_rows = list(range(num_rows))                # a heap: the lowest first
         self._alloc(num_rows)
 
     def _alloc(self, num_rows: int) -> None:
@@ -155,15 +156,15 @@ class InputBatch:
                 raise RuntimeError(f"the input batch holds {old} rows, the most CUDA graphs "
                                    "allow, and a step schedules more requests")
             self._alloc(new)
-            self._free_rows = list(range(new - 1, old - 1, -1))
-        return self._free_rows.pop()
+            self._free_rows = list(range(old, new))
+        return heapq.heappop(self._free_rows)
 
     def _give_row(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.block_table.clear_row(row)
             self.num_tokens[row] = 0
-            self._free_rows.append(row)
+            heapq.heappush(self._free_rows, row)
 
     def _fill_row(self, row: int, state: CachedRequestState, token_ids) -> None:
         tokens = np.asarray(token_ids, dtype=np.int32).reshape(-1)
