@@ -183,7 +183,10 @@ class AttentionMetadata(NamedTuple):
 
     Sequence ``i`` of the batch owns rows ``query_start[i] .. query_start[i] + query_lens[i]``
     of the flat ``[T, ...]`` token batch and row ``i`` of ``block_tables``. Every tensor is
-    on the step's device and is a view of one buffer copied there in one transfer.
+    on the step's device: from ``build_attention_metadata``, views of one buffer copied
+    there in one transfer; from the model runner, views of its persistent step buffer, with
+    ``slot_mapping`` and ``block_tables`` computed on the device from its persistent block
+    table (``slot_mapping_from_block_table``).
 
     Work partition of the Triton kernel: a *tile* is ``(sequence, first query)``; tiles
     ``0 .. num_decode_tiles-1`` are the sequences with one new token (decode, one token per

@@ -268,7 +268,8 @@ class InputBatch:
             ``(StepInputs, SampleInfo)``.
 
         Raises:
-            ValueError: a plan that computes tokens a row does not hold.
+            ValueError: a plan that computes tokens a row does not hold; slot_ranks or
+                slot_dora not of length max_loras.
             KeyError: a request's adapter has no slot in ``lora_slots``.
         """
         sched = out.scheduled
@@ -339,6 +340,9 @@ class InputBatch:
         v["tile_query"][:] = tile_query
         if lora is not None:
             n, m = pad_tokens, self.max_loras
+            if len(slot_ranks) != m or (slot_dora is not None and len(slot_dora) != m):
+                raise ValueError(f"slot_ranks ({len(slot_ranks)}) and slot_dora must have one "
+                                 f"entry per adapter slot ({m})")
             dora = np.zeros(m, np.int32) if slot_dora is None else (
                 np.asarray(slot_dora, dtype=np.int64) != 0)
             np.concatenate([lora.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),

@@ -63,7 +63,6 @@ class ModelRunner:
             it ``max_num_seqs``).
 
     Attributes:
-        input_batch: the persistent ``InputBatch`` (rank 0's host state).
         buffers: the persistent ``StepBuffers`` (pinned host, device, block table).
         on_step: called with each step's ``StepInputs`` before its forward pass (tensor
             parallelism sends them to the other ranks there); None by default.
@@ -87,12 +86,20 @@ class ModelRunner:
         self.graphs = DecodeGraphs(cuda_graph_sizes) if cuda_graph_sizes else None
         largest = max(cuda_graph_sizes, default=0)
         rows = largest or INITIAL_ROWS
-        self.input_batch = InputBatch(rows, max_model_len, block_size, max_loras,
-                                      self.vocab_size, self.num_queries_per_kv,
-                                      max_rows=largest or None)
+        self._batch_args = (rows, max_model_len, block_size, max_loras, self.vocab_size,
+                            self.num_queries_per_kv, largest or None)
+        self._input_batch: InputBatch | None = None
         capacity = max(1 << 16, 32 * largest + 8 * max_loras + 8192)
         self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
         self.on_step: Callable[[StepInputs], None] | None = None
+
+    @property
+    def input_batch(self) -> InputBatch:
+        """The persistent ``InputBatch`` (made on first use: tensor-parallel workers, which
+        only replay rank 0's packed steps, never hold one)."""
+        if self._input_batch is None:
+            self._input_batch = InputBatch(*self._batch_args)
+        return self._input_batch
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
@@ -212,7 +219,7 @@ class ModelRunner:
                             num_decode_tiles=size, table_width=self.max_blocks_per_seq,
                             schedule=schedule, max_seg_len=size, num_table_updates=0,
                             num_sampled=0, sample_prefix=1, bucket=size,
-                            table_rows=self.input_batch.num_rows)
+                            table_rows=self.buffers.block_table.shape[0])
         data = self.buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         data[:] = 0
@@ -237,7 +244,8 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         """Drop the per-request state of finished requests: their input-batch rows and
         seeded generators."""
-        self.input_batch.remove(request_ids)
+        if self._input_batch is not None:
+            self._input_batch.remove(request_ids)
         for rid in request_ids:
             self._generators.pop(rid, None)
 
