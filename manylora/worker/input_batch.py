@@ -295,13 +295,15 @@ class InputBatch:
         num_sampled = int(sampled.size)
         bucket = bucket_of(num_seqs) if num_tokens == num_seqs else None
         pending = self.block_table.num_pending()
-        if bucket is not None and (11 * bucket + 5 * self.max_loras + 2 * pending
-                                   + 5 * num_sampled > buffers.capacity):
-            bucket = None         # a graph reads the persistent buffer only: run eagerly
+        token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
+        if bucket is not None:
+            probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
+                               0, pending, num_sampled, 0, bucket, 0)
+            if total_size(probe, self.max_loras) > buffers.capacity:
+                bucket = None     # a graph reads the persistent buffer only: run eagerly
         pad_tokens = num_tokens if bucket is None else bucket
         pad_seqs = num_seqs if bucket is None else bucket
 
-        token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
         lora = None
         if token_slots is not None:
             lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)

@@ -10,8 +10,8 @@ the copy with nothing copied in. Block-table changes travel as ``(flat index, bl
 pairs, applied by one scatter to the persistent device block table, which every rank keeps
 (tensor-parallel workers receive the same buffer, ``worker/step_codec.py``).
 
-Segments, in order (int32 unless noted; ``T`` rows and ``B`` sequences, padding included;
-``L = max_loras``):
+Segments, in order, each starting at a multiple of 16 bytes (int32 unless noted; ``T`` rows
+and ``B`` sequences, padding included; ``L = max_loras``):
 
 ====================  =============  =================================================
 ``ids``               T              token ids (0 for padding)
@@ -103,13 +103,27 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     return sizes
 
 
-def split_segments(buf, layout: StepLayout, max_loras: int) -> dict:
-    """``{name: view}`` of ``buf`` (a numpy array or a tensor) cut by ``segment_sizes``;
-    the float32 columns are reinterpreted, not converted."""
-    views, start = {}, 0
+#: Every segment starts at a multiple of this many int32 elements (16 bytes), so each view
+#: a Triton kernel receives has the same pointer alignment at every step (Triton
+#: specializes its kernels on it: one compiled variant, not one per offset pattern).
+ALIGN = 4
+
+
+def _offsets(layout: StepLayout, max_loras: int) -> tuple[list[tuple[str, int, int]], int]:
+    """``([(name, start, length), ...], total)`` with every start aligned to ``ALIGN``."""
+    out, start = [], 0
     for name, size in segment_sizes(layout, max_loras):
-        views[name] = buf[start:start + size]
-        start += size
+        out.append((name, start, size))
+        start += -(-size // ALIGN) * ALIGN
+    return out, start
+
+
+def split_segments(buf, layout: StepLayout, max_loras: int) -> dict:
+    """``{name: view}`` of ``buf`` (a numpy array or a tensor) cut by ``segment_sizes``,
+    each segment starting at a multiple of ``ALIGN``; the float32 columns are
+    reinterpreted, not converted."""
+    views = {name: buf[start:start + size]
+             for name, start, size in _offsets(layout, max_loras)[0]}
     for name in ("temperature", "top_p", "min_p"):
         v = views[name]
         views[name] = v.view(np.float32) if isinstance(v, np.ndarray) else v.view(torch.float32)
@@ -117,8 +131,8 @@ def split_segments(buf, layout: StepLayout, max_loras: int) -> dict:
 
 
 def total_size(layout: StepLayout, max_loras: int) -> int:
-    """Length of the packed buffer, int32 elements."""
-    return sum(size for _, size in segment_sizes(layout, max_loras))
+    """Length of the packed buffer, int32 elements (alignment gaps included)."""
+    return _offsets(layout, max_loras)[1]
 
 
 class StepBuffers:

@@ -236,6 +236,19 @@ def test_a_graph_bucket_pads_at_fixed_offsets():
     assert all(o == offsets[0] for o in offsets)
 
 
+def test_a_graph_step_that_does_not_fit_the_persistent_buffer_runs_eagerly():
+    """A graph reads only the persistent buffer: a decode step too large for it (a burst
+    of block-table writes) is packed unpadded, eagerly, into a buffer of its own."""
+    h = Harness(num_blocks=64, budget=64, bucket_of=lambda n: 8, rows=8)
+    h.buffers = StepBuffers(40, 8, h.width, torch.device("cpu"))
+    for n in (3, 4, 6):
+        h.sched.add_request(_request(n, 4))
+    h.step()
+    _, inputs, _ = h.step()                         # 3 decode rows, padded to 8: too big
+    assert inputs.layout.bucket == -1 and inputs.layout.num_tokens == 3
+    assert inputs.data.size > h.buffers.capacity
+
+
 def test_lora_mapping_matches_a_python_reference():
     rng = random.Random(0)
     for _ in range(50):
