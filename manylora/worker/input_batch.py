@@ -169,9 +169,6 @@ class InputBatch:
     def _fill_row(self, row: int, state: CachedRequestState, token_ids) -> None:
         tokens = np.asarray(token_ids, dtype=np.int32).reshape(-1)
         n = tokens.size
-        if n > self.max_model_len:
-            raise ValueError(f"request {state.req_id!r} has {n} tokens, more than "
-                             f"max_model_len={self.max_model_len}")
         self.token_ids[row, :n] = tokens
         self.num_tokens[row] = n
         self.lora_id[row] = state.lora_int_id
@@ -221,32 +218,39 @@ class InputBatch:
             The scheduled request ids, in batch order.
 
         Raises:
-            ValueError: the plan names as cached a request the batch does not hold.
+            ValueError: (nothing changed) the plan names as cached, or schedules, a request
+                the batch does not hold, or sends one longer than ``max_model_len``.
         """
-        self.remove(out.preempted)
+        cached = out.scheduled_cached_reqs
+        new_ids = {new.req_id for new in out.scheduled_new_reqs}
+        for rid in cached.req_ids:                      # refuse before changing anything
+            if rid not in self.requests or rid in out.preempted:
+                raise ValueError(f"the plan names request {rid!r} as cached, but the input "
+                                 "batch does not hold it (it was never sent as new)")
+        for new in out.scheduled_new_reqs:
+            if len(new.all_token_ids) > self.max_model_len:
+                raise ValueError(f"request {new.req_id!r} has {len(new.all_token_ids)} "
+                                 f"tokens, more than max_model_len={self.max_model_len}")
         ids = [s.request.request_id for s in out.scheduled]
+        for rid in ids:
+            if rid not in self.requests and rid not in new_ids:
+                raise ValueError(f"request {rid!r} is scheduled but the input batch does "
+                                 "not hold it and the plan does not send it as new")
+        self.remove(out.preempted)
         if len(self.row_of) != len(ids) or not all(rid in self.row_of for rid in ids):
             scheduled = set(ids)
             for rid in [r for r in self.row_of if r not in scheduled]:
                 self._park(rid)
         for new in out.scheduled_new_reqs:
             self._add_new(new)
-        cached = out.scheduled_cached_reqs
         for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
-            state = self.requests.get(rid)
-            if state is None:
-                raise ValueError(f"the plan names request {rid!r} as cached, but the input "
-                                 "batch does not hold it (it was never sent as new)")
             if blocks:
-                state.block_ids.extend(blocks)
+                self.requests[rid].block_ids.extend(blocks)
                 row = self.row_of.get(rid)
                 if row is not None:
                     self.block_table.append(row, blocks)
         for rid in ids:
             if rid not in self.row_of:
-                if rid not in self.requests:
-                    raise ValueError(f"request {rid!r} is scheduled but the input batch "
-                                     "does not hold it")
                 self._unpark(rid)
         return ids
 

@@ -290,13 +290,23 @@ def test_lora_slots_follow_the_rows_and_a_missing_adapter_is_named():
         h.step(lora_slots={5: 2}, slot_ranks=(4, 0, 8))
 
 
-def test_a_plan_the_batch_cannot_follow_is_refused_by_name():
+def test_a_plan_the_batch_cannot_follow_is_refused_by_name_and_changes_nothing():
     batch = InputBatch(2, MAX_MODEL_LEN, BLOCK_SIZE, 0, 100, 1)
-    req = _request(3, 2)
-    out = SchedulerOutput([ScheduledRequest(req, 2, 1, True)], [], [], [], [],
-                          CachedRequestData([req.request_id], [[]], [2]))
+    ok, unknown = _request(3, 2), _request(3, 2)
+    new = NewRequestData(ok.request_id, ok.token_ids, [1], 0, 0, ok.sampling_params)
+    out = SchedulerOutput([ScheduledRequest(ok, 0, 3, True),
+                           ScheduledRequest(unknown, 2, 1, True)], [], [], [], [new],
+                          CachedRequestData([unknown.request_id], [[]], [2]))
     with pytest.raises(ValueError, match="never sent as new"):
         batch.update_states(out)
+    assert not batch.requests and not batch.row_of and batch.block_table.num_pending() == 0
+    too_long = _request(MAX_MODEL_LEN + 1, 1)
+    out = SchedulerOutput([ScheduledRequest(too_long, 0, 4, False)], [], [], [],
+                          [NewRequestData(too_long.request_id, too_long.token_ids, [], 0, 0,
+                                          too_long.sampling_params)])
+    with pytest.raises(ValueError, match="max_model_len"):
+        batch.update_states(out)
+    assert not batch.requests
 
 
 def test_slot_mapping_matches_the_formula_on_random_tables():
