@@ -31,6 +31,7 @@ from manylora.core.scheduler import (
 from manylora.engine.request import Request, RequestStatus
 from manylora.lora.punica import lora_mapping_arrays
 from manylora.ops.attention import slot_mapping_from_block_table
+from manylora.sample.sampler import SamplingTensors
 from manylora.worker.input_batch import InputBatch
 from manylora.worker.step_inputs import StepBuffers, segment_sizes, split_segments
 
@@ -386,3 +387,34 @@ def test_graph_steps_equal_eager_engine_under_preemption(demo_set):
         assert llm.llm_engine.scheduler.num_preemptions > 0
         del llm
     assert outs[False] == outs[True]
+
+
+def test_sampling_columns_match_sampling_tensors_from_params():
+    """The sampled rows' columns in the step buffer equal ``SamplingTensors.from_params``
+    on the same requests' parameters (greedy rows neutralised, top-k >= V off), and the
+    host flags, seeded rows and log-prob rows agree."""
+    batch = InputBatch(4, MAX_MODEL_LEN, BLOCK_SIZE, 0, 50, 1)
+    buffers = StepBuffers(1 << 12, 4, batch.width, torch.device("cpu"))
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
+              SamplingParams(temperature=1.3, top_k=80, min_p=0.2, logprobs=0),
+              SamplingParams(temperature=0.5, top_p=0.5)]
+    reqs = []
+    for i, p in enumerate(params):
+        reqs.append(Request(f"s{i}", None, [1, 2, 3 + i], p, None, 10))
+    new = [NewRequestData(r.request_id, r.token_ids, [i], 0, 0, r.sampling_params)
+           for i, r in enumerate(reqs)]
+    out = SchedulerOutput([ScheduledRequest(r, 0, 3, True) for r in reqs], [], [], [], new)
+    ids = batch.update_states(out)
+    inputs, info = batch.prepare(out, ids, {}, [], None, _no_bucket, buffers)
+    host = split_segments(inputs.data, inputs.layout, 0)
+    ref = SamplingTensors.from_params(params, 50, "cpu")
+    assert host["temperature"].tolist() == pytest.approx(ref.temperature.tolist())
+    assert host["top_k"].tolist() == ref.top_k.tolist()
+    assert host["top_p"].tolist() == pytest.approx(ref.top_p.tolist())
+    assert host["min_p"].tolist() == pytest.approx(ref.min_p.tolist())
+    assert (info.all_greedy, info.all_random, info.do_top_k, info.do_top_p, info.do_min_p) == (
+        ref.all_greedy, ref.all_random, ref.do_top_k, ref.do_top_p, ref.do_min_p)
+    assert info.seeded == [1]
+    assert info.logprobs == [(0, 2), (2, 0)]
+    assert host["sample_rows"].tolist() == [2, 5, 8, 11]
