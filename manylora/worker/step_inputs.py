@@ -135,6 +135,11 @@ def total_size(layout: StepLayout, max_loras: int) -> int:
     return _offsets(layout, max_loras)[1]
 
 
+#: Layouts whose device views ``StepBuffers`` keeps (a decode step repeats its layout, so
+#: most steps cut no new views: about 20 tensor slices saved per step).
+MAX_CACHED_LAYOUTS = 256
+
+
 class StepBuffers:
     """The persistent buffers a rank copies its steps through: a pinned host buffer, a
     device buffer of the same length, and the device block table.
@@ -169,6 +174,7 @@ class StepBuffers:
                                        device=device)
         self.frozen = False
         self._copied = torch.cuda.Event() if pinned else None
+        self._views: dict[StepLayout, dict] = {}     # views of ``dev`` by layout
 
     def host_array(self, size: int) -> np.ndarray:
         """An int32 host array of ``size`` to pack a step into: the persistent pinned
@@ -221,7 +227,13 @@ class StepBuffers:
         dst.copy_(src, non_blocking=True)
         if persistent and self._copied is not None:
             self._copied.record()
-        views = split_segments(dst, layout, max_loras)
+        views = self._views.get(layout) if persistent else None
+        if views is None:
+            views = split_segments(dst, layout, max_loras)
+            if persistent:
+                if len(self._views) >= MAX_CACHED_LAYOUTS:
+                    self._views.clear()
+                self._views[layout] = views
         if layout.num_table_updates:
             self.block_table.view(-1).index_copy_(
                 0, views["table_index"].long(), views["table_value"])
