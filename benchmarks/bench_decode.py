@@ -94,7 +94,7 @@ def decode_plans(reqs: list[Request], tables: list[list[int]], context: int,
             plans.append(SchedulerOutput(scheduled, [], [], [], new))
         else:
             cached = CachedRequestData([r.request_id for r in reqs], [[] for _ in reqs],
-                                       [start] * len(reqs))
+                                       [start] * len(reqs), [len(t) for t in tables])
             plans.append(SchedulerOutput(scheduled, [], [], [], [], cached))
     return plans
 

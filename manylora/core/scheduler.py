@@ -82,11 +82,15 @@ class CachedRequestData(NamedTuple):
         new_block_ids: per request, the block ids appended to its table since the last step
             the runner ran for it (usually empty; one block every ``block_size`` tokens).
         num_computed_tokens: per request, tokens whose K/V the cache holds before this step.
+        num_blocks: per request, the length of its whole block table (so the runner can
+            apply ``new_block_ids`` idempotently: a plan sent again after one the engine
+            ran only in part appends nothing twice).
     """
 
     req_ids: list[str]
     new_block_ids: list[list[int]]
     num_computed_tokens: list[int]
+    num_blocks: list[int]
 
 
 class SchedulerOutput(NamedTuple):
@@ -114,7 +118,7 @@ class SchedulerOutput(NamedTuple):
     finished_ids: list[str]
     swaps: list[SwapOp] = []
     scheduled_new_reqs: list[NewRequestData] = []
-    scheduled_cached_reqs: CachedRequestData = CachedRequestData([], [], [])
+    scheduled_cached_reqs: CachedRequestData = CachedRequestData([], [], [], [])
 
     @property
     def num_batched_tokens(self) -> int:
@@ -258,7 +262,7 @@ class Scheduler:
         hold, the blocks appended since its last step for the others. O(batch + new
         blocks): no table is copied."""
         new_reqs: list[NewRequestData] = []
-        cached = CachedRequestData([], [], [])
+        cached = CachedRequestData([], [], [], [])
         sent_blocks = self._sent_blocks
         for s in scheduled:
             req = s.request
@@ -272,6 +276,7 @@ class Scheduler:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(table[sent:] if len(table) > sent else [])
                 cached.num_computed_tokens.append(s.start)
+                cached.num_blocks.append(len(table))
         return new_reqs, cached
 
     def _aged(self, req: Request) -> bool:

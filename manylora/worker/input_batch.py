@@ -217,16 +217,29 @@ class InputBatch:
         Returns:
             The scheduled request ids, in batch order.
 
+        New block ids are applied idempotently (``CachedRequestData.num_blocks``): a plan
+        sent again after a step that failed part-way appends nothing twice.
+
         Raises:
             ValueError: (nothing changed) the plan names as cached, or schedules, a request
-                the batch does not hold, or sends one longer than ``max_model_len``.
+                the batch does not hold, gives a cached request's table a length its new
+                blocks cannot reach, or sends a request longer than ``max_model_len``.
         """
         cached = out.scheduled_cached_reqs
         new_ids = {new.req_id for new in out.scheduled_new_reqs}
-        for rid in cached.req_ids:                      # refuse before changing anything
-            if rid not in self.requests or rid in out.preempted:
+        appended = []                                   # refuse before changing anything
+        for rid, blocks, total in zip(cached.req_ids, cached.new_block_ids, cached.num_blocks):
+            state = self.requests.get(rid)
+            if state is None or rid in out.preempted:
                 raise ValueError(f"the plan names request {rid!r} as cached, but the input "
                                  "batch does not hold it (it was never sent as new)")
+            missing = total - len(state.block_ids)
+            if not 0 <= missing <= len(blocks):
+                raise ValueError(f"request {rid!r}: the plan's table has {total} blocks, "
+                                 f"{len(blocks)} of them new, but the batch holds "
+                                 f"{len(state.block_ids)}")
+            if missing:
+                appended.append((rid, blocks[len(blocks) - missing:]))
         for new in out.scheduled_new_reqs:
             if len(new.all_token_ids) > self.max_model_len:
                 raise ValueError(f"request {new.req_id!r} has {len(new.all_token_ids)} "
@@ -243,12 +256,11 @@ class InputBatch:
                 self._park(rid)
         for new in out.scheduled_new_reqs:
             self._add_new(new)
-        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
-            if blocks:
-                self.requests[rid].block_ids.extend(blocks)
-                row = self.row_of.get(rid)
-                if row is not None:
-                    self.block_table.append(row, blocks)
+        for rid, blocks in appended:
+            self.requests[rid].block_ids.extend(blocks)
+            row = self.row_of.get(rid)
+            if row is not None:
+                self.block_table.append(row, blocks)
         for rid in ids:
             if rid not in self.row_of:
                 self._unpark(rid)

@@ -59,8 +59,9 @@ def apply_deltas(tables: dict[str, list[int]], out: SchedulerOutput) -> None:
     for new in out.scheduled_new_reqs:
         tables[new.req_id] = list(new.block_ids)
     cached = out.scheduled_cached_reqs
-    for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+    for rid, blocks, total in zip(cached.req_ids, cached.new_block_ids, cached.num_blocks):
         tables[rid].extend(blocks)
+        assert len(tables[rid]) == total
 
 
 def shares(out: SchedulerOutput) -> dict[str, int]:

@@ -69,13 +69,17 @@ class Harness:
         self.bucket_of = bucket_of
         self.tokens = itertools.count(7)
 
-    def step(self, lora_slots=None, slot_ranks=(), drop: bool = False):
+    def step(self, lora_slots=None, slot_ranks=(), drop: bool = False, fail: bool = False):
+        """One engine step; ``drop``: the engine drops the plan unrun; ``fail``: the
+        runner applies its deltas, then the step fails (``Scheduler.update`` not called)."""
         sched, batch = self.sched, self.batch
         out = sched.schedule()
         batch.remove(out.finished_ids)                 # ModelRunner.release
         if drop or not out.scheduled:
             return out, None, None
         ids = batch.update_states(out)
+        if fail:
+            return out, None, None
         inputs, info = batch.prepare(out, ids, lora_slots or {}, list(slot_ranks), None,
                                      self.bucket_of, self.buffers)
         views = self.buffers.upload(inputs, self.max_loras)
@@ -156,6 +160,23 @@ def test_steps_match_the_reference_through_preemption_and_a_dropped_plan():
         assert r.num_output_tokens == r.max_total_tokens - r.num_prompt_tokens
 
 
+def test_a_plan_sent_again_after_a_failed_step_appends_no_block_twice():
+    """The runner applied a plan's new blocks, then the step failed: the scheduler sends
+    them again and the table still holds each block once (checked every step)."""
+    h = Harness(num_blocks=64, budget=64)
+    h.sched.add_request(_request(3, 12))
+    h.step()
+    sched, failed = h.sched, False
+    while sched.has_unfinished_requests():
+        req = sched.running[0]                    # does the next plan grow its table?
+        grows = sched.kv.blocks_needed(req.num_tokens) > len(sched.kv.block_table(req.request_id))
+        h.step(fail=grows and not failed)
+        failed |= grows
+    assert failed
+    h.step()
+    assert not h.batch.requests
+
+
 def test_a_request_left_out_of_a_step_is_parked_and_restored():
     """A running request a plan leaves out gives its row back and keeps its tokens (the
     ones the runner sampled included) and blocks; scheduled again, it gets a row with the
@@ -165,7 +186,7 @@ def test_a_request_left_out_of_a_step_is_parked_and_restored():
     reqs = [_request(n, 20) for n in (5, 3, 4)]
     tables = {reqs[0].request_id: [7, 8], reqs[1].request_id: [2], reqs[2].request_id: [4, 5]}
 
-    def run(scheduled, new=(), cached=((), (), ())):
+    def run(scheduled, new=(), cached=((), (), (), ())):
         out = SchedulerOutput(
             [ScheduledRequest(r, st, n, True) for r, st, n in scheduled], [], [], [],
             [NewRequestData(r.request_id, list(r.token_ids), tables[r.request_id], 0, 0,
@@ -183,12 +204,12 @@ def test_a_request_left_out_of_a_step_is_parked_and_restored():
     a, b, c = reqs
     run([(a, 0, 5), (b, 0, 3), (c, 0, 4)], new=reqs)
     run([(a, 5, 1), (c, 4, 1)],
-        cached=([a.request_id, c.request_id], [[], []], [5, 4]))
+        cached=([a.request_id, c.request_id], [[], []], [5, 4], [2, 2]))
     assert b.request_id not in batch.row_of
     assert batch.requests[b.request_id].token_ids.tolist() == b.token_ids
     tables[b.request_id].append(11)
     host = run([(b, 3, 1), (a, 6, 1)],
-               cached=([b.request_id, a.request_id], [[11], []], [3, 6]))
+               cached=([b.request_id, a.request_id], [[11], []], [3, 6], [2, 2]))
     assert host["ids"].tolist() == [b.token_ids[3], a.token_ids[6]]
     assert host["positions"].tolist() == [3, 6]
     row = batch.row_of[b.request_id]
@@ -297,7 +318,7 @@ def test_a_plan_the_batch_cannot_follow_is_refused_by_name_and_changes_nothing()
     new = NewRequestData(ok.request_id, ok.token_ids, [1], 0, 0, ok.sampling_params)
     out = SchedulerOutput([ScheduledRequest(ok, 0, 3, True),
                            ScheduledRequest(unknown, 2, 1, True)], [], [], [], [new],
-                          CachedRequestData([unknown.request_id], [[]], [2]))
+                          CachedRequestData([unknown.request_id], [[]], [2], [1]))
     with pytest.raises(ValueError, match="never sent as new"):
         batch.update_states(out)
     assert not batch.requests and not batch.row_of and batch.block_table.num_pending() == 0
