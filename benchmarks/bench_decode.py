@@ -31,7 +31,12 @@ from benchmarks.common import (
 )
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims, write_config
 from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
-from manylora.core.scheduler import ScheduledRequest, SchedulerOutput
+from manylora.core.scheduler import (
+    CachedRequestData,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from manylora.engine.request import Request
 from manylora.lora.request import LoRARequest
 from manylora.model.loader import load_model
@@ -70,15 +75,39 @@ def fill_random(kv: KVCache, gen: torch.Generator, dtype: torch.dtype) -> None:
     kv.scale.view(-1, kv.scale.shape[-1]).copy_(scale)
 
 
-def time_execute(runner, out, lora_slots, ranks, iters: int) -> float:
-    """Median wall time of ``runner.execute`` (it ends in a host read of the tokens), s."""
-    for _ in range(3):
-        runner.execute(out, lora_slots, ranks)
+#: Decode steps run before the timed ones (the first adds the requests to the input batch).
+WARMUP_STEPS = 3
+
+
+def decode_plans(reqs: list[Request], tables: list[list[int]], context: int,
+                 steps: int) -> list[SchedulerOutput]:
+    """``steps`` consecutive decode plans for ``reqs`` from position ``context - 1``: the
+    first sends the requests (and their whole tables, which cover every step) as new, the
+    others as cached with no new block, as the scheduler would."""
+    plans = []
+    for i in range(steps):
+        start = context - 1 + i
+        scheduled = [ScheduledRequest(r, start, 1, True) for r in reqs]
+        if i == 0:
+            new = [NewRequestData(r.request_id, r.token_ids, t, start, r.lora_int_id,
+                                  r.sampling_params) for r, t in zip(reqs, tables)]
+            plans.append(SchedulerOutput(scheduled, [], [], [], new))
+        else:
+            cached = CachedRequestData([r.request_id for r in reqs], [[] for _ in reqs],
+                                       [start] * len(reqs), [len(t) for t in tables])
+            plans.append(SchedulerOutput(scheduled, [], [], [], [], cached))
+    return plans
+
+
+def time_execute(runner, plans, lora_slots, ranks) -> float:
+    """Median wall time of ``runner.execute`` over ``plans[WARMUP_STEPS:]`` (each ends in a
+    host read of the tokens), s."""
     times = []
-    for _ in range(iters):
+    for i, out in enumerate(plans):
         t0 = time.perf_counter()
         runner.execute(out, lora_slots, ranks)
-        times.append(time.perf_counter() - t0)
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -99,7 +128,7 @@ def main() -> None:
     max_batch = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
         hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
-    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * args.context)
+    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * args.context + WARMUP_STEPS + args.iters)
     model = load_model(Path(tmp), cfg, device, load_format="dummy")
     lora_config = LoRAConfig(max_batch, args.rank, max_batch, LORA_TARGET_MODULES)
     slots = model.create_lora_slots(lora_config)
@@ -107,7 +136,7 @@ def main() -> None:
     for s in set(slots.values()):
         for t in (*s.lora_a_stacked, *s.lora_b_stacked):
             t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
-    blocks_per_seq = -(-args.context // BLOCK_SIZE)
+    blocks_per_seq = -(-(args.context + WARMUP_STEPS + args.iters) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
                                    args.kv_cache_dtype)
     for kv in kv_caches:
@@ -121,17 +150,17 @@ def main() -> None:
     rows = []
     for batch in batches:
         for lora in (False, True):
-            scheduled = []
+            reqs, tables = [], []
             for b in range(batch):
                 ids = torch.randint(0, config["vocab_size"], (args.context,)).tolist()
-                req = Request(f"r{b}", None, ids, params,
-                              LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
-                              args.context + 1)
-                table = list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
-                scheduled.append(ScheduledRequest(req, args.context - 1, 1, table, True))
-            out = SchedulerOutput(scheduled, [], [])
+                reqs.append(Request(f"r{b}", None, ids, params,
+                                    LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
+                                    args.context + WARMUP_STEPS + args.iters))
+                tables.append(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
+            plans = decode_plans(reqs, tables, args.context, WARMUP_STEPS + args.iters)
             lora_slots = {b + 1: b for b in range(batch)} if lora else {}
-            step = time_execute(runner, out, lora_slots, ranks, args.iters)
+            runner.release([r.request_id for r in reqs])      # the last batch's rows
+            step = time_execute(runner, plans, lora_slots, ranks)
             nbytes = step_bytes(model, config, batch, args.context, args.rank,
                                 batch if lora else 0, args.kv_cache_dtype)
             floor = nbytes / bandwidth

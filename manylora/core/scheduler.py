@@ -31,42 +31,94 @@ from manylora.config import SchedulerConfig
 from manylora.core.kv_cache_manager import KVCacheManager, SwapOp
 from manylora.core.sessions import Session, SessionTable
 from manylora.engine.request import Request, RequestStatus
+from manylora.sampling_params import SamplingParams
 
 
 class ScheduledRequest(NamedTuple):
     """One request's share of a step.
 
     Attributes:
-        request: the request (the runner reads its tokens and sampling parameters).
+        request: the request (the engine reads its id and adapter; the runner its id).
         start: position of the first token computed this step (= tokens already cached).
         num_tokens: tokens computed this step, ``request.token_ids[start:start + num_tokens]``.
-        block_table: the request's physical blocks.
         sample: whether this step reaches the request's last token, so a token is sampled.
     """
 
     request: Request
     start: int
     num_tokens: int
-    block_table: list[int]
     sample: bool
 
 
+class NewRequestData(NamedTuple):
+    """A request the model runner has not seen (or must forget and see again, after a
+    preemption): everything its persistent input-batch row needs, sent once (vLLM v1's
+    ``NewRequestData``).
+
+    Attributes:
+        req_id: the request's id.
+        all_token_ids: prompt then output tokens so far (the request's own list, read once
+            by the runner; the runner then appends the tokens it samples itself).
+        block_ids: the request's whole block table, physical block ids in token order.
+        num_computed_tokens: tokens whose K/V the cache holds before this step.
+        lora_int_id: the adapter's id, 0 for the base model.
+        sampling_params: the request's ``SamplingParams``.
+    """
+
+    req_id: str
+    all_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_int_id: int
+    sampling_params: SamplingParams
+
+
+class CachedRequestData(NamedTuple):
+    """The scheduled requests the runner already holds, as parallel lists (vLLM v1's
+    ``CachedRequestData``): only what changed since the runner last saw them.
+
+    Attributes:
+        req_ids: the requests' ids.
+        new_block_ids: per request, the block ids appended to its table since the last step
+            the runner ran for it (usually empty; one block every ``block_size`` tokens).
+        num_computed_tokens: per request, tokens whose K/V the cache holds before this step.
+        num_blocks: per request, the length of its whole block table (so the runner can
+            apply ``new_block_ids`` idempotently: a plan sent again after one the engine
+            ran only in part appends nothing twice).
+    """
+
+    req_ids: list[str]
+    new_block_ids: list[list[int]]
+    num_computed_tokens: list[int]
+    num_blocks: list[int]
+
+
 class SchedulerOutput(NamedTuple):
-    """A step's plan.
+    """A step's plan, as deltas for the model runner's persistent input batch (vLLM v1's
+    ``SchedulerOutput``).
 
     Attributes:
         scheduled: the requests computed this step, in batch order.
-        preempted: ids of requests preempted while planning it.
+        preempted: ids of requests preempted while planning it (the runner drops their
+            rows; they come back as new requests).
         finished_ids: ids of requests that finished since the last step (the runner drops
             their per-request state).
         swaps: block copies between device and swap space, to apply in order before the
             step's forward pass.
+        scheduled_new_reqs: the scheduled requests the runner does not hold yet, in full.
+        scheduled_cached_reqs: the other scheduled requests, as block-table deltas.
+
+    A step's deltas count as delivered once ``Scheduler.update`` records the step: a plan
+    the engine drops without running it (an adapter that failed to load) is sent again, in
+    full, by the next one.
     """
 
     scheduled: list[ScheduledRequest]
     preempted: list[str]
     finished_ids: list[str]
     swaps: list[SwapOp] = []
+    scheduled_new_reqs: list[NewRequestData] = []
+    scheduled_cached_reqs: CachedRequestData = CachedRequestData([], [], [], [])
 
     @property
     def num_batched_tokens(self) -> int:
@@ -132,6 +184,7 @@ class Scheduler:
         self._since: dict[str, int] = {}       # request id → step it started waiting
         self._step = 0
         self._lost: dict[str, int] = {}        # preempted request id → tokens it had computed
+        self._sent_blocks: dict[str, int] = {}  # request id → blocks the runner holds for it
         self.sessions = SessionTable()
 
     @property
@@ -199,7 +252,32 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, preempted, finished, self.kv.take_swaps())
+        new_reqs, cached = self._deltas(scheduled)
+        return SchedulerOutput(scheduled, preempted, finished, self.kv.take_swaps(),
+                               new_reqs, cached)
+
+    def _deltas(self, scheduled: list[ScheduledRequest]
+                ) -> tuple[list[NewRequestData], CachedRequestData]:
+        """What the runner must learn for this step: whole rows for requests it does not
+        hold, the blocks appended since its last step for the others. O(batch + new
+        blocks): no table is copied."""
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData([], [], [], [])
+        sent_blocks = self._sent_blocks
+        for s in scheduled:
+            req = s.request
+            rid = req.request_id
+            table = self.kv.block_table(rid)
+            sent = sent_blocks.get(rid)
+            if sent is None:
+                new_reqs.append(NewRequestData(rid, req.token_ids, list(table), s.start,
+                                               req.lora_int_id, req.sampling_params))
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(table[sent:] if len(table) > sent else [])
+                cached.num_computed_tokens.append(s.start)
+                cached.num_blocks.append(len(table))
+        return new_reqs, cached
 
     def _aged(self, req: Request) -> bool:
         return self._step - self._since[req.request_id] >= self.config.lora_aging_steps
@@ -328,12 +406,12 @@ class Scheduler:
 
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, start, n, self.kv.block_table(req.request_id),
-                                start + n == req.num_tokens)
+        return ScheduledRequest(req, start, n, start + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.kv.swap_out(req)
         self._lost[req.request_id] = req.num_computed_tokens
+        self._sent_blocks.pop(req.request_id, None)     # it returns to the runner as new
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -346,12 +424,21 @@ class Scheduler:
         queue.insert(pos, req)
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record a finished step: computed tokens advance, sampled tokens are appended.
+        """Record a finished step: computed tokens advance, sampled tokens are appended,
+        and the step's block-table deltas count as delivered to the runner.
 
         Args:
             output: the step's plan.
             sampled: ``{request_id: token_id}`` for the requests that sampled.
         """
+        sent_blocks = self._sent_blocks
+        for new in output.scheduled_new_reqs:
+            if new.req_id in self.requests:
+                sent_blocks[new.req_id] = len(new.block_ids)
+        cached = output.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if blocks and rid in sent_blocks:
+                sent_blocks[rid] += len(blocks)
         for s in output.scheduled:
             s.request.num_computed_tokens += s.num_tokens
             self.kv.cache_blocks(s.request)
@@ -381,6 +468,7 @@ class Scheduler:
             self._order.pop(rid, None)
             self._since.pop(rid, None)
             self._lost.pop(rid, None)
+            self._sent_blocks.pop(rid, None)
             if req.session_id is not None:
                 self._end_turn(req, status)
             self.kv.free(rid)

@@ -14,7 +14,8 @@ kernels read that flag as data, so a captured CUDA graph stays valid when DoRA a
 adapters are swapped in and out of slots.
 
 All index tensors are int32 on the model's device and are built from one host buffer with
-a single copy. A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
+a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
+Python). A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
 padding rows are base rows, and ``max_seg_len`` is the padded batch size.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 # The segment (SGMV) schedule pays off once a step has at least SGMV_MIN_ROWS LoRA rows and
@@ -86,10 +88,84 @@ class LoRAMapping(NamedTuple):
     segments: tuple[SlotSegment, ...]
 
 
+class LoRAMappingArrays(NamedTuple):
+    """The host (numpy) index arrays of a ``LoRAMapping`` (see its fields), before they are
+    copied to the device.
+
+    Attributes:
+        token_lora_indices: int32 ``[total]``, each row's slot, -1 for base and padding rows.
+        sorted_rows: int32 ``[total]``, LoRA rows by ascending slot (stable), then the base
+            rows, then the padding rows.
+        active_slots, seg_start, seg_len: int32 ``[max_loras]`` each (-1 / 0 past the
+            active slots).
+        max_seg_len: the most rows any slot has (0: no LoRA row).
+        num_lora_rows: rows with an adapter.
+    """
+
+    token_lora_indices: np.ndarray
+    sorted_rows: np.ndarray
+    active_slots: np.ndarray
+    seg_start: np.ndarray
+    seg_len: np.ndarray
+    max_seg_len: int
+    num_lora_rows: int
+
+
+def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
+                        total: int | None = None) -> LoRAMappingArrays:
+    """Group a step's rows by adapter slot with numpy vector ops (a stable ``argsort`` and
+    a ``bincount``; no per-row Python), as Punica's SGMV segments.
+
+    Args:
+        token_slots: integer ``[T]``, the slot of every row (-1: the base model).
+        max_loras: the number of slots.
+        total: pad to this many rows (padding rows are base rows); None: ``T``.
+
+    Returns:
+        The ``LoRAMappingArrays``.
+
+    Raises:
+        IndexError: a slot outside ``[-1, max_loras)``.
+        ValueError: ``total`` below ``T``.
+    """
+    slots = np.asarray(token_slots, dtype=np.int64).reshape(-1)
+    num_rows = slots.size
+    total = num_rows if total is None else total
+    if total < num_rows:
+        raise ValueError(f"pad_to={total} is below the step's {num_rows} rows")
+    if num_rows and (slots.min() < -1 or slots.max() >= max_loras):
+        bad = slots[(slots < -1) | (slots >= max_loras)][0]
+        raise IndexError(f"slot {bad} is outside the {max_loras} adapter slots")
+    indices = np.full(total, -1, dtype=np.int32)
+    indices[:num_rows] = slots
+    key = np.where(indices >= 0, indices, max_loras)          # base and padding rows last
+    sorted_rows = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(slots[slots >= 0], minlength=max_loras)[:max_loras]
+    active = np.nonzero(counts)[0]
+    num_active = active.size
+    active_slots = np.full(max_loras, -1, dtype=np.int32)
+    active_slots[:num_active] = active
+    seg_len = np.zeros(max_loras, dtype=np.int32)
+    seg_len[:num_active] = counts[active]
+    seg_start = np.zeros(max_loras, dtype=np.int32)
+    if num_active > 1:
+        np.cumsum(seg_len[:num_active - 1], out=seg_start[1:num_active])
+    num_lora_rows = int(seg_len.sum())
+    return LoRAMappingArrays(indices, sorted_rows, active_slots, seg_start, seg_len,
+                             int(seg_len.max()) if max_loras else 0, num_lora_rows)
+
+
+def default_schedule(num_lora_rows: int, num_active: int) -> str:
+    """``"sgmv"`` when the step has at least ``SGMV_MIN_ROWS`` LoRA rows and its active
+    slots average at least ``SGMV_MIN_ROWS_PER_SLOT`` rows, else ``"bgmv"``."""
+    return ("sgmv" if num_active and num_lora_rows >= max(
+        SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * num_active) else "bgmv")
+
+
 def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
                        device: torch.device, *, slot_dora: Sequence[int] | None = None,
                        pad_to: int | None = None, schedule: str | None = None) -> LoRAMapping:
-    """Build the step's mapping from a host list of per-token slots.
+    """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
 
     Args:
         token_slots: length ``T``, the slot of every token row (-1 = base model).
@@ -99,9 +175,7 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
             (stored as 0/1); None: no DoRA slot.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
-        schedule: force ``"sgmv"`` or ``"bgmv"``; by default SGMV when the step has at least
-            ``SGMV_MIN_ROWS`` LoRA rows and its slots average at least
-            ``SGMV_MIN_ROWS_PER_SLOT``, else BGMV.
+        schedule: force ``"sgmv"`` or ``"bgmv"``; by default ``default_schedule``.
 
     Returns:
         The ``LoRAMapping``; its seven int32 tensors come from one host → device copy
@@ -112,52 +186,57 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         ValueError: ``pad_to`` below the number of rows, ``slot_dora`` of another length
             than ``slot_ranks``, or an unknown ``schedule``.
     """
-    num_rows, max_loras = len(token_slots), len(slot_ranks)
-    total = num_rows if pad_to is None else pad_to
-    if total < num_rows:
-        raise ValueError(f"pad_to={pad_to} is below the step's {num_rows} rows")
+    max_loras = len(slot_ranks)
     if schedule not in (None, "sgmv", "bgmv"):
         raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
-    dora = [0] * max_loras if slot_dora is None else [int(bool(d)) for d in slot_dora]
-    if len(dora) != max_loras:
-        raise ValueError(f"slot_dora has {len(dora)} entries for {max_loras} adapter slots")
-    rows_of, base_rows = _rows_by_slot(token_slots, max_loras)
-    active = sorted(rows_of)
-    sorted_rows = [r for s in active for r in rows_of[s]] + base_rows + list(
-        range(num_rows, total))
-    lens = [len(rows_of[s]) for s in active]
-    starts = [sum(lens[:i]) for i in range(len(active))]
-    pad = max_loras - len(active)
-    host = torch.tensor(
-        list(token_slots) + [-1] * (total - num_rows) + list(slot_ranks) + sorted_rows
-        + active + [-1] * pad + starts + [0] * pad + lens + [0] * pad + dora, dtype=torch.int32,
-        pin_memory=torch.device(device).type == "cuda")
-    (indices, ranks, srows, act, start, length, dora_t) = host.to(device, non_blocking=True).split(
-        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
-    num_lora_rows = num_rows - len(base_rows)
+    dora = np.zeros(max_loras, np.int32) if slot_dora is None else (
+        np.asarray(slot_dora, dtype=np.int64).reshape(-1) != 0).astype(np.int32)
+    if dora.size != max_loras:
+        raise ValueError(f"slot_dora has {dora.size} entries for {max_loras} adapter slots")
+    arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
+    total = arrays.token_lora_indices.size
+    host = torch.empty(2 * total + 5 * max_loras, dtype=torch.int32,
+                       pin_memory=torch.device(device).type == "cuda")
+    np.concatenate([arrays.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),
+                    arrays.sorted_rows, arrays.active_slots, arrays.seg_start, arrays.seg_len,
+                    dora], out=host.numpy())
     if schedule is None:
-        schedule = ("sgmv" if active and num_lora_rows >= max(
-            SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * len(active)) else "bgmv")
-    if pad_to is not None:
-        return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, pad_to, schedule,
-                           True, ())
-    segments = tuple(SlotSegment(s, int(slot_ranks[s]), srows[b: b + n], bool(dora[s]))
-                     for s, b, n in zip(active, starts, lens))
-    return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max(lens, default=0),
-                       schedule, bool(active), segments)
+        schedule = default_schedule(arrays.num_lora_rows, int((arrays.seg_len > 0).sum()))
+    return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
+                                    arrays.max_seg_len, schedule, padded=pad_to is not None)
 
 
-def _rows_by_slot(token_slots: Sequence[int],
-                  max_loras: int) -> tuple[dict[int, list[int]], list[int]]:
-    """``({slot: its rows, ascending}, base rows)`` of a step.
+def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
+                             schedule: str, *, padded: bool) -> LoRAMapping:
+    """A ``LoRAMapping`` whose seven int32 tensors are views of ``buf``, laid out as
+    ``[token_lora_indices total | slot_ranks L | sorted_rows total | active_slots L |
+    seg_start L | seg_len L | slot_dora L]`` (``L = max_loras``), as
+    ``lora_mapping_arrays`` fills it.
 
-    Raises:
-        IndexError: a slot outside ``[-1, max_loras)``.
+    Args:
+        buf: int32 ``[2 * total + 5 * max_loras]`` on the model's device.
+        total: rows, padding included.
+        max_loras: slots.
+        max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
+        schedule: ``"sgmv"`` or ``"bgmv"``.
+        padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
+            segments.
+
+    The host ``segments`` (read only by the PyTorch references) are built when ``buf`` is
+    on the CPU, from ``buf`` itself; a CUDA mapping has none (the Triton path reads the
+    tensors).
     """
-    rows_of: dict[int, list[int]] = {}
-    base_rows: list[int] = []
-    for row, slot in enumerate(token_slots):
-        if slot >= max_loras or slot < -1:
-            raise IndexError(f"slot {slot} is outside the {max_loras} adapter slots")
-        (rows_of.setdefault(slot, []) if slot >= 0 else base_rows).append(row)
-    return rows_of, base_rows
+    (indices, ranks, srows, act, start, length, dora_t) = buf.split(
+        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
+    if padded:
+        return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, total, schedule,
+                           True, ())
+    segments = ()
+    if not buf.is_cuda and max_seg_len:
+        num_active = int((length > 0).sum())
+        segments = tuple(
+            SlotSegment(s, int(ranks[s]), srows[b: b + n], bool(dora_t[s]))
+            for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
+                               length[:num_active].tolist()))
+    return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max_seg_len,
+                       schedule, max_seg_len > 0, segments)

@@ -183,7 +183,10 @@ class AttentionMetadata(NamedTuple):
 
     Sequence ``i`` of the batch owns rows ``query_start[i] .. query_start[i] + query_lens[i]``
     of the flat ``[T, ...]`` token batch and row ``i`` of ``block_tables``. Every tensor is
-    on the step's device and is a view of one buffer copied there in one transfer.
+    on the step's device: from ``build_attention_metadata``, views of one buffer copied
+    there in one transfer; from the model runner, views of its persistent step buffer, with
+    ``slot_mapping`` and ``block_tables`` computed on the device from its persistent block
+    table (``slot_mapping_from_block_table``).
 
     Work partition of the Triton kernel: a *tile* is ``(sequence, first query)``; tiles
     ``0 .. num_decode_tiles-1`` are the sequences with one new token (decode, one token per
@@ -232,6 +235,60 @@ class AttentionMetadata(NamedTuple):
 def prefill_block_q(num_queries_per_kv: int) -> int:
     """Query tokens per prefill tile: ``max(1, PREFILL_TILE_ROWS // G)``."""
     return max(1, PREFILL_TILE_ROWS // num_queries_per_kv)
+
+
+def attention_tiles(query_lens: np.ndarray, seq_lens: np.ndarray,
+                    block_q: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The Triton kernel's work partition of a step (see ``AttentionMetadata``): decode
+    sequences first, one tile each, then prefill tiles of ``block_q`` queries, most keys
+    first. Numpy only, O(tiles).
+
+    Args:
+        query_lens: int64 ``[B]``, new tokens per sequence (≥ 1).
+        seq_lens: int64 ``[B]``, tokens in the cache after the step (≥ query_lens).
+        block_q: query tokens per prefill tile (``prefill_block_q``).
+
+    Returns:
+        ``(tile_seq int64 [num_tiles], tile_query int64 [num_tiles], num_decode_tiles)``.
+    """
+    decode = np.nonzero(query_lens == 1)[0]
+    prefill = np.nonzero(query_lens > 1)[0]
+    n_tiles = -(-query_lens[prefill] // block_q)
+    pre_seq = np.repeat(prefill, n_tiles)
+    pre_first = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
+    pre_query = (np.arange(pre_seq.size) - pre_first) * block_q
+    pre_keys = (seq_lens[pre_seq] - query_lens[pre_seq]
+                + np.minimum(pre_query + block_q, query_lens[pre_seq]))
+    order = np.argsort(-pre_keys, kind="stable")
+    return (np.concatenate([decode, pre_seq[order]]),
+            np.concatenate([np.zeros_like(decode), pre_query[order]]), int(decode.size))
+
+
+def slot_mapping_from_block_table(positions: torch.Tensor, token_rows: torch.Tensor,
+                                  block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The KV cache slot of every token row, computed on the tables' device (vLLM v1
+    computes it on the GPU too)::
+
+        slot[t] = block_table[row[t], pos[t] // bs] * bs + pos[t] % bs   (row[t] >= 0)
+        slot[t] = -1                                                      (row[t] == -1)
+
+    A handful of elementwise kernels and one gather, no host sync: CUDA-graph safe.
+
+    Args:
+        positions: int32/int64 ``[T]``, each token's position in its sequence (≥ 0).
+        token_rows: int32/int64 ``[T]``, each token's row of ``block_table``; -1: padding.
+        block_table: int32 ``[R, W]``, physical block ids per row (contiguous).
+        block_size: tokens per block.
+
+    Returns:
+        int64 ``[T]`` flat cache slots (``AttentionMetadata.slot_mapping``).
+    """
+    width = block_table.shape[1]
+    flat = token_rows.clamp(min=0) * width + torch.div(positions, block_size,
+                                                       rounding_mode="floor")
+    blocks = block_table.view(-1).index_select(0, flat)
+    slots = blocks.to(torch.int64) * block_size + positions.remainder(block_size)
+    return torch.where(token_rows >= 0, slots, -1)
 
 
 def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int],
@@ -326,18 +383,8 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
     slots = np.full(num_tokens, -1, dtype=np.int64)
     slots[:real_tokens] = tables[tok_seq, pos // block_size] * block_size + pos % block_size
 
-    # Tiles: decode sequences first (one token each), then prefill tiles, most keys first.
     block_q = prefill_block_q(num_queries_per_kv)
-    decode = np.nonzero(ql == 1)[0]
-    prefill = np.nonzero(ql > 1)[0]
-    n_tiles = -(-ql[prefill] // block_q)
-    pre_seq = np.repeat(prefill, n_tiles)
-    pre_first = np.repeat(np.cumsum(n_tiles) - n_tiles, n_tiles)
-    pre_query = (np.arange(pre_seq.size) - pre_first) * block_q
-    pre_keys = cl[pre_seq] - ql[pre_seq] + np.minimum(pre_query + block_q, ql[pre_seq])
-    order = np.argsort(-pre_keys, kind="stable")
-    tile_seq = np.concatenate([decode, pre_seq[order]])
-    tile_query = np.concatenate([np.zeros_like(decode), pre_query[order]])
+    tile_seq, tile_query, num_decode_tiles = attention_tiles(ql, cl, block_q)
 
     # One host buffer: the int64 slots, then every int32 field; one copy to the device.
     int32_parts = (tables.reshape(-1), qs, ql, cl, tile_seq, tile_query)
@@ -362,7 +409,7 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
         context_lens=fields[3],
         tile_seq=fields[4],
         tile_query=fields[5],
-        num_decode_tiles=int(decode.size),
+        num_decode_tiles=num_decode_tiles,
         prefill_block_q=block_q,
         block_size=block_size,
         num_queries_per_kv=num_queries_per_kv,

@@ -1,15 +1,16 @@
 """Decode steps replayed as CUDA graphs, one graph per (batch-size bucket, LoRA schedule).
 
 A decode step launches a few hundred small kernels; replaying them as one captured graph
-removes the launch gaps (vLLM's ``CUDAGraphRunner``). A graph's inputs are the tensors of
-the step it was captured with: the token ids, positions, attention metadata and LoRA mapping
-of a batch padded to the bucket size. Before each replay the new step's inputs, built with
-the same padding, are copied into those tensors field by field, so every shape and host
-value a captured kernel depends on is the same at every replay.
+removes the launch gaps (vLLM's ``CUDAGraphRunner``). A graph is captured on the model
+runner's persistent device buffers (``worker/step_inputs.py``): the step's ids, positions,
+token rows, sequence lengths, attention tiles and LoRA mapping are views of one device
+buffer at offsets fixed by the bucket, and the slot mapping and the step's block table are
+computed inside the graph from the persistent device block table. A step is written into
+those buffers by one host → device copy, then the graph replays: nothing is copied in.
 
 Adapter weights, ranks and DoRA flags are inputs too (the slot buffers, DoRA scales
-included, are written in place; the ranks and flags travel in ``LoRAMapping.slot_ranks`` and
-``slot_dora``), so loading or evicting adapters, DoRA or not, between steps never forces a
+included, are written in place; the ranks and flags travel in the LoRA segment of the step
+buffer), so loading or evicting adapters, DoRA or not, between steps never forces a
 re-capture.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -29,43 +29,21 @@ logger = logging.getLogger(__name__)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
-def copy_inputs(dst: Any, src: Any) -> None:
-    """Copy every tensor of ``src`` into the same-shaped tensor of ``dst``, recursively.
-
-    ``dst`` and ``src`` are tensors or (named) tuples of them; other values are host
-    constants the graph was captured with and must already be equal.
-
-    Raises:
-        ValueError: a host value or a tuple length differs (the graph would be wrong).
-    """
-    if isinstance(dst, torch.Tensor):
-        dst.copy_(src, non_blocking=True)
-    elif isinstance(dst, tuple):
-        if len(dst) != len(src):
-            raise ValueError(f"graph input has {len(dst)} entries, the step {len(src)}")
-        for d, s in zip(dst, src):
-            copy_inputs(d, s)
-    elif dst != src:
-        raise ValueError(f"graph was captured with {dst!r}, the step has {src!r}")
-
-
 class DecodeGraphs:
-    """Captures and replays ``forward(*inputs) -> hidden`` for padded decode batches.
+    """Captures and replays the decode forward pass for padded batch sizes.
 
     Args:
-        forward: the model's forward over ``(input_ids, positions, attn, lora)``; must launch
-            no host synchronisation.
         capture_sizes: the batch sizes that get a graph; a step of ``n`` rows is padded to
             the smallest size ``>= n``; steps beyond the largest run eagerly.
 
-    Graphs are captured lazily, the first time a (bucket, schedule) pair occurs, after one
-    eager warm-up run (which also compiles the Triton kernels); all share one memory pool.
+    The model runner captures every (bucket, schedule) pair at start-up
+    (``ModelRunner.capture_graphs``), after one eager warm-up run of each (which also
+    compiles the Triton kernels); all graphs share one memory pool.
     """
 
-    def __init__(self, forward: Callable[..., torch.Tensor], capture_sizes: Sequence[int]) -> None:
-        self.forward = forward
+    def __init__(self, capture_sizes: Sequence[int]) -> None:
         self.capture_sizes = tuple(sorted(set(capture_sizes)))
-        self._graphs: dict[tuple[int, str | None], tuple[torch.cuda.CUDAGraph, tuple,
+        self._graphs: dict[tuple[int, str | None], tuple[torch.cuda.CUDAGraph,
                                                          torch.Tensor]] = {}
         self._pool = None
 
@@ -80,25 +58,38 @@ class DecodeGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: tuple[int, str | None], inputs: tuple) -> torch.Tensor:
-        """Replay (capturing first if new) the graph for ``key`` on ``inputs``.
+    def has(self, key: tuple[int, str | None]) -> bool:
+        """Whether ``key`` = ``(bucket, LoRA schedule or None)`` has a graph."""
+        return key in self._graphs
 
-        Args:
-            key: ``(bucket, LoRA schedule or None)``.
-            inputs: ``(input_ids [bucket], positions [bucket], attn, lora or None)`` built
-                with ``pad_to=bucket``.
+    def capture(self, key: tuple[int, str | None], forward: Callable[[], torch.Tensor]) -> None:
+        """Capture ``forward`` (no arguments: it reads the persistent input buffers; it must
+        launch no host synchronisation) as the graph of ``key``, after one warm-up run on
+        a side stream."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()                                                # warm-up: JIT, allocator
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = forward()
+        self._graphs[key] = (graph, output)
+        logger.debug("captured a decode graph for batch %d, LoRA schedule %s", *key)
+
+    def replay(self, key: tuple[int, str | None]) -> torch.Tensor:
+        """Replay the graph of ``key`` over the current contents of its input buffers.
 
         Returns:
             hidden states ``[bucket, hidden_size]``: a view of the graph's output buffer,
             valid until the next replay.
+
+        Raises:
+            KeyError: no graph was captured for ``key``.
         """
-        entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._capture(inputs)
-            self._graphs[key] = entry
-            logger.debug("captured a decode graph for batch %d, LoRA schedule %s", *key)
-        graph, static_inputs, output = entry
-        copy_inputs(static_inputs, inputs)
+        graph, output = self._graphs[key]
         graph.replay()
         return output
 
@@ -107,20 +98,7 @@ class DecodeGraphs:
         must come before the process group is destroyed: NCCL's communicator finalisation
         waits for the graphs that captured its collectives (seen on two H200s, torch 2.11)."""
         torch.cuda.synchronize()
-        for graph, _, _ in self._graphs.values():
+        for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
         self._pool = None
-
-    def _capture(self, inputs: tuple) -> tuple[torch.cuda.CUDAGraph, tuple, torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.forward(*inputs)                                  # warm-up: JIT, allocator
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
-            output = self.forward(*inputs)
-        return graph, inputs, output

@@ -1,22 +1,31 @@
-"""Runs one scheduled step on the model: flat inputs, forward, logits, sampling.
+"""Runs one scheduled step on the model: the persistent input batch, forward, logits,
+sampling.
 
-The model runner never touches a queue: it reads a ``SchedulerOutput`` and returns the
-sampled tokens. Every per-step tensor (ids, positions, cache slots, attention and LoRA
-metadata) is built once here and shared by all layers. Decode steps (one token per
-request) replay a CUDA graph when graphs are on; other steps run eagerly.
+The model runner never touches a queue: it reads a ``SchedulerOutput`` (deltas: new
+requests once, then new block ids) and returns the sampled tokens. Its ``InputBatch`` keeps
+a row per request and packs each step with numpy into one pinned buffer
+(``worker/step_inputs.py``); one host → device copy moves it, block-table changes are one
+scatter into the persistent device block table, and the KV slot mapping is computed on the
+device. Decode steps (one token per request) replay a CUDA graph captured on those
+persistent buffers when graphs are on; other steps run eagerly over the same views.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from manylora.core.scheduler import SchedulerOutput
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import lora_mapping_from_buffer
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import KVCache, build_attention_metadata
+from manylora.ops.attention import (
+    AttentionMetadata,
+    KVCache,
+    prefill_block_q,
+    slot_mapping_from_block_table,
+)
 from manylora.sample.sampler import (
     SampledTokens,
     Sampler,
@@ -25,33 +34,18 @@ from manylora.sample.sampler import (
     tokens_and_logprobs_to_host,
 )
 from manylora.worker.cuda_graph import DecodeGraphs
+from manylora.worker.input_batch import InputBatch
+from manylora.worker.step_inputs import (
+    SCHEDULES,
+    StepBuffers,
+    StepInputs,
+    StepLayout,
+    split_segments,
+    total_size,
+)
 
-
-@dataclass
-class StepInputs:
-    """One step's model inputs on the host: enough for any rank to build the same
-    metadata and run the same forward pass.
-
-    Attributes:
-        ids, positions: the step's token ids and their positions, ``T`` each.
-        query_lens: new tokens per scheduled sequence; context_lens: tokens in its cache
-            after the step; block_tables: its physical blocks.
-        token_slots: the adapter slot of each row, -1 for the base model.
-        slot_ranks, slot_dora: each slot's true rank and DoRA flag (length max_loras).
-        bucket: the CUDA-graph batch size a decode step is padded to, None: eager.
-        sample_rows: the rows whose logits are sampled, in request order.
-    """
-
-    ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    token_slots: list[int]
-    slot_ranks: list[int]
-    slot_dora: list[int]
-    bucket: int | None
-    sample_rows: list[int]
+#: Rows of the input batch (and device block table) before it first grows, without graphs.
+INITIAL_ROWS = 16
 
 
 class ModelRunner:
@@ -63,10 +57,13 @@ class ModelRunner:
             block_size, num_kv_heads, head_dim]`` and, when quantized, float32 ``scale``.
         block_size: tokens per cache block.
         max_loras: number of adapter slots (0 when LoRA is off).
-        max_model_len: the longest sequence, tokens (fixes a graph's block-table width).
+        max_model_len: the longest sequence, tokens (fixes the block table's width).
         cuda_graph_sizes: decode batch sizes to capture as CUDA graphs; empty: always eager.
+            With graphs, the largest size bounds the requests of a step (the engine makes
+            it ``max_num_seqs``).
 
     Attributes:
+        buffers: the persistent ``StepBuffers`` (pinned host, device, block table).
         on_step: called with each step's ``StepInputs`` before its forward pass (tensor
             parallelism sends them to the other ranks there); None by default.
     """
@@ -82,19 +79,33 @@ class ModelRunner:
         cfg = model.cfg
         self.vocab_size = cfg.vocab_size
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
+        self.block_q = prefill_block_q(self.num_queries_per_kv)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self.graphs = DecodeGraphs(self._forward, cuda_graph_sizes) if cuda_graph_sizes else None
+        self.graphs = DecodeGraphs(cuda_graph_sizes) if cuda_graph_sizes else None
+        largest = max(cuda_graph_sizes, default=0)
+        rows = largest or INITIAL_ROWS
+        self._batch_args = (rows, max_model_len, block_size, max_loras, self.vocab_size,
+                            self.num_queries_per_kv, largest or None)
+        self._input_batch: InputBatch | None = None
+        capacity = max(1 << 16, 32 * largest + 8 * max_loras + 8192)
+        self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
         self.on_step: Callable[[StepInputs], None] | None = None
 
-    def _forward(self, input_ids, positions, attn, lora) -> torch.Tensor:
-        return self.model(input_ids, positions, self.kv_caches, attn, lora)
+    @property
+    def input_batch(self) -> InputBatch:
+        """The persistent ``InputBatch`` (made on first use: tensor-parallel workers, which
+        only replay rank 0's packed steps, never hold one)."""
+        if self._input_batch is None:
+            self._input_batch = InputBatch(*self._batch_args)
+        return self._input_batch
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
                 slot_ranks: list[int], slot_dora: list[int] | None = None) -> SampledTokens:
-        """Compute one step, sample, and gather the log-probabilities asked for.
+        """Apply the plan's deltas to the input batch, compute the step, sample, and gather
+        the log-probabilities asked for.
 
         Args:
             out: the scheduler's plan.
@@ -110,114 +121,119 @@ class ModelRunner:
             set: the raw ``log_softmax`` of the logits, before temperature and the filters
             (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
             one copy; a step where no request asks does no log-probability work.
+
+        Raises:
+            ValueError: a plan the input batch cannot follow (a cached request it does not
+                hold, tokens a row does not hold).
+            KeyError: a request's adapter has no slot in ``lora_slots``.
         """
-        inputs, sample_reqs = self.prepare(out, lora_slots, slot_ranks, slot_dora)
+        batch = self.input_batch
+        ids = batch.update_states(out)
+        if not ids:
+            return SampledTokens({}, {})
+        bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
+        inputs, info = batch.prepare(out, ids, lora_slots, slot_ranks, slot_dora, bucket_of,
+                                     self.buffers)
         if self.on_step is not None:
             self.on_step(inputs)
-        hidden = self.forward_step(inputs)
-        if not sample_reqs:
+        hidden, views = self.forward_step(inputs)
+        if not info.req_ids:
             return SampledTokens({}, {})
-        dev = self.device
-        logits = self.logits(hidden, inputs.sample_rows)
-        params = [r.sampling_params for r in sample_reqs]
-        tensors = SamplingTensors.from_params(params, self.vocab_size, dev)
-        generators = {row: self._generator(r) for row, r in enumerate(sample_reqs)
-                      if r.sampling_params.seed is not None and not r.sampling_params.greedy}
+        logits = self.logits(hidden, inputs.layout, views)
+        top_k = views["top_k"] if info.all_greedy else views["top_k"].long()
+        tensors = SamplingTensors(views["temperature"], top_k, views["top_p"], views["min_p"],
+                                  info.all_greedy, info.all_random, info.do_top_k,
+                                  info.do_top_p, info.do_min_p)
+        generators = {i: self._generator(info.req_ids[i]) for i in info.seeded}
         sampled = self.sampler.sample(logits, tensors, generators)
-        lp_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
-        tokens, logprobs = tokens_and_logprobs_to_host(
-            logits, sampled, lp_rows, [params[row].logprobs for row in lp_rows])
-        return SampledTokens({r.request_id: t for r, t in zip(sample_reqs, tokens)},
-                             {sample_reqs[row].request_id: lp
-                              for row, lp in zip(lp_rows, logprobs)})
+        lp_rows = [i for i, _ in info.logprobs]
+        tokens, logprobs = tokens_and_logprobs_to_host(logits, sampled, lp_rows,
+                                                       [k for _, k in info.logprobs])
+        batch.append_sampled(info.rows, tokens)
+        return SampledTokens(dict(zip(info.req_ids, tokens)),
+                             {info.req_ids[i]: lp for i, lp in zip(lp_rows, logprobs)})
 
-    def prepare(self, out: SchedulerOutput, lora_slots: dict[int, int], slot_ranks: list[int],
-                slot_dora: list[int] | None) -> tuple[StepInputs, list]:
-        """The step's host inputs (what every tensor-parallel rank needs to run it) and the
-        requests sampled, in ``sample_rows`` order."""
-        ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_reqs = []
-        for s in out.scheduled:
-            req, end = s.request, s.start + s.num_tokens
-            ids.extend(req.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            token_slots.extend([lora_slots[req.lora_int_id] if req.lora_int_id else -1]
-                               * s.num_tokens)
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
-                sample_reqs.append(req)
-        bucket = (self.graphs.bucket(len(ids))
-                  if self.graphs is not None and len(ids) == len(out.scheduled) else None)
-        inputs = StepInputs(
-            ids, positions, [s.num_tokens for s in out.scheduled],
-            [s.start + s.num_tokens for s in out.scheduled],
-            [list(s.block_table) for s in out.scheduled], token_slots, list(slot_ranks),
-            [0] * len(slot_ranks) if slot_dora is None else list(slot_dora), bucket,
-            sample_rows)
-        return inputs, sample_reqs
+    def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, dict]:
+        """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``) and
+        the device views of its buffer: one host → device copy, the block-table writes,
+        then the forward pass (a graph replay for a decode step in a captured bucket).
+        Every tensor-parallel rank runs this on the same ``inputs``."""
+        views = self.buffers.upload(inputs, self.max_loras)
+        layout = inputs.layout
+        if layout.bucket < 0 or self.graphs is None:
+            return self._forward(views, layout), views
+        key = (layout.bucket, SCHEDULES[layout.schedule])
+        if not self.graphs.has(key):
+            self.buffers.frozen = True
+            self.graphs.capture(key, lambda: self._forward(views, layout))
+        return self.graphs.replay(key), views
 
-    def forward_step(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``): the
-        metadata built from ``inputs``, then the forward pass (a graph replay for a decode
-        step in a captured bucket)."""
-        dev = self.device
-        num_rows = len(inputs.ids)
-        bucket = inputs.bucket
-        pad = bucket if bucket is not None else num_rows
-        attn = build_attention_metadata(
-            inputs.query_lens, inputs.context_lens, inputs.block_tables, self.block_size,
-            self.num_queries_per_kv, dev, pad_to=bucket,
-            max_blocks_per_seq=self.max_blocks_per_seq if bucket else None)
+    def _forward(self, views: dict, layout: StepLayout) -> torch.Tensor:
+        """The model over the step's device views: slot mapping and the step's block table
+        from the persistent device block table, then the layers (captured whole in a
+        graph)."""
+        table = self.buffers.block_table
+        positions = views["positions"]
+        attn = AttentionMetadata(
+            slot_mapping=slot_mapping_from_block_table(positions, views["token_rows"], table,
+                                                       self.block_size),
+            block_tables=table[:, :layout.table_width].index_select(0, views["seq_rows"]),
+            query_start=views["query_start"], query_lens=views["query_lens"],
+            context_lens=views["seq_lens"], tile_seq=views["tile_seq"],
+            tile_query=views["tile_query"], num_decode_tiles=layout.num_decode_tiles,
+            prefill_block_q=self.block_q, block_size=self.block_size,
+            num_queries_per_kv=self.num_queries_per_kv, seqs=())
         lora = None
-        if self.max_loras and any(t >= 0 for t in inputs.token_slots):
-            lora = build_lora_mapping(inputs.token_slots, inputs.slot_ranks, dev,
-                                      slot_dora=inputs.slot_dora, pad_to=bucket)
-        host = torch.tensor(inputs.ids + [0] * (pad - num_rows) + inputs.positions
-                            + [0] * (pad - num_rows), dtype=torch.int64,
-                            pin_memory=dev.type == "cuda")
-        input_ids, pos = host.to(dev, non_blocking=True).split((pad, pad))
-        if bucket is None:
-            return self._forward(input_ids, pos, attn, lora)
-        key = (bucket, None if lora is None else lora.schedule)
-        return self.graphs.run(key, (input_ids, pos, attn, lora))
+        if layout.schedule:
+            lora = lora_mapping_from_buffer(views["lora"], layout.num_tokens, self.max_loras,
+                                            layout.max_seg_len, SCHEDULES[layout.schedule],
+                                            padded=layout.bucket >= 0)
+        return self.model(views["ids"].long(), positions.long(), self.kv_caches, attn, lora)
 
-    def logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor:
-        """float32 ``[len(sample_rows), vocab]``: the logits of the sampled rows.
+    def logits(self, hidden: torch.Tensor, layout: StepLayout, views: dict) -> torch.Tensor:
+        """float32 ``[N, vocab]``: the logits of the sampled rows.
 
-        Nothing here waits for the GPU: a decode step samples rows ``0..n-1``, a slice of
-        ``hidden``; other row lists go from pinned memory in a non-blocking copy (a pageable
-        one would first wait for the forward pass to end, leaving the GPU idle while the
-        host then launches the LM head and the sampler)."""
-        n = len(sample_rows)
-        if sample_rows == list(range(n)):
-            return self.model.compute_logits(hidden[:n])
-        rows = torch.tensor(sample_rows, dtype=torch.int64,
-                            pin_memory=self.device.type == "cuda")
-        return self.model.compute_logits(
-            hidden.index_select(0, rows.to(self.device, non_blocking=True)))
+        Nothing here waits for the GPU: a decode step samples rows ``0..N-1``, a slice of
+        ``hidden``; other steps gather the rows listed in the step buffer (already on the
+        device)."""
+        if layout.sample_prefix:
+            return self.model.compute_logits(hidden[:layout.num_sampled])
+        return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every decode graph up front (vLLM captures at start-up too): one per
-        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on. The
-        mappings flag no slot as DoRA: the kernels read ``slot_dora`` as data at replay."""
+        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on, on an
+        all-padding step (nothing is written to the cache). No slot is flagged DoRA: the
+        kernels read ``slot_dora`` as data at replay."""
         if self.graphs is None:
             return
         schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
         for size in reversed(self.graphs.capture_sizes):     # largest first: the pool fits all
-            attn = build_attention_metadata([], [], [], self.block_size, self.num_queries_per_kv,
-                                            self.device, pad_to=size,
-                                            max_blocks_per_seq=self.max_blocks_per_seq)
             for schedule in schedules:
-                lora = None if schedule is None else build_lora_mapping(
-                    [], [0] * self.max_loras, self.device, slot_dora=[0] * self.max_loras,
-                    pad_to=size, schedule=schedule)
-                input_ids, positions = torch.zeros(2, size, dtype=torch.int64,
-                                                   device=self.device)
-                self.graphs.run((size, schedule), (input_ids, positions, attn, lora))
+                self.forward_step(self._padding_step(size, SCHEDULES.index(schedule)))
+
+    def _padding_step(self, size: int, schedule: int) -> StepInputs:
+        """A decode step of ``size`` padding rows (the layout graphs are captured with)."""
+        layout = StepLayout(num_tokens=size, num_seqs=size, num_tiles=size,
+                            num_decode_tiles=size, table_width=self.max_blocks_per_seq,
+                            schedule=schedule, max_seg_len=size, num_table_updates=0,
+                            num_sampled=0, sample_prefix=1, bucket=size,
+                            table_rows=self.buffers.block_table.shape[0])
+        data = self.buffers.host_array(total_size(layout, self.max_loras))
+        v = split_segments(data, layout, self.max_loras)
+        data[:] = 0
+        v["token_rows"][:] = -1
+        v["query_start"][:] = np.arange(size)
+        v["query_lens"][:] = 1
+        v["tile_seq"][:] = np.arange(size)
+        if schedule:
+            m = self.max_loras
+            lora = v["lora"]
+            lora[:size] = -1                                         # every row on the base
+            lora[size + m:2 * size + m] = np.arange(size)            # sorted rows
+            lora[2 * size + m:2 * size + 2 * m] = -1                 # no active slot
+        return StepInputs(layout, data)
 
     def release_graphs(self) -> None:
         """Destroy the captured decode graphs; later decode steps run eagerly."""
@@ -226,13 +242,21 @@ class ModelRunner:
             self.graphs = None
 
     def release(self, request_ids: list[str]) -> None:
-        """Drop the per-request state (seeded generators) of finished requests."""
+        """Drop the per-request state of finished requests: their input-batch rows and
+        seeded generators."""
+        if self._input_batch is not None:
+            self._input_batch.remove(request_ids)
         for rid in request_ids:
             self._generators.pop(rid, None)
 
-    def _generator(self, req) -> torch.Generator:
-        gen = self._generators.get(req.request_id)
+    def _generator(self, req_id: str) -> torch.Generator:
+        gen = self._generators.get(req_id)
         if gen is None:
-            gen = make_generator(req.sampling_params.seed, self.device)
-            self._generators[req.request_id] = gen
+            seed = self.input_batch.requests[req_id].sampling_params.seed
+            gen = make_generator(seed, self.device)
+            self._generators[req_id] = gen
         return gen
+
+
+def _no_bucket(num_rows: int) -> None:
+    return None

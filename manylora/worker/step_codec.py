@@ -1,56 +1,41 @@
-"""A step's host inputs as flat tensors, for rank 0 to broadcast to the other ranks.
+"""A step's packed inputs as a message, for rank 0 to send to the other ranks.
 
-Every rank builds the same attention metadata and LoRA mapping from the same
-``StepInputs``, so the ranks run the same kernels with the same shapes and their
-collectives line up. Only integers travel: token ids and positions, the per-sequence
-lengths, block tables and per-row slots, all in one int64 tensor, and a few scalars.
+Every rank keeps its own persistent device buffers and block table (``StepBuffers``) and
+runs the same forward pass on the same ``StepInputs``, so the ranks launch the same kernels
+with the same shapes and their collectives line up. What travels is the step's one int32
+buffer (ids, positions, lengths, tiles, LoRA mapping, and the block-table *writes* of the
+step, not the tables) and its ``StepLayout`` as a list of ints: O(tokens + sequences + new
+blocks) per step, never O(context).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from manylora.worker.model_runner import StepInputs
-
-_FIELDS = ("ids", "positions", "query_lens", "context_lens", "table_lens", "tables",
-           "token_slots", "slot_ranks", "slot_dora", "sample_rows")
+from manylora.worker.step_inputs import StepInputs, StepLayout
 
 
 def encode_step(inputs: StepInputs) -> dict:
-    """``StepInputs`` → ``{"step": int64 CPU tensor, "lens": [int, ...], "bucket": int}``.
-
-    ``step`` holds, one after the other, the token ids, positions, per-sequence query and
-    context lengths, block-table lengths, the block tables concatenated, the per-row slots,
-    the slots' ranks and DoRA flags, and the sampled rows; ``lens`` gives each part's
-    length, ``bucket`` the graph batch size (-1: eager). One tensor, so a step costs one
-    tensor broadcast besides the header.
-    """
-    parts = [inputs.ids, inputs.positions, inputs.query_lens, inputs.context_lens,
-             [len(t) for t in inputs.block_tables], [b for t in inputs.block_tables for b in t],
-             inputs.token_slots, inputs.slot_ranks, inputs.slot_dora, inputs.sample_rows]
-    return {"step": torch.tensor([v for part in parts for v in part], dtype=torch.int64),
-            "lens": [len(part) for part in parts],
-            "bucket": -1 if inputs.bucket is None else int(inputs.bucket)}
+    """``StepInputs`` → ``{"step": int32 CPU tensor [total], "layout": [int, ...]}`` (a copy:
+    the sender may reuse its buffer at once)."""
+    return {"step": torch.from_numpy(np.array(inputs.data, dtype=np.int32, copy=True)),
+            "layout": [int(v) for v in inputs.layout]}
 
 
 def decode_step(data: dict) -> StepInputs:
     """The inverse of :func:`encode_step` (the tensor on any device).
 
     Raises:
-        KeyError: a field is missing; ValueError: ``lens`` does not match the tensor.
+        KeyError: a field is missing; ValueError: the layout does not have
+            ``StepLayout``'s fields, or the tensor is not int32 1-D.
     """
-    flat = data["step"].cpu().tolist()
-    lens = [int(n) for n in data["lens"]]
-    if len(lens) != len(_FIELDS) or sum(lens) != len(flat):
-        raise ValueError(f"a step message of {len(flat)} values with part lengths {lens}")
-    parts, start = {}, 0
-    for name, n in zip(_FIELDS, lens):
-        parts[name], start = flat[start:start + n], start + n
-    tables, start = [], 0
-    for n in parts["table_lens"]:
-        tables.append(parts["tables"][start:start + n])
-        start += n
-    bucket = int(data["bucket"])
-    return StepInputs(parts["ids"], parts["positions"], parts["query_lens"],
-                      parts["context_lens"], tables, parts["token_slots"], parts["slot_ranks"],
-                      parts["slot_dora"], None if bucket < 0 else bucket, parts["sample_rows"])
+    layout = [int(v) for v in data["layout"]]
+    if len(layout) != len(StepLayout._fields):
+        raise ValueError(f"a step layout of {len(layout)} values, expected "
+                         f"{len(StepLayout._fields)} ({', '.join(StepLayout._fields)})")
+    step = data["step"]
+    if step.dtype != torch.int32 or step.dim() != 1:
+        raise ValueError(f"a step buffer must be int32 1-D, got {step.dtype} "
+                         f"{tuple(step.shape)}")
+    return StepInputs(StepLayout(*layout), step.cpu().numpy())

@@ -1,16 +1,17 @@
 """Tensor parallelism: the worker loop of ranks 1..N-1, and rank 0's driver of it.
 
 Rank 0 is the engine's own process: it schedules, and before each step's forward pass it
-sends the step's host inputs (``StepInputs``, as flat tensors) down each worker's pipe;
-every rank then builds the same metadata and runs the same forward pass on its shard, so
-the collectives inside the model line up (Megatron-LM's tensor parallelism, as vLLM drives
-it: one driver, workers that hold no scheduler state). The other messages are the KV
-cache's allocation (with the capture of the decode CUDA graphs, whose all-reduces are
-captured too), an adapter entering a slot (the whole host copy; each rank slices it,
-``LoRASlots.set_slot``), and a DoRA adapter's row norms, which need every rank's part of
-the base weight. Every message is a dict with an ``"op"`` packed by ``pack_tensor_dict``
-(whose tensors, for an adapter's weights, follow by ``broadcast_tensor_dict``): no pickle
-travels.
+sends the step's packed inputs (``StepInputs``: one int32 buffer whose block-table part
+is the step's writes, not the tables) down each worker's pipe; every rank keeps its own
+replica of the device block table and step buffers, applies the same writes and runs the
+same forward pass on its shard, so the collectives inside the model line up
+(Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers that hold no
+scheduler state). The other messages are the KV cache's allocation (with the capture of
+the decode CUDA graphs, whose all-reduces are captured too), an adapter entering a slot
+(the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a DoRA adapter's
+row norms, which need every rank's part of the base weight. Every message is a dict with
+an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for an adapter's weights,
+follow by ``broadcast_tensor_dict``): no pickle travels.
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.manager import write_slot_weights
 from manylora.model.loader import load_hf_config, load_model
 from manylora.worker.kv_cache import allocate_kv_caches
-from manylora.worker.model_runner import ModelRunner, StepInputs
+from manylora.worker.model_runner import ModelRunner
 from manylora.worker.step_codec import decode_step, encode_step
+from manylora.worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -151,9 +153,9 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
             elif op == "step":
                 inputs = decode_step(msg)
-                hidden = runner.forward_step(inputs)
-                if inputs.sample_rows:
-                    runner.logits(hidden, inputs.sample_rows)
+                hidden, views = runner.forward_step(inputs)
+                if inputs.layout.num_sampled:
+                    runner.logits(hidden, inputs.layout, views)
             elif op == "slot":
                 write_slot_weights(slots, int(msg["slot"]), slot_weights(msg))
             elif op == "dora_norm":

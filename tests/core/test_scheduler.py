@@ -51,6 +51,19 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return out
 
 
+def apply_deltas(tables: dict[str, list[int]], out: SchedulerOutput) -> None:
+    """What a model runner does with a plan's block-table deltas (the reference the
+    persistent input batch must agree with)."""
+    for rid in out.preempted + out.finished_ids:
+        tables.pop(rid, None)
+    for new in out.scheduled_new_reqs:
+        tables[new.req_id] = list(new.block_ids)
+    cached = out.scheduled_cached_reqs
+    for rid, blocks, total in zip(cached.req_ids, cached.new_block_ids, cached.num_blocks):
+        tables[rid].extend(blocks)
+        assert len(tables[rid]) == total
+
+
 def shares(out: SchedulerOutput) -> dict[str, int]:
     return {s.request.request_id: s.num_tokens for s in out.scheduled}
 
@@ -137,15 +150,18 @@ def test_budget_never_exceeded_and_every_token_computed_once():
     for r in reqs:
         sched.add_request(r)
     computed: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    runner_tables: dict[str, list[int]] = {}
     for _ in range(100):
         if not sched.has_unfinished_requests():
             break
         out = step(sched)
+        apply_deltas(runner_tables, out)
         assert 0 < out.num_batched_tokens <= 10
         for s in out.scheduled:
             computed[s.request.request_id].extend(range(s.start, s.start + s.num_tokens))
-            assert s.block_table == sched.kv.block_table(s.request.request_id)
-            assert len(s.block_table) * 4 >= s.start + s.num_tokens
+            table = runner_tables[s.request.request_id]
+            assert table == sched.kv.block_table(s.request.request_id)
+            assert len(table) * 4 >= s.start + s.num_tokens
         check_invariants(sched)
         done = [r.request_id for r in sched.running if r.num_output_tokens >= 5]
         sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
@@ -449,3 +465,38 @@ def test_busy_adapter_closes_for_an_aged_request():
             break
     assert rare.status == RequestStatus.RUNNING
     assert sched.running_adapters() == {2}
+
+
+def test_deltas_rebuild_every_table_through_preemption_and_a_dropped_plan():
+    """A runner that only applies the deltas holds every scheduled request's exact table:
+    new requests arrive whole, running ones as appended blocks, a preempted one comes back
+    whole, and a plan the engine never ran is sent again by the next one."""
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=16)
+    for n in (9, 6, 5):
+        sched.add_request(make_request(n, max_tokens=12))
+    tables: dict[str, list[int]] = {}
+    seen_new: list[str] = []
+    preempted: list[str] = []
+    dropped = False
+    for i in range(60):
+        if not sched.has_unfinished_requests():
+            break
+        out = sched.schedule()
+        if i == 1 and out.scheduled and not dropped:
+            dropped = True            # the engine drops this plan (as on an adapter failure)
+            continue
+        apply_deltas(tables, out)
+        seen_new += [n.req_id for n in out.scheduled_new_reqs]
+        preempted += out.preempted
+        assert ({n.req_id for n in out.scheduled_new_reqs}
+                | set(out.scheduled_cached_reqs.req_ids)) == {
+                    s.request.request_id for s in out.scheduled}
+        for s in out.scheduled:
+            assert tables[s.request.request_id] == sched.kv.block_table(s.request.request_id)
+        sched.update(out, {s.request.request_id: TOKEN for s in out.scheduled if s.sample})
+        done = [r.request_id for r in sched.running if r.num_output_tokens >= 12]
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    assert not sched.has_unfinished_requests() and dropped
+    assert preempted, "the pool is small enough to preempt"
+    for rid in preempted:                 # each preempted request came back in full
+        assert seen_new.count(rid) >= 2

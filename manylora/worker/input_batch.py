@@ -1,0 +1,429 @@
+"""The persistent input batch (vLLM v1's ``InputBatch`` and ``_update_states`` /
+``_prepare_inputs``): every request the step computes keeps a row of numpy columns, updated
+in place from the scheduler's deltas, and a step's inputs are numpy vector ops over them.
+
+A row holds a request's tokens (``token_ids[row, :num_tokens[row]]``, its prompt once and
+then the tokens the runner samples for it), its adapter, its sampling columns and its
+block-table row (``BlockTable``). Rows belong to the requests scheduled in the current
+step: a request left out of a step (the token budget ran out) gives its row back and keeps
+its tokens and blocks in a ``CachedRequestState`` until it is scheduled again; a preempted
+request is forgotten and comes back as a new request (its blocks were freed). No row moves:
+a step's batch order is the scheduler's, gathered through ``seq_rows``, so nothing is
+condensed.
+
+Per step, with ``B`` requests and ``T`` tokens, the host work is O(B) Python for the ids of
+the scheduled requests and numpy for the rest: ``np.repeat`` / ``cumsum`` / ``arange`` for
+positions and query starts, one fancy index for the token ids, a stable ``argsort`` and a
+``bincount`` for the LoRA mapping. O(context) work happens once per request, when it joins.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from manylora.core.scheduler import NewRequestData, SchedulerOutput
+from manylora.lora.punica import default_schedule, lora_mapping_arrays
+from manylora.ops.attention import attention_tiles, prefill_block_q
+from manylora.sampling_params import SamplingParams
+from manylora.worker.block_table import BlockTable
+from manylora.worker.step_inputs import (
+    SCHEDULES,
+    StepBuffers,
+    StepInputs,
+    StepLayout,
+    split_segments,
+    total_size,
+)
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner keeps of a request between its steps.
+
+    Attributes:
+        req_id: the request's id.
+        block_ids: its whole block table (the runner's own list, extended by the deltas).
+        lora_int_id: its adapter (0: the base model).
+        sampling_params: its ``SamplingParams``.
+        token_ids: its tokens while it holds no row (int32 numpy), None while it does.
+    """
+
+    req_id: str
+    block_ids: list[int]
+    lora_int_id: int
+    sampling_params: SamplingParams
+    token_ids: np.ndarray | None = None
+
+
+@dataclass
+class SampleInfo:
+    """Host facts of a step's sampled rows, for rank 0's sampler.
+
+    Attributes:
+        req_ids: the sampled requests, in sampled-row order.
+        rows: int64 ``[N]``, their input-batch rows.
+        all_greedy, all_random, do_top_k, do_top_p, do_min_p: ``SamplingTensors`` flags.
+        seeded: indices (into the sampled rows) of seeded random rows.
+        logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
+    """
+
+    req_ids: list[str]
+    rows: np.ndarray
+    all_greedy: bool
+    all_random: bool
+    do_top_k: bool
+    do_top_p: bool
+    do_min_p: bool
+    seeded: list[int]
+    logprobs: list[tuple[int, int]]
+
+
+class InputBatch:
+    """Rows of the requests in the step, as numpy columns (rank 0's host state).
+
+    Args:
+        num_rows: initial rows; the batch grows (doubling) when more requests are
+            scheduled at once, unless ``max_rows`` forbids it.
+        max_model_len: the longest sequence, tokens (the token columns' width).
+        block_size: tokens per KV block.
+        max_loras: adapter slots (0: LoRA off).
+        vocab_size: V; a top-k of V or more is off.
+        num_queries_per_kv: G, query heads per KV head (sizes prefill tiles).
+        max_rows: rows the batch may never exceed (CUDA graphs hold the block table's
+            address), None: no bound.
+
+    Attributes:
+        token_ids: int32 ``[rows, max_model_len]``.
+        num_tokens: int64 ``[rows]``, tokens each row holds.
+        lora_id: int64 ``[rows]``, each row's adapter id (0: base).
+        temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
+            seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none).
+        block_table: the rows' ``BlockTable``.
+        requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
+        row_of: ``{req_id: row}`` of the requests that hold a row.
+    """
+
+    def __init__(self, num_rows: int, max_model_len: int, block_size: int, max_loras: int,
+                 vocab_size: int, num_queries_per_kv: int, max_rows: int | None = None) -> None:
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.max_loras = max_loras
+        self.vocab_size = vocab_size
+        self.block_q = prefill_block_q(num_queries_per_kv)
+        self.max_rows = max_rows
+        self.width = -(-max_model_len // block_size)
+        self.block_table = BlockTable(num_rows, self.width)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(num_rows))                # a heap: the lowest first
+        self._alloc(num_rows)
+
+    def _alloc(self, num_rows: int) -> None:
+        def grow(old, dtype, fill=0, shape=()):
+            new = np.full((num_rows, *shape), fill, dtype=dtype)
+            if old is not None:
+                new[:old.shape[0]] = old
+            return new
+
+        g = self.__dict__.get
+        self.token_ids = grow(g("token_ids"), np.int32, 0, (self.max_model_len,))
+        self.num_tokens = grow(g("num_tokens"), np.int64)
+        self.lora_id = grow(g("lora_id"), np.int64)
+        self.temperature = grow(g("temperature"), np.float32)
+        self.top_k = grow(g("top_k"), np.int32)
+        self.top_p = grow(g("top_p"), np.float32, 1.0)
+        self.min_p = grow(g("min_p"), np.float32)
+        self.greedy = grow(g("greedy"), bool, True)
+        self.seeded = grow(g("seeded"), bool, False)
+        self.logprobs = grow(g("logprobs"), np.int32, -1)
+        self.block_table.grow(num_rows)
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_tokens.shape[0]
+
+    # ------------------------------------------------------------------ rows
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            old = self.num_rows
+            new = old * 2 if self.max_rows is None else min(old * 2, self.max_rows)
+            if new <= old:
+                raise RuntimeError(f"the input batch holds {old} rows, the most CUDA graphs "
+                                   "allow, and a step schedules more requests")
+            self._alloc(new)
+            self._free_rows = list(range(old, new))
+        return heapq.heappop(self._free_rows)
+
+    def _give_row(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.block_table.clear_row(row)
+            self.num_tokens[row] = 0
+            heapq.heappush(self._free_rows, row)
+
+    def _fill_row(self, row: int, state: CachedRequestState, token_ids) -> None:
+        tokens = np.asarray(token_ids, dtype=np.int32).reshape(-1)
+        n = tokens.size
+        self.token_ids[row, :n] = tokens
+        self.num_tokens[row] = n
+        self.lora_id[row] = state.lora_int_id
+        p = state.sampling_params
+        greedy = p.greedy
+        self.greedy[row] = greedy
+        self.temperature[row] = 0.0 if greedy else p.temperature
+        self.top_k[row] = 0 if greedy or not 0 < p.top_k < self.vocab_size else p.top_k
+        self.top_p[row] = 1.0 if greedy else p.top_p
+        self.min_p[row] = 0.0 if greedy else p.min_p
+        self.seeded[row] = p.seed is not None and not greedy
+        self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.block_table.set_row(row, state.block_ids)
+        self.row_of[state.req_id] = row
+
+    def _add_new(self, new: NewRequestData) -> None:
+        state = CachedRequestState(new.req_id, list(new.block_ids), new.lora_int_id,
+                                   new.sampling_params)
+        self.requests[new.req_id] = state
+        row = self.row_of.get(new.req_id)
+        self._fill_row(self._take_row() if row is None else row, state, new.all_token_ids)
+
+    def _park(self, req_id: str) -> None:
+        """Give back the row of a request left out of this step; keep its tokens."""
+        row = self.row_of[req_id]
+        self.requests[req_id].token_ids = self.token_ids[row, :self.num_tokens[row]].copy()
+        self._give_row(req_id)
+
+    def _unpark(self, req_id: str) -> None:
+        state = self.requests[req_id]
+        tokens, state.token_ids = state.token_ids, None
+        self._fill_row(self._take_row(), state, tokens)
+
+    def remove(self, req_ids: Sequence[str]) -> None:
+        """Forget requests (finished or preempted): their rows and states. Unknown ids are
+        ignored."""
+        for rid in req_ids:
+            self._give_row(rid)
+            self.requests.pop(rid, None)
+
+    def update_states(self, out: SchedulerOutput) -> list[str]:
+        """Apply a plan's deltas (vLLM v1's ``_update_states``): forget the preempted,
+        park the rows of requests the plan leaves out, add the new requests, append the
+        new blocks, and give parked requests scheduled again their row back.
+
+        Returns:
+            The scheduled request ids, in batch order.
+
+        New block ids are applied idempotently (``CachedRequestData.num_blocks``): a plan
+        sent again after a step that failed part-way appends nothing twice.
+
+        Raises:
+            ValueError: (nothing changed) the plan names as cached, or schedules, a request
+                the batch does not hold, gives a cached request's table a length its new
+                blocks cannot reach, or sends a request longer than ``max_model_len``.
+        """
+        cached = out.scheduled_cached_reqs
+        new_ids = {new.req_id for new in out.scheduled_new_reqs}
+        appended = []                                   # refuse before changing anything
+        for rid, blocks, total in zip(cached.req_ids, cached.new_block_ids, cached.num_blocks):
+            state = self.requests.get(rid)
+            if state is None or rid in out.preempted:
+                raise ValueError(f"the plan names request {rid!r} as cached, but the input "
+                                 "batch does not hold it (it was never sent as new)")
+            missing = total - len(state.block_ids)
+            if not 0 <= missing <= len(blocks):
+                raise ValueError(f"request {rid!r}: the plan's table has {total} blocks, "
+                                 f"{len(blocks)} of them new, but the batch holds "
+                                 f"{len(state.block_ids)}")
+            if missing:
+                appended.append((rid, blocks[len(blocks) - missing:]))
+        for new in out.scheduled_new_reqs:
+            if len(new.all_token_ids) > self.max_model_len:
+                raise ValueError(f"request {new.req_id!r} has {len(new.all_token_ids)} "
+                                 f"tokens, more than max_model_len={self.max_model_len}")
+        ids = [s.request.request_id for s in out.scheduled]
+        for rid in ids:
+            if rid not in self.requests and rid not in new_ids:
+                raise ValueError(f"request {rid!r} is scheduled but the input batch does "
+                                 "not hold it and the plan does not send it as new")
+        self.remove(out.preempted)
+        if len(self.row_of) != len(ids) or not all(rid in self.row_of for rid in ids):
+            scheduled = set(ids)
+            for rid in [r for r in self.row_of if r not in scheduled]:
+                self._park(rid)
+        for new in out.scheduled_new_reqs:
+            self._add_new(new)
+        for rid, blocks in appended:
+            self.requests[rid].block_ids.extend(blocks)
+            row = self.row_of.get(rid)
+            if row is not None:
+                self.block_table.append(row, blocks)
+        for rid in ids:
+            if rid not in self.row_of:
+                self._unpark(rid)
+        return ids
+
+    # ----------------------------------------------------------------- inputs
+
+    def prepare(self, out: SchedulerOutput, ids: list[str], lora_slots: Mapping[int, int],
+                slot_ranks: Sequence[int], slot_dora: Sequence[int] | None,
+                bucket_of, buffers: StepBuffers) -> tuple[StepInputs, SampleInfo]:
+        """Pack the step's inputs (vLLM v1's ``_prepare_inputs``), numpy over the rows.
+
+        Args:
+            out: the plan (after ``update_states``); ids: its request ids in batch order.
+            lora_slots: ``{lora_int_id: slot}`` of the step's adapters.
+            slot_ranks, slot_dora: each slot's rank and DoRA flag (length max_loras).
+            bucket_of: ``num_rows -> graph batch size or None`` (None: no graphs).
+            buffers: where the packed step goes (``StepBuffers.host_array``).
+
+        Returns:
+            ``(StepInputs, SampleInfo)``.
+
+        Raises:
+            ValueError: a plan that computes tokens a row does not hold; slot_ranks or
+                slot_dora not of length max_loras.
+            KeyError: a request's adapter has no slot in ``lora_slots``.
+        """
+        sched = out.scheduled
+        num_seqs = len(sched)
+        row_of = self.row_of
+        seq_rows = np.fromiter((row_of[rid] for rid in ids), np.int64, num_seqs)
+        starts = np.fromiter((s.start for s in sched), np.int64, num_seqs)
+        query_lens = np.fromiter((s.num_tokens for s in sched), np.int64, num_seqs)
+        seq_lens = starts + query_lens
+        held = self.num_tokens[seq_rows]
+        bad = np.nonzero((seq_lens > held) | (query_lens < 1))[0]
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"request {ids[i]!r}: the plan computes tokens "
+                             f"{starts[i]}..{seq_lens[i]} but its row holds {held[i]}")
+        num_tokens = int(query_lens.sum())
+        cu = np.cumsum(query_lens)
+        query_start = cu - query_lens
+        token_rows = np.repeat(seq_rows, query_lens)
+        positions = np.arange(num_tokens) - np.repeat(query_start - starts, query_lens)
+        sampled = np.nonzero(seq_lens == held)[0]
+        sample_rows_in_batch = cu[sampled] - 1
+        num_sampled = int(sampled.size)
+        bucket = bucket_of(num_seqs) if num_tokens == num_seqs else None
+        pending = self.block_table.num_pending()
+        token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
+        if bucket is not None:
+            probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
+                               0, pending, num_sampled, 0, bucket, 0)
+            if total_size(probe, self.max_loras) > buffers.capacity:
+                bucket = None     # a graph reads the persistent buffer only: run eagerly
+        pad_tokens = num_tokens if bucket is None else bucket
+        pad_seqs = num_seqs if bucket is None else bucket
+
+        lora = None
+        if token_slots is not None:
+            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
+        if bucket is None:
+            tile_seq, tile_query, num_decode = attention_tiles(query_lens, seq_lens,
+                                                               self.block_q)
+            width = max(1, -(-int(seq_lens.max(initial=0)) // self.block_size))
+            max_seg_len = 0 if lora is None else lora.max_seg_len
+        else:
+            tile_seq = np.arange(bucket)
+            tile_query = np.zeros(bucket, dtype=np.int64)
+            num_decode, width, max_seg_len = bucket, self.width, bucket
+        schedule = 0
+        if lora is not None:
+            schedule = SCHEDULES.index(default_schedule(
+                lora.num_lora_rows, int((lora.seg_len > 0).sum())))
+        layout = StepLayout(
+            num_tokens=pad_tokens, num_seqs=pad_seqs, num_tiles=int(tile_seq.size),
+            num_decode_tiles=num_decode, table_width=width, schedule=schedule,
+            max_seg_len=max_seg_len, num_table_updates=pending,
+            num_sampled=num_sampled,
+            sample_prefix=int(num_sampled == 0 or sample_rows_in_batch[-1] == num_sampled - 1),
+            bucket=-1 if bucket is None else bucket,
+            table_rows=self.num_rows)
+        data = buffers.host_array(total_size(layout, self.max_loras))
+        v = split_segments(data, layout, self.max_loras)
+        _put(v["ids"], self.token_ids[token_rows, positions], 0)
+        _put(v["positions"], positions, 0)
+        _put(v["token_rows"], token_rows, -1)
+        _put(v["seq_rows"], seq_rows, 0)
+        v["query_start"][:num_seqs] = query_start
+        v["query_start"][num_seqs:] = np.arange(num_tokens, num_tokens + pad_seqs - num_seqs)
+        _put(v["query_lens"], query_lens, 1)
+        _put(v["seq_lens"], seq_lens, 0)
+        v["tile_seq"][:] = tile_seq
+        v["tile_query"][:] = tile_query
+        if lora is not None:
+            n, m = pad_tokens, self.max_loras
+            if len(slot_ranks) != m or (slot_dora is not None and len(slot_dora) != m):
+                raise ValueError(f"slot_ranks ({len(slot_ranks)}) and slot_dora must have one "
+                                 f"entry per adapter slot ({m})")
+            dora = np.zeros(m, np.int32) if slot_dora is None else (
+                np.asarray(slot_dora, dtype=np.int64) != 0)
+            np.concatenate([lora.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),
+                            lora.sorted_rows, lora.active_slots, lora.seg_start, lora.seg_len,
+                            dora.astype(np.int32)], out=v["lora"][:2 * n + 5 * m])
+        self.block_table.take_updates(v["table_index"], v["table_value"])
+        v["sample_rows"][:] = sample_rows_in_batch
+        rows = seq_rows[sampled]
+        greedy = self.greedy[rows]
+        random = ~greedy
+        v["temperature"][:] = self.temperature[rows]
+        v["top_k"][:] = self.top_k[rows]
+        v["top_p"][:] = self.top_p[rows]
+        v["min_p"][:] = self.min_p[rows]
+        lp = self.logprobs[rows]
+        info = SampleInfo(
+            req_ids=[ids[i] for i in sampled.tolist()], rows=rows,
+            all_greedy=bool(greedy.all()), all_random=not greedy.any(),
+            do_top_k=bool((self.top_k[rows][random] > 0).any()),
+            do_top_p=bool((self.top_p[rows][random] < 1.0).any()),
+            do_min_p=bool((self.min_p[rows][random] > 0.0).any()),
+            seeded=np.nonzero(self.seeded[rows])[0].tolist(),
+            logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]])
+        return StepInputs(layout, data), info
+
+    def _token_slots(self, seq_rows: np.ndarray, query_lens: np.ndarray,
+                     lora_slots: Mapping[int, int]) -> np.ndarray | None:
+        """Each token's adapter slot (-1: base), or None when no row uses an adapter."""
+        if not self.max_loras:
+            return None
+        ids = self.lora_id[seq_rows]
+        if not ids.any():
+            return None
+        if lora_slots:
+            keys = np.fromiter(lora_slots.keys(), np.int64, len(lora_slots))
+            vals = np.fromiter(lora_slots.values(), np.int64, len(lora_slots))
+            order = np.argsort(keys)
+            keys, vals = keys[order], vals[order]
+            pos = np.minimum(np.searchsorted(keys, ids), keys.size - 1)
+            found = keys[pos] == ids
+        else:
+            vals = np.zeros(0, np.int64)
+            pos = np.zeros_like(ids)
+            found = np.zeros(ids.shape, bool)
+        missing = np.nonzero((ids != 0) & ~found)[0]
+        if missing.size:
+            raise KeyError(f"adapter {int(ids[missing[0]])} has no slot this step")
+        seq_slots = np.where(found & (ids != 0), vals[pos] if vals.size else -1, -1)
+        return np.repeat(seq_slots, query_lens)
+
+    def append_sampled(self, rows: np.ndarray, tokens: Sequence[int]) -> None:
+        """Append each sampled token to its row (``rows`` as ``SampleInfo.rows``); a row
+        already at ``max_model_len`` keeps its tokens (its request ends with this step)."""
+        if not len(rows):
+            return
+        lens = self.num_tokens[rows]
+        room = lens < self.max_model_len
+        self.token_ids[rows[room], lens[room]] = np.asarray(tokens, dtype=np.int32)[room]
+        self.num_tokens[rows[room]] += 1
+
+
+def _put(dst: np.ndarray, src: np.ndarray, pad: int) -> None:
+    """``dst[:len(src)] = src``, the rest ``pad``."""
+    n = src.shape[0]
+    dst[:n] = src
+    dst[n:] = pad

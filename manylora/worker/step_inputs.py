@@ -1,0 +1,240 @@
+"""A step's model inputs as one int32 buffer: its layout, and the persistent host/device
+buffers every rank copies it through (vLLM v1's ``CpuGpuBuffer``s, packed into one).
+
+Rank 0's ``InputBatch`` writes a step into the pinned host buffer; one host → device copy
+moves it; every tensor the forward pass reads (ids, positions, query starts, sequence
+lengths, the attention tiles, the LoRA mapping, the rows sampled and the sampling columns)
+is a view of the persistent device buffer. The segments a decode CUDA graph reads come
+first and depend only on the graph's batch size, so a graph captured on them replays after
+the copy with nothing copied in. Block-table changes travel as ``(flat index, block id)``
+pairs, applied by one scatter to the persistent device block table, which every rank keeps
+(tensor-parallel workers receive the same buffer, ``worker/step_codec.py``).
+
+Segments, in order, each starting at a multiple of 16 bytes (int32 unless noted; ``T`` rows
+and ``B`` sequences, padding included; ``L = max_loras``):
+
+====================  =============  =================================================
+``ids``               T              token ids (0 for padding)
+``positions``         T              position of each token in its sequence
+``token_rows``        T              each token's block-table row, -1 for padding
+``seq_rows``          B              each sequence's block-table row (0 for padding)
+``query_start``       B              first token row of each sequence
+``query_lens``        B              new tokens per sequence (1 for padding)
+``seq_lens``          B              tokens in the cache after the step (0 for padding)
+``tile_seq``          num_tiles      attention tiles (``ops.attention.attention_tiles``)
+``tile_query``        num_tiles
+LoRA (when present)   2T + 5L        ``lora.punica.lora_mapping_from_buffer``'s layout
+``table_index``       U              flat ``row * W + col`` of each block-table write
+``table_value``       U              the block id written there
+``sample_rows``       N              the token rows whose logits are sampled
+``temperature``       N float32      the sampled rows' sampling columns (rank 0 only
+``top_k``             N              reads them)
+``top_p``             N float32
+``min_p``             N float32
+====================  =============  =================================================
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+#: ``StepLayout.schedule`` codes: no LoRA segment, BGMV, SGMV.
+SCHEDULES = (None, "bgmv", "sgmv")
+
+
+class StepLayout(NamedTuple):
+    """The sizes and host constants of one packed step (all ints: it travels to the
+    tensor-parallel workers as a list).
+
+    Attributes:
+        num_tokens: T, token rows including padding (the graph bucket on a graph step).
+        num_seqs: B, sequences including padding.
+        num_tiles: attention tiles; num_decode_tiles: the leading decode tiles.
+        table_width: W, columns of the step's gathered block table.
+        schedule: index into ``SCHEDULES`` (0: no LoRA row, no LoRA segment).
+        max_seg_len: the LoRA kernels' grid bound (``LoRAMapping.max_seg_len``).
+        num_table_updates: U, block-table writes this step.
+        num_sampled: N, rows sampled.
+        sample_prefix: 1 when the sampled rows are exactly ``0..N-1`` (a decode step).
+        bucket: the CUDA-graph batch size, -1: eager.
+        table_rows: rows the block table must have (its capacity on rank 0).
+    """
+
+    num_tokens: int
+    num_seqs: int
+    num_tiles: int
+    num_decode_tiles: int
+    table_width: int
+    schedule: int
+    max_seg_len: int
+    num_table_updates: int
+    num_sampled: int
+    sample_prefix: int
+    bucket: int
+    table_rows: int
+
+
+class StepInputs(NamedTuple):
+    """One step's inputs, the same on every rank.
+
+    Attributes:
+        layout: the segment sizes and host constants.
+        data: int32 ``[total]`` numpy array, the packed segments (``segment_sizes``).
+    """
+
+    layout: StepLayout
+    data: np.ndarray
+
+
+def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
+    """``[(name, length), ...]`` of the packed segments, in buffer order (module doc)."""
+    t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
+    sizes = [("ids", t), ("positions", t), ("token_rows", t), ("seq_rows", b),
+             ("query_start", b), ("query_lens", b), ("seq_lens", b), ("tile_seq", nt),
+             ("tile_query", nt)]
+    if layout.schedule:
+        sizes.append(("lora", 2 * t + 5 * max_loras))
+    u = layout.num_table_updates
+    sizes += [("table_index", u), ("table_value", u), ("sample_rows", n), ("temperature", n),
+              ("top_k", n), ("top_p", n), ("min_p", n)]
+    return sizes
+
+
+#: Every segment starts at a multiple of this many int32 elements (16 bytes), so each view
+#: a Triton kernel receives has the same pointer alignment at every step (Triton
+#: specializes its kernels on it: one compiled variant, not one per offset pattern).
+ALIGN = 4
+
+
+def _offsets(layout: StepLayout, max_loras: int) -> tuple[list[tuple[str, int, int]], int]:
+    """``([(name, start, length), ...], total)`` with every start aligned to ``ALIGN``."""
+    out, start = [], 0
+    for name, size in segment_sizes(layout, max_loras):
+        out.append((name, start, size))
+        start += -(-size // ALIGN) * ALIGN
+    return out, start
+
+
+def split_segments(buf, layout: StepLayout, max_loras: int) -> dict:
+    """``{name: view}`` of ``buf`` (a numpy array or a tensor) cut by ``segment_sizes``,
+    each segment starting at a multiple of ``ALIGN``; the float32 columns are
+    reinterpreted, not converted."""
+    views = {name: buf[start:start + size]
+             for name, start, size in _offsets(layout, max_loras)[0]}
+    for name in ("temperature", "top_p", "min_p"):
+        v = views[name]
+        views[name] = v.view(np.float32) if isinstance(v, np.ndarray) else v.view(torch.float32)
+    return views
+
+
+def total_size(layout: StepLayout, max_loras: int) -> int:
+    """Length of the packed buffer, int32 elements (alignment gaps included)."""
+    return _offsets(layout, max_loras)[1]
+
+
+#: Layouts whose device views ``StepBuffers`` keeps (a decode step repeats its layout, so
+#: most steps cut no new views: about 20 tensor slices saved per step).
+MAX_CACHED_LAYOUTS = 256
+
+
+class StepBuffers:
+    """The persistent buffers a rank copies its steps through: a pinned host buffer, a
+    device buffer of the same length, and the device block table.
+
+    A step that fits ``capacity`` goes through the persistent pair (graph steps always do:
+    the CUDA graphs read views of the device buffer); a larger eager step gets buffers of
+    its own. Before the host buffer is rewritten, the previous step's copy out of it is
+    waited for (an event), so the host never overwrites bytes still in flight.
+
+    Args:
+        capacity: int32 elements of the persistent pair.
+        table_rows: initial rows of the device block table.
+        table_width: W, block ids per row (``ceil(max_model_len / block_size)``).
+        device: the rank's device.
+
+    Attributes:
+        block_table: int32 ``[rows, W]`` on ``device``, each row a request's physical
+            blocks (only ``ceil(seq_len / block_size)`` leading entries are meaningful).
+        frozen: once True (a graph captured views of ``block_table``), the table never
+            grows again.
+    """
+
+    def __init__(self, capacity: int, table_rows: int, table_width: int,
+                 device: torch.device) -> None:
+        self.device = device
+        self.capacity = capacity
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(capacity, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(table_rows, table_width, dtype=torch.int32,
+                                       device=device)
+        self.frozen = False
+        self._copied = torch.cuda.Event() if pinned else None
+        self._views: dict[StepLayout, dict] = {}     # views of ``dev`` by layout
+
+    def host_array(self, size: int) -> np.ndarray:
+        """An int32 host array of ``size`` to pack a step into: the persistent pinned
+        buffer (once its last copy has left) when the step fits, else a new one."""
+        if size <= self.capacity:
+            if self._copied is not None:
+                self._copied.synchronize()
+            return self.host_np[:size]
+        return torch.empty(size, dtype=torch.int32,
+                           pin_memory=self.device.type == "cuda").numpy()
+
+    def ensure_table_rows(self, rows: int) -> None:
+        """Grow the device block table to ``rows`` rows (contents kept).
+
+        Raises:
+            RuntimeError: the table is frozen (CUDA graphs hold its address); a graph
+                bucket bounds the batch, so this means more rows than the graphs allow.
+        """
+        have = self.block_table.shape[0]
+        if rows <= have:
+            return
+        if self.frozen:
+            raise RuntimeError(f"the block table needs {rows} rows but CUDA graphs were "
+                               f"captured on its {have}: raise the largest capture size")
+        grown = torch.zeros(rows, self.block_table.shape[1], dtype=torch.int32,
+                            device=self.device)
+        grown[:have] = self.block_table
+        self.block_table = grown
+
+    def upload(self, inputs: StepInputs, max_loras: int) -> dict:
+        """Copy the step to the device (one transfer) and apply its block-table writes
+        (one scatter); ``{segment name: device view}``.
+
+        Raises:
+            RuntimeError: as ``ensure_table_rows``.
+        """
+        layout, data = inputs
+        self.ensure_table_rows(layout.table_rows)
+        size = data.shape[0]
+        persistent = size <= self.capacity
+        if persistent:
+            if data.ctypes.data != self.host_np.ctypes.data:
+                if self._copied is not None:
+                    self._copied.synchronize()
+                self.host_np[:size] = data
+            src, dst = self.host[:size], self.dev[:size]
+        else:
+            src = torch.from_numpy(data)
+            dst = torch.empty(size, dtype=torch.int32, device=self.device)
+        dst.copy_(src, non_blocking=True)
+        if persistent and self._copied is not None:
+            self._copied.record()
+        views = self._views.get(layout) if persistent else None
+        if views is None:
+            views = split_segments(dst, layout, max_loras)
+            if persistent:
+                if len(self._views) >= MAX_CACHED_LAYOUTS:
+                    self._views.clear()
+                self._views[layout] = views
+        if layout.num_table_updates:
+            self.block_table.view(-1).index_copy_(
+                0, views["table_index"].long(), views["table_value"])
+        return views
