@@ -122,7 +122,11 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
                                    kv_cache_dtype)
     for kv in kv_caches:
         fill_random(kv, gen, dtype)
-    sizes = DEFAULT_CAPTURE_SIZES if device.type == "cuda" else ()
+    # the buckets up to the one the largest batch runs in (larger ones are never replayed)
+    bucket = min((n for n in DEFAULT_CAPTURE_SIZES if n >= max_batch),
+                 default=max(DEFAULT_CAPTURE_SIZES))
+    sizes = tuple(n for n in DEFAULT_CAPTURE_SIZES if n <= bucket) \
+        if device.type == "cuda" else ()
     runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
     runner.capture_graphs()
     bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")

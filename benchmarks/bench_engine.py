@@ -19,14 +19,15 @@ Parts (``--part``, several at once allowed, in this order):
 
 * ``offline``: ``LLM.generate`` (the core in its own process) on each workload: a warm-up
   pass (the workload's prompt lengths, other token ids, at most 16 new tokens each: every
-  prefill shape and adapter is met), then the timed pass; output tok/s of the whole call.
+  prefill shape and adapter is met), then the timed passes (``--repeats``, W1 at least 3,
+  each on token ids of its own); output tokens / the median time of the whole call.
 * ``serve``: ``manylora serve`` with the same engine settings and the same prompts, driven by
   the official ``openai`` client in ``--client-procs`` processes, every request streamed
-  (``common.drive_openai``); warm-up pass, then the timed pass. With ``offline`` in the same
+  (``common.drive_openai``); warm-up pass, then the timed passes. With ``offline`` in the same
   run, the table has server / offline per workload (target >= 0.95 on W2) next to vLLM 0.26's
   figures from the issue (6,037 / 5,857 / 2,406 tok/s) and the targets (6,900 / 6,700 /
   1.5 x 2,406).
-* ``idle``: the core in this process's child (``MANYLORA_ENABLE_MULTIPROCESSING=0``), 256
+* ``idle``: the core in the measuring process (``MANYLORA_ENABLE_MULTIPROCESSING=0``), 256
   requests (512-token prompts, ignore_eos) brought to steady decode, then ``--steps``
   ``EngineCore.step()`` calls timed, and as many again under ``torch.profiler``: per step the
   wall time, the GPU busy time (the union of the kernels' intervals inside the step's
@@ -48,6 +49,10 @@ Triton's cache, add a minute):
     python -m benchmarks.bench_engine --part idle decode      # ~3 min
     python -m benchmarks.bench_engine --part startup          # ~2-3 min
     python -m benchmarks.bench_engine --quick                 # every part, tiny model, CPU
+
+(``--quick`` takes about 1.5 min on 2 busy CPU cores.) Should ``offline serve`` come near a
+10-minute limit, split it by workload (``--workloads W1 W2``, then ``--workloads W3``); the
+server / offline ratio needs both paths in one invocation.
 """
 
 from __future__ import annotations
@@ -176,11 +181,33 @@ def _rate(r: dict | None) -> float:
 # (a) offline and (b) served throughput
 
 
-def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str],
+def timed_seeds(name: str, repeats: int) -> list[int]:
+    """The token-id seeds of a workload's timed passes: ``repeats`` of them (at least 3 for
+    W1, whose pass lasts about a second), each pass on prompts of its own."""
+    passes = max(repeats, 3) if name == "W1" else repeats
+    return [SEEDS[name][1] + 1000 * r for r in range(passes)]
+
+
+def summarize(passes: list[dict]) -> dict:
+    """One workload's timed passes (same lengths, so same ``tokens``) → ``tokens``, the
+    median ``seconds`` (and ``ttft``, ``itl``: the median of the passes' medians, when
+    present), ``prefix_hits`` and ``preemptions`` summed over the passes, ``passes``."""
+    out = {"tokens": passes[0]["tokens"], "passes": len(passes),
+           "seconds": statistics.median(p["seconds"] for p in passes)}
+    for key in ("ttft", "itl"):
+        if key in passes[0]:
+            out[key] = statistics.median(p[key] for p in passes)
+    for key in ("prefix_hits", "preemptions"):
+        if key in passes[0]:
+            out[key] = sum(p[key] for p in passes)
+    return out
+
+
+def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str], repeats: int,
                 quick: bool) -> dict[str, dict]:
-    """Each workload through ``LLM.generate``, warm-up pass first; per workload the timed
-    pass's ``tokens``, ``seconds``, ``prefix_hits`` (prompt tokens found in the prefix cache)
-    and ``preemptions``.
+    """Each workload through ``LLM.generate``, warm-up pass first, then its timed passes
+    (``timed_seeds``); per workload the ``summarize``-d ``tokens``, ``seconds``,
+    ``prefix_hits`` (prompt tokens found in the prefix cache) and ``preemptions``.
 
     Raises:
         RuntimeError: a pass generated another number of tokens than it asked for.
@@ -209,16 +236,19 @@ def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str],
     try:
         for name in names:
             work = workloads(quick)[name]
-            warm_seed, timed_seed = SEEDS[name]
-            generate(work, warm_seed, WARMUP_NEW)
-            hits, preempted = prefix_hit_tokens(llm), llm.llm_engine.kv_cache_stats().preemptions
-            tokens, seconds = generate(work, timed_seed, None)
-            results[name] = {
-                "tokens": tokens, "seconds": seconds,
-                "prefix_hits": prefix_hit_tokens(llm) - hits,
-                "preemptions": llm.llm_engine.kv_cache_stats().preemptions - preempted}
-            print(f"offline {name}: {tokens:,} tokens in {seconds:.2f} s = "
-                  f"{tokens / seconds:,.0f} tok/s, {results[name]}", flush=True)
+            generate(work, SEEDS[name][0], WARMUP_NEW)
+            passes = []
+            for seed in timed_seeds(name, repeats):
+                hits = prefix_hit_tokens(llm)
+                preempted = llm.llm_engine.kv_cache_stats().preemptions
+                tokens, seconds = generate(work, seed, None)
+                passes.append({
+                    "tokens": tokens, "seconds": seconds,
+                    "prefix_hits": prefix_hit_tokens(llm) - hits,
+                    "preemptions": llm.llm_engine.kv_cache_stats().preemptions - preempted})
+                print(f"offline {name}: {tokens:,} tokens in {seconds:.2f} s = "
+                      f"{tokens / seconds:,.0f} tok/s, {passes[-1]}", flush=True)
+            results[name] = summarize(passes)
     finally:
         llm.llm_engine.shutdown()
     return results
@@ -234,37 +264,50 @@ def served_requests(work: Workload, prompts: list[list[int]], cap: int | None,
     return out
 
 
-def run_serve(model_dir: Path, adapters: list[Path], names: Sequence[str], port: int,
-              procs: int, quick: bool) -> dict[str, dict]:
+def run_serve(model_dir: Path, adapters: list[Path], names: Sequence[str], repeats: int,
+              port: int, procs: int, quick: bool) -> dict[str, dict]:
     """Each workload through ``manylora serve`` (``common.drive_openai``), warm-up pass
-    first; per workload the timed pass's ``drive_openai`` figures."""
+    first, then its timed passes (``timed_seeds``); per workload the ``summarize``-d
+    ``drive_openai`` figures.
+
+    Raises:
+        RuntimeError: a timed pass got another number of tokens than it asked for.
+    """
     vocab = (TINY if quick else LLAMA3_8B)["vocab_size"]
-    batches = []
+    batches, labels = [], []
     for name in names:
         work = workloads(quick)[name]
-        warm_seed, timed_seed = SEEDS[name]
-        batches += [served_requests(work, work.prompts(vocab, warm_seed), WARMUP_NEW,
-                                    len(adapters)),
-                    served_requests(work, work.prompts(vocab, timed_seed), None, len(adapters))]
+        batches.append(served_requests(work, work.prompts(vocab, SEEDS[name][0]), WARMUP_NEW,
+                                       len(adapters)))
+        labels.append(None)
+        for seed in timed_seeds(name, repeats):
+            batches.append(served_requests(work, work.prompts(vocab, seed), None,
+                                           len(adapters)))
+            labels.append(name)
     proc = start_server(model_dir, port, engine_kwargs(quick),
-                        [(f"a{k}", p) for k, p in enumerate(adapters)])
+                        [(f"a{k}", p) for k, p in enumerate(adapters)],
+                        extra_args=["--uvicorn-log-level", "warning"])   # no line per request
     try:
         runs = drive_openai(port, batches, procs)
     finally:
         stop_server(proc)
-    results = dict(zip(names, runs[1::2], strict=True))
-    for name, r in results.items():
+    results = {}
+    for name in names:
+        passes = [r for r, label in zip(runs, labels, strict=True) if label == name]
         expected = sum(n for _, n in workloads(quick)[name].lengths)
-        if r["tokens"] != expected:
-            raise RuntimeError(f"serve {name}: {r['tokens']} tokens, asked {expected}")
-        print(f"serve {name}: {r['tokens']:,} tokens in {r['seconds']:.2f} s = "
-              f"{_rate(r):,.0f} tok/s, {r}", flush=True)
+        for r in passes:
+            if r["tokens"] != expected:
+                raise RuntimeError(f"serve {name}: {r['tokens']} tokens, asked {expected}")
+            print(f"serve {name}: {r['tokens']:,} tokens in {r['seconds']:.2f} s = "
+                  f"{_rate(r):,.0f} tok/s, {r}", flush=True)
+        results[name] = summarize(passes)
     return results
 
 
 def throughput_table(names: Sequence[str], offline: dict, served: dict, quick: bool
                      ) -> tuple[list[str], list[list]]:
-    columns = ["workload", "output tokens", "offline tok/s", "serve tok/s", "serve / offline",
+    columns = ["workload", "output tokens per pass", "timed passes", "offline tok/s",
+               "serve tok/s", "serve / offline",
                "vLLM 0.26 tok/s", "target tok/s", "offline / target", "serve / target",
                "TTFT median ms (serve)", "ITL median ms (serve)",
                "prefix-hit tokens (offline / serve)", "preemptions (offline)"]
@@ -275,7 +318,8 @@ def throughput_table(names: Sequence[str], offline: dict, served: dict, quick: b
         rate_off, rate_srv = _rate(off), _rate(srv)
         tokens = (off or srv)["tokens"]
         rows.append([
-            f"{name}: {work.title}", f"{tokens:,}", _num(rate_off), _num(rate_srv),
+            f"{name}: {work.title}", f"{tokens:,}", (off or srv)["passes"], _num(rate_off),
+            _num(rate_srv),
             _ratio(rate_srv / rate_off), f"{VLLM[name]:,}", f"{TARGET[name]:,.0f}",
             _ratio(rate_off / TARGET[name]), _ratio(rate_srv / TARGET[name]),
             _num(srv["ttft"] * 1e3) if srv else "-", _ms(srv["itl"] * 1e3) if srv else "-",
@@ -468,14 +512,18 @@ llm.llm_engine.shutdown()
 
 
 def run_startup(model_dir: Path, cache_dir: Path, quick: bool) -> dict:
-    """``LLM(...)`` built in a fresh process with ``TRITON_CACHE_DIR=cache_dir``: its
+    """``LLM(...)`` built in a fresh process whose Triton (and TorchInductor) caches are in
+    ``cache_dir`` (empty: every kernel compiled; already filled: loaded): its
     ``seconds`` and the core's "Triton warm-up" figures (``launches``, ``compiled``,
     ``warmup_s``; None when the line is absent, as on CPU).
 
     Raises:
         RuntimeError: the process failed (its standard error is printed).
     """
-    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
+    for sub in ("triton", "inductor"):
+        (cache_dir / sub).mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir / "triton"),
+               TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"))
     done = subprocess.run([sys.executable, "-c", _STARTUP_CHILD, str(model_dir),
                            json.dumps(engine_kwargs(quick))], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -520,6 +568,9 @@ def main() -> None:
     ap.add_argument("--part", nargs="+", choices=(*PARTS, "all"), default=["all"])
     ap.add_argument("--workloads", nargs="+", choices=tuple(SEEDS), default=list(SEEDS),
                     help="the workloads of the offline and serve parts")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed passes per workload (W1: at least 3), each on prompts of its "
+                         "own; the median is reported")
     ap.add_argument("--steps", type=int, default=30, help="decode steps timed by the idle part")
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--client-procs", type=int, default=8,
@@ -547,16 +598,17 @@ def main() -> None:
                                        torch.float32 if quick else torch.bfloat16)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        offline = in_child(run_offline, model_dir, adapters, names, quick) \
+        offline = in_child(run_offline, model_dir, adapters, names, args.repeats, quick) \
             if "offline" in parts else {}
-        served = run_serve(model_dir, adapters, names, args.port, args.client_procs, quick) \
-            if "serve" in parts else {}
+        served = run_serve(model_dir, adapters, names, args.repeats, args.port,
+                           args.client_procs, quick) if "serve" in parts else {}
         if offline or served:
             columns, rows = throughput_table(names, offline, served, quick)
             record(f"Engine v2 throughput ({gpu}): offline `LLM.generate` and `manylora serve` "
                    "(openai client, streamed), issue 16's workloads", command, columns, rows,
-                   notes=SETTING + " Output tok/s of the timed pass (whole call / from the "
-                   "common send time to the last stream's end); each workload's warm-up pass "
+                   notes=SETTING + " Output tok/s = output tokens of a timed pass / its median "
+                   "time (offline: the whole `generate` call; served: from the common send "
+                   "time to the last stream's end); each workload's warm-up pass "
                    f"(its prompt lengths, other token ids, at most {WARMUP_NEW} new tokens) runs "
                    "first. W1 and W2 run with LoRA on the engine but no adapter in the requests. "
                    f"Served: {args.client_procs} client processes, every request at once, "
@@ -594,8 +646,7 @@ def main() -> None:
                    f"Target: >= {DECODE_BW_TARGET:.0%} of the copy bandwidth.",
                    write=write, device=device)
         if "startup" in parts:
-            cache = root / "triton-cache"
-            cache.mkdir()
+            cache = root / "jit-cache"
             cold = run_startup(model_dir, cache, quick)
             warm = run_startup(model_dir, cache, quick)
             columns, rows = startup_table(cold, warm)

@@ -288,7 +288,7 @@ def engine_cli_flags(engine_kwargs: dict) -> list[str]:
 
 def start_server(model_dir: Path, port: int, engine_kwargs: dict,
                  lora_modules: Sequence[tuple[str, Path]] = (), served_model_name: str = "base",
-                 timeout_s: float = 600.0) -> subprocess.Popen:
+                 extra_args: Sequence[str] = (), timeout_s: float = 600.0) -> subprocess.Popen:
     """``manylora serve`` in a process (and session) of its own, once ``/health`` answers 200.
 
     Args:
@@ -297,6 +297,7 @@ def start_server(model_dir: Path, port: int, engine_kwargs: dict,
         engine_kwargs: ``EngineArgs`` fields (``engine_cli_flags``).
         lora_modules: (name, adapter directory) pairs served from the start.
         served_model_name: the base model's name in requests.
+        extra_args: more ``manylora serve`` flags (e.g. ``--uvicorn-log-level warning``).
         timeout_s: how long to wait for ``/health``, seconds.
 
     Raises:
@@ -308,7 +309,7 @@ def start_server(model_dir: Path, port: int, engine_kwargs: dict,
             str(model_dir), "--served-model-name", served_model_name, "--port", str(port)]
     if lora_modules:
         argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules)]
-    argv += engine_cli_flags(engine_kwargs)
+    argv += [*engine_cli_flags(engine_kwargs), *extra_args]
     proc = subprocess.Popen(argv, env=dict(os.environ), start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
