@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -111,6 +112,77 @@ def time_execute(runner, plans, lora_slots, ranks) -> float:
     return statistics.median(times)
 
 
+def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, iters: int = 30,
+                   kv_cache_dtype: str = "auto", quick: bool = False,
+                   loras: Sequence[bool] = (False, True)) -> list[dict]:
+    """Decode steps of a Llama-3-8B-shaped model (``TINY`` with ``quick`` or without CUDA)
+    against the bytes they must read, built in this process.
+
+    Args:
+        batches: batch sizes (sequences per step).
+        context: tokens of context per sequence.
+        rank: the adapters' rank (one distinct adapter per sequence when LoRA is on).
+        iters: timed steps per case (the median is reported).
+        kv_cache_dtype: ``"auto"`` or one of ``KV_CACHE_DTYPES``.
+        quick: the tiny model.
+        loras: LoRA off (False) and/or on (True), each a case per batch.
+
+    Returns:
+        One dict per (batch, LoRA) case: ``batch``, ``lora`` (bool), ``step_s`` (median
+        ``ModelRunner.execute`` wall time, s), ``bytes`` (``step_bytes``), ``bandwidth``
+        (measured copy bandwidth, bytes/s; nan off CUDA), ``floor_s`` (bytes / bandwidth).
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = TINY if quick or device.type == "cpu" else LLAMA3_8B
+    dtype = torch.float32 if config is TINY else torch.bfloat16
+    max_batch = max(batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
+    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * context + WARMUP_STEPS + iters)
+    model = load_model(Path(tmp), cfg, device, load_format="dummy")
+    lora_config = LoRAConfig(max_batch, rank, max_batch, LORA_TARGET_MODULES)
+    slots = model.create_lora_slots(lora_config)
+    gen = torch.Generator(device).manual_seed(0)
+    for s in set(slots.values()):
+        for t in (*s.lora_a_stacked, *s.lora_b_stacked):
+            t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
+    blocks_per_seq = -(-(context + WARMUP_STEPS + iters) // BLOCK_SIZE)
+    kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
+                                   kv_cache_dtype)
+    for kv in kv_caches:
+        fill_random(kv, gen, dtype)
+    # the buckets up to the one the largest batch runs in (larger ones are never replayed)
+    bucket = min((n for n in DEFAULT_CAPTURE_SIZES if n >= max_batch),
+                 default=max(DEFAULT_CAPTURE_SIZES))
+    sizes = tuple(n for n in DEFAULT_CAPTURE_SIZES if n <= bucket) \
+        if device.type == "cuda" else ()
+    runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
+    runner.capture_graphs()
+    bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
+    ranks = [rank] * max_batch
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    results = []
+    for batch in batches:
+        for lora in loras:
+            reqs, tables = [], []
+            for b in range(batch):
+                ids = torch.randint(0, config["vocab_size"], (context,)).tolist()
+                reqs.append(Request(f"r{b}", None, ids, params,
+                                    LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
+                                    context + WARMUP_STEPS + iters))
+                tables.append(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
+            plans = decode_plans(reqs, tables, context, WARMUP_STEPS + iters)
+            lora_slots = {b + 1: b for b in range(batch)} if lora else {}
+            runner.release([r.request_id for r in reqs])      # the last case's rows
+            step = time_execute(runner, plans, lora_slots, ranks)
+            nbytes = step_bytes(model, config, batch, context, rank, batch if lora else 0,
+                                kv_cache_dtype)
+            results.append({"batch": batch, "lora": lora, "step_s": step, "bytes": nbytes,
+                            "bandwidth": bandwidth, "floor_s": nbytes / bandwidth})
+            print(results[-1], flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
@@ -122,53 +194,15 @@ def main() -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = TINY if args.quick or device.type == "cpu" else LLAMA3_8B
-    dtype = torch.float32 if config is TINY else torch.bfloat16
     batches = [b for b in args.batches if not args.quick or b <= 8]
-    max_batch = max(batches)
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
-    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * args.context + WARMUP_STEPS + args.iters)
-    model = load_model(Path(tmp), cfg, device, load_format="dummy")
-    lora_config = LoRAConfig(max_batch, args.rank, max_batch, LORA_TARGET_MODULES)
-    slots = model.create_lora_slots(lora_config)
-    gen = torch.Generator(device).manual_seed(0)
-    for s in set(slots.values()):
-        for t in (*s.lora_a_stacked, *s.lora_b_stacked):
-            t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
-    blocks_per_seq = -(-(args.context + WARMUP_STEPS + args.iters) // BLOCK_SIZE)
-    kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
-                                   args.kv_cache_dtype)
-    for kv in kv_caches:
-        fill_random(kv, gen, dtype)
-    sizes = DEFAULT_CAPTURE_SIZES if device.type == "cuda" else ()
-    runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
-    runner.capture_graphs()
-    bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
-    ranks = [args.rank] * max_batch
-    params = SamplingParams(temperature=0.0, max_tokens=1)
     rows = []
-    for batch in batches:
-        for lora in (False, True):
-            reqs, tables = [], []
-            for b in range(batch):
-                ids = torch.randint(0, config["vocab_size"], (args.context,)).tolist()
-                reqs.append(Request(f"r{b}", None, ids, params,
-                                    LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
-                                    args.context + WARMUP_STEPS + args.iters))
-                tables.append(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
-            plans = decode_plans(reqs, tables, args.context, WARMUP_STEPS + args.iters)
-            lora_slots = {b + 1: b for b in range(batch)} if lora else {}
-            runner.release([r.request_id for r in reqs])      # the last batch's rows
-            step = time_execute(runner, plans, lora_slots, ranks)
-            nbytes = step_bytes(model, config, batch, args.context, args.rank,
-                                batch if lora else 0, args.kv_cache_dtype)
-            floor = nbytes / bandwidth
-            rows.append([batch, f"rank-{args.rank} x{batch}" if lora else "off",
-                         f"{step * 1e3:.3f}", f"{nbytes / 1e9:.2f}", f"{floor * 1e3:.3f}",
-                         f"{nbytes / step / 1e12:.2f}", f"{floor / step:.0%}",
-                         f"{step / floor:.3f}"])
-            print(rows[-1], flush=True)
+    for r in measure_decode(batches, args.context, args.rank, args.iters, args.kv_cache_dtype,
+                            args.quick):
+        step, floor = r["step_s"], r["floor_s"]
+        rows.append([r["batch"], f"rank-{args.rank} x{r['batch']}" if r["lora"] else "off",
+                     f"{step * 1e3:.3f}", f"{r['bytes'] / 1e9:.2f}", f"{floor * 1e3:.3f}",
+                     f"{r['bytes'] / step / 1e12:.2f}", f"{floor / step:.0%}",
+                     f"{step / floor:.3f}"])
     kv_note = "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
     title = (f"Decode roofline ({gpu_name(device)}): Llama-3-8B shape, bf16{kv_note}, "
              f"context {args.context}")

@@ -27,26 +27,26 @@ started later, would find in Triton's disk cache).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import gc
-import multiprocessing
-import os
 import random
-import signal
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.common import command_line, gpu_name, prefix_hit_tokens, record
+from benchmarks.common import (
+    ServedRequest,
+    command_line,
+    drive_openai,
+    gpu_name,
+    prefix_hit_tokens,
+    record,
+    server_metric,
+    start_server,
+    stop_server,
+)
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
 from manylora import LLM, LoRARequest, SamplingParams
 
@@ -99,108 +99,28 @@ def offline(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: in
             "blocks": kv.num_blocks, "prefix_hits": hits}
 
 
-def start_server(model_dir: Path, adapters: list[Path], port: int, quick: bool):
-    argv = [sys.executable, "-m", "manylora.entrypoints.cli", "serve", "--model",
-            str(model_dir), "--served-model-name", "base", "--port", str(port),
-            "--lora-modules", *(f"a{i}={p}" for i, p in enumerate(adapters))]
-    for key, value in engine_kwargs(quick).items():
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if value is True else [flag, str(value)]
-    proc = subprocess.Popen(argv, env=dict(os.environ), start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"manylora serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("manylora serve did not start in 600 s")
+def served_batch(prompts: list[list[int]], max_tokens: int) -> list[ServedRequest]:
+    """The workload's requests for the openai client: request i on adapter ``a{i % 16}``
+    (every 8th on the base model)."""
+    return [("base" if _adapter_of(i) is None else f"a{_adapter_of(i)}", p, max_tokens)
+            for i, p in enumerate(prompts)]
 
 
-async def _client_slice(port: int, requests: list[tuple[int, list[int]]], max_tokens: int,
-                        start_at: float) -> tuple[list[int], list[float], list[float], float]:
-    """One client process's share: its requests, all concurrent, sent at ``start_at``
-    (``time.time()``); the completion tokens, TTFTs, ITLs (seconds) and the end time."""
-    import openai
-
-    client = openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=3600,
-        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests) + 8)))
-    ttft: list[float] = []
-    itl: list[float] = []
-
-    async def one(i: int, prompt: list[int]) -> int:
-        adapter = _adapter_of(i)
-        sent = time.perf_counter()
-        stream = await client.completions.create(
-            model="base" if adapter is None else f"a{adapter}", prompt=prompt,
-            max_tokens=max_tokens, temperature=0.0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        last = None
-        tokens = 0
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-            if not chunk.choices:
-                continue
-            if last is None:
-                ttft.append(now - sent)
-            else:
-                itl.append(now - last)
-            last = now
-        return tokens
-
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    counts = await asyncio.gather(*(one(i, p) for i, p in requests))
-    end = time.time()
-    await client.close()
-    return counts, ttft, itl, end
-
-
-def _run_slice(args) -> tuple[list[int], list[float], list[float], float]:
-    return asyncio.run(_client_slice(*args))
-
-
-def drive(port: int, prompts, warm, max_tokens: int, procs: int) -> dict:
-    """The workload through ``procs`` client processes (one Python client cannot parse
-    hundreds of streams at the engine's pace), warm-up first; the last run's figures."""
-    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        def run(batch, tokens):
-            start_at = time.time() + 2.0
-            slices = [([(i, batch[i]) for i in range(k, len(batch), procs)], tokens)
-                      for k in range(procs)]
-            parts = list(pool.map(_run_slice, [(port, r, t, start_at) for r, t in slices]))
-            return parts, max(p[3] for p in parts) - start_at
-
-        run(warm, WARMUP_TOKENS)
-        for batch in prompts:
-            hits = _prefix_hits(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
-            parts, seconds = run(batch, max_tokens)
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    preemptions = sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                      if s.name == "manylora:num_preemptions_total")
-    return {"seconds": seconds, "tokens": sum(sum(p[0]) for p in parts),
-            "ttft": statistics.median(t for p in parts for t in p[1]),
-            "itl": statistics.median(t for p in parts for t in p[2]),
-            "preemptions": int(preemptions), "blocks": _kv_blocks(text),
-            "prefix_hits": _prefix_hits(text) - hits}
-
-
-def _prefix_hits(text: str) -> int:
-    """Prompt tokens found in the prefix cache so far, from one scrape."""
-    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "manylora:prefix_cache_hits_total"))
-
-
-def _kv_blocks(text: str) -> int:
-    """Total KV blocks from one scrape (used + cached + free)."""
-    return int(sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "manylora:kv_cache_blocks"))
+def serve(model_dir: Path, adapters: list[Path], prompts, warm, max_tokens: int, port: int,
+          procs: int, quick: bool) -> dict:
+    """The workload through ``manylora serve`` and ``procs`` client processes, warm-up
+    first; the last run's figures, with the server's preemptions and KV blocks."""
+    proc = start_server(model_dir, port, engine_kwargs(quick),
+                        [(f"a{i}", p) for i, p in enumerate(adapters)])
+    try:
+        runs = drive_openai(port, [served_batch(warm, WARMUP_TOKENS),
+                                   *(served_batch(p, max_tokens) for p in prompts)], procs)
+        result = dict(runs[-1])
+        result["preemptions"] = int(server_metric(port, "manylora:num_preemptions_total"))
+        result["blocks"] = int(server_metric(port, "manylora:kv_cache_blocks"))
+    finally:
+        stop_server(proc)
+    return result
 
 
 def main() -> None:
@@ -226,12 +146,8 @@ def main() -> None:
         adapters = write_peft_adapters(root / "adapters", config, NUM_ADAPTERS, 16, TARGETS,
                                        device, torch.float32 if args.quick else torch.bfloat16)
         base = offline(model_dir, adapters, prompts, warm, args.max_tokens, args.quick)
-        proc = start_server(model_dir, adapters, args.port, args.quick)
-        try:
-            served = drive(args.port, prompts, warm, args.max_tokens, args.client_procs)
-        finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(60)
+        served = serve(model_dir, adapters, prompts, warm, args.max_tokens, args.port,
+                       args.client_procs, args.quick)
     off_rate = base["tokens"] / base["seconds"]
     srv_rate = served["tokens"] / served["seconds"]
     rows = [["offline `LLM.generate`", f"{base['tokens']:,}", f"{base['seconds']:.2f}",

@@ -9,12 +9,18 @@ median. The floors a benchmark compares against are measured on the same GPU in 
 
 Triton is imported lazily (inside the functions that time on CUDA), so a caller can still set
 ``TRITON_INTERPRET=1`` after importing this module.
+
+The second half drives ``manylora serve`` the way users do: the server in its own process,
+the official ``openai`` client in several client processes (one Python client cannot parse
+hundreds of streams at the engine's pace), every request streamed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import functools
+import multiprocessing
 import os
 import shlex
 import statistics
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -253,3 +260,167 @@ def record(title: str, command: str, columns: Sequence[str],
             f.write("\n" + text)
         print(f"appended to {target}", flush=True)
     return text
+
+
+# ---------------------------------------------------------------------------------------------
+# ``manylora serve`` through the official openai client
+
+#: One request of a served workload: (served model name, prompt token ids, new tokens).
+ServedRequest = tuple[str, list[int], int]
+
+
+def engine_cli_flags(engine_kwargs: dict) -> list[str]:
+    """``EngineArgs`` keyword arguments as ``manylora serve`` flags (``max_num_seqs=256`` →
+    ``--max-num-seqs 256``; True → ``--flag``, False → ``--no-flag``; a tuple → its items)."""
+    argv: list[str] = []
+    for key, value in engine_kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, (tuple, list)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def start_server(model_dir: Path, port: int, engine_kwargs: dict,
+                 lora_modules: Sequence[tuple[str, Path]] = (), served_model_name: str = "base",
+                 extra_args: Sequence[str] = (), timeout_s: float = 600.0) -> subprocess.Popen:
+    """``manylora serve`` in a process (and session) of its own, once ``/health`` answers 200.
+
+    Args:
+        model_dir: the checkpoint directory.
+        port: the port on 127.0.0.1.
+        engine_kwargs: ``EngineArgs`` fields (``engine_cli_flags``).
+        lora_modules: (name, adapter directory) pairs served from the start.
+        served_model_name: the base model's name in requests.
+        extra_args: more ``manylora serve`` flags (e.g. ``--uvicorn-log-level warning``).
+        timeout_s: how long to wait for ``/health``, seconds.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy in ``timeout_s``.
+    """
+    import httpx
+
+    argv = [sys.executable, "-m", "manylora.entrypoints.cli", "serve", "--model",
+            str(model_dir), "--served-model-name", served_model_name, "--port", str(port)]
+    if lora_modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules)]
+    argv += [*engine_cli_flags(engine_kwargs), *extra_args]
+    proc = subprocess.Popen(argv, env=dict(os.environ), start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"manylora serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise RuntimeError(f"manylora serve did not start in {timeout_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """End a ``start_server`` process: SIGINT to its session, SIGKILL after ``timeout_s``."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def server_metric(port: int, name: str) -> float:
+    """The sum of a Prometheus metric's samples (every label set) in one ``/metrics`` scrape
+    (e.g. ``manylora:prefix_cache_hits_total``, in its own unit)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name)
+
+
+async def _client_slice(port: int, requests: Sequence[ServedRequest], start_at: float
+                        ) -> tuple[list[int], list[float], list[float], float]:
+    """One client process's share: its requests, all concurrent, sent at ``start_at``
+    (``time.time()``) to ``/v1/completions`` (greedy, ignore_eos, streamed); the completion
+    tokens (usage), TTFTs, ITLs (seconds) and the end time (``time.time()``)."""
+    import httpx
+    import openai
+
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=3600,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(requests) + 8)))
+    ttft: list[float] = []
+    itl: list[float] = []
+
+    async def one(model: str, prompt: list[int], max_tokens: int) -> int:
+        sent = time.perf_counter()
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        last = None
+        tokens = 0
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if not chunk.choices:
+                continue
+            if last is None:
+                ttft.append(now - sent)
+            else:
+                itl.append(now - last)
+            last = now
+        return tokens
+
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    counts = await asyncio.gather(*(one(*r) for r in requests))
+    end = time.time()
+    await client.close()
+    return counts, ttft, itl, end
+
+
+def _run_slice(args) -> tuple[list[int], list[float], list[float], float]:
+    return asyncio.run(_client_slice(*args))
+
+
+def drive_openai(port: int, batches: Sequence[Sequence[ServedRequest]], procs: int
+                 ) -> list[dict]:
+    """Send each batch of requests to a ``manylora serve`` on ``port``, one batch after the
+    other, all requests of a batch at once, spread round robin over ``procs`` client
+    processes (``spawn``) started once for every batch.
+
+    Returns:
+        per batch: ``seconds`` (from the common send time to the last stream's end),
+        ``tokens`` (completion tokens, from usage), ``ttft`` and ``itl`` (medians over
+        requests and over chunks, seconds, at the client), ``prefix_hits`` (prompt tokens
+        the server found in its prefix cache during the batch, from ``/metrics``).
+    """
+    hits_metric = "manylora:prefix_cache_hits_total"
+    results = []
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for batch in batches:
+            hits = server_metric(port, hits_metric)
+            start_at = time.time() + 2.0          # every client process is up by then
+            slices = [(port, list(batch[k::procs]), start_at) for k in range(procs)]
+            parts = list(pool.map(_run_slice, slices))
+            seconds = max(p[3] for p in parts) - start_at
+            ttft = [t for p in parts for t in p[1]]
+            itl = [t for p in parts for t in p[2]]
+            results.append({
+                "seconds": seconds, "tokens": sum(sum(p[0]) for p in parts),
+                "ttft": statistics.median(ttft) if ttft else float("nan"),
+                "itl": statistics.median(itl) if itl else float("nan"),
+                "prefix_hits": int(server_metric(port, hits_metric) - hits)})
+    return results
