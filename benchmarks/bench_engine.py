@@ -152,14 +152,17 @@ def adapter_of(i: int, count: int) -> int | None:
     return None if i % 8 == 7 else (i - i // 8) % count
 
 
-def engine_kwargs(quick: bool) -> dict:
-    """The one engine setting of every part (``EngineArgs`` fields)."""
-    return dict(load_format="dummy", skip_tokenizer_init=True,
-                dtype="float32" if quick else "bfloat16", device="cpu" if quick else "cuda",
-                max_loras=num_adapters(quick), max_cpu_loras=num_adapters(quick),
-                max_lora_rank=RANK, lora_target_modules=LORA_TARGETS, max_num_seqs=256,
-                max_num_batched_tokens=8192, max_model_len=2048, enable_prefix_caching=True,
-                **({"num_kv_blocks": 1024} if quick else {}))
+def engine_kwargs(quick: bool, lora: bool = True) -> dict:
+    """The engine setting of every part (``EngineArgs`` fields); ``lora`` False: LoRA
+    disabled (``enable_lora=False``, no slots), as a LoRA-off baseline runs."""
+    common = dict(load_format="dummy", skip_tokenizer_init=True,
+                  dtype="float32" if quick else "bfloat16", device="cpu" if quick else "cuda",
+                  max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048,
+                  enable_prefix_caching=True, **({"num_kv_blocks": 1024} if quick else {}))
+    if not lora:
+        return dict(common, enable_lora=False)
+    return dict(common, max_loras=num_adapters(quick), max_cpu_loras=num_adapters(quick),
+                max_lora_rank=RANK, lora_target_modules=LORA_TARGETS)
 
 
 def in_child(fn: Callable, *args):
@@ -204,7 +207,7 @@ def summarize(passes: list[dict]) -> dict:
 
 
 def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str], repeats: int,
-                quick: bool) -> dict[str, dict]:
+                quick: bool, lora: bool = True) -> dict[str, dict]:
     """Each workload through ``LLM.generate``, warm-up pass first, then its timed passes
     (``timed_seeds``); per workload the ``summarize``-d ``tokens``, ``seconds``,
     ``prefix_hits`` (prompt tokens found in the prefix cache) and ``preemptions``.
@@ -214,7 +217,7 @@ def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str], rep
     """
     from manylora import LLM, LoRARequest, SamplingParams
 
-    llm = LLM(str(model_dir), **engine_kwargs(quick))
+    llm = LLM(str(model_dir), **engine_kwargs(quick, lora))
     vocab = llm.llm_engine.vocab_size
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
     results = {}
@@ -265,7 +268,7 @@ def served_requests(work: Workload, prompts: list[list[int]], cap: int | None,
 
 
 def run_serve(model_dir: Path, adapters: list[Path], names: Sequence[str], repeats: int,
-              port: int, procs: int, quick: bool) -> dict[str, dict]:
+              port: int, procs: int, quick: bool, lora: bool = True) -> dict[str, dict]:
     """Each workload through ``manylora serve`` (``common.drive_openai``), warm-up pass
     first, then its timed passes (``timed_seeds``); per workload the ``summarize``-d
     ``drive_openai`` figures.
@@ -284,8 +287,8 @@ def run_serve(model_dir: Path, adapters: list[Path], names: Sequence[str], repea
             batches.append(served_requests(work, work.prompts(vocab, seed), None,
                                            len(adapters)))
             labels.append(name)
-    proc = start_server(model_dir, port, engine_kwargs(quick),
-                        [(f"a{k}", p) for k, p in enumerate(adapters)],
+    proc = start_server(model_dir, port, engine_kwargs(quick, lora),
+                        [(f"a{k}", p) for k, p in enumerate(adapters)] if lora else [],
                         extra_args=["--uvicorn-log-level", "warning"])   # no line per request
     try:
         runs = drive_openai(port, batches, procs)
@@ -598,10 +601,18 @@ def main() -> None:
                                        torch.float32 if quick else torch.bfloat16)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        offline = in_child(run_offline, model_dir, adapters, names, args.repeats, quick) \
-            if "offline" in parts else {}
-        served = run_serve(model_dir, adapters, names, args.repeats, args.port,
-                           args.client_procs, quick) if "serve" in parts else {}
+        # LoRA-off workloads on an engine with LoRA disabled (the baseline's meaning), the
+        # adapter workload on the LoRA engine; each engine in a process of its own
+        groups = [(lora, [n for n in names if workloads(quick)[n].lora == lora])
+                  for lora in (False, True)]
+        offline, served = {}, {}
+        for lora, group in groups:
+            if group and "offline" in parts:
+                offline |= in_child(run_offline, model_dir, adapters, group, args.repeats,
+                                    quick, lora)
+            if group and "serve" in parts:
+                served |= run_serve(model_dir, adapters, group, args.repeats, args.port,
+                                    args.client_procs, quick, lora)
         if offline or served:
             columns, rows = throughput_table(names, offline, served, quick)
             record(f"Engine v2 throughput ({gpu}): offline `LLM.generate` and `manylora serve` "
@@ -610,7 +621,8 @@ def main() -> None:
                    "time (offline: the whole `generate` call; served: from the common send "
                    "time to the last stream's end); each workload's warm-up pass "
                    f"(its prompt lengths, other token ids, at most {WARMUP_NEW} new tokens) runs "
-                   "first. W1 and W2 run with LoRA on the engine but no adapter in the requests. "
+                   "first. W1 and W2 run on an engine with LoRA disabled (enable_lora=False), "
+                   "W3 on one with 64 adapter slots. "
                    f"Served: {args.client_procs} client processes, every request at once, "
                    "greedy, ignore_eos; TTFT and ITL at the client. vLLM 0.26: issue 16's "
                    "figures (same model, settings and GPU type, V1 engine defaults). Targets: "
