@@ -2,7 +2,8 @@
 (``InprocClient``, for tests and debugging) or in a process of its own (``MPClient``, the
 default), behind one interface.
 
-Requests and aborts are sent without waiting. What comes back is a stream of messages, in
+Requests (a list per message: the core takes them all in before its next step) and aborts
+are sent without waiting. What comes back is a stream of messages, in
 the order the core produced them: an ``AddResult`` for every request sent (before any of
 its outputs) and ``EngineCoreOutputs`` per step. ``call`` runs one of the core's utility
 methods and waits for its answer; messages that arrive meanwhile are kept, in order, for
@@ -94,13 +95,14 @@ class InprocClient:
         self.info = self.engine_core.info()
         self._results: deque[AddDone] = deque()
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        try:
-            history = self.engine_core.add_request(request)
-        except Exception as e:
-            self._results.append(AddDone(request.request_id, error=e))
-        else:
-            self._results.append(AddDone(request.request_id, history))
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            try:
+                history = self.engine_core.add_request(request)
+            except Exception as e:
+                self._results.append(AddDone(request.request_id, error=e))
+            else:
+                self._results.append(AddDone(request.request_id, history))
 
     def abort_requests(self, request_ids: list[str],
                        reason: FinishReason = FinishReason.ABORT) -> None:
@@ -158,7 +160,7 @@ class MPClient:
         self._output.bind(output_address)
         self._encoder = Encoder()
         self._decoders = {ReplyType.READY: Decoder(CoreInfo),
-                          ReplyType.ADD_RESULT: Decoder(AddResult),
+                          ReplyType.ADD_RESULT: Decoder(list[AddResult]),
                           ReplyType.UTILITY_RESULT: Decoder(UtilityResult),
                           ReplyType.OUTPUTS: Decoder(EngineCoreOutputs),
                           ReplyType.DEAD: Decoder(ErrorInfo)}
@@ -224,8 +226,10 @@ class MPClient:
         if self._closed:
             raise EngineDeadError("the engine core was shut down")
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self._send(RequestType.ADD, request)
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Send requests in one message: the core takes them all in before its next step."""
+        if requests:
+            self._send(RequestType.ADD, requests)
 
     def abort_requests(self, request_ids: list[str],
                        reason: FinishReason = FinishReason.ABORT) -> None:
@@ -279,9 +283,8 @@ class MPClient:
             if kind is ReplyType.OUTPUTS:
                 messages.append(message)
             elif kind is ReplyType.ADD_RESULT:
-                messages.append(AddDone(message.request_id, message.history,
-                                        None if message.error is None
-                                        else message.error.to_exception()))
+                messages.extend(AddDone(r.request_id, r.history, None if r.error is None
+                                        else r.error.to_exception()) for r in message)
             elif kind is ReplyType.UTILITY_RESULT:
                 self._utility[message.call_id] = message
             elif kind is ReplyType.DEAD:

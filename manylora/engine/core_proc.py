@@ -5,9 +5,10 @@ that takes the front's messages and steps the core, so that nothing of the front
 Two ZMQ sockets, both bound by the front: the core PULLs ``RequestType`` messages and
 PUSHes ``ReplyType`` messages, in order (``engine/protocol.py``). The loop:
 
-1. take every message waiting (block for one when there is no work): ``ADD`` →
-   ``EngineCore.add_request`` and its ``AddResult`` at once; ``ABORT``; ``UTILITY`` →
-   ``UtilityResult``; ``SHUTDOWN`` → ``EngineCore.shutdown`` and exit;
+1. take every message waiting (block for one when there is no work): ``ADD`` (a list of
+   requests) → ``EngineCore.add_request`` for each and their ``AddResult``s at once;
+   ``ABORT``; ``UTILITY`` → ``UtilityResult``; ``SHUTDOWN`` → ``EngineCore.shutdown`` and
+   exit;
 2. one ``EngineCore.step`` when requests are unfinished;
 3. ``OUTPUTS`` with the step's deltas and ``SchedulerStats``, when the step produced any or
    a message changed the state.
@@ -123,7 +124,7 @@ class EngineCoreProc:
         self.out = out
         self.parent_pid = parent_pid
         self.encoder = Encoder()
-        self._decoders = {RequestType.ADD: Decoder(EngineCoreRequest),
+        self._decoders = {RequestType.ADD: Decoder(list[EngineCoreRequest]),
                           RequestType.ABORT: Decoder(AbortRequests),
                           RequestType.UTILITY: Decoder(UtilityCall)}
 
@@ -169,13 +170,13 @@ class EngineCoreProc:
     def _handle(self, kind: RequestType, message) -> None:
         core = self.core
         if kind is RequestType.ADD:
-            try:
-                history = core.add_request(message)
-            except Exception as e:
-                self._send(ReplyType.ADD_RESULT, AddResult(message.request_id, [],
-                                                           ErrorInfo.of(e)))
-            else:
-                self._send(ReplyType.ADD_RESULT, AddResult(message.request_id, history))
+            results = []
+            for request in message:
+                try:
+                    results.append(AddResult(request.request_id, core.add_request(request)))
+                except Exception as e:
+                    results.append(AddResult(request.request_id, [], ErrorInfo.of(e)))
+            self._send(ReplyType.ADD_RESULT, results)
         elif kind is RequestType.ABORT:
             core.abort_requests(message.request_ids, message.reason)
         else:

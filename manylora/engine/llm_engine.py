@@ -15,6 +15,7 @@ import operator
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -36,6 +37,18 @@ from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
+
+
+@dataclass
+class SubmittedRequest:
+    """One request for ``LLMEngine.submit_requests`` (the arguments of ``add_request``)."""
+
+    request_id: str | None
+    prompt: str | dict
+    params: SamplingParams | None = None
+    lora_request: LoRARequest | None = None
+    session_id: str | None = None
+    arrival_time: float | None = None
 
 
 class LLMEngine:
@@ -171,25 +184,46 @@ class LLMEngine:
             ValueError: a bad prompt, a duplicate id, stop strings without a tokenizer.
             EngineDeadError: the core stopped.
         """
-        params = params or SamplingParams()
+        return self.submit_requests([SubmittedRequest(
+            request_id, prompt, params, lora_request, session_id, arrival_time)])[0]
+
+    def submit_requests(self, requests: Sequence[SubmittedRequest]) -> list[str]:
+        """Several ``submit_request`` in one message to the core, which takes them all in
+        before its next step (a batch starts whole, as when ``LLM.generate`` submits).
+        Either every request is sent or, when one fails the front's checks, none is.
+
+        Raises:
+            ValueError: as ``submit_request``, for the first bad request.
+            EngineDeadError: the core stopped.
+        """
+        batch: list[EngineCoreRequest] = []
+        try:
+            for r in requests:
+                batch.append(self._core_request(r))
+            self.client.add_requests(batch)
+        except BaseException:
+            for core_request in batch:
+                self.output_processor.abort(core_request.request_id)
+            raise
+        return [r.request_id for r in batch]
+
+    def _core_request(self, r: SubmittedRequest) -> EngineCoreRequest:
+        """Check and tokenize one request, and start tracking it."""
+        params = r.params or SamplingParams()
+        request_id = r.request_id
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(r.prompt)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.output_processor.add(request_id, text, ids, params, lora_request, arrival)
-        try:
-            self.client.add_request(EngineCoreRequest(
-                request_id, ids, params, lora_request, self.eos_token_ids, session_id, arrival))
-        except BaseException:
-            self.output_processor.abort(request_id)
-            raise
-        return request_id
+        arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
+        self.output_processor.add(request_id, text, ids, params, r.lora_request, arrival)
+        return EngineCoreRequest(request_id, ids, params, r.lora_request, self.eos_token_ids,
+                                 r.session_id, arrival)
 
     def wait_added(self, request_ids: Sequence[str]) -> dict[str, Exception | None]:
         """Wait for the core's answers to submitted requests: ``{id: None}`` for each

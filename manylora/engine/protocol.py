@@ -130,7 +130,7 @@ class EngineCoreOutputs:
 class RequestType(bytes, enum.Enum):
     """The first frame of a front → core message; the body's type follows the name."""
 
-    ADD = b"\x00"            # EngineCoreRequest
+    ADD = b"\x00"            # list[EngineCoreRequest]
     ABORT = b"\x01"          # AbortRequests
     UTILITY = b"\x02"        # UtilityCall
     SHUTDOWN = b"\x03"       # no body
@@ -140,7 +140,7 @@ class ReplyType(bytes, enum.Enum):
     """The first frame of a core → front message."""
 
     READY = b"\x10"          # CoreInfo, once, after start-up
-    ADD_RESULT = b"\x11"     # AddResult, for every ADD, before any output of that request
+    ADD_RESULT = b"\x11"     # list[AddResult], per ADD, before any output of its requests
     UTILITY_RESULT = b"\x12"  # UtilityResult
     OUTPUTS = b"\x13"        # EngineCoreOutputs
     DEAD = b"\x14"           # ErrorInfo: start-up or a step failed; the process exits

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.llm_engine import LLMEngine
+from manylora.engine.llm_engine import LLMEngine, SubmittedRequest
 from manylora.engine.outputs import RequestOutput
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
@@ -65,14 +65,14 @@ class LLM:
         sessions = _per_prompt(session_id, n, "session_id")
         engine = self.llm_engine
         final: dict[int, SamplingParams] = {}      # each request reports only its end
-        ids: list[str] = []
+        for p in params:
+            if id(p) not in final:
+                final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+        # one message: the core takes every request in before its first step
+        ids = engine.submit_requests([
+            SubmittedRequest(None, prompt, final[id(p)], lora, sid)
+            for prompt, p, lora, sid in zip(prompts, params, loras, sessions)])
         try:
-            for prompt, p, lora, sid in zip(prompts, params, loras, sessions):
-                if id(p) not in final:
-                    final[id(p)] = dataclasses.replace(
-                        p, output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(engine.submit_request(None, prompt, final[id(p)], lora, sid))
-            # every request goes to the core before the first answer is awaited
             errors = [e for e in engine.wait_added(ids).values() if e is not None]
             if errors:
                 raise errors[0]
