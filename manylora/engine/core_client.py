@@ -109,6 +109,13 @@ class InprocClient:
         self.engine_core.abort_requests(request_ids, reason)
 
     def call(self, method: str, *args: Any) -> Any:
+        """``EngineCore.<method>(*args)``, for the methods its own process offers too.
+
+        Raises:
+            ValueError: ``method`` is not in ``UTILITY_METHODS``.
+        """
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"the engine core has no method {method!r} to call")
         return getattr(self.engine_core, method)(*args)
 
     def get_messages(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
