@@ -254,14 +254,16 @@ class AsyncLLM:
             cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
         except queue.Empty:
             return True
-        while True:
-            if cmd.name == "stop":
-                return False
-            self._execute(cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+        # the requests added now reach the core in one message, so a burst starts whole
+        with self.engine.one_message():
+            while True:
+                if cmd.name == "stop":
+                    return False
+                self._execute(cmd)
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    return True
 
     def _execute(self, cmd: _Command) -> None:
         result: Any = None
@@ -305,6 +307,7 @@ class AsyncLLM:
         self.engine.abort_request(live, stats)
         for rid in live:
             del self._streams[rid]
+            self._adding.pop(rid, None)
         self._log(stats)
 
     def _do_add_lora(self, lora_request: LoRARequest) -> None:

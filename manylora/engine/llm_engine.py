@@ -11,10 +11,11 @@ hits one is ended in the core), per-token log-probability dicts.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ class LLMEngine:
         self._outputs: deque[EngineCoreOutputs] = deque()
         self._added: dict[str, AddDone] = {}
         self._forget: set[str] = set()
+        self._held: list[EngineCoreRequest] | None = None
         self._next_id = 0
 
     @classmethod
@@ -200,12 +202,40 @@ class LLMEngine:
         try:
             for r in requests:
                 batch.append(self._core_request(r))
-            self.client.add_requests(batch)
+            if self._held is not None:
+                self._held.extend(batch)
+            else:
+                self.client.add_requests(batch)
         except BaseException:
             for core_request in batch:
                 self.output_processor.abort(core_request.request_id)
             raise
         return [r.request_id for r in batch]
+
+    @contextlib.contextmanager
+    def one_message(self) -> Iterator[None]:
+        """Requests submitted inside the block go to the core together, in one message at
+        its end (the core takes them all in before its next step); each is still checked
+        by the front on its own, and aborting one inside the block drops it.
+
+        Raises:
+            EngineDeadError: the core stopped (the held requests are dropped).
+        """
+        if self._held is not None:
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                try:
+                    self.client.add_requests(held)
+                except BaseException:
+                    for core_request in held:
+                        self.output_processor.abort(core_request.request_id)
+                    raise
 
     def _core_request(self, r: SubmittedRequest) -> EngineCoreRequest:
         """Check and tokenize one request, and start tracking it."""
@@ -294,9 +324,13 @@ class LLMEngine:
         """Stop requests now; their blocks go back. Unknown ids are ignored. With
         ``stats``, each one still running is counted there as finished with ``"abort"``."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        unsent: set[str] = set()
+        if self._held:                 # not sent yet: it never reaches the core
+            unsent = {r.request_id for r in self._held} & set(ids)
+            self._held = [r for r in self._held if r.request_id not in unsent]
         for rid in ids:
-            if rid in self.output_processor.states and not self.output_processor.states[
-                    rid].answered:
+            state = self.output_processor.states.get(rid)
+            if state is not None and not state.answered and rid not in unsent:
                 self._forget.add(rid)
             self._added.pop(rid, None)
             self.output_processor.abort(rid, stats)

@@ -152,3 +152,21 @@ def test_delta_outputs_never_carry_part_of_a_stop_string(llm):
                 # what was sent so far never reaches into the stop string's first character
                 assert len(sent) <= text.index(stop)
     assert sent == text[:text.index(stop)]
+
+
+def test_requests_submitted_in_one_message_reach_the_core_together(llm):
+    engine = llm.llm_engine
+    core = engine.engine_core
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    with engine.one_message():
+        ids = [engine.submit_request(None, p, params) for p in PROMPTS]
+        with pytest.raises(ValueError, match="integers"):          # checked on its own
+            engine.submit_request(None, {"prompt_token_ids": ["x"]}, params)
+        engine.abort_request(ids[1])                    # never sent: dropped
+        assert not core.scheduler.requests              # held until the block ends
+    assert set(core.scheduler.requests) == {ids[0], ids[2], ids[3]}
+    assert engine.wait_added([ids[0], ids[2], ids[3]]) == dict.fromkeys(
+        [ids[0], ids[2], ids[3]])
+    finished = {o.request_id for o in engine.generate_all()}
+    assert finished == {ids[0], ids[2], ids[3]}
+    assert engine.take_added() == []            # no answer left over
