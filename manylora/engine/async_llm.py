@@ -268,17 +268,18 @@ class AsyncLLM:
     def _execute(self, cmd: _Command) -> None:
         result: Any = None
         error: BaseException | None = None
-        self._current = cmd
         try:
             result = getattr(self, f"_do_{cmd.name}")(*cmd.args)
         except Exception as e:
             error = e
-        if result is _DEFERRED:
+        if isinstance(result, _Deferred):       # answered when the core's answer comes
+            self._adding[result.request_id] = cmd
             return
         if cmd.future is not None:
             _call_soon(cmd.loop, _settle, cmd.future, result, error)
 
-    def _do_add(self, request_id: str, prompt, params, lora_request, stream: _Stream) -> Any:
+    def _do_add(self, request_id: str, prompt, params, lora_request,
+                stream: _Stream) -> _Deferred:
         with self._pending_lock:
             self._pending_adds -= 1
         if request_id in self._streams:
@@ -286,8 +287,7 @@ class AsyncLLM:
         self.engine.submit_request(request_id, prompt, params, lora_request,
                                    arrival_time=stream.arrival)
         self._streams[request_id] = stream
-        self._adding[request_id] = self._current
-        return _DEFERRED
+        return _Deferred(request_id)
 
     def _settle_adds(self) -> None:
         """Answer each ``generate`` whose request the core took or refused."""
@@ -365,8 +365,12 @@ class AsyncLLM:
                 _call_soon(cmd.loop, _settle, cmd.future, None, error)
 
 
-#: What a command returns when its caller is answered later (an add: by the core).
-_DEFERRED = object()
+@dataclass(frozen=True)
+class _Deferred:
+    """What an add returns: its caller is answered when the core's answer to
+    ``request_id`` comes (``_settle_adds``)."""
+
+    request_id: str
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -81,7 +81,6 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         model_dir = resolve_model_path(args.model, args.revision)
-        self.model_dir = model_dir
         hf_config = load_hf_config(model_dir, args.trust_remote_code)
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device, hf_config)

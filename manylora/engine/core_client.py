@@ -216,8 +216,9 @@ class MPClient:
             else:
                 self._drain_wake()
 
-    def _recv(self) -> tuple[ReplyType, Any]:
-        kind, body = self._output.recv_multipart(copy=False)
+    def _recv(self, flags: int = 0) -> tuple[ReplyType, Any]:
+        """The next message (``zmq.NOBLOCK``: raise ``zmq.Again`` when none is there)."""
+        kind, body = self._output.recv_multipart(flags, copy=False)
         kind = ReplyType(bytes(kind.buffer))
         return kind, self._decoders[kind].decode(body.buffer)
 
@@ -284,7 +285,7 @@ class MPClient:
         messages: list[AddDone | EngineCoreOutputs] = []
         while True:
             try:
-                kind, message = self._recv_nowait()
+                kind, message = self._recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             if kind is ReplyType.OUTPUTS:
@@ -303,11 +304,6 @@ class MPClient:
         if self.error is not None and not messages:
             raise self.error
         return messages
-
-    def _recv_nowait(self) -> tuple[ReplyType, Any]:
-        kind, body = self._output.recv_multipart(zmq.NOBLOCK, copy=False)
-        kind = ReplyType(bytes(kind.buffer))
-        return kind, self._decoders[kind].decode(body.buffer)
 
     def wake(self) -> None:
         """Make a blocked ``get_messages`` return (any thread)."""

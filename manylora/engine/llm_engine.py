@@ -202,14 +202,13 @@ class LLMEngine:
         try:
             for r in requests:
                 batch.append(self._core_request(r))
-            if self._held is not None:
-                self._held.extend(batch)
-            else:
-                self.client.add_requests(batch)
         except BaseException:
-            for core_request in batch:
-                self.output_processor.abort(core_request.request_id)
+            self._untrack(batch)
             raise
+        if self._held is not None:
+            self._held.extend(batch)
+        else:
+            self._send(batch)
         return [r.request_id for r in batch]
 
     @contextlib.contextmanager
@@ -230,12 +229,19 @@ class LLMEngine:
         finally:
             held, self._held = self._held, None
             if held:
-                try:
-                    self.client.add_requests(held)
-                except BaseException:
-                    for core_request in held:
-                        self.output_processor.abort(core_request.request_id)
-                    raise
+                self._send(held)
+
+    def _send(self, batch: list[EngineCoreRequest]) -> None:
+        """One ADD message; the front stops tracking the batch when it cannot go."""
+        try:
+            self.client.add_requests(batch)
+        except BaseException:
+            self._untrack(batch)
+            raise
+
+    def _untrack(self, batch: list[EngineCoreRequest]) -> None:
+        for core_request in batch:
+            self.output_processor.abort(core_request.request_id)
 
     def _core_request(self, r: SubmittedRequest) -> EngineCoreRequest:
         """Check and tokenize one request, and start tracking it."""

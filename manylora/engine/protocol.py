@@ -87,10 +87,6 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(frozen=True)
 class SchedulerStats:

@@ -25,7 +25,7 @@ _EXT_TORCH = 1
 _EXT_NUMPY = 2
 
 #: torch dtypes numpy has no name for travel as raw 16-bit words.
-_TORCH_ONLY = {torch.bfloat16: "bfloat16"}
+_TORCH_ONLY = frozenset({torch.bfloat16})
 _TORCH_BY_NAME = {str(t).removeprefix("torch."): t for t in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool)}
@@ -46,7 +46,7 @@ def _enc_hook(obj: Any) -> Any:
         return msgspec.msgpack.Ext(_EXT_NUMPY, _header(a.dtype.str, a.shape) + a.tobytes())
     if isinstance(obj, frozenset):
         return sorted(obj)
-    raise NotImplementedError(f"cannot encode {type(obj).__name__} for the engine core")
+    raise TypeError(f"cannot encode {type(obj).__name__} for the engine core")
 
 
 def _header(dtype: str, shape) -> bytes:
