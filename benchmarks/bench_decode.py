@@ -112,6 +112,22 @@ def time_execute(runner, plans, lora_slots, ranks) -> float:
     return statistics.median(times)
 
 
+def time_execute_async(runner, plans, lora_slots, ranks) -> float:
+    """Median wall time per step of ``plans[WARMUP_STEPS:]`` pipelined as the engine runs
+    them under async scheduling: step i+1 is launched (its decode tokens gathered from
+    step i's samples on the device) before step i's tokens are read, s."""
+    times, launched = [], None
+    for i, out in enumerate(plans):
+        t0 = time.perf_counter()
+        step = runner.execute_async(out, lora_slots, ranks)
+        runner.get_output(launched)
+        launched = step
+        if i >= WARMUP_STEPS:
+            times.append(time.perf_counter() - t0)
+    runner.get_output(launched)
+    return statistics.median(times)
+
+
 def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, iters: int = 30,
                    kv_cache_dtype: str = "auto", quick: bool = False,
                    loras: Sequence[bool] = (False, True)) -> list[dict]:
@@ -129,8 +145,10 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
 
     Returns:
         One dict per (batch, LoRA) case: ``batch``, ``lora`` (bool), ``step_s`` (median
-        ``ModelRunner.execute`` wall time, s), ``bytes`` (``step_bytes``), ``bandwidth``
-        (measured copy bandwidth, bytes/s; nan off CUDA), ``floor_s`` (bytes / bandwidth).
+        ``ModelRunner.execute`` wall time, s), ``step_async_s`` (median step period
+        pipelined as under async scheduling, ``time_execute_async``, s), ``bytes``
+        (``step_bytes``), ``bandwidth`` (measured copy bandwidth, bytes/s; nan off CUDA),
+        ``floor_s`` (bytes / bandwidth).
     """
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = TINY if quick or device.type == "cpu" else LLAMA3_8B
@@ -138,7 +156,7 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
     max_batch = max(batches)
     with tempfile.TemporaryDirectory() as tmp:
         hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
-    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * context + WARMUP_STEPS + iters)
+    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * (context + WARMUP_STEPS + iters))
     model = load_model(Path(tmp), cfg, device, load_format="dummy")
     lora_config = LoRAConfig(max_batch, rank, max_batch, LORA_TARGET_MODULES)
     slots = model.create_lora_slots(lora_config)
@@ -146,7 +164,7 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
     for s in set(slots.values()):
         for t in (*s.lora_a_stacked, *s.lora_b_stacked):
             t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
-    blocks_per_seq = -(-(context + WARMUP_STEPS + iters) // BLOCK_SIZE)
+    blocks_per_seq = -(-(context + 2 * (WARMUP_STEPS + iters)) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
                                    kv_cache_dtype)
     for kv in kv_caches:
@@ -169,15 +187,18 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
                 ids = torch.randint(0, config["vocab_size"], (context,)).tolist()
                 reqs.append(Request(f"r{b}", None, ids, params,
                                     LoRARequest(f"a{b}", b + 1, "unused") if lora else None,
-                                    context + WARMUP_STEPS + iters))
+                                    context + 2 * (WARMUP_STEPS + iters)))
                 tables.append(list(range(b * blocks_per_seq, (b + 1) * blocks_per_seq)))
-            plans = decode_plans(reqs, tables, context, WARMUP_STEPS + iters)
+            n = WARMUP_STEPS + iters
+            plans = decode_plans(reqs, tables, context, 2 * n)
             lora_slots = {b + 1: b for b in range(batch)} if lora else {}
             runner.release([r.request_id for r in reqs])      # the last case's rows
-            step = time_execute(runner, plans, lora_slots, ranks)
+            step = time_execute(runner, plans[:n], lora_slots, ranks)
+            step_async = time_execute_async(runner, plans[n:], lora_slots, ranks)
             nbytes = step_bytes(model, config, batch, context, rank, batch if lora else 0,
                                 kv_cache_dtype)
-            results.append({"batch": batch, "lora": lora, "step_s": step, "bytes": nbytes,
+            results.append({"batch": batch, "lora": lora, "step_s": step,
+                            "step_async_s": step_async, "bytes": nbytes,
                             "bandwidth": bandwidth, "floor_s": nbytes / bandwidth})
             print(results[-1], flush=True)
     return results

@@ -214,7 +214,8 @@ class KVCacheManager:
         if table is None:
             return
         done = self._registered.get(rid, 0)
-        full = min(req.num_computed_tokens // self.block_size, len(table))
+        # tokens whose ids are on the host (a step in flight may have computed one more)
+        full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(table))
         if full <= done:
             return
         hashes = self._hashes(req)
@@ -234,7 +235,8 @@ class KVCacheManager:
         if not self.host.num_blocks or holder not in self._tables:
             return 0
         table = self._tables[holder]
-        full = min(req.num_computed_tokens // self.block_size, len(table))
+        # tokens whose ids are on the host (a step in flight may have computed one more)
+        full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(table))
         if full == 0 or not self.cost.prefer_swap(full * self.block_size, full):
             return 0
         hashes = self._hashes(req)

@@ -41,7 +41,9 @@ class ScheduledRequest(NamedTuple):
         request: the request (the engine reads its id and adapter; the runner its id).
         start: position of the first token computed this step (= tokens already cached).
         num_tokens: tokens computed this step, ``request.token_ids[start:start + num_tokens]``.
-        sample: whether this step reaches the request's last token, so a token is sampled.
+        sample: whether this step reaches the request's last token (counting an output
+            placeholder: under async scheduling that token is still on the device), so a
+            token is sampled.
     """
 
     request: Request
@@ -108,9 +110,10 @@ class SchedulerOutput(NamedTuple):
         scheduled_new_reqs: the scheduled requests the runner does not hold yet, in full.
         scheduled_cached_reqs: the other scheduled requests, as block-table deltas.
 
-    A step's deltas count as delivered once ``Scheduler.update`` records the step: a plan
-    the engine drops without running it (an adapter that failed to load) is sent again, in
-    full, by the next one.
+    A plan counts as run once ``schedule`` returns it (computed tokens advanced, output
+    placeholders added, deltas delivered); a plan the engine drops without running it (an
+    adapter that failed to load) is undone by ``Scheduler.revert`` and its deltas are sent
+    again, in full, by the next one.
     """
 
     scheduled: list[ScheduledRequest]
@@ -234,7 +237,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            total = req.num_tokens + req.num_output_placeholders
+            if req.num_output_placeholders and total >= req.max_total_tokens:
+                i += 1             # the tokens in flight end it (length): nothing to compute
+                continue
+            n = min(total - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 if self._evict_idle_session():
                     continue
@@ -253,8 +260,46 @@ class Scheduler:
             budget = self._admit_waiting(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
         new_reqs, cached = self._deltas(scheduled)
-        return SchedulerOutput(scheduled, preempted, finished, self.kv.take_swaps(),
-                               new_reqs, cached)
+        out = SchedulerOutput(scheduled, preempted, finished, self.kv.take_swaps(),
+                              new_reqs, cached)
+        self._commit(out)
+        return out
+
+    def _commit(self, out: SchedulerOutput) -> None:
+        """Count the plan as run (vLLM v1's ``_update_after_schedule``): computed tokens
+        advance now, each sampling request gets an output placeholder, and the plan's
+        deltas count as delivered to the runner, so the next plan can be made before this
+        step's tokens reach the host (async scheduling)."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_tokens
+            if s.sample:
+                s.request.num_output_placeholders += 1
+        self._mark_sent(out, 1)
+
+    def _mark_sent(self, out: SchedulerOutput, sign: int) -> None:
+        sent_blocks = self._sent_blocks
+        for new in out.scheduled_new_reqs:
+            if sign < 0:
+                sent_blocks.pop(new.req_id, None)
+            elif new.req_id in self.requests:
+                sent_blocks[new.req_id] = len(new.block_ids)
+        cached = out.scheduled_cached_reqs
+        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
+            if blocks and rid in sent_blocks:
+                sent_blocks[rid] += sign * len(blocks)
+
+    def revert(self, out: SchedulerOutput) -> None:
+        """Undo ``schedule``'s accounting for a plan the engine drops without running it
+        (an adapter failed to load): computed tokens and placeholders go back, and the
+        next plan sends the runner its deltas again, in full. Requests that finished since
+        are skipped."""
+        for s in out.scheduled:
+            req = s.request
+            if self.requests.get(req.request_id) is req:
+                req.num_computed_tokens -= s.num_tokens
+                if s.sample:
+                    req.num_output_placeholders -= 1
+        self._mark_sent(out, -1)
 
     def _deltas(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[list[NewRequestData], CachedRequestData]:
@@ -406,7 +451,8 @@ class Scheduler:
 
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, start, n, start + n == req.num_tokens)
+        return ScheduledRequest(req, start, n,
+                                start + n == req.num_tokens + req.num_output_placeholders)
 
     def _preempt(self, req: Request) -> None:
         self.kv.swap_out(req)
@@ -423,28 +469,36 @@ class Scheduler:
                    len(queue))
         queue.insert(pos, req)
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Record a finished step: computed tokens advance, sampled tokens are appended,
-        and the step's block-table deltas count as delivered to the runner.
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Record a step's sampled tokens (its computed tokens were counted when it was
+        planned): each is appended to its request, the request's placeholder goes, and its
+        newly computed full blocks enter the prefix cache.
+
+        Under async scheduling this runs after the next step was planned: a request
+        finished since (stopped, aborted) is skipped and its token dropped; a request
+        preempted since keeps its token (it recomputes from its tokens when it returns).
 
         Args:
             output: the step's plan.
             sampled: ``{request_id: token_id}`` for the requests that sampled.
+
+        Returns:
+            The requests (still unfinished) that got a token, in batch order.
         """
-        sent_blocks = self._sent_blocks
-        for new in output.scheduled_new_reqs:
-            if new.req_id in self.requests:
-                sent_blocks[new.req_id] = len(new.block_ids)
-        cached = output.scheduled_cached_reqs
-        for rid, blocks in zip(cached.req_ids, cached.new_block_ids):
-            if blocks and rid in sent_blocks:
-                sent_blocks[rid] += len(blocks)
+        got = []
+        requests = self.requests
         for s in output.scheduled:
-            s.request.num_computed_tokens += s.num_tokens
-            self.kv.cache_blocks(s.request)
-            token = sampled.get(s.request.request_id)
-            if token is not None:
-                s.request.token_ids.append(token)
+            req = s.request
+            if requests.get(req.request_id) is not req:
+                continue
+            if s.sample:
+                req.num_output_placeholders -= 1
+                token = sampled.get(req.request_id)
+                if token is not None:
+                    req.token_ids.append(token)
+                    got.append(req)
+            self.kv.cache_blocks(req)
+        return got
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests (stopped, at length, aborted): their blocks go back to the pool,
@@ -479,6 +533,9 @@ class Scheduler:
         if sess is None or sess.active_request != req.request_id:
             return
         sess.active_request = None
+        # a step launched before the turn stopped may have computed its last token's KV
+        # (async scheduling); the session keeps what a synchronous step leaves: all but it
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
         if sess.ended:
             self._release_session_kv(sess)
             self.sessions.drop(sess)

@@ -62,6 +62,11 @@ class EngineArgs:
             row-parallel ones), at the cost of one more collective per column-parallel
             projection and two more per row-parallel one (vLLM's option; at rank 16 on two
             H200s it made decode steps slower: BENCHMARKS.md).
+        async_scheduling: schedule and launch step n+1 before step n's sampled tokens reach
+            the host (vLLM's async scheduling): the next step's decode inputs come from the
+            sampled tokens on the device, so the host's planning and output handling overlap
+            the GPU. Greedy and seeded outputs are the same on and off; a request that stops
+            (EOS, stop id) computes one more token, which is discarded.
     """
 
     model: str
@@ -93,6 +98,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     fully_sharded_loras: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:

@@ -3,11 +3,17 @@ stepped one batch at a time on token ids (vLLM v1's ``EngineCore``).
 
 A step: ``Scheduler.schedule`` picks the requests and token counts (at most ``max_loras``
 distinct adapters), ``LoRAManager.activate`` binds their adapters to device slots,
-``ModelRunner.execute`` runs the batch and samples, ``Scheduler.update`` appends the tokens,
-and the token-level stop rules (``core.stop``) end requests, whose blocks go back. What the
-step reports is a delta per request (``EngineCoreOutputs``): its new token ids and their
-log-probabilities, and why it ended. Text, stop strings and ``RequestOutput`` belong to the
-front, ``LLMEngine``.
+``ModelRunner.execute_async`` launches the batch and samples, ``Scheduler.update`` appends
+the tokens once they reach the host, and the token-level stop rules (``core.stop``) end
+requests, whose blocks go back. What the step reports is a delta per request
+(``EngineCoreOutputs``): its new token ids and their log-probabilities, and why it ended.
+Text, stop strings and ``RequestOutput`` belong to the front, ``LLMEngine``.
+
+Async scheduling (on by default, vLLM v1's): step n+1 is planned and launched before step
+n's tokens are read, so the host's planning, output handling and the GPU overlap. The
+scheduler counts a planned step as run (an output placeholder per sampling request), the
+runner takes a decode token from the previous step's samples on the device, and a request
+that stops at step n computes one discarded token in step n+1.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from manylora.config import (
     resolve_dtype,
 )
 from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
-from manylora.core.scheduler import Scheduler
+from manylora.core.scheduler import Scheduler, SchedulerOutput
 from manylora.core.stop import check_stop
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.protocol import (
@@ -53,7 +59,7 @@ from manylora.ops.attention import KVCache
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
-from manylora.worker.model_runner import ModelRunner
+from manylora.worker.model_runner import LaunchedStep, ModelRunner
 from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
 from manylora.worker.warmup import warm_up_triton
 
@@ -135,6 +141,11 @@ class EngineCore:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
                 self.lora_manager.background_dora_reads = False
         self._pending_removals: set[int] = set()
+        self.async_scheduling = args.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
+        if self.tp_driver is not None and self.async_scheduling:
+            self.tp_driver.share_sampled = True
+            self.runner.on_sampled = self.tp_driver.broadcast_sampled
         _freeze_startup_heap()
 
     def _start_tensor_parallel(self, args: EngineArgs, model_dir, dtype: torch.dtype
@@ -341,11 +352,14 @@ class EngineCore:
                 a stop string: a session's turn that stops so keeps its KV for the next turn.
         """
         self._finish(request_ids, _STATUS[reason])
+        self._drain_if_idle()
         if self._pending_removals:
             self._remove_unused_adapters()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether a request is unfinished or a step is still in flight (async scheduling:
+        ``step`` must run once more to read it)."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def info(self) -> CoreInfo:
         """What the front needs to know of this core."""
@@ -354,43 +368,73 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; an ``EngineCoreOutput`` for every request that got a token or
-        ended."""
+        ended.
+
+        With async scheduling the step planned and launched here is not waited for: what
+        is reported is the previous step's tokens, read while this one runs on the device
+        (vLLM v1's batch queue of depth 2). A step whose plan computes nothing (every
+        request waits) only reads the step in flight."""
         outputs = self._end_failed_adapters()
+        launched = self._schedule_and_launch(outputs)
+        if self.async_scheduling:
+            done, self._in_flight = self._in_flight, launched
+        else:
+            done = launched
+        if done is not None:
+            outputs.extend(self._process(*done))
+        self._drain_if_idle()
+        if self._pending_removals:
+            self._remove_unused_adapters()
+        return EngineCoreOutputs(outputs)
+
+    def _drain_if_idle(self) -> None:
+        """Once every request has ended, read the step still in flight (its tokens all
+        belong to ended requests and are dropped), so an idle core holds nothing."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            last, self._in_flight = self._in_flight, None
+            self._process(*last)
+
+    def _schedule_and_launch(self, outputs: list[EngineCoreOutput]
+                             ) -> tuple[SchedulerOutput, LaunchedStep | None] | None:
+        """Plan a step, bind its adapters and launch it; None when nothing is computed."""
         out = self.scheduler.schedule()
         if out.swaps:
             self.swapper.apply(out.swaps)
         self.runner.release(out.finished_ids)
         lora_slots, failed = self._activate_adapters()
         outputs.extend(failed)
-        if not failed:
-            if self.lora_manager is not None:
-                self.lora_manager.prefetch(
-                    self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
-            if out.scheduled:
-                outputs.extend(self._execute(out, lora_slots))
-        if self._pending_removals:
-            self._remove_unused_adapters()
-        return EngineCoreOutputs(outputs)
-
-    def _execute(self, out, lora_slots: dict[int, int]) -> list[EngineCoreOutput]:
+        if failed:
+            self.scheduler.revert(out)
+            return None
+        if self.lora_manager is not None:
+            self.lora_manager.prefetch(
+                self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
+        if not out.scheduled:
+            return None
         with (self.tp_driver.workers.guard() if self.tp_driver is not None
               else contextlib.nullcontext()):        # a dead worker: WorkerDiedError
-            sampled = self.runner.execute(out, lora_slots, self._slot_ranks(),
-                                          self._slot_dora())
-        self.scheduler.update(out, sampled.tokens)
-        requests = self.scheduler.requests
+            launched = self.runner.execute_async(out, lora_slots, self._slot_ranks(),
+                                                 self._slot_dora())
+        return out, launched
+
+    def _process(self, out: SchedulerOutput, launched: LaunchedStep | None
+                 ) -> list[EngineCoreOutput]:
+        """Read a launched step's tokens, record them and apply the token-level stops."""
+        sampled = self.runner.get_output(launched)
+        got = self.scheduler.update(out, sampled.tokens)
         outputs = []
         finished: dict[RequestStatus, list[str]] = {}
-        for rid, token in sampled.tokens.items():
-            req = requests[rid]
+        for req in got:
+            rid = req.request_id
             status = check_stop(req)
             lp = sampled.logprobs.get(rid)
             reason = None
             if status is not None:
                 finished.setdefault(status, []).append(rid)
                 reason = _FINISH[status]
-            outputs.append(EngineCoreOutput(rid, [token], None if lp is None else [lp],
-                                            reason, req.stop_reason))
+            outputs.append(EngineCoreOutput(rid, [req.token_ids[-1]],
+                                            None if lp is None else [lp], reason,
+                                            req.stop_reason))
         for status, ids in finished.items():
             self._finish(ids, status)
         return outputs

@@ -42,6 +42,9 @@ class Request:
         block_hashes: the prefix-cache hashes of the full blocks of ``token_ids`` so far
             (filled by the KV cache manager, ``core.block_pool.extend_block_hashes``).
         eos_token_ids: the ids that end generation unless ``ignore_eos``.
+        num_output_placeholders: tokens scheduled steps will sample for the request that
+            have not reached the host yet (async scheduling: at most 2 between a step's
+            launch and the previous step's outputs, else 0 or 1).
     """
 
     request_id: str
@@ -59,6 +62,7 @@ class Request:
     session_id: str | None = None
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     eos_token_ids: frozenset[int] = frozenset()
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

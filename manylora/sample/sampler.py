@@ -28,7 +28,9 @@ __all__ = [
     "TokenLogprobs",
     "compute_logprobs",
     "make_generator",
+    "pack_tokens_and_logprobs",
     "tokens_and_logprobs_to_host",
+    "unpack_tokens_and_logprobs",
 ]
 
 
@@ -405,21 +407,20 @@ def compute_logprobs(
     return LogprobsTensors(token_logprob.squeeze(-1), token_rank, topk_ids, topk_logprobs)
 
 
-def tokens_and_logprobs_to_host(
+def pack_tokens_and_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     rows: Sequence[int],
     num_logprobs: Sequence[int],
-) -> tuple[list[int], list[TokenLogprobs]]:
-    """Bring a step's sampled tokens, and the log-probabilities of the rows that asked for
-    them, to the host in one device-to-host copy.
+) -> tuple[torch.Tensor, int]:
+    """A step's sampled tokens, and the log-probabilities of the rows that asked for them,
+    as one device tensor for a single device-to-host copy (nothing waits for the device).
 
-    With ``rows`` empty this is ``tokens.tolist()``: no log-probability work at all.
+    With ``rows`` empty the tensor is ``tokens`` itself: no log-probability work at all.
     Otherwise :func:`compute_logprobs` runs once on the selected rows with K the largest
     ``num_logprobs``, and tokens, sampled log-probs, ranks, top-K ids and top-K log-probs
     are packed into one float64 tensor (exact for float32 values and for integers below
-    2**53) read back with a single ``tolist()``. Each row's top-K lists are then cut to its
-    own count.
+    2**53): ``[tokens (N) | per row of rows: logprob, rank, K ids, K logprobs]``.
 
     Args:
         logits: ``[N, V]`` raw logits of the step's sampled rows (see
@@ -429,8 +430,8 @@ def tokens_and_logprobs_to_host(
         num_logprobs: one count in ``[0, MAX_LOGPROBS]`` per entry of ``rows``.
 
     Returns:
-        ``(token_ids, logprobs)``: the N sampled ids as ints, and one :class:`TokenLogprobs`
-        per entry of ``rows``, in the same order.
+        ``(packed, K)``: int64 ``[N]`` or float64 ``[N + len(rows) * (2 + 2K)]``, and K (0
+        without rows).
 
     Raises:
         ValueError: ``rows`` and ``num_logprobs`` differ in length.
@@ -438,7 +439,7 @@ def tokens_and_logprobs_to_host(
     if len(rows) != len(num_logprobs):
         raise ValueError(f"{len(rows)} rows but {len(num_logprobs)} num_logprobs")
     if not rows:
-        return tokens.tolist(), []
+        return tokens, 0
     n = tokens.shape[0]
     if len(rows) == n and list(rows) == list(range(n)):
         sel_logits, sel_tokens = logits, tokens
@@ -456,7 +457,21 @@ def tokens_and_logprobs_to_host(
         lp.topk_ids.to(torch.float64),
         lp.topk_logprobs.to(torch.float64),
     ], dim=-1)
-    host = torch.cat([tokens.to(torch.float64), packed.flatten()]).tolist()
+    return torch.cat([tokens.to(torch.float64), packed.flatten()]), k
+
+
+def unpack_tokens_and_logprobs(
+    host: list, n: int, num_logprobs: Sequence[int], k: int
+) -> tuple[list[int], list[TokenLogprobs]]:
+    """The inverse of :func:`pack_tokens_and_logprobs` on the host: ``host`` is the packed
+    tensor's ``tolist()``, ``n`` the number of sampled rows, ``k`` the K it returned.
+
+    Returns:
+        ``(token_ids, logprobs)``: the N sampled ids as ints, and one :class:`TokenLogprobs`
+        per entry of ``num_logprobs``, each row's top-K lists cut to its own count.
+    """
+    if not num_logprobs:
+        return host, []
     token_ids = [int(t) for t in host[:n]]
     width = 2 + 2 * k
     out: list[TokenLogprobs] = []
@@ -466,3 +481,27 @@ def tokens_and_logprobs_to_host(
         out.append(TokenLogprobs(rec[0], int(rec[1]), [int(t) for t in rec[2:2 + count]],
                                  rec[2 + k:2 + k + count]))
     return token_ids, out
+
+
+def tokens_and_logprobs_to_host(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    rows: Sequence[int],
+    num_logprobs: Sequence[int],
+) -> tuple[list[int], list[TokenLogprobs]]:
+    """Bring a step's sampled tokens, and the log-probabilities of the rows that asked for
+    them, to the host in one device-to-host copy: :func:`pack_tokens_and_logprobs`, one
+    ``tolist()``, :func:`unpack_tokens_and_logprobs`.
+
+    Args:
+        logits, tokens, rows, num_logprobs: as :func:`pack_tokens_and_logprobs`.
+
+    Returns:
+        ``(token_ids, logprobs)``: the N sampled ids as ints, and one :class:`TokenLogprobs`
+        per entry of ``rows``, in the same order.
+
+    Raises:
+        ValueError: ``rows`` and ``num_logprobs`` differ in length.
+    """
+    packed, k = pack_tokens_and_logprobs(logits, tokens, rows, num_logprobs)
+    return unpack_tokens_and_logprobs(packed.tolist(), tokens.shape[0], num_logprobs, k)

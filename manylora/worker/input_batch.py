@@ -20,6 +20,7 @@ positions and query starts, one fancy index for the token ids, a stable ``argsor
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ class CachedRequestState:
         lora_int_id: its adapter (0: the base model).
         sampling_params: its ``SamplingParams``.
         token_ids: its tokens while it holds no row (int32 numpy), None while it does.
+        uid: a number no other state of this batch has (a request id can come back, as a
+            new request, while a step sampled for the old one is in flight).
     """
 
     req_id: str
@@ -57,6 +60,7 @@ class CachedRequestState:
     lora_int_id: int
     sampling_params: SamplingParams
     token_ids: np.ndarray | None = None
+    uid: int = 0
 
 
 @dataclass
@@ -66,6 +70,8 @@ class SampleInfo:
     Attributes:
         req_ids: the sampled requests, in sampled-row order.
         rows: int64 ``[N]``, their input-batch rows.
+        uids: int64 ``[N]``, their states' ``CachedRequestState.uid``.
+        step: the step's number (``InputBatch.append_sampled`` takes it back).
         all_greedy, all_random, do_top_k, do_top_p, do_min_p: ``SamplingTensors`` flags.
         seeded: indices (into the sampled rows) of seeded random rows.
         logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
@@ -73,6 +79,8 @@ class SampleInfo:
 
     req_ids: list[str]
     rows: np.ndarray
+    uids: np.ndarray
+    step: int
     all_greedy: bool
     all_random: bool
     do_top_k: bool
@@ -105,6 +113,10 @@ class InputBatch:
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
+        row_uid: int64 ``[rows]``, the ``uid`` of each row's state (-1: free).
+        pending: ``{req_id: index}`` of the requests the last prepared step samples whose
+            token has not reached the host (``append_sampled``): the next step takes such a
+            token from that step's sampled tokens on the device (async scheduling).
     """
 
     def __init__(self, num_rows: int, max_model_len: int, block_size: int, max_loras: int,
@@ -119,6 +131,10 @@ class InputBatch:
         self.block_table = BlockTable(num_rows, self.width)
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
+        self.pending: dict[str, int] = {}
+        self._pending_step = 0
+        self._step = 0
+        self._uids = itertools.count(1)
         self._free_rows = list(range(num_rows))                # a heap: the lowest first
         self._alloc(num_rows)
 
@@ -132,6 +148,7 @@ class InputBatch:
         g = self.__dict__.get
         self.token_ids = grow(g("token_ids"), np.int32, 0, (self.max_model_len,))
         self.num_tokens = grow(g("num_tokens"), np.int64)
+        self.row_uid = grow(g("row_uid"), np.int64, -1)
         self.lora_id = grow(g("lora_id"), np.int64)
         self.temperature = grow(g("temperature"), np.float32)
         self.top_k = grow(g("top_k"), np.int32)
@@ -164,6 +181,7 @@ class InputBatch:
         if row is not None:
             self.block_table.clear_row(row)
             self.num_tokens[row] = 0
+            self.row_uid[row] = -1
             heapq.heappush(self._free_rows, row)
 
     def _fill_row(self, row: int, state: CachedRequestState, token_ids) -> None:
@@ -171,6 +189,7 @@ class InputBatch:
         n = tokens.size
         self.token_ids[row, :n] = tokens
         self.num_tokens[row] = n
+        self.row_uid[row] = state.uid
         self.lora_id[row] = state.lora_int_id
         p = state.sampling_params
         greedy = p.greedy
@@ -186,8 +205,9 @@ class InputBatch:
 
     def _add_new(self, new: NewRequestData) -> None:
         state = CachedRequestState(new.req_id, list(new.block_ids), new.lora_int_id,
-                                   new.sampling_params)
+                                   new.sampling_params, uid=next(self._uids))
         self.requests[new.req_id] = state
+        self.pending.pop(new.req_id, None)
         row = self.row_of.get(new.req_id)
         self._fill_row(self._take_row() if row is None else row, state, new.all_token_ids)
 
@@ -208,6 +228,7 @@ class InputBatch:
         for rid in req_ids:
             self._give_row(rid)
             self.requests.pop(rid, None)
+            self.pending.pop(rid, None)
 
     def update_states(self, out: SchedulerOutput) -> list[str]:
         """Apply a plan's deltas (vLLM v1's ``_update_states``): forget the preempted,
@@ -295,7 +316,12 @@ class InputBatch:
         starts = np.fromiter((s.start for s in sched), np.int64, num_seqs)
         query_lens = np.fromiter((s.num_tokens for s in sched), np.int64, num_seqs)
         seq_lens = starts + query_lens
-        held = self.num_tokens[seq_rows]
+        known = self.num_tokens[seq_rows]
+        prev = np.full(num_seqs, -1, np.int64)
+        if self.pending:
+            pending = self.pending
+            prev = np.fromiter((pending.get(rid, -1) for rid in ids), np.int64, num_seqs)
+        held = known + (prev >= 0)          # a token still on the device counts as held
         bad = np.nonzero((seq_lens > held) | (query_lens < 1))[0]
         if bad.size:
             i = int(bad[0])
@@ -309,12 +335,13 @@ class InputBatch:
         sampled = np.nonzero(seq_lens == held)[0]
         sample_rows_in_batch = cu[sampled] - 1
         num_sampled = int(sampled.size)
+        late = np.nonzero(seq_lens > known)[0]        # their last token is on the device
         bucket = bucket_of(num_seqs) if num_tokens == num_seqs else None
         pending = self.block_table.num_pending()
         token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
         if bucket is not None:
             probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
-                               0, pending, num_sampled, 0, bucket, 0)
+                               0, pending, num_sampled, 0, bucket, 0, int(late.size))
             if total_size(probe, self.max_loras) > buffers.capacity:
                 bucket = None     # a graph reads the persistent buffer only: run eagerly
         pad_tokens = num_tokens if bucket is None else bucket
@@ -343,7 +370,7 @@ class InputBatch:
             num_sampled=num_sampled,
             sample_prefix=int(num_sampled == 0 or sample_rows_in_batch[-1] == num_sampled - 1),
             bucket=-1 if bucket is None else bucket,
-            table_rows=self.num_rows)
+            table_rows=self.num_rows, num_prev=int(late.size))
         data = buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         _put(v["ids"], self.token_ids[token_rows, positions], 0)
@@ -367,6 +394,8 @@ class InputBatch:
                             lora.sorted_rows, lora.active_slots, lora.seg_start, lora.seg_len,
                             dora.astype(np.int32)], out=v["lora"][:2 * n + 5 * m])
         self.block_table.take_updates(v["table_index"], v["table_value"])
+        v["prev_dst"][:] = cu[late] - 1
+        v["prev_src"][:] = prev[late]
         v["sample_rows"][:] = sample_rows_in_batch
         rows = seq_rows[sampled]
         greedy = self.greedy[rows]
@@ -376,8 +405,12 @@ class InputBatch:
         v["top_p"][:] = self.top_p[rows]
         v["min_p"][:] = self.min_p[rows]
         lp = self.logprobs[rows]
+        req_ids = [ids[i] for i in sampled.tolist()]
+        self._step += 1
+        self.pending = dict(zip(req_ids, range(num_sampled)))
+        self._pending_step = self._step
         info = SampleInfo(
-            req_ids=[ids[i] for i in sampled.tolist()], rows=rows,
+            req_ids=req_ids, rows=rows, uids=self.row_uid[rows], step=self._step,
             all_greedy=bool(greedy.all()), all_random=not greedy.any(),
             do_top_k=bool((self.top_k[rows][random] > 0).any()),
             do_top_p=bool((self.top_p[rows][random] < 1.0).any()),
@@ -411,15 +444,30 @@ class InputBatch:
         seq_slots = np.where(found & (ids != 0), vals[pos] if vals.size else -1, -1)
         return np.repeat(seq_slots, query_lens)
 
-    def append_sampled(self, rows: np.ndarray, tokens: Sequence[int]) -> None:
-        """Append each sampled token to its row (``rows`` as ``SampleInfo.rows``); a row
-        already at ``max_model_len`` keeps its tokens (its request ends with this step)."""
-        if not len(rows):
+    def append_sampled(self, info: SampleInfo, tokens: Sequence[int]) -> None:
+        """Append a step's sampled tokens (``tokens[i]`` for ``info.req_ids[i]``) once they
+        reach the host, to the row or, for a request the batch parked since, to its kept
+        tokens. Under async scheduling the next step was prepared before this: a request
+        finished or preempted since (its state is gone or new) gets nothing, and a row
+        already at ``max_model_len`` keeps its tokens (its request ends with this step).
+        """
+        if info.step == self._pending_step:
+            self.pending = {}                      # nothing prepared since: all on the host
+        if not len(info.rows):
             return
-        lens = self.num_tokens[rows]
+        toks = np.asarray(tokens, dtype=np.int32)
+        rows = info.rows
+        here = self.row_uid[rows] == info.uids
+        r, t = rows[here], toks[here]
+        lens = self.num_tokens[r]
         room = lens < self.max_model_len
-        self.token_ids[rows[room], lens[room]] = np.asarray(tokens, dtype=np.int32)[room]
-        self.num_tokens[rows[room]] += 1
+        self.token_ids[r[room], lens[room]] = t[room]
+        self.num_tokens[r[room]] += 1
+        for i in np.nonzero(~here)[0].tolist():       # parked since the step was prepared
+            state = self.requests.get(info.req_ids[i])
+            if (state is not None and state.uid == info.uids[i] and state.token_ids is not None
+                    and state.token_ids.size < self.max_model_len):
+                state.token_ids = np.append(state.token_ids, toks[i])
 
 
 def _put(dst: np.ndarray, src: np.ndarray, pad: int) -> None:

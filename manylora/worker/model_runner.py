@@ -1,5 +1,5 @@
 """Runs one scheduled step on the model: the persistent input batch, forward, logits,
-sampling.
+sampling, and the sampled tokens' way back to the host.
 
 The model runner never touches a queue: it reads a ``SchedulerOutput`` (deltas: new
 requests once, then new block ids) and returns the sampled tokens. Its ``InputBatch`` keeps
@@ -8,11 +8,17 @@ a row per request and packs each step with numpy into one pinned buffer
 scatter into the persistent device block table, and the KV slot mapping is computed on the
 device. Decode steps (one token per request) replay a CUDA graph captured on those
 persistent buffers when graphs are on; other steps run eagerly over the same views.
+
+``execute_async`` launches a step and returns at once with its tokens still on their way
+to the host (``AsyncSampledOutput``); ``get_output`` waits for them. Between the two the
+engine may launch the next step (async scheduling): a decode token that step n sampled is
+read by step n+1 from step n's sampled tokens on the device (``InputBatch.pending``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,10 +37,10 @@ from manylora.sample.sampler import (
     Sampler,
     SamplingTensors,
     make_generator,
-    tokens_and_logprobs_to_host,
 )
+from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.cuda_graph import DecodeGraphs
-from manylora.worker.input_batch import InputBatch
+from manylora.worker.input_batch import InputBatch, SampleInfo
 from manylora.worker.step_inputs import (
     SCHEDULES,
     StepBuffers,
@@ -46,6 +52,18 @@ from manylora.worker.step_inputs import (
 
 #: Rows of the input batch (and device block table) before it first grows, without graphs.
 INITIAL_ROWS = 16
+
+
+class LaunchedStep(NamedTuple):
+    """A step on the device whose sampled tokens have not been read yet.
+
+    Attributes:
+        info: the host facts of its sampled rows.
+        output: its tokens (and log-probabilities) on their way to the host.
+    """
+
+    info: SampleInfo
+    output: AsyncSampledOutput
 
 
 class ModelRunner:
@@ -66,6 +84,9 @@ class ModelRunner:
         buffers: the persistent ``StepBuffers`` (pinned host, device, block table).
         on_step: called with each step's ``StepInputs`` before its forward pass (tensor
             parallelism sends them to the other ranks there); None by default.
+        on_sampled: called with each step's sampled tokens (int64 ``[N]`` on the device)
+            right after sampling (tensor parallelism under async scheduling broadcasts them
+            to the other ranks, whose next step reads them); None by default.
     """
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
@@ -92,6 +113,10 @@ class ModelRunner:
         capacity = max(1 << 16, 32 * largest + 8 * max_loras + 8192)
         self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
         self.on_step: Callable[[StepInputs], None] | None = None
+        self.on_sampled: Callable[[torch.Tensor], None] | None = None
+        self._prev_sampled: torch.Tensor | None = None
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" \
+            else None
 
     @property
     def input_batch(self) -> InputBatch:
@@ -101,11 +126,22 @@ class ModelRunner:
             self._input_batch = InputBatch(*self._batch_args)
         return self._input_batch
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
                 slot_ranks: list[int], slot_dora: list[int] | None = None) -> SampledTokens:
-        """Apply the plan's deltas to the input batch, compute the step, sample, and gather
-        the log-probabilities asked for.
+        """``get_output(execute_async(...))``: run one step and wait for its tokens."""
+        return self.get_output(self.execute_async(out, lora_slots, slot_ranks, slot_dora))
+
+    @torch.inference_mode()
+    def execute_async(self, out: SchedulerOutput, lora_slots: dict[int, int],
+                      slot_ranks: list[int], slot_dora: list[int] | None = None
+                      ) -> LaunchedStep | None:
+        """Apply the plan's deltas to the input batch, launch the step, sample, and start
+        the copy of the tokens (and the log-probabilities asked for) to the host; nothing
+        waits for the device.
+
+        The plan may be made before the previous step's tokens reached the host (async
+        scheduling): a request whose last token that step sampled takes it from those
+        samples on the device.
 
         Args:
             out: the scheduler's plan.
@@ -115,12 +151,7 @@ class ModelRunner:
                 DoRA slot. Read by the kernels as data, so it never selects another graph.
 
         Returns:
-            ``SampledTokens(tokens, logprobs)``: ``tokens`` is ``{request_id: token_id}`` for
-            each request whose last token was computed; ``logprobs`` is
-            ``{request_id: TokenLogprobs}`` for those of them with ``SamplingParams.logprobs``
-            set: the raw ``log_softmax`` of the logits, before temperature and the filters
-            (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
-            one copy; a step where no request asks does no log-probability work.
+            The launched step (``get_output`` reads it), or None when no row samples.
 
         Raises:
             ValueError: a plan the input batch cannot follow (a cached request it does not
@@ -130,15 +161,15 @@ class ModelRunner:
         batch = self.input_batch
         ids = batch.update_states(out)
         if not ids:
-            return SampledTokens({}, {})
+            return None
         bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
         inputs, info = batch.prepare(out, ids, lora_slots, slot_ranks, slot_dora, bucket_of,
                                      self.buffers)
         if self.on_step is not None:
             self.on_step(inputs)
-        hidden, views = self.forward_step(inputs)
+        hidden, views = self.forward_step(inputs, self._prev_sampled)
         if not info.req_ids:
-            return SampledTokens({}, {})
+            return None
         logits = self.logits(hidden, inputs.layout, views)
         top_k = views["top_k"] if info.all_greedy else views["top_k"].long()
         tensors = SamplingTensors(views["temperature"], top_k, views["top_p"], views["min_p"],
@@ -146,19 +177,42 @@ class ModelRunner:
                                   info.do_top_p, info.do_min_p)
         generators = {i: self._generator(info.req_ids[i]) for i in info.seeded}
         sampled = self.sampler.sample(logits, tensors, generators)
-        lp_rows = [i for i, _ in info.logprobs]
-        tokens, logprobs = tokens_and_logprobs_to_host(logits, sampled, lp_rows,
-                                                       [k for _, k in info.logprobs])
-        batch.append_sampled(info.rows, tokens)
-        return SampledTokens(dict(zip(info.req_ids, tokens)),
-                             {info.req_ids[i]: lp for i, lp in zip(lp_rows, logprobs)})
+        if self.on_sampled is not None:
+            self.on_sampled(sampled)
+        self._prev_sampled = sampled
+        return LaunchedStep(info, AsyncSampledOutput(
+            sampled, logits, [i for i, _ in info.logprobs], [k for _, k in info.logprobs],
+            self._copy_stream))
 
-    def forward_step(self, inputs: StepInputs) -> tuple[torch.Tensor, dict]:
+    def get_output(self, step: LaunchedStep | None) -> SampledTokens:
+        """Wait for a launched step's tokens, append them to the input batch, and return
+        them (nothing for None).
+
+        Returns:
+            ``SampledTokens(tokens, logprobs)``: ``tokens`` is ``{request_id: token_id}``
+            for each request whose last token was computed; ``logprobs`` is
+            ``{request_id: TokenLogprobs}`` for those of them with ``SamplingParams.logprobs``
+            set: the raw ``log_softmax`` of the logits, before temperature and the filters
+            (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
+            one copy; a step where no request asks does no log-probability work.
+        """
+        if step is None:
+            return SampledTokens({}, {})
+        info, output = step
+        tokens, logprobs = output.result()
+        self.input_batch.append_sampled(info, tokens)
+        return SampledTokens(dict(zip(info.req_ids, tokens)),
+                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)})
+
+    def forward_step(self, inputs: StepInputs, prev_sampled: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, dict]:
         """Hidden states ``[>= T, hidden]`` of the step's rows (padded rows past ``T``) and
         the device views of its buffer: one host → device copy, the block-table writes,
-        then the forward pass (a graph replay for a decode step in a captured bucket).
-        Every tensor-parallel rank runs this on the same ``inputs``."""
-        views = self.buffers.upload(inputs, self.max_loras)
+        the token ids still on the device gathered from ``prev_sampled`` (int64, the
+        previous step's samples), then the forward pass (a graph replay for a decode step
+        in a captured bucket). Every tensor-parallel rank runs this on the same ``inputs``.
+        """
+        views = self.buffers.upload(inputs, self.max_loras, prev_sampled)
         layout = inputs.layout
         if layout.bucket < 0 or self.graphs is None:
             return self._forward(views, layout), views

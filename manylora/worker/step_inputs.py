@@ -8,7 +8,10 @@ is a view of the persistent device buffer. The segments a decode CUDA graph read
 first and depend only on the graph's batch size, so a graph captured on them replays after
 the copy with nothing copied in. Block-table changes travel as ``(flat index, block id)``
 pairs, applied by one scatter to the persistent device block table, which every rank keeps
-(tensor-parallel workers receive the same buffer, ``worker/step_codec.py``).
+(tensor-parallel workers receive the same buffer, ``worker/step_codec.py``). Under async
+scheduling a decode token's id may still be on the device (sampled by the step before,
+whose tokens have not reached the host): ``prev_dst``/``prev_src`` gather it from that
+step's sampled tokens into ``ids`` after the copy, before the forward pass.
 
 Segments, in order, each starting at a multiple of 16 bytes (int32 unless noted; ``T`` rows
 and ``B`` sequences, padding included; ``L = max_loras``):
@@ -26,6 +29,8 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 LoRA (when present)   2T + 5L        ``lora.punica.lora_mapping_from_buffer``'s layout
 ``table_index``       U              flat ``row * W + col`` of each block-table write
 ``table_value``       U              the block id written there
+``prev_dst``          K              token rows whose id the previous step sampled
+``prev_src``          K              that token's index among the previous step's samples
 ``sample_rows``       N              the token rows whose logits are sampled
 ``temperature``       N float32      the sampled rows' sampling columns (rank 0 only
 ``top_k``             N              reads them)
@@ -61,6 +66,8 @@ class StepLayout(NamedTuple):
         sample_prefix: 1 when the sampled rows are exactly ``0..N-1`` (a decode step).
         bucket: the CUDA-graph batch size, -1: eager.
         table_rows: rows the block table must have (its capacity on rank 0).
+        num_prev: K, token ids taken from the previous step's sampled tokens on the device
+            (async scheduling; 0 otherwise).
     """
 
     num_tokens: int
@@ -75,6 +82,7 @@ class StepLayout(NamedTuple):
     sample_prefix: int
     bucket: int
     table_rows: int
+    num_prev: int = 0
 
 
 class StepInputs(NamedTuple):
@@ -98,7 +106,9 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     if layout.schedule:
         sizes.append(("lora", 2 * t + 5 * max_loras))
     u = layout.num_table_updates
-    sizes += [("table_index", u), ("table_value", u), ("sample_rows", n), ("temperature", n),
+    k = layout.num_prev
+    sizes += [("table_index", u), ("table_value", u), ("prev_dst", k), ("prev_src", k),
+              ("sample_rows", n), ("temperature", n),
               ("top_k", n), ("top_p", n), ("min_p", n)]
     return sizes
 
@@ -204,12 +214,21 @@ class StepBuffers:
         grown[:have] = self.block_table
         self.block_table = grown
 
-    def upload(self, inputs: StepInputs, max_loras: int) -> dict:
-        """Copy the step to the device (one transfer) and apply its block-table writes
-        (one scatter); ``{segment name: device view}``.
+    def upload(self, inputs: StepInputs, max_loras: int,
+               prev_sampled: torch.Tensor | None = None) -> dict:
+        """Copy the step to the device (one transfer), apply its block-table writes (one
+        scatter) and gather the token ids still on the device:
+        ``ids[prev_dst[k]] = prev_sampled[prev_src[k]]``; ``{segment name: device view}``.
+
+        Args:
+            inputs: the packed step.
+            max_loras: L, for the LoRA segment's length.
+            prev_sampled: int64 ``[N']``, the previous step's sampled tokens on this device;
+                needed when ``inputs.layout.num_prev`` > 0.
 
         Raises:
-            RuntimeError: as ``ensure_table_rows``.
+            RuntimeError: as ``ensure_table_rows``; the step gathers sampled tokens but
+                ``prev_sampled`` is None.
         """
         layout, data = inputs
         self.ensure_table_rows(layout.table_rows)
@@ -237,4 +256,9 @@ class StepBuffers:
         if layout.num_table_updates:
             self.block_table.view(-1).index_copy_(
                 0, views["table_index"].long(), views["table_value"])
+        if layout.num_prev:
+            if prev_sampled is None:
+                raise RuntimeError(f"the step takes {layout.num_prev} token ids from the "
+                                   "previous step's samples, but none are on this device")
+            views["ids"][views["prev_dst"]] = prev_sampled[views["prev_src"]].to(torch.int32)
         return views

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.broadcast import (
@@ -136,6 +137,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     slots = model.create_lora_slots(spec.lora) if spec.lora is not None else {}
     max_loras = spec.lora.max_loras if spec.lora is not None else 0
     runner: ModelRunner | None = None
+    prev_sampled: torch.Tensor | None = None
     with torch.inference_mode():
         while True:
             msg = unpack_tensor_dict(reader.recv_bytes())
@@ -153,9 +155,14 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
             elif op == "step":
                 inputs = decode_step(msg)
-                hidden, views = runner.forward_step(inputs)
-                if inputs.layout.num_sampled:
+                hidden, views = runner.forward_step(inputs, prev_sampled)
+                num_sampled = inputs.layout.num_sampled
+                if num_sampled:
                     runner.logits(hidden, inputs.layout, views)
+                    if msg["share_sampled"]:        # async scheduling: rank 0's samples
+                        prev_sampled = torch.empty(num_sampled, dtype=torch.int64,
+                                                   device=device)
+                        dist.broadcast(prev_sampled, src=0)
             elif op == "slot":
                 write_slot_weights(slots, int(msg["slot"]), slot_weights(msg))
             elif op == "dora_norm":
@@ -178,6 +185,8 @@ class TPDriver:
 
     Attributes:
         tp: rank 0's ``TPGroup``.
+        share_sampled: steps tell the workers to receive rank 0's sampled tokens
+            (``broadcast_sampled``); set by the engine under async scheduling.
 
     Raises:
         WorkerDiedError: a worker died while starting (or later, from any method).
@@ -206,6 +215,7 @@ class TPDriver:
             self.workers.shutdown()
             raise
         self.tp = TPGroup.from_process_group()
+        self.share_sampled = False
         self._stopped = False
 
     def send(self, msg: dict, tensors: dict | None = None) -> None:
@@ -242,7 +252,16 @@ class TPDriver:
             end_startup(self.device, self.timeout_s)
 
     def step(self, inputs: StepInputs) -> None:
-        self.send({"op": "step", **encode_step(inputs)})
+        """Send a step's packed inputs to the workers (before rank 0's forward pass)."""
+        self.send({"op": "step", "share_sampled": self.share_sampled, **encode_step(inputs)})
+
+    def broadcast_sampled(self, tokens: torch.Tensor) -> None:
+        """Broadcast rank 0's sampled tokens (int64 ``[N]``) of the step just sent, which
+        every worker receives after its logits (``share_sampled``): under async scheduling
+        the next step reads decode tokens from them on each rank's device. Enqueued on the
+        stream; nothing waits on the host."""
+        with self.workers.guard():
+            dist.broadcast(tokens, src=0)
 
     def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         self.send({"op": "slot", "slot": slot}, slot_tensors(adapter))

@@ -63,9 +63,13 @@ def _generate(base_dir, loras, **kwargs):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_equals_one_rank(base_dir, loras, tp):
-    assert _generate(base_dir, loras, tensor_parallel_size=tp) == _generate(base_dir, loras)
+@pytest.mark.parametrize("tp, async_scheduling", [(2, True), (2, False), (4, True)])
+def test_tensor_parallel_equals_one_rank(base_dir, loras, tp, async_scheduling):
+    """Against one rank without async scheduling: under it every rank gathers the decode
+    tokens from rank 0's samples, broadcast to the workers."""
+    assert _generate(base_dir, loras, tensor_parallel_size=tp,
+                     async_scheduling=async_scheduling) == _generate(
+        base_dir, loras, async_scheduling=False)
 
 
 def test_idle_engine_outlives_the_collective_timeout(base_dir, loras, monkeypatch):
@@ -159,7 +163,7 @@ def _twice(base_dir, loras, **kwargs):
 
 def test_preemption_and_prefix_cache_under_tensor_parallelism(base_dir, loras):
     (tp_runs, tp_kv), (one_runs, _) = (_twice(base_dir, loras, tensor_parallel_size=2),
-                                       _twice(base_dir, loras))
+                                       _twice(base_dir, loras, async_scheduling=False))
     assert tp_runs == one_runs
     assert tp_runs[0] == tp_runs[1]
     assert tp_kv.preemptions > 0 and tp_kv.prefix_hits > 0
@@ -172,11 +176,11 @@ def test_server_under_tensor_parallelism(base_dir):
     from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
 
     texts = []
-    for tp in (1, 2):
+    for tp, schedule in ((1, "--no-async-scheduling"), (2, "--async-scheduling")):
         args = serve_parser().parse_args(
             ["--model", str(base_dir), "--served-model-name", "base", "--device", "cpu",
              "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
-             "--tensor-parallel-size", str(tp), "--no-enable-lora"])
+             "--tensor-parallel-size", str(tp), "--no-enable-lora", schedule])
         server = create_server(args)
         try:
             with ServerThread(server.app) as http:

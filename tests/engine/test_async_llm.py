@@ -174,17 +174,20 @@ def test_waiting_queue_bound(base_dir):
         EngineArgs(model=str(base_dir), **{**ENGINE, "max_num_seqs": 1}),
         max_waiting_requests=2)
     long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    # After q0's first step the loop steps no further until the overload is checked, so q0
-    # cannot finish (and q1 start) first however slowly this thread runs.
+    # After the step that gives q0 its first token the loop steps no further until the
+    # overload is checked, so q0 cannot finish (and q1 start) first however slowly this
+    # thread runs.
     core = async_llm.engine.engine_core
-    step, release, steps = core.step, threading.Event(), []
+    step, release, produced = core.step, threading.Event(), []
 
     def held_step():
-        if steps and not release.is_set():
+        if produced and not release.is_set():
             time.sleep(0.01)
             return EngineCoreOutputs()
-        steps.append(1)
-        return step()
+        out = step()
+        if out.outputs:
+            produced.append(1)
+        return out
 
     core.step = held_step
     try:

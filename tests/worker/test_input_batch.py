@@ -56,10 +56,12 @@ def _no_bucket(n):
 
 
 class Harness:
-    """A scheduler and an input batch stepped together as the engine and runner do."""
+    """A scheduler and an input batch stepped together as the engine and runner do; with
+    ``async_scheduling`` each step is planned and prepared before the previous step's
+    tokens reach the host (they are gathered on the device from its samples)."""
 
     def __init__(self, *, num_blocks: int, budget: int, max_loras: int = 0,
-                 bucket_of=_no_bucket, rows: int = 2) -> None:
+                 bucket_of=_no_bucket, rows: int = 2, async_scheduling: bool = False) -> None:
         self.sched = Scheduler(SchedulerConfig(8, budget, max(max_loras, 1)),
                                KVCacheManager(num_blocks, BLOCK_SIZE))
         self.max_loras = max_loras
@@ -68,48 +70,71 @@ class Harness:
         self.buffers = StepBuffers(1 << 14, rows, self.width, torch.device("cpu"))
         self.bucket_of = bucket_of
         self.tokens = itertools.count(7)
+        self.async_scheduling = async_scheduling
+        self.in_flight = None             # (plan, SampleInfo, {rid: token}) not yet read
+        self.prev_sampled = None          # the last launched step's tokens, "on the device"
+        self.gathered = 0                 # token ids taken from those samples, in all
+
+    def has_work(self) -> bool:
+        return self.in_flight is not None or self.sched.has_unfinished_requests()
 
     def step(self, lora_slots=None, slot_ranks=(), drop: bool = False, fail: bool = False):
         """One engine step; ``drop``: the engine drops the plan unrun; ``fail``: the
-        runner applies its deltas, then the step fails (``Scheduler.update`` not called)."""
+        runner applies its deltas, then the step fails and the plan is undone (sent
+        again)."""
         sched, batch = self.sched, self.batch
         out = sched.schedule()
         batch.remove(out.finished_ids)                 # ModelRunner.release
-        if drop or not out.scheduled:
-            return out, None, None
-        ids = batch.update_states(out)
-        if fail:
-            return out, None, None
-        inputs, info = batch.prepare(out, ids, lora_slots or {}, list(slot_ranks), None,
-                                     self.bucket_of, self.buffers)
-        views = self.buffers.upload(inputs, self.max_loras)
-        self.check(out, inputs, info, views)
-        sampled = {rid: next(self.tokens) for rid in info.req_ids}
-        batch.append_sampled(info.rows, [sampled[r] for r in info.req_ids])
-        sched.update(out, sampled)
-        done = [r.request_id for r in sched.running if r.num_tokens >= r.max_total_tokens]
-        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+        launched = inputs = views = None
+        if drop:
+            sched.revert(out)
+        elif out.scheduled:
+            ids = batch.update_states(out)
+            if fail:
+                sched.revert(out)
+                return out, None, None
+            inputs, info = batch.prepare(out, ids, lora_slots or {}, list(slot_ranks), None,
+                                         self.bucket_of, self.buffers)
+            views = self.buffers.upload(inputs, self.max_loras, self.prev_sampled)
+            self.check(out, inputs, info, views)
+            sampled = {rid: next(self.tokens) for rid in info.req_ids}
+            self.prev_sampled = torch.tensor([sampled[r] for r in info.req_ids])
+            launched = (out, info, sampled)
+        done = launched
+        if self.async_scheduling:
+            done, self.in_flight = self.in_flight, launched
+        if done is not None:
+            plan, info, sampled = done
+            batch.append_sampled(info, [sampled[r] for r in info.req_ids])
+            sched.update(plan, sampled)
+            ended = [r.request_id for r in sched.running if r.num_tokens >= r.max_total_tokens]
+            sched.finish_requests(ended, RequestStatus.FINISHED_LENGTH)
         return out, inputs, views
 
     def check(self, out: SchedulerOutput, inputs, info, views) -> None:
-        """Every packed field against a plain-Python reference of the plan."""
+        """Every packed field against a plain-Python reference of the plan (a token the
+        step in flight sampled is read from its samples)."""
         layout = inputs.layout
         host = split_segments(inputs.data, layout, self.max_loras)
-        ids, positions, rows, qs, ql, sl, sample_rows = [], [], [], [], [], [], []
+        flying = self.in_flight[2] if self.in_flight is not None else {}
+        ids, positions, rows, qs, ql, sl, sample_rows, samplers = [], [], [], [], [], [], [], []
         for s in out.scheduled:
             req = s.request
-            row = self.batch.row_of[req.request_id]
+            rid = req.request_id
+            row = self.batch.row_of[rid]
+            tokens = req.token_ids + ([flying[rid]] if rid in flying else [])
             qs.append(len(ids))
             ql.append(s.num_tokens)
             sl.append(s.start + s.num_tokens)
             for p in range(s.start, s.start + s.num_tokens):
-                ids.append(req.token_ids[p])
+                ids.append(tokens[p])
                 positions.append(p)
                 rows.append(row)
-            if s.start + s.num_tokens == req.num_tokens:
+            if s.start + s.num_tokens == len(tokens):
                 sample_rows.append(len(ids) - 1)
+                samplers.append(rid)
         t, b = len(ids), len(qs)
-        assert host["ids"][:t].tolist() == ids
+        assert views["ids"][:t].tolist() == ids
         assert host["positions"][:t].tolist() == positions
         assert host["token_rows"][:t].tolist() == rows
         assert (host["token_rows"][t:] == -1).all()
@@ -118,8 +143,9 @@ class Harness:
         assert host["seq_lens"][:b].tolist() == sl
         assert (host["seq_lens"][b:] == 0).all()
         assert host["sample_rows"].tolist() == sample_rows
-        assert info.req_ids == [s.request.request_id for s in out.scheduled
-                                if s.start + s.num_tokens == s.request.num_tokens]
+        assert info.req_ids == samplers
+        assert layout.num_prev == sum(s.request.request_id in flying for s in out.scheduled)
+        self.gathered += layout.num_prev
         # The device table, built only from deltas, holds each request's true table.
         table = self.buffers.block_table
         kv = self.sched.kv
@@ -141,23 +167,27 @@ class Harness:
         assert slots.dtype == torch.int64
 
 
-def test_steps_match_the_reference_through_preemption_and_a_dropped_plan():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steps_match_the_reference_through_preemption_and_a_dropped_plan(async_scheduling):
     """A small pool preempts (the request returns to the batch as new); a plan the engine
-    drops is sent again by the next one."""
-    h = Harness(num_blocks=14, budget=9)
+    drops is sent again by the next one. With async scheduling every decode token comes
+    from the previous step's samples, and each request still gets exactly its tokens."""
+    h = Harness(num_blocks=14, budget=9, async_scheduling=async_scheduling)
     reqs = [_request(n, m) for n, m in ((9, 6), (5, 9), (11, 4), (3, 12), (7, 7))]
     for r in reqs:
         h.sched.add_request(r)
     for i in range(300):
-        if not h.sched.has_unfinished_requests():
+        if not h.has_work():
             break
         h.step(drop=(i == 3))
-    assert not h.sched.has_unfinished_requests()
+    assert not h.has_work()
     assert h.sched.num_preemptions > 0, "the pool is small enough to preempt"
+    assert (h.gathered > 0) == async_scheduling
     h.step()                                        # delivers the last finished ids
     assert not h.batch.row_of and not h.batch.requests
     for r in reqs:
         assert r.num_output_tokens == r.max_total_tokens - r.num_prompt_tokens
+        assert r.num_output_placeholders == 0
 
 
 def test_a_plan_sent_again_after_a_failed_step_appends_no_block_twice():
@@ -196,7 +226,7 @@ def test_a_request_left_out_of_a_step_is_parked_and_restored():
         inputs, info = batch.prepare(out, ids, {}, [], None, _no_bucket, buffers)
         buffers.upload(inputs, 0)
         tokens = [1000 + len(r.token_ids) for r in (s[0] for s in scheduled)]
-        batch.append_sampled(info.rows, tokens)
+        batch.append_sampled(info, tokens)
         for (r, _, _), t in zip(scheduled, tokens):
             r.token_ids.append(t)
         return split_segments(inputs.data, inputs.layout, 0)

@@ -1,0 +1,68 @@
+"""A step's sampled tokens on their way to the host (vLLM v1's ``AsyncModelRunnerOutput``).
+
+Under async scheduling the engine launches step n+1 before it reads step n's tokens. The
+sampled tokens (and the log-probabilities asked for, packed by
+``sample.sampler.pack_tokens_and_logprobs``) are copied into pinned host memory on a side
+stream that first waits for the sampler; an event marks the copy's end, and ``result``
+waits for that event only, never for the compute stream, where the next step already runs.
+On the CPU the tensors are already on the host and nothing is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from manylora.sample.sampler import (
+    TokenLogprobs,
+    pack_tokens_and_logprobs,
+    unpack_tokens_and_logprobs,
+)
+
+
+class AsyncSampledOutput:
+    """One step's sampled tokens and log-probabilities, copied to the host asynchronously.
+
+    Args:
+        tokens: int64 ``[N]``, the sampled token ids, on the device.
+        logits: float32 ``[N, V]``, the sampled rows' raw logits (read only when
+            ``lp_rows`` is not empty).
+        lp_rows: indices in ``[0, N)`` of the rows that asked for log-probabilities.
+        lp_counts: their counts (``SamplingParams.logprobs``).
+        copy_stream: the side stream of the device-to-host copy; None on the CPU.
+
+    Raises:
+        ValueError: ``lp_rows`` and ``lp_counts`` differ in length.
+    """
+
+    def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, lp_rows: Sequence[int],
+                 lp_counts: Sequence[int], copy_stream: torch.cuda.Stream | None) -> None:
+        packed, self._k = pack_tokens_and_logprobs(logits, tokens, lp_rows, lp_counts)
+        self.num_tokens = tokens.shape[0]
+        self.lp_rows = list(lp_rows)
+        self._counts = list(lp_counts)
+        self._event = None
+        if copy_stream is None or packed.device.type != "cuda":
+            self._host = packed
+            return
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        copy_stream.wait_stream(torch.cuda.current_stream(packed.device))
+        with torch.cuda.stream(copy_stream):
+            host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(copy_stream)
+        packed.record_stream(copy_stream)         # the compute stream may not reuse it early
+        self._host = host
+
+    def ready(self) -> bool:
+        """Whether the copy has finished (``result`` would not wait)."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """Wait for the copy; ``(token_ids, logprobs)``: the N sampled ids, and one
+        ``TokenLogprobs`` per entry of ``lp_rows``, in that order."""
+        if self._event is not None:
+            self._event.synchronize()
+        return unpack_tokens_and_logprobs(self._host.tolist(), self.num_tokens, self._counts,
+                                          self._k)
