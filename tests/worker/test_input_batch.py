@@ -399,8 +399,8 @@ def test_graph_replay_over_persistent_buffers_equals_eager(demo_set, max_loras):
     original = runner.forward_step
     compared = []
 
-    def checked(inputs):
-        hidden, views = original(inputs)
+    def checked(inputs, prev_sampled=None):
+        hidden, views = original(inputs, prev_sampled)
         layout = inputs.layout
         if layout.bucket >= 0:
             replayed = hidden.clone()
