@@ -133,7 +133,8 @@ class EngineCore:
         warm_up_triton(self.model, kv_caches, args.block_size, args.max_num_batched_tokens,
                        args.max_num_seqs, self.max_model_len)
         if self.tp_driver is not None:
-            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes)
+            self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes,
+                                       args.max_num_batched_tokens, args.max_num_seqs)
         self.runner.capture_graphs()
         if self.tp_driver is not None:
             self.runner.on_step = self.tp_driver.step

@@ -47,6 +47,7 @@ from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.model_runner import ModelRunner
 from manylora.worker.step_codec import decode_step, encode_step
 from manylora.worker.step_inputs import StepInputs
+from manylora.worker.warmup import warm_up_triton
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,11 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                                                spec.block_size, device, spec.kv_cache_dtype)
                 runner = ModelRunner(model, kv_caches, spec.block_size, max_loras,
                                      int(msg["max_model_len"]), tuple(msg["graph_sizes"]))
+                # this rank's Triton specializations (loaded from the disk cache rank 0 just
+                # filled), so no eager step compiles a kernel here while serving
+                warm_up_triton(model, kv_caches, spec.block_size,
+                               int(msg["max_num_batched_tokens"]), int(msg["max_num_seqs"]),
+                               int(msg["max_model_len"]))
                 end_startup(device, collective_s)
                 runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
             elif op == "step":
@@ -236,18 +242,23 @@ class TPDriver:
             self.workers.broadcast(tensors)
 
     def allocate_kv(self, num_blocks: int, max_model_len: int,
-                    graph_sizes: tuple[int, ...]) -> None:
-        """Every worker allocates ``num_blocks`` KV blocks and captures the decode graphs of
-        ``graph_sizes`` (for sequences up to ``max_model_len`` tokens); rank 0 must then
-        capture its own (the captures' collectives pair up). Start-up ends here: every rank
-        waits for the others (``end_startup``), and from then on every collective is bounded
-        by ``timeout_s``.
+                    graph_sizes: tuple[int, ...], max_num_batched_tokens: int,
+                    max_num_seqs: int) -> None:
+        """Every worker allocates ``num_blocks`` KV blocks, compiles (or loads) its Triton
+        specializations for steps of up to ``max_num_batched_tokens`` tokens and
+        ``max_num_seqs`` sequences (``warm_up_triton``, which runs no collective), and
+        captures the decode graphs of ``graph_sizes`` (for sequences up to ``max_model_len``
+        tokens); rank 0 must then capture its own (the captures' collectives pair up).
+        Start-up ends here: every rank waits for the others (``end_startup``), and from then
+        on every collective is bounded by ``timeout_s``.
 
         Raises:
             WorkerDiedError: a worker has died.
         """
         self.send({"op": "kv", "num_blocks": num_blocks, "max_model_len": max_model_len,
-                   "graph_sizes": list(graph_sizes)})
+                   "graph_sizes": list(graph_sizes),
+                   "max_num_batched_tokens": max_num_batched_tokens,
+                   "max_num_seqs": max_num_seqs})
         with self.workers.guard():
             end_startup(self.device, self.timeout_s)
 
