@@ -9,10 +9,9 @@ memory busy (the split-free skinny GEMM of Triton's and FlashInfer's decode GEMM
     y[m, n] = Σ_k x[m, k] · W[n, k]  (+ b[n]),    float32 accumulation, one rounding
 
 ``base_linear`` uses it for CUDA ``bfloat16``/``float16`` inputs of at most
-``SKINNY_MAX_ROWS`` rows whose ``K`` a launch config divides, and ``torch.nn.functional.
-linear`` (cuBLAS) otherwise. Launch constants come from ``SKINNY_CONFIGS``, measured on an
-H100 (sm_90) per row bucket and weight shape (``benchmarks/bench_skinny_gemm.py``), with a
-per-bucket default for other shapes. No host synchronisation: CUDA-graph safe. Under
+``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row bucket
+and weight shape by ``benchmarks/bench_skinny_gemm.py``) found it faster than cuBLAS, and
+``torch.nn.functional.linear`` (cuBLAS) otherwise. No host synchronisation: CUDA-graph safe. Under
 ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are widened to float32 before the dot
 (the interpreter multiplies bfloat16 bit patterns as integers).
 """
@@ -27,10 +26,10 @@ import triton.language as tl
 SKINNY_MAX_ROWS = 64
 #: Row buckets (``BLOCK_M``): a launch of ``M`` rows uses the smallest bucket ≥ M.
 ROW_BUCKETS = (16, 32, 64)
-#: ``(BLOCK_M, N, K) → (BLOCK_N, BLOCK_K, num_warps, num_stages)`` measured on an H100.
-SKINNY_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
-#: ``BLOCK_M → config`` for shapes the table lacks.
-DEFAULT_CONFIGS = {16: (32, 256, 4, 6), 32: (64, 128, 4, 6), 64: (64, 128, 4, 6)}
+#: ``(BLOCK_M, N, K) → (BLOCK_N, BLOCK_K, num_warps, num_stages)``, or None where cuBLAS
+#: was faster, measured on an H100 (``benchmarks/bench_skinny_gemm.py``); shapes it lacks
+#: run on cuBLAS.
+SKINNY_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int] | None] = {}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -65,11 +64,12 @@ def row_bucket(rows: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
-def skinny_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows × k`` by
-    ``[n, k]``: the measured entry, else the bucket's default."""
+def skinny_config(rows: int, n: int, k: int) -> tuple[int, int, int, int, int] | None:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows × k`` by ``[n, k]``
+    from ``SKINNY_CONFIGS``; None: run it on cuBLAS (measured faster, or not measured)."""
     block_m = row_bucket(rows)
-    return (block_m, *SKINNY_CONFIGS.get((block_m, n, k), DEFAULT_CONFIGS[block_m]))
+    config = SKINNY_CONFIGS.get((block_m, n, k))
+    return None if config is None else (block_m, *config)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -81,7 +81,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]`` contiguous, x's dtype and device.
         bias: ``[N]`` or None.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
-            ``skinny_config``.
+            ``skinny_config`` (which must have one).
 
     Returns:
         ``[M, N]`` in x's dtype.
@@ -91,7 +91,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     m, k = x.shape
     n = weight.shape[0]
-    block_m, block_n, block_k, warps, stages = config or skinny_config(m, n, k)
+    config = config or skinny_config(m, n, k)
+    if config is None:
+        raise ValueError(f"skinny_linear: no launch config for {m} rows of [{n}, {k}]")
+    block_m, block_n, block_k, warps, stages = config
     if not 1 <= m <= block_m or weight.shape[1] != k or x.stride(1) != 1 \
             or not weight.is_contiguous() or weight.dtype != x.dtype or k % block_k:
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} {x.dtype} (strides "
@@ -115,7 +118,8 @@ def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.is_contiguous()):
         return False
-    return weight.shape[1] % skinny_config(x.shape[0], *weight.shape)[2] == 0
+    config = skinny_config(x.shape[0], *weight.shape)
+    return config is not None and weight.shape[1] % config[2] == 0
 
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor,
