@@ -56,6 +56,7 @@ from manylora.lora.punica import LoRAMapping
 from manylora.model.weight_loader import TPSlice
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink
+from manylora.ops.triton_skinny import base_linear
 
 #: ``LoRALinear(parallel=...)`` values: not split, output rows split, input columns split.
 PARALLEL_MODES = (None, "column", "row")
@@ -450,14 +451,14 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
         lora = self.lora if mapping is not None and mapping.has_lora else None
         if self.parallel != "row":
-            y = torch.nn.functional.linear(x, self.weight, self.bias)
+            y = base_linear(x, self.weight, self.bias)
             if lora is not None:
                 buffer = lora.shrink(x, mapping)
                 if lora.rank_sharded:
                     buffer = self.tp.all_gather(buffer, dim=-1)       # [T, S, max_lora_rank]
                 lora.expand(y, buffer, mapping)
             return y
-        y = torch.nn.functional.linear(x, self.weight)               # partial sum [T, out]
+        y = base_linear(x, self.weight)                              # partial sum [T, out]
         if lora is None or not self.fully_sharded:
             if lora is not None:
                 lora.expand(y, lora.shrink(x, mapping), mapping)      # partial delta too

@@ -9,11 +9,11 @@ memory busy (the split-free skinny GEMM of Triton's and FlashInfer's decode GEMM
     y[m, n] = Σ_k x[m, k] · W[n, k]  (+ b[n]),    float32 accumulation, one rounding
 
 ``base_linear`` uses it for CUDA ``bfloat16``/``float16`` inputs of at most
-``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row bucket
-and weight shape by ``benchmarks/bench_skinny_gemm.py``) found it faster than cuBLAS, and
-``torch.nn.functional.linear`` (cuBLAS) otherwise. No host synchronisation: CUDA-graph safe. Under
-``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are widened to float32 before the dot
-(the interpreter multiplies bfloat16 bit patterns as integers).
+``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row
+bucket and weight shape by ``benchmarks/bench_skinny_gemm.py``) found it faster than
+cuBLAS, and ``torch.nn.functional.linear`` (cuBLAS) otherwise. No host synchronisation:
+CUDA-graph safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are widened to
+float32 before the dot (the interpreter multiplies bfloat16 bit patterns as integers).
 """
 
 from __future__ import annotations
@@ -29,7 +29,24 @@ ROW_BUCKETS = (16, 32, 64)
 #: ``(BLOCK_M, N, K) → (BLOCK_N, BLOCK_K, num_warps, num_stages)``, or None where cuBLAS
 #: was faster, measured on an H100 (``benchmarks/bench_skinny_gemm.py``); shapes it lacks
 #: run on cuBLAS.
-SKINNY_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int] | None] = {}
+SKINNY_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int] | None] = {
+    # Llama-3-8B (and Mistral-7B's attention and MLP shapes): q/k/v, o, gate/up, down, head
+    (16, 6144, 4096): (64, 256, 4, 4),
+    (16, 4096, 4096): (32, 128, 4, 6),
+    (16, 28672, 4096): (128, 256, 4, 3),
+    (16, 4096, 14336): (32, 256, 4, 6),
+    (16, 128256, 4096): (64, 512, 4, 3),
+    (32, 6144, 4096): (64, 128, 4, 6),
+    (32, 4096, 4096): None,
+    (32, 28672, 4096): (128, 128, 4, 4),
+    (32, 4096, 14336): (32, 512, 4, 3),
+    (32, 128256, 4096): (128, 128, 4, 4),
+    (64, 6144, 4096): (64, 256, 4, 3),
+    (64, 4096, 4096): None,
+    (64, 28672, 4096): (128, 128, 4, 4),
+    (64, 4096, 14336): (32, 256, 4, 4),
+    (64, 128256, 4096): (128, 128, 4, 3),
+}
 
 
 @triton.jit(do_not_specialize=["M"])

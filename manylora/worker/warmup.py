@@ -21,6 +21,9 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   (with the combine kernel), which ``decode_split_choices`` enumerates.
 * Fused elementwise (``triton_fused``): RMSNorm with and without the residual; SiLU-and-mul
   and RoPE have one specialization per model.
+* Skinny projections (``triton_skinny``): per row bucket (``BLOCK_M``) and weight shape,
+  the measured launch constants, and whether the projection has a bias; the row count is
+  not specialized.
 
 Everything else that used to vary per step (the metadata tensors' alignment, the table
 width, ``N_TILES``, ``num_tiles``, the rotary positions) is ``do_not_specialize``. The
@@ -45,7 +48,7 @@ from manylora.lora.layers import LoRALinear
 from manylora.lora.punica import build_lora_mapping
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops import triton_attention, triton_fused, triton_lora
+from manylora.ops import triton_attention, triton_fused, triton_lora, triton_skinny
 from manylora.ops.attention import KVCache, build_attention_metadata
 
 logger = logging.getLogger(__name__)
@@ -153,7 +156,26 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
         The number of entry-point calls made.
     """
     return (_warm_lora(model, max_rows)
-            + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq))
+            + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq)
+            + _warm_skinny(model))
+
+
+def _warm_skinny(model: LlamaForCausalLM) -> int:
+    """The skinny projection kernel (``triton_skinny``) once per row bucket and distinct
+    weight (shape, dtype, bias) for which ``base_linear`` picks it: the projections and the
+    LM head."""
+    heads = [model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight]
+    weights = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): (m.weight, m.bias)
+               for m in model.modules() if isinstance(m, LoRALinear)}
+    weights.update({(tuple(w.shape), w.dtype, False): (w, None) for w in heads})
+    launches = 0
+    for weight, bias in weights.values():
+        for rows in triton_skinny.ROW_BUCKETS:
+            x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            if triton_skinny.uses_skinny(x, weight):
+                triton_skinny.skinny_linear(x, weight, bias)
+                launches += 1
+    return launches
 
 
 # ---------------------------------------------------------------------------------------------
