@@ -8,8 +8,8 @@ memory busy (the split-free skinny GEMM of Triton's and FlashInfer's decode GEMM
 
     y[m, n] = Σ_k x[m, k] · W[n, k]  (+ b[n]),    float32 accumulation, one rounding
 
-``base_linear`` uses it for CUDA ``bfloat16``/``float16`` inputs of at most
-``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row
+``base_linear`` uses it inside CUDA-graph capture for CUDA ``bfloat16``/``float16`` inputs
+of at most ``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row
 bucket and weight shape by ``benchmarks/bench_skinny_gemm.py``) found it faster than
 cuBLAS, and ``torch.nn.functional.linear`` (cuBLAS) otherwise. No host synchronisation:
 CUDA-graph safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are widened to
@@ -129,8 +129,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y
 
 
-def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``base_linear`` runs the skinny kernel for these operands."""
+def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny kernel has a measured config that beats cuBLAS for these operands
+    (CUDA, 16-bit, at most ``SKINNY_MAX_ROWS`` rows, a ``BLOCK_K`` dividing ``K``)."""
     if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_ROWS
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and x.stride(1) == 1 and weight.is_contiguous()):
@@ -141,9 +142,14 @@ def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def base_linear(x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A projection's base product ``x Wᵀ (+ b)``: the skinny kernel where ``uses_skinny``,
-    cuBLAS (``torch.nn.functional.linear``) otherwise. ``x [T, K]``, ``weight [N, K]``,
-    ``bias [N]`` or None → ``[T, N]`` in x's dtype."""
-    if uses_skinny(x, weight):
+    """A projection's base product ``x Wᵀ (+ b)``: ``x [T, K]``, ``weight [N, K]``, ``bias
+    [N]`` or None → ``[T, N]`` in x's dtype.
+
+    The skinny kernel where ``skinny_eligible`` and a CUDA graph is being captured (the
+    decode graphs: a replay pays no launch cost); cuBLAS (``torch.nn.functional.linear``)
+    otherwise, including eager steps, where launching a Triton kernel from Python costs more
+    host time than cuBLAS's launch.
+    """
+    if skinny_eligible(x, weight) and torch.cuda.is_current_stream_capturing():
         return skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -162,8 +162,8 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
 
 def _warm_skinny(model: LlamaForCausalLM) -> int:
     """The skinny projection kernel (``triton_skinny``) once per row bucket and distinct
-    weight (shape, dtype, bias) for which ``base_linear`` picks it: the projections and the
-    LM head."""
+    weight (shape, dtype, bias) it is measured faster for (``skinny_eligible``; the decode
+    graphs capture it): the projections and the LM head."""
     heads = [model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight]
     weights = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): (m.weight, m.bias)
                for m in model.modules() if isinstance(m, LoRALinear)}
@@ -172,7 +172,7 @@ def _warm_skinny(model: LlamaForCausalLM) -> int:
     for weight, bias in weights.values():
         for rows in triton_skinny.ROW_BUCKETS:
             x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-            if triton_skinny.uses_skinny(x, weight):
+            if triton_skinny.skinny_eligible(x, weight):
                 triton_skinny.skinny_linear(x, weight, bias)
                 launches += 1
     return launches

@@ -17,8 +17,8 @@ from manylora.ops.triton_skinny import (
     base_linear,
     row_bucket,
     skinny_config,
+    skinny_eligible,
     skinny_linear,
-    uses_skinny,
 )
 
 
@@ -86,7 +86,7 @@ def test_base_linear_uses_cublas_off_cuda():
     """On the CPU (and for float32, many rows or unmeasured shapes) the projection is
     PyTorch's linear, bit for bit."""
     x, w, b = torch.randn(3, 4096), torch.randn(6144, 4096), torch.randn(6144)
-    assert not uses_skinny(x, w)
+    assert not skinny_eligible(x, w)
     assert torch.equal(base_linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
@@ -94,7 +94,9 @@ def test_base_linear_uses_cublas_off_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_measured_shapes_match_and_capture():
     """Every measured (bucket, shape) the table sends to the kernel, at the bucket's
-    smallest and largest row counts, against float64 and inside a CUDA graph."""
+    smallest and largest row counts, against float64; ``base_linear`` captured in a CUDA
+    graph runs it (replayed on new inputs: equal to the kernel called directly), and eagerly
+    runs cuBLAS."""
     dev = torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     for (block_m, n, k), config in SKINNY_CONFIGS.items():
@@ -104,13 +106,14 @@ def test_cuda_measured_shapes_match_and_capture():
         lo = 1 if block_m == ROW_BUCKETS[0] else ROW_BUCKETS[ROW_BUCKETS.index(block_m) - 1] + 1
         for rows in (lo, block_m):
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            assert uses_skinny(x, w)
+            assert skinny_eligible(x, w)
             ref = _reference(x, w, None)
-            y = base_linear(x, w)
+            y = skinny_linear(x, w)
             assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2).all(), (rows, n, k)
+            assert torch.equal(base_linear(x, w), torch.nn.functional.linear(x, w))
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = base_linear(x, w)
             x.copy_(torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen))
             graph.replay()
-            torch.testing.assert_close(out, base_linear(x, w), rtol=0, atol=0)
+            torch.testing.assert_close(out, skinny_linear(x, w), rtol=0, atol=0)
