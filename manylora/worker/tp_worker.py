@@ -150,7 +150,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 kv_caches = allocate_kv_caches(model.cfg, int(msg["num_blocks"]),
                                                spec.block_size, device, spec.kv_cache_dtype)
                 runner = ModelRunner(model, kv_caches, spec.block_size, max_loras,
-                                     int(msg["max_model_len"]), tuple(msg["graph_sizes"]))
+                                     int(msg["max_model_len"]), tuple(msg["graph_sizes"]),
+                                     tuple(msg["piece_sizes"]))
                 end_startup(device, collective_s)
                 runner.capture_graphs()   # rank 0 captures the same graphs, in the same order
             elif op == "step":
@@ -236,10 +237,12 @@ class TPDriver:
             self.workers.broadcast(tensors)
 
     def allocate_kv(self, num_blocks: int, max_model_len: int,
-                    graph_sizes: tuple[int, ...]) -> None:
+                    graph_sizes: tuple[int, ...], piece_sizes: tuple[int, ...] = ()) -> None:
         """Every worker allocates ``num_blocks`` KV blocks and captures the decode graphs of
-        ``graph_sizes`` (for sequences up to ``max_model_len`` tokens); rank 0 must then
-        capture its own (the captures' collectives pair up). Start-up ends here: every rank
+        ``graph_sizes`` (for sequences up to ``max_model_len`` tokens) and the piecewise
+        graphs of ``piece_sizes`` (token buckets; rank 0's runner has the same, so the
+        workers replay its padded piecewise steps); rank 0 must then capture its own (the
+        captures' collectives pair up). Start-up ends here: every rank
         waits for the others (``end_startup``), and from then on every collective is bounded
         by ``timeout_s``.
 
@@ -247,7 +250,7 @@ class TPDriver:
             WorkerDiedError: a worker has died.
         """
         self.send({"op": "kv", "num_blocks": num_blocks, "max_model_len": max_model_len,
-                   "graph_sizes": list(graph_sizes)})
+                   "graph_sizes": list(graph_sizes), "piece_sizes": list(piece_sizes)})
         with self.workers.guard():
             end_startup(self.device, self.timeout_s)
 
