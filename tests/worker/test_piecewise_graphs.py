@@ -12,13 +12,23 @@ equal those without.
 
 from __future__ import annotations
 
+import argparse
+import functools
+
 import numpy as np
 import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.core import _piece_sizes
 from manylora.lora.punica import default_schedule, lora_mapping_arrays
-from manylora.testing import make_checkpoint, make_peft_adapter
+from manylora.testing import (
+    compare_greedy,
+    hf_greedy_reference,
+    make_checkpoint,
+    make_peft_adapter,
+)
 from manylora.worker.step_inputs import (
     SCHEDULES,
     StepInputs,
@@ -102,6 +112,11 @@ def _compare_pieces_with_eager(llm, atol: float) -> list:
     return compared
 
 
+def _recorded(run, keys: list, key, *args):
+    keys.append(key)
+    return run(key, *args)
+
+
 def _workload(adapters, n: int = 10):
     prompts = [{"prompt_token_ids": [1 + (11 * i + 7 * j) % 200 for j in range(3 + 4 * i)]}
                for i in range(n)]
@@ -151,15 +166,59 @@ def test_engine_outputs_with_piece_buckets_equal_those_without(base_dir, adapter
                   max_num_batched_tokens=20, num_kv_blocks=22,
                   piecewise_cuda_graph_sizes=sizes)
         core = llm.llm_engine.engine_core
-        assert (core.runner.pieces is None) == (not sizes)
+        pieces = core.runner.pieces
+        assert (pieces is None) == (not sizes)
+        runs = []
+        if pieces is not None:
+            pieces.run = functools.partial(_recorded, pieces.run, runs)
         outs[sizes] = llm.generate(prompts, params, loras, use_tqdm=False)
         assert core.scheduler.num_preemptions > 0
+        assert bool(sizes) == (len({tb for tb, _ in runs}) == 3)     # every bucket used
         assert llm.llm_engine.kv_cache_stats().used_blocks == 0
     for a, b in zip(outs[()], outs[(8, 16, 32)]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.request_id
         for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
             assert x.keys() == y.keys()
             assert all(abs(x[k].logprob - y[k].logprob) < 1e-4 for k in x)
+
+
+def test_greedy_outputs_with_piece_buckets_match_peft(base_dir, adapters):
+    """Against transformers + peft on the same weights: mixed adapters and base rows,
+    prefills chunked over piecewise steps."""
+    prompts = [[5 + i, 17, 3 * i + 1, 40, 2] * (1 + i) for i in range(6)]
+    loras = [None, *adapters, adapters[0], None]
+    llm = LLM(str(base_dir), device="cpu", dtype="float32", skip_tokenizer_init=True,
+              max_loras=3, max_lora_rank=8, block_size=4, max_model_len=96,
+              max_num_batched_tokens=16, num_kv_blocks=64, piecewise_cuda_graph_sizes=(8, 16))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, loras,
+                        use_tqdm=False)
+    refs = hf_greedy_reference(base_dir, {a.lora_name: a.lora_path for a in adapters},
+                               prompts, [a.lora_name if a else None for a in loras], 8)
+    for out, ref in zip(outs, refs):
+        ok, where = compare_greedy(out.outputs[0].token_ids, ref)
+        assert ok, where
+
+
+def test_piece_buckets_from_engine_args_and_flags():
+    """Default buckets on CUDA only, capped by the token budget; explicit ones anywhere;
+    none under enforce_eager; the flag with no value turns them off; bad sizes named."""
+    def sizes(device, **kw):
+        return _piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
+                            torch.device(device))
+
+    assert sizes("cuda") == (16, 32, 64, 128, 256, 300)
+    assert sizes("cpu") == ()
+    assert sizes("cpu", piecewise_cuda_graph_sizes=(8, 1000)) == (8, 300)
+    assert sizes("cuda", piecewise_cuda_graph_sizes=()) == ()
+    assert sizes("cuda", enforce_eager=True, piecewise_cuda_graph_sizes=(8,)) == ()
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    flag = "--piecewise-cuda-graph-sizes"
+    for argv, want in (([], None), ([flag], ()), ([flag, "16", "64"], (16, 64))):
+        args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
+        assert args.piecewise_cuda_graph_sizes == want
+    with pytest.raises(ValueError, match="piecewise_cuda_graph_sizes"):
+        EngineArgs(model="m", piecewise_cuda_graph_sizes=(0, 16))
 
 
 # ---------------------------------------------------------------------------------- GPU
