@@ -351,30 +351,35 @@ class InputBatch:
                                0, pending, num_sampled, 0, bucket, 0, int(late.size))
             if total_size(probe, self.max_loras) > buffers.capacity:
                 bucket = None     # a graph reads the persistent buffer only: run eagerly
-        pieces = None
-        if bucket is None and pieces_of is not None:
-            pieces = pieces_of(num_tokens)
         pad_tokens = num_tokens if bucket is None else bucket
         pad_seqs = num_seqs if bucket is None else bucket
-        if pieces is not None:
-            pad_tokens = pieces
-
-        lora = None
-        if token_slots is not None:
-            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
         if bucket is None:
             tile_seq, tile_query, num_decode = attention_tiles(query_lens, seq_lens,
                                                                self.block_q)
             width = max(1, -(-int(seq_lens.max(initial=0)) // self.block_size))
-            max_seg_len = 0 if lora is None else lora.max_seg_len
-            if pieces is not None and lora is not None:
-                max_seg_len = pieces
         else:
             tile_seq = np.arange(bucket)
             tile_query = np.zeros(bucket, dtype=np.int64)
-            num_decode, width, max_seg_len = bucket, self.width, bucket
+            num_decode, width = bucket, self.width
+        pieces = None
+        if bucket is None and pieces_of is not None:
+            pieces = pieces_of(num_tokens)
+        if pieces is not None:
+            probe = StepLayout(pieces, num_seqs, int(tile_seq.size), num_decode, width,
+                               int(token_slots is not None), 0, pending, num_sampled, 0, -1,
+                               0, int(late.size), pieces)
+            if total_size(probe, self.max_loras) > buffers.capacity:
+                pieces = None     # a graph reads the persistent buffer only: run eagerly
+            else:
+                pad_tokens = pieces
+
+        lora = None
+        max_seg_len = pad_tokens if bucket is not None or pieces is not None else 0
         schedule = 0
-        if lora is not None:
+        if token_slots is not None:
+            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
+            if not max_seg_len:
+                max_seg_len = lora.max_seg_len
             schedule = SCHEDULES.index("sgmv" if pieces is not None else default_schedule(
                 lora.num_lora_rows, int((lora.seg_len > 0).sum())))
         layout = StepLayout(
@@ -386,9 +391,6 @@ class InputBatch:
             bucket=-1 if bucket is None else bucket,
             table_rows=self.num_rows, num_prev=int(late.size),
             pieces=-1 if pieces is None else pieces)
-        if pieces is not None and total_size(layout, self.max_loras) > buffers.capacity:
-            return self.prepare(out, ids, lora_slots, slot_ranks, slot_dora, bucket_of,
-                                buffers)          # a graph reads the persistent buffer only
         data = buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         _put(v["ids"], self.token_ids[token_rows, positions], 0)

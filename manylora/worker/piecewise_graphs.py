@@ -169,8 +169,8 @@ class PiecewiseGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graphs = []
+        stream = torch.cuda.Stream()
         for i in range(self.num_layers + 1):
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._piece(i, tb, ids, positions, lora)

@@ -375,6 +375,18 @@ def test_piece_steps_pad_token_segments_at_offsets_fixed_by_the_bucket(async_sch
     assert any(schedule == 0 for _, schedule in seen)                      # base rows only
 
 
+def test_a_piece_step_that_does_not_fit_the_persistent_buffer_runs_eagerly():
+    """Piece graphs read only the persistent buffer: a prefill too large for it once padded
+    to its bucket is packed unpadded, eagerly, into a buffer of its own."""
+    h = Harness(num_blocks=64, budget=64, rows=8, pieces_of=lambda n: 64 if n > 8 else 8)
+    h.buffers = StepBuffers(160, 8, h.width, torch.device("cpu"))
+    h.sched.add_request(_request(30, 2))
+    _, inputs, _ = h.step()                      # 30 tokens: 3 x 64 padded rows won't fit
+    assert inputs.layout.pieces == -1 and inputs.layout.num_tokens == 30
+    _, inputs, _ = h.step()                      # one decode row, padded to 8
+    assert inputs.layout.pieces == 8 and inputs.layout.num_tokens == 8
+
+
 def test_lora_mapping_matches_a_python_reference():
     rng = random.Random(0)
     for _ in range(50):
