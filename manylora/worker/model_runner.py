@@ -87,8 +87,13 @@ class ModelRunner:
             Graphs are captured by ``capture_graphs`` (CUDA only); until then, and on the
             CPU, such steps are still padded to their bucket and run the pieces eagerly.
 
+    Raises:
+        ValueError: a piece size below 1.
+
     Attributes:
         buffers: the persistent ``StepBuffers`` (pinned host, device, block table).
+        graphs: the ``DecodeGraphs`` (None: decode steps eager); pieces: the
+            ``PiecewiseGraphs`` (None: no piecewise steps).
         on_step: called with each step's ``StepInputs`` before its forward pass (tensor
             parallelism sends them to the other ranks there); None by default.
         on_sampled: called with each step's sampled tokens (int64 ``[N]`` on the device)
