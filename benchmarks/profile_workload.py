@@ -52,8 +52,10 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, parts in KINDS if any(p in low for p in parts)), "other")
 
 
-def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool) -> dict:
-    """One warm-up pass and one profiled pass of workload ``name``; the profiled pass's
+def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool,
+                 piecewise: bool = True) -> dict:
+    """One warm-up pass and one profiled pass of workload ``name`` (``piecewise`` False:
+    piecewise CUDA graphs off, every step with a prefill chunk eager); the profiled pass's
     ``seconds``, ``tokens``, per window kind (``prefill``, ``decode``) the ``windows``,
     ``wall`` and ``busy`` seconds, and ``kernels``: seconds of kernel time per kind."""
     os.environ["MANYLORA_ENABLE_MULTIPROCESSING"] = "0"
@@ -65,7 +67,8 @@ def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool) 
     from manylora import LLM, LoRARequest, SamplingParams
 
     work = workloads(quick)[name]
-    llm = LLM(str(model_dir), **engine_kwargs(quick, work.lora))
+    off = {} if piecewise else {"piecewise_cuda_graph_sizes": ()}
+    llm = LLM(str(model_dir), **engine_kwargs(quick, work.lora), **off)
     core = llm.llm_engine.engine_core
     vocab = llm.llm_engine.vocab_size
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
@@ -146,6 +149,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", nargs="+", choices=tuple(SEEDS), default=["W1", "W2"])
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, no record")
+    ap.add_argument("--no-piecewise", action="store_true",
+                    help="piecewise CUDA graphs off (steps with a prefill chunk run eagerly)")
     args = ap.parse_args()
     quick = args.quick
     if not quick and not torch.cuda.is_available():
@@ -158,15 +163,19 @@ def main() -> None:
         adapters = write_peft_adapters(root / "adapters", config, num_adapters(quick), RANK,
                                        LORA_TARGETS, device,
                                        torch.float32 if quick else torch.bfloat16)
-        results = [in_child(profile_pass, model_dir, adapters, name, quick)
+        results = [in_child(profile_pass, model_dir, adapters, name, quick,
+                            not args.no_piecewise)
                    for name in args.workloads]
     columns, rows = table(results)
+    pieces = "off" if args.no_piecewise else "on"
     record(f"Engine v2: where a workload's pass spends the GPU ({gpu_name(device)}), async "
-           "scheduling on", command_line("benchmarks.profile_workload"), columns, rows,
+           f"scheduling on, piecewise CUDA graphs {pieces}",
+           command_line("benchmarks.profile_workload"), columns, rows,
            notes="One pass of each workload (after a warm-up pass) under torch.profiler, the "
            "core in the measuring process; Llama-3-8B shape, random bf16 weights, W1/W2 with "
            "LoRA disabled, W3 with 64 rank-16 q/k/v/o adapters, max_num_seqs 256, "
-           "max_num_batched_tokens 8192, prefix caching on, CUDA graphs for decode. A step "
+           "max_num_batched_tokens 8192, prefix caching on, CUDA graphs for decode (and, unless "
+           "--no-piecewise, piecewise graphs for steps of up to 2048 tokens). A step "
            "window is one `EngineCore.step` call, grouped by the step it plans and launches "
            "(with a prefill chunk, or decode only); GPU busy: the union of the kernels' "
            "intervals inside the window. Kernel seconds: summed kernel durations by kind over "

@@ -39,7 +39,14 @@ class EngineArgs:
             checkpoint's shapes; config.json is still read), for benchmarks.
         skip_tokenizer_init: load no tokenizer; prompts must be token ids and outputs carry
             token ids with empty text (stop strings are refused).
-        enforce_eager: never replay decode steps as CUDA graphs.
+        enforce_eager: never replay steps as CUDA graphs (decode or piecewise).
+        piecewise_cuda_graph_sizes: token buckets of the steps that are not decode-only (a
+            prefill chunk, or prefill and decode mixed), replayed as piecewise CUDA graphs
+            (the model between attention calls; attention eager); a step is padded to the
+            smallest bucket that holds it, larger steps run eagerly. None: the default
+            buckets (16 to 2048 tokens, capped by ``max_num_batched_tokens``) on CUDA, off on
+            the CPU; empty: off. Explicit sizes on the CPU pad the steps and run the pieces
+            eagerly (no graphs there), which is what the CPU tests exercise.
         max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (pinned memory
             on CUDA); None: bounded by ``max_cpu_loras`` only.
         lora_device_cache_percent: size the device slots as this share (0, 1] of the GPU
@@ -90,6 +97,7 @@ class EngineArgs:
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    piecewise_cuda_graph_sizes: tuple[int, ...] | None = None
     max_cpu_lora_bytes: int | None = None
     lora_device_cache_percent: float | None = None
     lora_aging_steps: int = 64
@@ -109,6 +117,12 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")
+        if self.piecewise_cuda_graph_sizes is not None:
+            self.piecewise_cuda_graph_sizes = tuple(int(n) for n in
+                                                    self.piecewise_cuda_graph_sizes)
+            if any(n < 1 for n in self.piecewise_cuda_graph_sizes):
+                raise ValueError("piecewise_cuda_graph_sizes must be positive token counts, "
+                                 f"got {self.piecewise_cuda_graph_sizes}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -128,6 +142,8 @@ class EngineArgs:
             kind = str(f.type)
             if kind == "bool":
                 kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+            elif kind.startswith("tuple[int"):
+                kwargs.update(nargs="*", type=int, default=default)
             elif kind.startswith("tuple"):
                 kwargs.update(nargs="+", default=default)
             elif kind.startswith("Mapping"):
@@ -150,8 +166,9 @@ class EngineArgs:
                   if hasattr(args, f.name)}
         if values.get("key_dict") is None:
             values.pop("key_dict", None)
-        if values.get("lora_target_modules") is not None:
-            values["lora_target_modules"] = tuple(values["lora_target_modules"])
+        for name in ("lora_target_modules", "piecewise_cuda_graph_sizes"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
         return cls(**values)
 
 

@@ -60,6 +60,7 @@ from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
 from manylora.worker.model_runner import LaunchedStep, ModelRunner
+from manylora.worker.piecewise_graphs import DEFAULT_PIECE_SIZES
 from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
 from manylora.worker.warmup import warm_up_triton
 
@@ -128,13 +129,15 @@ class EngineCore:
             kv_manager, self.lora_manager)
         graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
+        piece_sizes = _piece_sizes(args, self.device)
         self.runner = ModelRunner(self.model, kv_caches, args.block_size, max_loras,
-                                  self.max_model_len, graph_sizes)
+                                  self.max_model_len, graph_sizes, piece_sizes)
         warm_up_triton(self.model, kv_caches, args.block_size, args.max_num_batched_tokens,
                        args.max_num_seqs, self.max_model_len)
         if self.tp_driver is not None:
             self.tp_driver.allocate_kv(num_blocks, self.max_model_len, graph_sizes,
-                                       args.max_num_batched_tokens, args.max_num_seqs)
+                                       args.max_num_batched_tokens, args.max_num_seqs,
+                                       piece_sizes)
         self.runner.capture_graphs()
         if self.tp_driver is not None:
             self.runner.on_step = self.tp_driver.step
@@ -485,6 +488,21 @@ class EngineCore:
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
         gc.unfreeze()
+
+
+def _piece_sizes(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
+    """The piecewise CUDA-graph token buckets of ``args`` (``piecewise_cuda_graph_sizes``):
+    none under ``enforce_eager``; by default ``DEFAULT_PIECE_SIZES`` up to
+    ``max_num_batched_tokens`` on CUDA and none on the CPU; explicit sizes as given. Sizes
+    above the token budget become the budget itself (no step is larger), as the decode
+    graphs' sizes end at ``max_num_seqs``."""
+    if args.enforce_eager:
+        return ()
+    sizes = args.piecewise_cuda_graph_sizes
+    if sizes is None:
+        sizes = DEFAULT_PIECE_SIZES if device.type == "cuda" else ()
+    budget = args.max_num_batched_tokens
+    return tuple(sorted({min(n, budget) for n in sizes}))
 
 
 def _freeze_startup_heap() -> None:

@@ -56,21 +56,27 @@ class LlamaAttention(nn.Module):
                                  cfg.o_bias, cfg.dtype, device, "row", tp)
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                attn: AttentionMetadata, lora: LoRAMapping | None) -> torch.Tensor:
-        """``x [T, hidden]`` → ``[T, hidden]``: qkv, RoPE, ``write_kv`` into this layer's
-        ``KVCache`` (quantized there when it is), ``paged_attention``, o_proj (all on this
-        rank's heads; o_proj all-reduces)."""
+    def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv [T, q + 2 kv]`` (this rank's heads) → views ``q [T, Hq, D]``, ``k [T, Hkv,
+        D]``, ``v [T, Hkv, D]`` of it, RoPE applied to q and k in place (``positions`` int64
+        ``[T]``)."""
         cfg = self.cfg
-        qkv = self.qkv_proj(x, lora)                                   # [T, q + 2 kv] local
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         q, k = self.rotary[0](positions, q, k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               attn: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``write_kv`` of k, v into this layer's ``KVCache`` (quantized there when it is),
+        then ``paged_attention`` of q → ``[T, q_size]`` in q's dtype (into ``out [T, Hq, D]``
+        when given). The part of a layer that reads the step's attention metadata: it runs
+        eagerly between the pieces of a piecewise CUDA graph."""
         write_kv(k, v, kv_cache, attn.slot_mapping)
-        o = paged_attention(q, kv_cache, attn, self.scale, self.sliding_window)   # [T, q]
-        return self.o_proj(o, lora)
+        return paged_attention(q, kv_cache, attn, self.scale, self.sliding_window, out=out)
 
 
 class LlamaMLP(nn.Module):
@@ -97,10 +103,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
                                                 device)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: KVCache, attn: AttentionMetadata,
-                lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, residual) → (mlp output, residual stream before it)``; the caller adds them.
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, residual) → (qkv [T, q + 2 kv], residual)``: the input norm (the residual
+        add fused into it; the first layer has no residual yet: ``residual = x``), then
+        ``qkv_proj`` (+ LoRA).
 
         Each residual add is fused into the next RMSNorm (vLLM's ``fused_add_rms_norm``):
         ``h = x + residual; x = norm(h); residual = h``.
@@ -109,7 +116,14 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, attn, lora)
+        return self.self_attn.qkv_proj(x, lora), residual
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
+                       lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(attention output [T, q_size], residual) → (mlp output, residual stream before
+        it)``: ``o_proj`` (+ LoRA; all-reduced), the post-attention norm with the residual
+        add fused, the MLP (+ LoRA); the next norm adds the two."""
+        x = self.self_attn.o_proj(o, lora)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x, lora), residual
 
@@ -217,13 +231,29 @@ class LlamaForCausalLM(nn.Module):
         """
         return self._projection(layer, module).dora_norm(module, a, b)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` token ids → ``[T, hidden]`` in the model dtype (all-reduced under
+        tensor parallelism)."""
+        return self.model.embed_tokens(input_ids)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's ``(mlp output, residual)`` → hidden states ``[T, hidden]``."""
+        return self.model.norm(x, residual)[0]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn: AttentionMetadata,
                 lora: LoRAMapping | None) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None          # [T, H]
+        """The layers in order: per layer ``pre_attention`` → ``rotate`` → ``attend`` →
+        ``post_attention``, then ``final_norm``; the piecewise CUDA graphs
+        (``worker/piecewise_graphs.py``) run the same methods, captured between the
+        ``attend`` calls."""
+        x, residual = self.embed(input_ids), None                       # [T, H]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, attn, lora)
-        return self.model.norm(x, residual)[0]
+            qkv, residual = layer.pre_attention(x, residual, lora)
+            q, k, v = layer.self_attn.rotate(positions, qkv)
+            o = layer.self_attn.attend(q, k, v, kv_cache, attn)
+            x, residual = layer.post_attention(o, residual, lora)
+        return self.final_norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden] → float32 [N, vocab]``: under tensor parallelism each rank's

@@ -601,7 +601,8 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: Attentio
 
 
 def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                    scale: float, sliding_window: int | None = None, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys/values.
 
     ``out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]`` over the
@@ -622,9 +623,14 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
         meta: the step's attention metadata (``build_attention_metadata``).
         scale: softmax scale, usually ``head_dim ** -0.5``.
         sliding_window: attend to the last ``sliding_window`` positions only (Mistral), or None.
+        out: optional ``[T, num_heads, head_dim]`` buffer of q's dtype (contiguous last dim)
+            written instead of a new tensor (a piecewise CUDA graph's static input); rows no
+            sequence covers (token padding past the last sequence) are unspecified (kept on
+            CUDA, zeros on the reference path).
 
     Returns:
-        ``[T, num_heads * head_dim]`` in the dtype of ``q``; zeros on padding rows.
+        ``[T, num_heads * head_dim]`` in the dtype of ``q`` (a view of ``out`` when given);
+        zeros on the rows of padding sequences.
 
     Raises:
         ValueError: shapes, dtypes or ``num_queries_per_kv`` that do not match the metadata,
@@ -633,5 +639,12 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
     if q.is_cuda:
         from manylora.ops.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, kv_cache, meta, scale, sliding_window)
-    return paged_attention_reference(q, kv_cache, meta, scale, sliding_window)
+        return paged_attention_triton(q, kv_cache, meta, scale, sliding_window, out=out)
+    o = paged_attention_reference(q, kv_cache, meta, scale, sliding_window)
+    if out is None:
+        return o
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    out.copy_(o.view(q.shape))
+    return out.view(q.shape[0], -1)

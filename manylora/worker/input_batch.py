@@ -291,7 +291,8 @@ class InputBatch:
 
     def prepare(self, out: SchedulerOutput, ids: list[str], lora_slots: Mapping[int, int],
                 slot_ranks: Sequence[int], slot_dora: Sequence[int] | None,
-                bucket_of, buffers: StepBuffers) -> tuple[StepInputs, SampleInfo]:
+                bucket_of, buffers: StepBuffers, pieces_of=None
+                ) -> tuple[StepInputs, SampleInfo]:
         """Pack the step's inputs (vLLM v1's ``_prepare_inputs``), numpy over the rows.
 
         Args:
@@ -300,6 +301,12 @@ class InputBatch:
             slot_ranks, slot_dora: each slot's rank and DoRA flag (length max_loras).
             bucket_of: ``num_rows -> graph batch size or None`` (None: no graphs).
             buffers: where the packed step goes (``StepBuffers.host_array``).
+            pieces_of: ``num_tokens -> piecewise token bucket or None``; None: no piecewise
+                graphs. A step that is not a decode graph step and has a bucket ``Tb`` pads
+                its token segments to ``Tb`` (ids 0, positions 0, token rows -1: the slot
+                mapping skips them; the LoRA mapping built for ``Tb`` rows with the SGMV
+                schedule, ``max_seg_len = Tb``) and leaves the sequence, tile and sampling
+                segments unpadded (attention runs eagerly between the pieces).
 
         Returns:
             ``(StepInputs, SampleInfo)``.
@@ -346,22 +353,34 @@ class InputBatch:
                 bucket = None     # a graph reads the persistent buffer only: run eagerly
         pad_tokens = num_tokens if bucket is None else bucket
         pad_seqs = num_seqs if bucket is None else bucket
-
-        lora = None
-        if token_slots is not None:
-            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
         if bucket is None:
             tile_seq, tile_query, num_decode = attention_tiles(query_lens, seq_lens,
                                                                self.block_q)
             width = max(1, -(-int(seq_lens.max(initial=0)) // self.block_size))
-            max_seg_len = 0 if lora is None else lora.max_seg_len
         else:
             tile_seq = np.arange(bucket)
             tile_query = np.zeros(bucket, dtype=np.int64)
-            num_decode, width, max_seg_len = bucket, self.width, bucket
+            num_decode, width = bucket, self.width
+        pieces = None
+        if bucket is None and pieces_of is not None:
+            pieces = pieces_of(num_tokens)
+        if pieces is not None:
+            probe = StepLayout(pieces, num_seqs, int(tile_seq.size), num_decode, width,
+                               int(token_slots is not None), 0, pending, num_sampled, 0, -1,
+                               0, int(late.size), pieces)
+            if total_size(probe, self.max_loras) > buffers.capacity:
+                pieces = None     # a graph reads the persistent buffer only: run eagerly
+            else:
+                pad_tokens = pieces
+
+        lora = None
+        max_seg_len = pad_tokens if bucket is not None or pieces is not None else 0
         schedule = 0
-        if lora is not None:
-            schedule = SCHEDULES.index(default_schedule(
+        if token_slots is not None:
+            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
+            if not max_seg_len:
+                max_seg_len = lora.max_seg_len
+            schedule = SCHEDULES.index("sgmv" if pieces is not None else default_schedule(
                 lora.num_lora_rows, int((lora.seg_len > 0).sum())))
         layout = StepLayout(
             num_tokens=pad_tokens, num_seqs=pad_seqs, num_tiles=int(tile_seq.size),
@@ -370,7 +389,8 @@ class InputBatch:
             num_sampled=num_sampled,
             sample_prefix=int(num_sampled == 0 or sample_rows_in_batch[-1] == num_sampled - 1),
             bucket=-1 if bucket is None else bucket,
-            table_rows=self.num_rows, num_prev=int(late.size))
+            table_rows=self.num_rows, num_prev=int(late.size),
+            pieces=-1 if pieces is None else pieces)
         data = buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         _put(v["ids"], self.token_ids[token_rows, positions], 0)

@@ -7,7 +7,9 @@ a row per request and packs each step with numpy into one pinned buffer
 (``worker/step_inputs.py``); one host → device copy moves it, block-table changes are one
 scatter into the persistent device block table, and the KV slot mapping is computed on the
 device. Decode steps (one token per request) replay a CUDA graph captured on those
-persistent buffers when graphs are on; other steps run eagerly over the same views.
+persistent buffers when graphs are on; other steps of up to the largest piece bucket are
+padded to a token bucket and replay the model's pieces between attention calls
+(``worker/piecewise_graphs.py``), attention running eagerly; larger steps run eagerly.
 
 ``execute_async`` launches a step and returns at once with its tokens still on their way
 to the host (``AsyncSampledOutput``); ``get_output`` waits for them. Between the two the
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from manylora.core.scheduler import SchedulerOutput
-from manylora.lora.punica import lora_mapping_from_buffer
+from manylora.lora.punica import LoRAMapping, lora_mapping_from_buffer
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops.attention import (
     AttentionMetadata,
@@ -41,6 +43,7 @@ from manylora.sample.sampler import (
 from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.cuda_graph import DecodeGraphs
 from manylora.worker.input_batch import InputBatch, SampleInfo
+from manylora.worker.piecewise_graphs import PiecewiseGraphs
 from manylora.worker.step_inputs import (
     SCHEDULES,
     StepBuffers,
@@ -79,9 +82,18 @@ class ModelRunner:
         cuda_graph_sizes: decode batch sizes to capture as CUDA graphs; empty: always eager.
             With graphs, the largest size bounds the requests of a step (the engine makes
             it ``max_num_seqs``).
+        piece_sizes: token buckets of the steps that are not decode graph steps, run as
+            piecewise CUDA graphs (``PiecewiseGraphs``); empty: those steps run eagerly.
+            Graphs are captured by ``capture_graphs`` (CUDA only); until then, and on the
+            CPU, such steps are still padded to their bucket and run the pieces eagerly.
+
+    Raises:
+        ValueError: a piece size below 1.
 
     Attributes:
         buffers: the persistent ``StepBuffers`` (pinned host, device, block table).
+        graphs: the ``DecodeGraphs`` (None: decode steps eager); pieces: the
+            ``PiecewiseGraphs`` (None: no piecewise steps).
         on_step: called with each step's ``StepInputs`` before its forward pass (tensor
             parallelism sends them to the other ranks there); None by default.
         on_sampled: called with each step's sampled tokens (int64 ``[N]`` on the device)
@@ -91,7 +103,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
                  block_size: int, max_loras: int, max_model_len: int,
-                 cuda_graph_sizes: Sequence[int] = ()) -> None:
+                 cuda_graph_sizes: Sequence[int] = (), piece_sizes: Sequence[int] = ()
+                 ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -106,11 +119,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.graphs = DecodeGraphs(cuda_graph_sizes) if cuda_graph_sizes else None
         largest = max(cuda_graph_sizes, default=0)
+        self.pieces = PiecewiseGraphs(model, piece_sizes, self.device) if piece_sizes else None
         rows = largest or INITIAL_ROWS
         self._batch_args = (rows, max_model_len, block_size, max_loras, self.vocab_size,
                             self.num_queries_per_kv, largest or None)
         self._input_batch: InputBatch | None = None
-        capacity = max(1 << 16, 32 * largest + 8 * max_loras + 8192)
+        capacity = max(1 << 16, 32 * largest + 16 * max(piece_sizes, default=0)
+                       + 8 * max_loras + 8192)
         self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
         self.on_step: Callable[[StepInputs], None] | None = None
         self.on_sampled: Callable[[torch.Tensor], None] | None = None
@@ -163,8 +178,9 @@ class ModelRunner:
         if not ids:
             return None
         bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
+        pieces_of = self.pieces.bucket if self.pieces is not None else None
         inputs, info = batch.prepare(out, ids, lora_slots, slot_ranks, slot_dora, bucket_of,
-                                     self.buffers)
+                                     self.buffers, pieces_of)
         if self.on_step is not None:
             self.on_step(inputs)
         hidden, views = self.forward_step(inputs, self._prev_sampled)
@@ -210,10 +226,14 @@ class ModelRunner:
         the device views of its buffer: one host → device copy, the block-table writes,
         the token ids still on the device gathered from ``prev_sampled`` (int64, the
         previous step's samples), then the forward pass (a graph replay for a decode step
-        in a captured bucket). Every tensor-parallel rank runs this on the same ``inputs``.
+        in a captured bucket; the pieces of a piecewise step, replayed when captured, with
+        attention eager between them). Every tensor-parallel rank runs this on the same
+        ``inputs``.
         """
         views = self.buffers.upload(inputs, self.max_loras, prev_sampled)
         layout = inputs.layout
+        if layout.pieces >= 0 and self.pieces is not None:
+            return self._forward_pieces(views, layout), views
         if layout.bucket < 0 or self.graphs is None:
             return self._forward(views, layout), views
         key = (layout.bucket, SCHEDULES[layout.schedule])
@@ -226,9 +246,37 @@ class ModelRunner:
         """The model over the step's device views: slot mapping and the step's block table
         from the persistent device block table, then the layers (captured whole in a
         graph)."""
+        return self.model(views["ids"].long(), views["positions"].long(), self.kv_caches,
+                          self._attention_metadata(views, layout),
+                          self._lora_mapping(views, layout))
+
+    def _forward_pieces(self, views: dict, layout: StepLayout) -> torch.Tensor:
+        """A piecewise step: the pieces of ``(layout.pieces, schedule)``, graph replays when
+        captured (the LoRA mapping is then read from the buffer by the graphs, not built),
+        attention eager between them → hidden ``[Tb, hidden]``."""
+        key = (layout.pieces, SCHEDULES[layout.schedule])
+        lora = None if self.pieces.has(key) else self._lora_mapping(views, layout)
+        return self.pieces.run(key, views["ids"], views["positions"], lora,
+                               self._attention_metadata(views, layout), self.kv_caches)
+
+    def _lora_mapping(self, views: dict, layout: StepLayout) -> LoRAMapping | None:
+        """The step's ``LoRAMapping`` over its device buffer (None without a LoRA row).
+        Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
+        host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket)."""
+        if not layout.schedule:
+            return None
+        buf = views["lora"]
+        padded = layout.bucket >= 0 or (layout.pieces >= 0 and buf.is_cuda)
+        return lora_mapping_from_buffer(buf, layout.num_tokens, self.max_loras,
+                                        layout.max_seg_len, SCHEDULES[layout.schedule],
+                                        padded=padded)
+
+    def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
+        """The step's ``AttentionMetadata``: the slot mapping of every token row (-1 on
+        padding) and the step's block tables gathered from the persistent device table."""
         table = self.buffers.block_table
         positions = views["positions"]
-        attn = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=slot_mapping_from_block_table(positions, views["token_rows"], table,
                                                        self.block_size),
             block_tables=table[:, :layout.table_width].index_select(0, views["seq_rows"]),
@@ -237,12 +285,6 @@ class ModelRunner:
             tile_query=views["tile_query"], num_decode_tiles=layout.num_decode_tiles,
             prefill_block_q=self.block_q, block_size=self.block_size,
             num_queries_per_kv=self.num_queries_per_kv, seqs=())
-        lora = None
-        if layout.schedule:
-            lora = lora_mapping_from_buffer(views["lora"], layout.num_tokens, self.max_loras,
-                                            layout.max_seg_len, SCHEDULES[layout.schedule],
-                                            padded=layout.bucket >= 0)
-        return self.model(views["ids"].long(), positions.long(), self.kv_caches, attn, lora)
 
     def logits(self, hidden: torch.Tensor, layout: StepLayout, views: dict) -> torch.Tensor:
         """float32 ``[N, vocab]``: the logits of the sampled rows.
@@ -256,16 +298,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture every decode graph up front (vLLM captures at start-up too): one per
-        batch size, without LoRA and with each LoRA kernel schedule when LoRA is on, on an
-        all-padding step (nothing is written to the cache). No slot is flagged DoRA: the
-        kernels read ``slot_dora`` as data at replay."""
-        if self.graphs is None:
+        """Capture every CUDA graph up front (vLLM captures at start-up too; CUDA only).
+
+        Decode graphs: one per batch size, without LoRA and with each LoRA kernel schedule
+        when LoRA is on, on an all-padding step (nothing is written to the cache). Then the
+        piecewise graphs: ``L + 1`` pieces per token bucket, without LoRA and with the SGMV
+        schedule (a piecewise step with LoRA rows always runs SGMV), largest bucket first.
+        No slot is flagged DoRA: the kernels read ``slot_dora`` as data at replay. Tensor-
+        parallel ranks call this together (their collectives are captured in order).
+        """
+        if self.device.type != "cuda":
             return
-        schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
-        for size in reversed(self.graphs.capture_sizes):     # largest first: the pool fits all
-            for schedule in schedules:
-                self.forward_step(self._padding_step(size, SCHEDULES.index(schedule)))
+        if self.graphs is not None:
+            schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
+            for size in reversed(self.graphs.capture_sizes):  # largest first: the pool fits all
+                for schedule in schedules:
+                    self.forward_step(self._padding_step(size, SCHEDULES.index(schedule)))
+        if self.pieces is not None:
+            schedules = (None, "sgmv") if self.max_loras else (None,)
+            for size in reversed(self.pieces.sizes):
+                for schedule in schedules:
+                    inputs = self._padding_piece_step(size, SCHEDULES.index(schedule))
+                    views = self.buffers.upload(inputs, self.max_loras)
+                    self.pieces.capture((size, schedule), views["ids"], views["positions"],
+                                        self._lora_mapping(views, inputs.layout))
 
     def _padding_step(self, size: int, schedule: int) -> StepInputs:
         """A decode step of ``size`` padding rows (the layout graphs are captured with)."""
@@ -282,18 +338,32 @@ class ModelRunner:
         v["query_lens"][:] = 1
         v["tile_seq"][:] = np.arange(size)
         if schedule:
-            m = self.max_loras
-            lora = v["lora"]
-            lora[:size] = -1                                         # every row on the base
-            lora[size + m:2 * size + m] = np.arange(size)            # sorted rows
-            lora[2 * size + m:2 * size + 2 * m] = -1                 # no active slot
+            _base_rows_mapping(v["lora"], size, self.max_loras)
+        return StepInputs(layout, data)
+
+    def _padding_piece_step(self, size: int, schedule: int) -> StepInputs:
+        """A piecewise step of ``size`` padding tokens and no sequence (the layout piece
+        graphs are captured with: the token segments at the bucket's offsets)."""
+        layout = StepLayout(num_tokens=size, num_seqs=0, num_tiles=0, num_decode_tiles=0,
+                            table_width=1, schedule=schedule, max_seg_len=size,
+                            num_table_updates=0, num_sampled=0, sample_prefix=1, bucket=-1,
+                            table_rows=self.buffers.block_table.shape[0], pieces=size)
+        data = self.buffers.host_array(total_size(layout, self.max_loras))
+        v = split_segments(data, layout, self.max_loras)
+        data[:] = 0
+        v["token_rows"][:] = -1
+        if schedule:
+            _base_rows_mapping(v["lora"], size, self.max_loras)
         return StepInputs(layout, data)
 
     def release_graphs(self) -> None:
-        """Destroy the captured decode graphs; later decode steps run eagerly."""
+        """Destroy the captured graphs (decode and piecewise); later steps run eagerly."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.pieces is not None:
+            self.pieces.release()
+            self.pieces = None
 
     def release(self, request_ids: list[str]) -> None:
         """Drop the per-request state of finished requests: their input-batch rows and
@@ -314,3 +384,12 @@ class ModelRunner:
 
 def _no_bucket(num_rows: int) -> None:
     return None
+
+
+def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int) -> None:
+    """Fill a zeroed LoRA segment (``lora_mapping_from_buffer``'s layout) with the mapping
+    of ``size`` base rows: no row on an adapter, no active slot."""
+    m = max_loras
+    lora[:size] = -1                                         # every row on the base
+    lora[size + m:2 * size + m] = np.arange(size)            # sorted rows
+    lora[2 * size + m:2 * size + 2 * m] = -1                 # no active slot

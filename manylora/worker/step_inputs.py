@@ -4,9 +4,11 @@ buffers every rank copies it through (vLLM v1's ``CpuGpuBuffer``s, packed into o
 Rank 0's ``InputBatch`` writes a step into the pinned host buffer; one host → device copy
 moves it; every tensor the forward pass reads (ids, positions, query starts, sequence
 lengths, the attention tiles, the LoRA mapping, the rows sampled and the sampling columns)
-is a view of the persistent device buffer. The segments a decode CUDA graph reads come
-first and depend only on the graph's batch size, so a graph captured on them replays after
-the copy with nothing copied in. Block-table changes travel as ``(flat index, block id)``
+is a view of the persistent device buffer. The segments a CUDA graph reads come first and
+their offsets depend only on the padded token count (and ``max_loras``): a decode graph
+(whose sequence segments are padded too) and a piecewise graph (which reads ids, positions,
+token rows and the LoRA mapping, ``worker/piecewise_graphs.py``) captured on them replay
+after the copy with nothing copied in. Block-table changes travel as ``(flat index, block id)``
 pairs, applied by one scatter to the persistent device block table, which every rank keeps
 (tensor-parallel workers receive the same buffer, ``worker/step_codec.py``). Under async
 scheduling a decode token's id may still be on the device (sampled by the step before,
@@ -20,13 +22,13 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
+LoRA (when present)   2T + 5L        ``lora.punica.lora_mapping_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)
 ``seq_lens``          B              tokens in the cache after the step (0 for padding)
 ``tile_seq``          num_tiles      attention tiles (``ops.attention.attention_tiles``)
 ``tile_query``        num_tiles
-LoRA (when present)   2T + 5L        ``lora.punica.lora_mapping_from_buffer``'s layout
 ``table_index``       U              flat ``row * W + col`` of each block-table write
 ``table_value``       U              the block id written there
 ``prev_dst``          K              token rows whose id the previous step sampled
@@ -55,7 +57,8 @@ class StepLayout(NamedTuple):
     tensor-parallel workers as a list).
 
     Attributes:
-        num_tokens: T, token rows including padding (the graph bucket on a graph step).
+        num_tokens: T, token rows including padding (the graph bucket on a graph step, the
+            piece bucket on a piecewise step).
         num_seqs: B, sequences including padding.
         num_tiles: attention tiles; num_decode_tiles: the leading decode tiles.
         table_width: W, columns of the step's gathered block table.
@@ -68,6 +71,8 @@ class StepLayout(NamedTuple):
         table_rows: rows the block table must have (its capacity on rank 0).
         num_prev: K, token ids taken from the previous step's sampled tokens on the device
             (async scheduling; 0 otherwise).
+        pieces: the piecewise CUDA-graph token bucket (= ``num_tokens``; the token segments
+            padded to it, the sequence segments not), -1: not a piecewise step.
     """
 
     num_tokens: int
@@ -83,6 +88,7 @@ class StepLayout(NamedTuple):
     bucket: int
     table_rows: int
     num_prev: int = 0
+    pieces: int = -1
 
 
 class StepInputs(NamedTuple):
@@ -100,11 +106,11 @@ class StepInputs(NamedTuple):
 def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     """``[(name, length), ...]`` of the packed segments, in buffer order (module doc)."""
     t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
-    sizes = [("ids", t), ("positions", t), ("token_rows", t), ("seq_rows", b),
-             ("query_start", b), ("query_lens", b), ("seq_lens", b), ("tile_seq", nt),
-             ("tile_query", nt)]
+    sizes = [("ids", t), ("positions", t), ("token_rows", t)]
     if layout.schedule:
         sizes.append(("lora", 2 * t + 5 * max_loras))
+    sizes += [("seq_rows", b), ("query_start", b), ("query_lens", b), ("seq_lens", b),
+              ("tile_seq", nt), ("tile_query", nt)]
     u = layout.num_table_updates
     k = layout.num_prev
     sizes += [("table_index", u), ("table_value", u), ("prev_dst", k), ("prev_src", k),

@@ -151,7 +151,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 kv_caches = allocate_kv_caches(model.cfg, int(msg["num_blocks"]),
                                                spec.block_size, device, spec.kv_cache_dtype)
                 runner = ModelRunner(model, kv_caches, spec.block_size, max_loras,
-                                     int(msg["max_model_len"]), tuple(msg["graph_sizes"]))
+                                     int(msg["max_model_len"]), tuple(msg["graph_sizes"]),
+                                     tuple(msg["piece_sizes"]))
                 # this rank's Triton specializations (loaded from the disk cache rank 0 just
                 # filled), so no eager step compiles a kernel here while serving
                 warm_up_triton(model, kv_caches, spec.block_size,
@@ -243,20 +244,22 @@ class TPDriver:
 
     def allocate_kv(self, num_blocks: int, max_model_len: int,
                     graph_sizes: tuple[int, ...], max_num_batched_tokens: int,
-                    max_num_seqs: int) -> None:
+                    max_num_seqs: int, piece_sizes: tuple[int, ...] = ()) -> None:
         """Every worker allocates ``num_blocks`` KV blocks, compiles (or loads) its Triton
         specializations for steps of up to ``max_num_batched_tokens`` tokens and
         ``max_num_seqs`` sequences (``warm_up_triton``, which runs no collective), and
         captures the decode graphs of ``graph_sizes`` (for sequences up to ``max_model_len``
-        tokens); rank 0 must then capture its own (the captures' collectives pair up).
-        Start-up ends here: every rank waits for the others (``end_startup``), and from then
-        on every collective is bounded by ``timeout_s``.
+        tokens) and the piecewise graphs of ``piece_sizes`` (token buckets; rank 0's runner
+        has the same, so the workers replay its padded piecewise steps); rank 0 must then
+        capture its own (the captures' collectives pair up). Start-up ends here: every rank
+        waits for the others (``end_startup``), and from then on every collective is bounded
+        by ``timeout_s``.
 
         Raises:
             WorkerDiedError: a worker has died.
         """
         self.send({"op": "kv", "num_blocks": num_blocks, "max_model_len": max_model_len,
-                   "graph_sizes": list(graph_sizes),
+                   "graph_sizes": list(graph_sizes), "piece_sizes": list(piece_sizes),
                    "max_num_batched_tokens": max_num_batched_tokens,
                    "max_num_seqs": max_num_seqs})
         with self.workers.guard():

@@ -72,6 +72,14 @@ def test_tensor_parallel_equals_one_rank(base_dir, loras, tp, async_scheduling):
         base_dir, loras, async_scheduling=False)
 
 
+def test_piecewise_steps_under_tensor_parallelism(base_dir, loras):
+    """Rank 0 pads its prefill and mixed steps to piece buckets; the workers, built with the
+    same buckets, run the same pieces (and their collectives) on the same packed steps."""
+    assert _generate(base_dir, loras, tensor_parallel_size=2,
+                     piecewise_cuda_graph_sizes=(8, 16, 32)) == _generate(
+        base_dir, loras, async_scheduling=False)
+
+
 def test_idle_engine_outlives_the_collective_timeout(base_dir, loras, monkeypatch):
     """Workers wait for rank 0's next message on a pipe, with no time limit: an engine idle
     for longer than the collective timeout (3 s here, 300 s by default) still serves. The

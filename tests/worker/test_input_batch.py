@@ -33,7 +33,13 @@ from manylora.lora.punica import lora_mapping_arrays
 from manylora.ops.attention import slot_mapping_from_block_table
 from manylora.sample.sampler import SamplingTensors
 from manylora.worker.input_batch import InputBatch
-from manylora.worker.step_inputs import StepBuffers, segment_sizes, split_segments
+from manylora.worker.step_inputs import (
+    SCHEDULES,
+    StepBuffers,
+    _offsets,
+    segment_sizes,
+    split_segments,
+)
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -61,7 +67,8 @@ class Harness:
     tokens reach the host (they are gathered on the device from its samples)."""
 
     def __init__(self, *, num_blocks: int, budget: int, max_loras: int = 0,
-                 bucket_of=_no_bucket, rows: int = 2, async_scheduling: bool = False) -> None:
+                 bucket_of=_no_bucket, rows: int = 2, async_scheduling: bool = False,
+                 pieces_of=None) -> None:
         self.sched = Scheduler(SchedulerConfig(8, budget, max(max_loras, 1)),
                                KVCacheManager(num_blocks, BLOCK_SIZE))
         self.max_loras = max_loras
@@ -69,6 +76,8 @@ class Harness:
         self.width = self.batch.width
         self.buffers = StepBuffers(1 << 14, rows, self.width, torch.device("cpu"))
         self.bucket_of = bucket_of
+        self.pieces_of = pieces_of
+        self.lora_slots = {}
         self.tokens = itertools.count(7)
         self.async_scheduling = async_scheduling
         self.in_flight = None             # (plan, SampleInfo, {rid: token}) not yet read
@@ -93,8 +102,9 @@ class Harness:
             if fail:
                 sched.revert(out)
                 return out, None, None
-            inputs, info = batch.prepare(out, ids, lora_slots or {}, list(slot_ranks), None,
-                                         self.bucket_of, self.buffers)
+            self.lora_slots = lora_slots or {}
+            inputs, info = batch.prepare(out, ids, self.lora_slots, list(slot_ranks), None,
+                                         self.bucket_of, self.buffers, self.pieces_of)
             views = self.buffers.upload(inputs, self.max_loras, self.prev_sampled)
             self.check(out, inputs, info, views)
             sampled = {rid: next(self.tokens) for rid in info.req_ids}
@@ -165,6 +175,32 @@ class Harness:
         assert slots[:t].tolist() == ref
         assert (slots[t:] == -1).all()
         assert slots.dtype == torch.int64
+        if layout.pieces >= 0:
+            self.check_pieces(out, layout, host, t, b)
+
+    def check_pieces(self, out: SchedulerOutput, layout, host, t: int, b: int) -> None:
+        """A piecewise step: token segments padded to the bucket (ids and positions 0,
+        token rows -1), the LoRA mapping built over the bucket's rows with the SGMV
+        schedule, sequence and sampling segments unpadded."""
+        tb = layout.pieces
+        want = None if self.pieces_of is None else self.pieces_of(t)
+        assert tb == want and layout.num_tokens == tb and layout.bucket == -1
+        assert layout.num_seqs == b and len(host["seq_lens"]) == b
+        assert (host["ids"][t:] == 0).all() and (host["positions"][t:] == 0).all()
+        assert len(host["ids"]) == len(host["token_rows"]) == tb
+        slots = [self.lora_slots.get(s.request.lora_int_id, -1)
+                 for s in out.scheduled for _ in range(s.num_tokens)]
+        if not any(x >= 0 for x in slots):
+            assert layout.schedule == 0 and "lora" not in dict(segment_sizes(layout, 0))
+            return
+        assert SCHEDULES[layout.schedule] == "sgmv" and layout.max_seg_len == tb
+        ref = lora_mapping_arrays(np.asarray(slots), self.max_loras, tb)
+        m = self.max_loras
+        lora = host["lora"]
+        assert lora[:tb].tolist() == ref.token_lora_indices.tolist()
+        assert lora[tb + m:2 * tb + m].tolist() == ref.sorted_rows.tolist()
+        assert lora[2 * tb + m:2 * tb + 2 * m].tolist() == ref.active_slots.tolist()
+        assert lora[2 * tb + 3 * m:2 * tb + 4 * m].tolist() == ref.seg_len.tolist()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -299,6 +335,56 @@ def test_a_graph_step_that_does_not_fit_the_persistent_buffer_runs_eagerly():
     _, inputs, _ = h.step()                         # 3 decode rows, padded to 8: too big
     assert inputs.layout.bucket == -1 and inputs.layout.num_tokens == 3
     assert inputs.data.size > h.buffers.capacity
+
+
+def _pieces_of(n):
+    return next((size for size in (4, 8, 16) if size >= n), None)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_piece_steps_pad_token_segments_at_offsets_fixed_by_the_bucket(async_scheduling):
+    """Steps that are not decode graph steps, up to the largest piece bucket, pad their
+    token segments to the bucket (checked against the reference in ``Harness``), through
+    chunked prefills, preemption and LoRA rows of several adapters; the segments a piece
+    graph reads (ids, positions, token rows, LoRA) sit at the same offsets in every step
+    of one bucket; larger steps stay eager and unpadded."""
+    h = Harness(num_blocks=14, budget=20, max_loras=3, rows=8, pieces_of=_pieces_of,
+                async_scheduling=async_scheduling)
+    lora_ids = (0, 5, 9, 7, 0, 5, 9, 0)
+    for i, lid in enumerate(lora_ids):
+        h.sched.add_request(_request(3 + 2 * i, 6, lora_id=lid))
+    offsets, seen = {}, set()
+    while h.has_work():
+        out, inputs, _ = h.step(lora_slots={5: 2, 9: 0, 7: 1}, slot_ranks=(4, 2, 8))
+        if inputs is None:
+            continue
+        layout = inputs.layout
+        real = sum(s.num_tokens for s in out.scheduled)
+        if real > 16:
+            assert layout.pieces == -1 and layout.num_tokens == real
+            seen.add("eager")
+            continue
+        seen.add((layout.pieces, layout.schedule))
+        read = {name: start for name, start, _ in _offsets(layout, 3)[0]
+                if name in ("ids", "positions", "token_rows", "lora")}
+        assert offsets.setdefault((layout.pieces, layout.schedule), read) == read
+    assert h.sched.num_preemptions > 0
+    assert "eager" in seen
+    seen.discard("eager")
+    assert len({tb for tb, schedule in seen if schedule == 2}) >= 2       # LoRA rows
+    assert any(schedule == 0 for _, schedule in seen)                      # base rows only
+
+
+def test_a_piece_step_that_does_not_fit_the_persistent_buffer_runs_eagerly():
+    """Piece graphs read only the persistent buffer: a prefill too large for it once padded
+    to its bucket is packed unpadded, eagerly, into a buffer of its own."""
+    h = Harness(num_blocks=64, budget=64, rows=8, pieces_of=lambda n: 64 if n > 8 else 8)
+    h.buffers = StepBuffers(160, 8, h.width, torch.device("cpu"))
+    h.sched.add_request(_request(30, 2))
+    _, inputs, _ = h.step()                      # 30 tokens: 3 x 64 padded rows won't fit
+    assert inputs.layout.pieces == -1 and inputs.layout.num_tokens == 30
+    _, inputs, _ = h.step()                      # one decode row, padded to 8
+    assert inputs.layout.pieces == 8 and inputs.layout.num_tokens == 8
 
 
 def test_lora_mapping_matches_a_python_reference():
