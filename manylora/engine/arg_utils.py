@@ -44,7 +44,7 @@ class EngineArgs:
             prefill chunk, or prefill and decode mixed), replayed as piecewise CUDA graphs
             (the model between attention calls; attention eager); a step is padded to the
             smallest bucket that holds it, larger steps run eagerly. None: the default
-            buckets (16 to 2048 tokens, capped by ``max_num_batched_tokens``) on CUDA, off on
+            buckets (16 to 512 tokens, capped by ``max_num_batched_tokens``) on CUDA, off on
             the CPU; empty: off. Explicit sizes on the CPU pad the steps and run the pieces
             eagerly (no graphs there), which is what the CPU tests exercise.
         max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (pinned memory

@@ -36,9 +36,11 @@ from manylora.ops.attention import AttentionMetadata, KVCache
 
 logger = logging.getLogger(__name__)
 
-#: Token buckets of piecewise steps by default (capped by ``max_num_batched_tokens``). Steps
-#: of more tokens run eagerly: their GPU time exceeds their launch time by far.
-DEFAULT_PIECE_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
+#: Token buckets of piecewise steps by default (capped by ``max_num_batched_tokens``): close
+#: enough that padding a step to its bucket adds little work. Steps of more tokens run
+#: eagerly: their GPU time exceeds their launch time, and padding a compute-bound step to a
+#: coarse bucket costs more than the launches it saves (BENCHMARKS.md).
+DEFAULT_PIECE_SIZES = (16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 #: ``(token bucket, LoRA schedule or None)``.
 PieceKey = tuple[int, str | None]
