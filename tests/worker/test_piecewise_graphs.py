@@ -207,7 +207,7 @@ def test_piece_buckets_from_engine_args_and_flags():
         return _piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
                             torch.device(device))
 
-    assert sizes("cuda") == (16, 32, 64, 128, 256, 300)
+    assert sizes("cuda") == (16, 32, 64, 96, 128, 160, 192, 256, 300)
     assert sizes("cpu") == ()
     assert sizes("cpu", piecewise_cuda_graph_sizes=(8, 1000)) == (8, 300)
     assert sizes("cuda", piecewise_cuda_graph_sizes=()) == ()
