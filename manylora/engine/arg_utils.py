@@ -44,9 +44,10 @@ class EngineArgs:
             prefill chunk, or prefill and decode mixed), replayed as piecewise CUDA graphs
             (the model between attention calls; attention eager); a step is padded to the
             smallest bucket that holds it, larger steps run eagerly. None: the default
-            buckets (16 to 512 tokens, capped by ``max_num_batched_tokens``) on CUDA, off on
-            the CPU; empty: off. Explicit sizes on the CPU pad the steps and run the pieces
-            eagerly (no graphs there), which is what the CPU tests exercise.
+            buckets (16 to 512 tokens, capped by ``max_num_batched_tokens``) on one GPU, off
+            under tensor parallelism and on the CPU; empty: off. Explicit sizes on the CPU
+            pad the steps and run the pieces eagerly (no graphs there), which is what the
+            CPU tests exercise.
         max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (pinned memory
             on CUDA); None: bounded by ``max_cpu_loras`` only.
         lora_device_cache_percent: size the device slots as this share (0, 1] of the GPU

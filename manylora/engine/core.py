@@ -493,14 +493,16 @@ class EngineCore:
 def _piece_sizes(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
     """The piecewise CUDA-graph token buckets of ``args`` (``piecewise_cuda_graph_sizes``):
     none under ``enforce_eager``; by default ``DEFAULT_PIECE_SIZES`` up to
-    ``max_num_batched_tokens`` on CUDA and none on the CPU; explicit sizes as given. Sizes
-    above the token budget become the budget itself (no step is larger), as the decode
-    graphs' sizes end at ``max_num_seqs``."""
+    ``max_num_batched_tokens`` on one CUDA device, none on the CPU or under tensor
+    parallelism (collectives inside piece graphs are not yet verified on several GPUs);
+    explicit sizes as given. Sizes above the token budget become the budget itself (no step
+    is larger), as the decode graphs' sizes end at ``max_num_seqs``."""
     if args.enforce_eager:
         return ()
     sizes = args.piecewise_cuda_graph_sizes
     if sizes is None:
-        sizes = DEFAULT_PIECE_SIZES if device.type == "cuda" else ()
+        one_gpu = device.type == "cuda" and args.tensor_parallel_size == 1
+        sizes = DEFAULT_PIECE_SIZES if one_gpu else ()
     budget = args.max_num_batched_tokens
     return tuple(sorted({min(n, budget) for n in sizes}))
 

@@ -201,14 +201,17 @@ def test_greedy_outputs_with_piece_buckets_match_peft(base_dir, adapters):
 
 
 def test_piece_buckets_from_engine_args_and_flags():
-    """Default buckets on CUDA only, capped by the token budget; explicit ones anywhere;
-    none under enforce_eager; the flag with no value turns them off; bad sizes named."""
+    """Default buckets on one GPU only (not on the CPU, not under tensor parallelism), capped
+    by the token budget; explicit ones anywhere; none under enforce_eager; the flag with no
+    value turns them off; bad sizes named."""
     def sizes(device, **kw):
         return _piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
                             torch.device(device))
 
     assert sizes("cuda") == (16, 32, 64, 96, 128, 160, 192, 256, 300)
     assert sizes("cpu") == ()
+    assert sizes("cuda", tensor_parallel_size=2) == ()
+    assert sizes("cuda", tensor_parallel_size=2, piecewise_cuda_graph_sizes=(64,)) == (64,)
     assert sizes("cpu", piecewise_cuda_graph_sizes=(8, 1000)) == (8, 300)
     assert sizes("cuda", piecewise_cuda_graph_sizes=()) == ()
     assert sizes("cuda", enforce_eager=True, piecewise_cuda_graph_sizes=(8,)) == ()
