@@ -223,10 +223,20 @@ class MPClient:
         return kind, self._decoders[kind].decode(body.buffer)
 
     def _send(self, kind: RequestType, message: Any = None) -> None:
+        """Queue one message for the core without blocking: a PUSH socket whose peer is
+        gone would block a send forever, so no peer means the core has died.
+
+        Raises:
+            EngineDeadError: the core is gone (or was shut down).
+        """
         self._check_alive()
         frames = [kind.value, b"" if message is None else self._encoder.encode(message)]
         with self._send_lock:
-            self._input.send_multipart(frames, copy=False)
+            try:
+                self._input.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                raise EngineDeadError("the engine core is gone: its input socket has no "
+                                      "peer") from None
 
     def _check_alive(self) -> None:
         if self.error is not None:
@@ -327,8 +337,9 @@ class MPClient:
         self._closed = True
         if self.process.poll() is None:
             try:
-                with self._send_lock:
-                    self._input.send_multipart([RequestType.SHUTDOWN.value, b""])
+                with self._send_lock:       # the core may be exiting: never block here
+                    self._input.send_multipart([RequestType.SHUTDOWN.value, b""],
+                                               flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             try:
