@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
 import torch
 
-from benchmarks.common import command_line, gpu_name, measure_copy_bandwidth, record
+from benchmarks.common import (
+    command_line,
+    gpu_name,
+    measure_copy_bandwidth,
+    record,
+    time_graph_calls,
+)
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CALLS, REPLAYS = 10, 15
@@ -48,22 +53,7 @@ def measure(batch: int, context: int, device: torch.device) -> float:
     def call():
         paged_attention_triton(q, kv, meta, HEAD_DIM ** -0.5, out=out)
 
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
+    return time_graph_calls(lambda i: call(), CALLS, REPLAYS)
 
 
 def main() -> None:

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 from triton.runtime.errors import OutOfResources
 
-from benchmarks.common import command_line, gpu_name, measure_copy_bandwidth, record
+from benchmarks.common import (
+    command_line,
+    gpu_name,
+    measure_copy_bandwidth,
+    record,
+    time_graph_calls,
+)
 
 #: Llama-3-8B's projections: (name, N, K).
 SHAPES = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
@@ -30,27 +35,6 @@ SHAPES = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 286
 ROWS = {16: (1, 16), 32: (32,), 64: (64,)}
 SWEEP = dict(block_n=(32, 64, 128), block_k=(128, 256, 512), warps=(4,), stages=(3, 4, 6))
 CALLS, REPLAYS = 5, 10
-
-
-def gpu_seconds(fn) -> float:
-    """Median GPU time of one ``fn(i)`` (``i`` in ``range(CALLS)`` captured in a CUDA
-    graph, ``REPLAYS`` replays)."""
-    for i in range(CALLS):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn(i)
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / CALLS)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -74,17 +58,18 @@ def main() -> None:
             w = weights[name]
             xs = {m: torch.randn(m, k, device=device, dtype=torch.bfloat16, generator=gen)
                   for m in counts}
-            cublas = {m: gpu_seconds(
-                lambda i, x=xs[m], w=w: torch.nn.functional.linear(x, w[i])) for m in counts}
+            cublas = {m: time_graph_calls(
+                lambda i, x=xs[m], w=w: torch.nn.functional.linear(x, w[i]), CALLS, REPLAYS)
+                for m in counts}
             best = None
             for bn, bk, warps, stages in itertools.product(*SWEEP.values()):
                 if k % bk:
                     continue
                 config = (block_m, bn, bk, warps, stages)
                 try:
-                    times = {m: gpu_seconds(
-                        lambda i, x=xs[m], w=w, c=config: skinny_linear(x, w[i], None, c))
-                        for m in counts}
+                    times = {m: time_graph_calls(
+                        lambda i, x=xs[m], w=w, c=config: skinny_linear(x, w[i], None, c),
+                        CALLS, REPLAYS) for m in counts}
                 except OutOfResources:            # the pipeline's tiles exceed shared memory
                     continue
                 if best is None or sum(times.values()) < sum(best[1].values()):

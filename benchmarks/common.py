@@ -134,6 +134,29 @@ def time_cuda_graph(fn: Callable[[], object], warmup: int = 25, rep: int = 100) 
     return do_bench_median(graph.replay, warmup=warmup, rep=rep)
 
 
+def time_graph_calls(fn: Callable[[int], object], calls: int, replays: int) -> float:
+    """Median GPU time of one call, in s: ``fn(0) .. fn(calls - 1)`` run once eagerly (to
+    compile), then captured in one ``torch.cuda.CUDAGraph`` and replayed ``replays`` times,
+    each replay timed with CUDA events and divided by ``calls``. The call index lets ``fn``
+    read another copy of its operands on each call (no L2 reuse from the call before)."""
+    for i in range(calls):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(times)
+
+
 def time_cpu(fn: Callable[[], object], reps: int = 5) -> float:
     """Median wall time of ``fn`` over ``reps`` runs after one warmup run, in ms."""
     fn()
