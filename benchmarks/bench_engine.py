@@ -208,6 +208,36 @@ def summarize(passes: list[dict]) -> dict:
     return out
 
 
+def write_setting(root: Path, quick: bool) -> tuple[Path, list[Path]]:
+    """The benchmark model's config (``LLAMA3_8B``, ``TINY`` with ``quick``) and its
+    ``num_adapters`` rank-``RANK`` PEFT adapters on ``LORA_TARGETS``, written under
+    ``root``: ``(model_dir, adapter_dirs)``."""
+    config = TINY if quick else LLAMA3_8B
+    device = torch.device("cpu" if quick else "cuda")
+    model_dir = write_config(root / "model", config)
+    adapters = write_peft_adapters(root / "adapters", config, num_adapters(quick), RANK,
+                                   LORA_TARGETS, device,
+                                   torch.float32 if quick else torch.bfloat16)
+    return model_dir, adapters
+
+
+def offline_pass(llm, work: Workload, loras: list, seed: int,
+                 cap: int | None) -> tuple[int, int]:
+    """One ``LLM.generate`` of the workload's requests (token ids of ``seed``; new tokens
+    capped at ``cap``; adapter ``adapter_of(i)`` from ``loras`` when the workload uses
+    them), greedy, ignore_eos: ``(tokens generated, tokens asked)``."""
+    from manylora import SamplingParams
+
+    news = [min(n, cap) if cap else n for _, n in work.lengths]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in news]
+    reqs = [loras[k] if work.lora and (k := adapter_of(i, len(loras))) is not None
+            else None for i in range(len(news))]
+    outs = llm.generate([{"prompt_token_ids": p}
+                         for p in work.prompts(llm.llm_engine.vocab_size, seed)],
+                        params, reqs, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), sum(news)
+
+
 def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str], repeats: int,
                 quick: bool, lora: bool = True) -> dict[str, dict]:
     """Each workload through ``LLM.generate``, warm-up pass first, then its timed passes
@@ -217,25 +247,18 @@ def run_offline(model_dir: Path, adapters: list[Path], names: Sequence[str], rep
     Raises:
         RuntimeError: a pass generated another number of tokens than it asked for.
     """
-    from manylora import LLM, LoRARequest, SamplingParams
+    from manylora import LLM, LoRARequest
 
     llm = LLM(str(model_dir), **engine_kwargs(quick, lora))
-    vocab = llm.llm_engine.vocab_size
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
     results = {}
 
     def generate(work: Workload, seed: int, cap: int | None) -> tuple[int, float]:
-        news = [min(n, cap) if cap else n for _, n in work.lengths]
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in news]
-        reqs = [loras[k] if work.lora and (k := adapter_of(i, len(loras))) is not None
-                else None for i in range(len(news))]
         start = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts(vocab, seed)],
-                            params, reqs, use_tqdm=False)
+        tokens, asked = offline_pass(llm, work, loras, seed, cap)
         seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        if tokens != sum(news):
-            raise RuntimeError(f"{work.name}: generated {tokens} tokens, asked {sum(news)}")
+        if tokens != asked:
+            raise RuntimeError(f"{work.name}: generated {tokens} tokens, asked {asked}")
         return tokens, seconds
 
     try:
@@ -596,7 +619,6 @@ def main() -> None:
         args.steps, args.client_procs = min(args.steps, 5), min(args.client_procs, 2)
     elif not torch.cuda.is_available():
         raise SystemExit("bench_engine needs a CUDA GPU (or --quick for a CPU smoke run)")
-    config = TINY if quick else LLAMA3_8B
     device = torch.device("cpu" if quick else "cuda")
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_engine")
@@ -604,10 +626,7 @@ def main() -> None:
     names = list(args.workloads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir = write_config(root / "model", config)
-        adapters = write_peft_adapters(root / "adapters", config, num_adapters(quick), RANK,
-                                       LORA_TARGETS, device,
-                                       torch.float32 if quick else torch.bfloat16)
+        model_dir, adapters = write_setting(root, quick)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # LoRA-off workloads on an engine with LoRA disabled (the baseline's meaning), the

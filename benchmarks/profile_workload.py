@@ -25,20 +25,17 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_engine import (
-    LORA_TARGETS,
     NOT_KERNELS,
-    RANK,
     SEEDS,
     WARMUP_NEW,
-    adapter_of,
     engine_kwargs,
     in_child,
-    num_adapters,
+    offline_pass,
     step_timeline,
     workloads,
+    write_setting,
 )
 from benchmarks.common import command_line, gpu_name, record
-from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
 
 #: Kernel kinds by name fragment (lower case), first match wins; the rest is "other".
 KINDS = (("LoRA", ("sgmv", "bgmv")),
@@ -64,23 +61,16 @@ def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool,
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from manylora import LLM, LoRARequest, SamplingParams
+    from manylora import LLM, LoRARequest
 
     work = workloads(quick)[name]
     off = {} if piecewise else {"piecewise_cuda_graph_sizes": ()}
     llm = LLM(str(model_dir), **engine_kwargs(quick, work.lora), **off)
     core = llm.llm_engine.engine_core
-    vocab = llm.llm_engine.vocab_size
     loras = [LoRARequest(f"a{k}", k + 1, str(p)) for k, p in enumerate(adapters)]
-    reqs = [loras[k] if work.lora and (k := adapter_of(i, len(loras))) is not None else None
-            for i in range(len(work.lengths))]
 
     def run(seed: int, cap: int | None) -> int:
-        params = [SamplingParams(temperature=0.0, max_tokens=min(n, cap) if cap else n,
-                                 ignore_eos=True) for _, n in work.lengths]
-        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts(vocab, seed)],
-                            params, reqs, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        return offline_pass(llm, work, loras, seed, cap)[0]
 
     run(SEEDS[name][0], WARMUP_NEW)
     kinds: list[str] = []
@@ -156,13 +146,8 @@ def main() -> None:
     if not quick and not torch.cuda.is_available():
         raise SystemExit("profile_workload needs a CUDA GPU (or --quick)")
     device = torch.device("cpu" if quick else "cuda")
-    config = TINY if quick else LLAMA3_8B
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        model_dir = write_config(root / "model", config)
-        adapters = write_peft_adapters(root / "adapters", config, num_adapters(quick), RANK,
-                                       LORA_TARGETS, device,
-                                       torch.float32 if quick else torch.bfloat16)
+        model_dir, adapters = write_setting(Path(tmp), quick)
         results = [in_child(profile_pass, model_dir, adapters, name, quick,
                             not args.no_piecewise)
                    for name in args.workloads]

@@ -150,6 +150,6 @@ def base_linear(x: torch.Tensor, weight: torch.Tensor,
     otherwise, including eager steps, where launching a Triton kernel from Python costs more
     host time than cuBLAS's launch.
     """
-    if skinny_eligible(x, weight) and torch.cuda.is_current_stream_capturing():
+    if x.is_cuda and torch.cuda.is_current_stream_capturing() and skinny_eligible(x, weight):
         return skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

@@ -55,10 +55,6 @@ class AsyncSampledOutput:
         packed.record_stream(copy_stream)         # the compute stream may not reuse it early
         self._host = host
 
-    def ready(self) -> bool:
-        """Whether the copy has finished (``result`` would not wait)."""
-        return self._event is None or self._event.query()
-
     def result(self) -> tuple[list[int], list[TokenLogprobs]]:
         """Wait for the copy; ``(token_ids, logprobs)``: the N sampled ids, and one
         ``TokenLogprobs`` per entry of ``lp_rows``, in that order."""

@@ -132,8 +132,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
         self.row_of: dict[str, int] = {}
         self.pending: dict[str, int] = {}
-        self._pending_step = 0
-        self._step = 0
+        self._step = 0                                         # steps prepared
         self._uids = itertools.count(1)
         self._free_rows = list(range(num_rows))                # a heap: the lowest first
         self._alloc(num_rows)
@@ -428,7 +427,6 @@ class InputBatch:
         req_ids = [ids[i] for i in sampled.tolist()]
         self._step += 1
         self.pending = dict(zip(req_ids, range(num_sampled)))
-        self._pending_step = self._step
         info = SampleInfo(
             req_ids=req_ids, rows=rows, uids=self.row_uid[rows], step=self._step,
             all_greedy=bool(greedy.all()), all_random=not greedy.any(),
@@ -471,7 +469,7 @@ class InputBatch:
         finished or preempted since (its state is gone or new) gets nothing, and a row
         already at ``max_model_len`` keeps its tokens (its request ends with this step).
         """
-        if info.step == self._pending_step:
+        if info.step == self._step:
             self.pending = {}                      # nothing prepared since: all on the host
         if not len(info.rows):
             return
