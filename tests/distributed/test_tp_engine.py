@@ -136,11 +136,16 @@ def test_killed_worker_raises_in_the_engine_and_spares_its_process(base_dir):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_cuda_tensor_parallel_matches_peft(base_dir, loras):
-    """TP 2 on two GPUs (NCCL, decode steps replayed as CUDA graphs on both ranks) against
-    transformers + peft on the same weights, float32."""
-    llm = LLM(str(base_dir), **{**ENGINE, "device": "cuda", "max_num_seqs": 8},
-              tensor_parallel_size=2)
+@pytest.mark.parametrize("async_scheduling, piece_sizes", [
+    (True, None), (False, None), (True, (8, 16, 32))])
+def test_cuda_tensor_parallel_matches_peft(base_dir, loras, async_scheduling, piece_sizes):
+    """TP 2 on two GPUs (NCCL, decode steps replayed as CUDA graphs on both ranks, rank 0's
+    samples broadcast under async scheduling; with piece sizes, prefill and mixed steps
+    replayed piecewise on both ranks) against transformers + peft on the same weights,
+    float32."""
+    pieces = {} if piece_sizes is None else {"piecewise_cuda_graph_sizes": piece_sizes}
+    llm = LLM(str(base_dir), **{**ENGINE, "device": "cuda", "max_num_seqs": 8}, **pieces,
+              tensor_parallel_size=2, async_scheduling=async_scheduling)
     try:
         tok = llm.get_tokenizer()
         prompts = [tok(p).input_ids for p in PROMPTS]
