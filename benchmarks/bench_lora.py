@@ -421,7 +421,7 @@ def kernels_table(results: list[dict], floor_bytes: int) -> tuple[list[str], lis
             rows.append([r["label"], on["batch"], _fmt(on["lora_ms"], ".3f"),
                          _fmt(on["all_ms"], ".3f"), _fmt(off["all_ms"], ".3f"),
                          _fmt(on["all_ms"] - off["all_ms"], ".3f"),
-                         f"{floor_bytes / 1e6:,.0f}", _fmt(floor * 1e3, ".3f"),
+                         f"{floor_bytes / 1e6:,.1f}", _fmt(floor * 1e3, ".3f"),
                          _fmt(ratio, ".2f"),
                          "n/a" if ratio != ratio else _verdict(ratio <= KERNEL_FLOOR_RATIO,
                                                                f"{ratio:.2f}x"),
