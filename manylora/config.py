@@ -323,18 +323,31 @@ class SchedulerConfig:
         max_loras: distinct adapters in one step (the number of device slots).
         lora_aging_steps: steps a waiting request may be passed over by requests whose
             adapters are resident before it takes the next free slot in arrival order.
+        lora_new_adapters_per_step: while more adapters wait than slots are free (and the
+            scheduler is given the adapter cache's residency), adapters a step may admit
+            that the running batch does not use; None: as many as slots allow.
+        lora_staging_slots: under the same condition, slots kept free of running adapters
+            so the next adapters' copies run ahead on the side stream instead of stalling a
+            step; at most ``max_loras // 4`` of them.
     """
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_loras: int
     lora_aging_steps: int = 64
+    lora_new_adapters_per_step: int | None = 1
+    lora_staging_slots: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras",
                      "lora_aging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.lora_new_adapters_per_step is not None and self.lora_new_adapters_per_step < 1:
+            raise ValueError(f"lora_new_adapters_per_step must be ≥ 1 or None, got "
+                             f"{self.lora_new_adapters_per_step}")
+        if self.lora_staging_slots < 0:
+            raise ValueError(f"lora_staging_slots must be ≥ 0, got {self.lora_staging_slots}")
 
 
 @dataclass(frozen=True)

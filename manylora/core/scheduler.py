@@ -165,6 +165,21 @@ class Scheduler:
       requests takes no new requests until it drains, so its slot goes to the aged request:
       no request starves behind adapters that are always busy.
 
+    With the adapter cache's residency (the engine's case) and more adapters waiting than
+    slots are free, two more rules pace the slot loads (``benchmarks/sim_churn.py``
+    compares them with the rules above alone on a roofline model of the engine):
+
+    * a step admits at most ``lora_new_adapters_per_step`` adapters that are not in the
+      running batch; adapters that drain together then re-enter one per step, so their
+      prefill and their copies spread over steps instead of one compute-bound step that
+      waits on several copies;
+    * ``lora_staging_slots`` slots (a quarter of ``max_loras`` at most, none below 4) stay
+      free of running adapters: the cache copies the next adapters (``wanted_adapters``)
+      into them while steps run, so they join with no copy to wait for.
+
+    Neither rule starves a request: aged requests still take free slots in arrival order
+    before any other adapter (and close the least busy running adapter when none is free).
+
     Args:
         config: batch limits (max_num_seqs, max_num_batched_tokens, max_loras,
             lora_aging_steps).
@@ -178,6 +193,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.adapters: AdapterResidency = adapters or _EveryAdapterReady()
+        self._pace_loads = adapters is not None    # the cache copies: pace its slot loads
         self._queues: dict[int, deque[Request]] = {}
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -348,20 +364,28 @@ class Scheduler:
 
     def _allowed_adapters(self) -> set[int]:
         """The adapters whose waiting requests may join this step (0 = base)."""
+        config = self.config
         running = self.running_adapters()
         allowed = running | {0}
-        free = self.config.max_loras - len(running)
-        for lid in self._new_adapter_order(running):
-            head = self._queues[lid][0]
-            if free <= 0:
-                if self._aged(head) and running:
+        order = self._new_adapter_order(running)
+        free = config.max_loras - len(running)
+        admits, reserve = None, 0
+        if self._pace_loads and len(order) > free:    # more adapters wait than slots are free
+            admits = config.lora_new_adapters_per_step
+            reserve = min(config.lora_staging_slots, config.max_loras // 4)
+        for lid in order:
+            aged = self._aged(self._queues[lid][0])
+            if free - reserve <= 0 or admits == 0:
+                if aged and running and free - reserve <= 0:
                     counts = Counter(r.lora_int_id for r in self.running if r.lora_int_id)
                     allowed.discard(min(running, key=lambda a: (counts[a], a)))
                 break
             if self.adapters.is_ready(lid):
                 allowed.add(lid)
                 free -= 1
-            elif self._aged(head):
+                if admits is not None:
+                    admits -= 1
+            elif aged:
                 break          # the oldest waits for its adapter: no younger one passes it
         return allowed
 

@@ -501,3 +501,125 @@ def test_deltas_rebuild_every_table_through_preemption_and_a_dropped_plan():
     assert preempted, "the pool is small enough to preempt"
     for rid in preempted:                 # each preempted request came back in full
         assert seen_new.count(rid) >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Slot loads paced under churn (more adapters waiting than slots are free)
+
+
+def paced_scheduler(residency: FakeResidency, *, max_loras: int = 4,
+                    lora_aging_steps: int = 64, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(32, 256, max_loras, lora_aging_steps, **config),
+                     KVCacheManager(256, 4), residency)
+
+
+def run_steps(sched: Scheduler, steps: int, finish_after: int | None = None
+              ) -> list[set[int]]:
+    """``steps`` steps; the adapters of each step's requests (0 excluded). With
+    ``finish_after``, a request ends once it has that many output tokens."""
+    seen = []
+    for _ in range(steps):
+        out = step(sched)
+        seen.append({s.request.lora_int_id for s in out.scheduled} - {0})
+        if finish_after is not None:
+            done = [s.request.request_id for s in out.scheduled
+                    if s.request.num_output_tokens >= finish_after]
+            sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    return seen
+
+
+def test_contended_slots_admit_one_new_adapter_per_step_and_keep_a_staging_slot():
+    sched = paced_scheduler(FakeResidency(), max_loras=8)
+    reqs = [make_request(2, lora_id=i, rid=f"lora{i}") for i in range(1, 11)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = run_steps(sched, 9)
+    # one more adapter per step, in arrival order, up to 8 - 1 slots while 3 others wait
+    assert seen == [set(range(1, k + 2)) for k in range(7)] + [set(range(1, 8))] * 2
+    assert sched.wanted_adapters(8) == [r.lora_request for r in reqs[7:]]
+    check_invariants(sched)
+
+
+def test_staging_slots_are_at_most_a_quarter_of_the_slots():
+    sched = paced_scheduler(FakeResidency(), max_loras=8, lora_staging_slots=5,
+                            lora_new_adapters_per_step=None)
+    for i in range(1, 11):
+        sched.add_request(make_request(2, lora_id=i))
+    assert run_steps(sched, 1) == [set(range(1, 7))]              # 8 - 8 // 4
+    small = paced_scheduler(FakeResidency(), max_loras=3, lora_new_adapters_per_step=None)
+    for i in range(1, 11):
+        small.add_request(make_request(2, lora_id=i))
+    assert run_steps(small, 1) == [{1, 2, 3}]                    # none below 4 slots
+
+
+def test_every_waiting_adapter_joins_at_once_when_the_slots_suffice():
+    sched = paced_scheduler(FakeResidency(), max_loras=8)
+    for i in range(1, 9):
+        sched.add_request(make_request(2, lora_id=i))
+    assert run_steps(sched, 1) == [set(range(1, 9))]
+
+
+def test_without_the_adapter_cache_nothing_is_paced():
+    sched = Scheduler(SchedulerConfig(32, 256, 4), KVCacheManager(256, 4))
+    for i in range(1, 11):
+        sched.add_request(make_request(2, lora_id=i))
+    assert run_steps(sched, 1) == [{1, 2, 3, 4}]
+
+
+def test_rules_off_restore_the_max_loras_rule():
+    sched = paced_scheduler(FakeResidency(), max_loras=4, lora_new_adapters_per_step=None,
+                            lora_staging_slots=0)
+    for i in range(1, 11):
+        sched.add_request(make_request(2, lora_id=i))
+    assert run_steps(sched, 1) == [{1, 2, 3, 4}]
+
+
+def test_a_drained_adapter_is_replaced_by_one_per_step_all_requests_of_it_together():
+    sched = paced_scheduler(FakeResidency(), max_loras=4)        # 1 staging slot
+    reqs = [make_request(2, lora_id=i, max_tokens=3) for i in (1, 2, 3, 4, 5, 4, 6, 5, 5)]
+    for r in reqs:
+        sched.add_request(r)
+    first: dict[str, int] = {}
+    seen = []
+    for k in range(16):
+        out = step(sched)
+        seen.append({s.request.lora_int_id for s in out.scheduled})
+        for s in out.scheduled:
+            first.setdefault(s.request.request_id, k)
+        done = [s.request.request_id for s in out.scheduled if s.request.num_output_tokens >= 3]
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    assert not sched.has_unfinished_requests()
+    # 3 adapters (4 slots - 1 staging) while more wait than slots are free, one new adapter
+    # a step as others drain; once the rest fit (5 and 6 into 2 free slots), both join
+    assert seen[:7] == [{1}, {1, 2}, {1, 2, 3}, {2, 3, 4}, {3, 4, 5, 6}, {4, 5, 6}, {5, 6}]
+    for lid in (4, 5):      # an adapter's waiting requests all join with it: one load each
+        assert len({first[r.request_id] for r in reqs if r.lora_int_id == lid}) == 1
+
+
+def test_an_aged_request_is_not_bypassed_under_paced_loads():
+    # adapter 9 is resident and always has new requests; adapters 2..7 wait; the oldest
+    # waiting request (adapter 2) must run once it has aged, before any younger adapter
+    residency = FakeResidency(resident={9})
+    sched = paced_scheduler(residency, max_loras=4, lora_aging_steps=3)
+    rare = make_request(2, lora_id=2, rid="rare", max_tokens=2)
+    sched.add_request(rare)
+    for i in range(3, 8):
+        sched.add_request(make_request(2, lora_id=i, max_tokens=50, rid=f"long{i}"))
+    for k in range(12):
+        sched.add_request(make_request(2, lora_id=9, max_tokens=2, rid=f"hot{k}"))
+        out = step(sched)
+        assert len({s.request.lora_int_id for s in out.scheduled} - {0}) <= 3
+        done = [s.request.request_id for s in out.scheduled
+                if s.request.num_output_tokens >= s.request.sampling_params.max_tokens]
+        sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+        if rare.status != RequestStatus.WAITING:
+            break
+    assert rare.status != RequestStatus.WAITING, "the aged request never got a slot"
+    assert k <= 3 + 2                        # aged after 3 steps, then the next slot
+
+
+def test_scheduler_config_rejects_bad_pacing():
+    with pytest.raises(ValueError, match="lora_new_adapters_per_step"):
+        SchedulerConfig(8, 64, 4, lora_new_adapters_per_step=0)
+    with pytest.raises(ValueError, match="lora_staging_slots"):
+        SchedulerConfig(8, 64, 4, lora_staging_slots=-1)
