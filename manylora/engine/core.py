@@ -143,6 +143,7 @@ class EngineCore:
             self.runner.on_step = self.tp_driver.step
             if self.lora_manager is not None:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
+                self.lora_manager.host_alloc = self.tp_driver.host_buffers.alloc
                 self.lora_manager.background_dora_reads = False
         self._pending_removals: set[int] = set()
         self.async_scheduling = args.async_scheduling

@@ -55,8 +55,8 @@ class SlotLoad:
             descriptors int64 ``[entries, DESC_COLS]`` (``ops.triton_slot_load``), then the
             slot's rank and DoRA table rows (int32 ``[E]`` each).
         entries: rows of descriptors at the start of ``blob``.
-        ranks, dora: int32 ``[E]``, the table rows the scatter writes (for the table's host
-            mirrors).
+        ranks, dora: int32 ``[E]``, views of the table rows in ``blob`` (what the scatter
+            writes, and the table's host mirrors get).
     """
 
     blob: torch.Tensor

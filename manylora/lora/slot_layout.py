@@ -1,6 +1,6 @@
 """Where each piece of a packed adapter goes in this engine rank's slots, and the slot load.
 
-Built once per engine (per tensor-parallel rank) from the model's ``LoRASlots`` and the
+Built once per engine (per tensor-parallel rank) from the model's ``LoRASlots`` and their
 ``SlotTable``: for every (layer, module) with slot buffers, the A, rank-major B and DoRA
 scale buffers, this rank's cuts of the adapter's whole tensors, and the module's table
 column. ``prepare`` turns a ``PackedAdapter``'s plan into scatter descriptors (on the loader
@@ -14,13 +14,13 @@ for slot ``k`` and each (layer, module) with slot buffers, rank ``r`` (0 if unta
                                                 A is cut along the rank)
     lora_b[k, :r]     = B^T[:, out_cols]       (rank-major)
     dora_scale[k]     = scale[out_cols]        (DoRA modules)
-    ranks[k, col]     = n_a;  dora[k, col] = has scale
+    ranks[k, col]     = r;  dora[k, col] = has scale     (and the table's host mirrors)
 
 Cuts, after Megatron-LM's split (``LoRALinear``): column-parallel keeps ``out_cols`` =
 the rank's output rows of each packed module; row-parallel keeps ``in_cols`` = its input
 columns; fully sharded column-parallel keeps A's rows ``[start, start + width)`` of the
-padded rank (the table then holds ``min(max(r - start, 0), width)``), fully sharded
-row-parallel keeps B's output columns too. Nothing is zeroed: no kernel reads a slot past a
+padded rank (the table holds the true rank; the shrink clamps it to its rows), fully
+sharded row-parallel keeps B's output columns too. Nothing is zeroed: no kernel reads a slot past a
 module's rank.
 """
 
@@ -50,7 +50,6 @@ from manylora.lora.packed import (
 from manylora.ops.triton_slot_load import DESC_COLS, scatter_slot
 
 if TYPE_CHECKING:
-    from manylora.lora.slot_table import SlotTable
     from manylora.lora.slots import LoRASlots
 
 _DESC_BYTES = DESC_COLS * 8
@@ -75,8 +74,8 @@ class SlotLayout:
     """This engine rank's slot layout, its staging buffer, and the one-copy slot load.
 
     Args:
-        slots: ``{(layer, module): LoRASlots}`` (the model's ``create_lora_slots``).
-        table: the model's ``SlotTable``.
+        slots: ``{(layer, module): LoRASlots}`` (the model's ``create_lora_slots``), all
+            bound to one ``SlotTable``.
         module_shapes: ``{module: (in_features, out_features)}``, the whole (unsharded)
             projections (``ModelConfig.module_shapes``).
         max_lora_rank: the slots' padded rank.
@@ -87,13 +86,17 @@ class SlotLayout:
         destinations: every tensor a slot load writes into.
 
     Raises:
-        ValueError: slot buffers in a dtype whose element is not a whole number of 16-bit
-            words.
+        ValueError: no slots, slots bound to several tables, or slot buffers in a dtype
+            whose element is not a whole number of 16-bit words.
     """
 
-    def __init__(self, slots: Mapping[tuple[int, str], LoRASlots], table: SlotTable,
+    def __init__(self, slots: Mapping[tuple[int, str], LoRASlots],
                  module_shapes: Mapping[str, tuple[int, int]], max_lora_rank: int) -> None:
-        self.table = table
+        tables = {id(lora.table): lora.table for lora in slots.values()}
+        if len(tables) != 1:
+            raise ValueError(f"slot loads need slots bound to one rank table, got "
+                             f"{len(tables)}")
+        self.table = table = tables.popitem()[1]
         self.max_lora_rank = max_lora_rank
         self._targets: dict[tuple[int, int], _Target] = {}
         for (layer, module), lora in slots.items():
@@ -105,7 +108,7 @@ class SlotLayout:
         if self.elem % 2:
             raise ValueError(f"slot loads copy 16-bit words; slot buffers in {self.dtype}")
         device = first.a.device if first is not None else torch.device("cpu")
-        self.num_columns = int(table.ranks.shape[1])
+        self.num_columns = table.num_columns
         largest = sum(align(max_lora_rank * t.full_in * self.elem)
                       + align(max_lora_rank * t.full_out * self.elem) + align(4 * t.full_out)
                       for t in self._targets.values())
@@ -159,7 +162,7 @@ class SlotLayout:
                 rows.append(_entry(t.scale, p[P_SCALE] // 2 + 2 * o0, 2 * n_out, 1,
                                    2 * (o1 - o0)))
                 dora[t.column] = 1
-            ranks[t.column] = n_a
+            ranks[t.column] = r
         blob = torch.zeros(self._blob_bytes(len(rows) + 2), dtype=torch.uint8,
                            pin_memory=torch.cuda.is_available())
         tail = (align(packed.buf.numel()) + align((len(rows) + 2) * _DESC_BYTES)) // 2
@@ -169,10 +172,13 @@ class SlotLayout:
         desc = blob[: len(rows) * _DESC_BYTES].view(torch.int64).view(len(rows), DESC_COLS)
         desc.copy_(torch.tensor(rows, dtype=torch.int64))
         at = align(len(rows) * _DESC_BYTES)
-        blob[at: at + 4 * self.num_columns].view(torch.int32).copy_(torch.from_numpy(ranks))
-        at += 2 * step
-        blob[at: at + 4 * self.num_columns].view(torch.int32).copy_(torch.from_numpy(dora))
-        return SlotLoad(blob, len(rows), ranks, dora)
+        rows_in_blob = []
+        for values in (ranks, dora):
+            row = blob[at: at + 4 * self.num_columns].view(torch.int32)
+            row.copy_(torch.from_numpy(values))
+            rows_in_blob.append(row.numpy())
+            at += 2 * step
+        return SlotLoad(blob, len(rows), *rows_in_blob)
 
     def load(self, slot: int, packed: PackedAdapter, load: SlotLoad) -> None:
         """Write ``packed`` into ``slot``: two host → device copies (the buffer, then the
@@ -184,7 +190,7 @@ class SlotLayout:
             ValueError: a slot outside ``[0, max_loras)``, or an adapter too large for the
                 staging buffer (one that ``prepare`` did not accept).
         """
-        max_loras = int(self.table.ranks.shape[0])
+        max_loras = self.table.max_loras
         if not 0 <= slot < max_loras:
             raise ValueError(f"slot {slot} outside [0, {max_loras})")
         n = packed.buf.numel()
@@ -198,6 +204,8 @@ class SlotLayout:
         desc = self.staging[at: at + load.entries * _DESC_BYTES].view(torch.int64).view(
             load.entries, DESC_COLS)
         scatter_slot(self._words, desc, slot, self.destinations)
+        self.table.ranks_host[slot] = load.ranks
+        self.table.dora_host[slot] = load.dora
 
 
 def _entry(dst: torch.Tensor, src_off: int, src_stride: int, n: int, n_len: int) -> list[int]:
