@@ -28,13 +28,13 @@ import statistics
 import time
 
 import torch
+from manylora.lora.slot_table import SlotTable
 
 from benchmarks.common import record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.packed import pack_adapter
 from manylora.lora.slot_layout import SlotLayout
-from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
 
 PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -90,6 +90,31 @@ def _median_wall(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def measure(layout: SlotLayout, slots: dict, adapter: LoRAAdapter, reps: int, cuda: bool,
+            device: torch.device) -> list[str]:
+    """One row: MiB, one-copy ms, H2D floor ms, GB/s, ratio, per-module ms, ratio."""
+    packed = pack_adapter(adapter)
+    load = layout.prepare(packed)
+    one_copy = _median_wall(lambda i=0: layout.load(i % 2, packed, load), reps, cuda)
+    dst = torch.empty(packed.buf.numel(), dtype=torch.uint8, device=device)
+    floor = _median_wall(lambda i=0: dst.copy_(packed.buf, non_blocking=True), reps, cuda)
+    pinned = {key: LoRAWeights(*(t if t is None or not cuda else t.pin_memory()
+                                 for t in (w.a, w.b, w.dora_scale)))
+              for key, w in adapter.weights.items()}
+
+    def per_module(i=0):
+        for (layer, module), lora in slots.items():
+            w = pinned.get((layer, module))
+            lora.set_slot(i % 2, module, None if w is None else w.a,
+                          None if w is None else w.b)
+
+    old = _median_wall(per_module, max(3, reps // 5), cuda)
+    nbytes = packed.buf.numel()
+    return [f"{nbytes / 2**20:.1f}", f"{one_copy * 1e3:.3f}", f"{floor * 1e3:.3f}",
+            f"{nbytes / floor / 1e9:.1f}", f"{one_copy / floor:.2f}", f"{old * 1e3:.2f}",
+            f"{old / one_copy:.1f}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU")
@@ -107,28 +132,8 @@ def main() -> None:
     rows = []
     for rank, targets in ((16, QKVO), (16, ALL7), (64, ALL7)):
         adapter = random_adapter(config, rank, targets, dtype, seed=rank + len(targets))
-        packed = pack_adapter(adapter)
-        load = layout.prepare(packed)
-        one_copy = _median_wall(lambda i=0: layout.load(i % 2, packed, load), reps, cuda)
-        dst = torch.empty(packed.buf.numel(), dtype=torch.uint8, device=device)
-        floor = _median_wall(lambda i=0: dst.copy_(packed.buf, non_blocking=True), reps, cuda)
-        pinned = {key: LoRAWeights(*(t if t is None or not cuda else t.pin_memory()
-                                     for t in (w.a, w.b, w.dora_scale)))
-                  for key, w in adapter.weights.items()}
-
-        def per_module(i=0, pinned=pinned):
-            for (layer, module), lora in slots.items():
-                w = pinned.get((layer, module))
-                lora.set_slot(i % 2, module, None if w is None else w.a,
-                              None if w is None else w.b)
-
-        old = _median_wall(per_module, max(3, reps // 5), cuda)
-        nbytes = packed.buf.numel()
-        rows.append([f"r{rank} {'q/k/v/o' if targets == QKVO else 'all seven'}",
-                     f"{nbytes / 2**20:.1f}", f"{one_copy * 1e3:.3f}", f"{floor * 1e3:.3f}",
-                     f"{nbytes / floor / 1e9:.1f}", f"{one_copy / floor:.2f}",
-                     f"{old * 1e3:.2f}", f"{old / one_copy:.1f}"])
-        del dst
+        name = f"r{rank} {'q/k/v/o' if targets == QKVO else 'all seven'}"
+        rows.append([name, *measure(layout, slots, adapter, reps, cuda, device)])
     record("Slot load per adapter vs pinned H2D (issue 17)",
            "python -m benchmarks.bench_slot_load" + (" --quick" if args.quick else ""),
            ["adapter", "MiB", "one-copy ms", "H2D floor ms", "H2D GB/s", "one-copy / floor",
