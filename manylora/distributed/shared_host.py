@@ -120,13 +120,18 @@ class SharedHostCache:
         ``put`` stored with it (None if none).
 
         Raises:
-            OSError: the file does not exist (rank 0 freed it before this rank opened it).
+            FileNotFoundError: no such file of that size (rank 0 freed it before this rank
+                mapped it).
         """
         hit = self._maps.get(name)
         if hit is not None:
             self._maps.move_to_end(name)
             return hit[0], hit[2]
-        t = _map(_SHM / name, nbytes)
+        path = _SHM / name
+        if not path.is_file() or path.stat().st_size != nbytes:
+            raise FileNotFoundError(f"shared adapter buffer {path} ({nbytes} bytes) is gone: "
+                                    "rank 0 freed it before this rank mapped it")
+        t = _map(path, nbytes)
         self._maps[name] = (t, _register(t), None)
         while len(self._maps) > self.capacity:
             _, (old, pinned, _) = self._maps.popitem(last=False)

@@ -217,7 +217,9 @@ class EngineCore:
         per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
                               args.lora_target_modules, args.max_lora_rank, cfg.dtype, biased)
         free, _ = torch.cuda.mem_get_info(self.device)
-        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot)
+        # the slot loads' staging buffer holds one adapter at max_lora_rank: about a slot
+        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot,
+                                 reserved_bytes=per_slot)
         logger.info("LoRA device cache: %d slots of %.1f MiB (%.0f%% of %.1f GiB free)",
                     slots, per_slot / 2**20, 100 * args.lora_device_cache_percent, free / 2**30)
         return slots

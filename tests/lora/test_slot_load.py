@@ -38,9 +38,10 @@ TARGETS = {(0, "q_proj"): (4, False), (0, "v_proj"): (6, True), (0, "gate_proj")
            (1, "k_proj"): (7, False)}
 
 
-def _model(tp: TPGroup, dtype: torch.dtype, layers: int = 2) -> LlamaForCausalLM:
+def _model(tp: TPGroup, dtype: torch.dtype, layers: int = 2,
+           device: str = "cpu") -> LlamaForCausalLM:
     hf = LlamaConfig(**dict(TINY, num_hidden_layers=layers))
-    return LlamaForCausalLM(ModelConfig.from_hf(hf, dtype), torch.device("cpu"), tp)
+    return LlamaForCausalLM(ModelConfig.from_hf(hf, dtype), torch.device(device), tp)
 
 
 def _adapter(cfg: ModelConfig, targets: dict, dtype: torch.dtype, seed: int = 0,
@@ -86,9 +87,9 @@ def _check_slot(model, slots, adapter: LoRAAdapter, slot: int) -> None:
     table = model.slot_table
     for (layer, module), lora in slots.items():
         s = lora.module_names.index(module)
-        a_buf = lora.lora_a_stacked[s][slot]
-        b_buf = lora.lora_b_stacked[s][slot]
-        scale_buf = lora.dora_scale_stacked[s][slot]
+        a_buf = lora.lora_a_stacked[s][slot].cpu()
+        b_buf = lora.lora_b_stacked[s][slot].cpu()
+        scale_buf = lora.dora_scale_stacked[s][slot].cpu()
         col = table.column(layer, module)
         w = adapter.weights.get((layer, module))
         if w is None:
@@ -108,8 +109,8 @@ def _check_slot(model, slots, adapter: LoRAAdapter, slot: int) -> None:
             assert torch.equal(scale_buf, w.dora_scale[o0:o1])
         assert int(table.ranks[slot, col]) == r
         assert int(table.dora[slot, col]) == int(w.dora_scale is not None)
-    assert np.array_equal(table.ranks_host, table.ranks.numpy())
-    assert np.array_equal(table.dora_host, table.dora.numpy())
+    assert np.array_equal(table.ranks_host, table.ranks.cpu().numpy())
+    assert np.array_equal(table.dora_host, table.dora.cpu().numpy())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -216,3 +217,27 @@ def test_prepare_refuses_what_the_slots_cannot_hold():
     with pytest.raises(ValueError, match="slot 2 outside"):
         packed = pack_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)}, torch.float32))
         layout.load(2, packed, layout.prepare(packed))
+
+
+@pytest.mark.gpu
+def test_cuda_slot_load_runs_on_the_side_stream_from_pinned_memory():
+    """On the GPU: the packed buffer and its descriptors are pinned, the load is enqueued on
+    the manager's copy stream, and after the compute stream waits for the slot's event the
+    slot holds the adapter."""
+    model = _model(TPGroup.single(), torch.bfloat16, device="cuda")
+    config = LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK)
+    slots = model.create_lora_slots(config)
+    _fill(slots)
+    cfg = model.cfg
+    target = AdapterTarget(cfg.module_shapes(), cfg.num_layers, MAX_RANK,
+                           config.target_modules, cfg.dtype)
+    manager = LoRAManager(config, target, slots)
+    adapter = _adapter(cfg, TARGETS, torch.bfloat16)
+    packed = manager._pack(adapter)
+    assert packed.buf.is_pinned() and packed.load.blob.is_pinned()
+    manager._load_slot(1, packed)
+    assert 1 in manager._slot_events
+    manager._wait_for([1])
+    torch.cuda.synchronize()
+    _check_slot(model, slots, adapter, 1)
+    manager.shutdown()
