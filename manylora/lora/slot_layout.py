@@ -117,6 +117,9 @@ class SlotLayout:
         self._words = self.staging.view(torch.int16)
         self.destinations = [table.ranks, table.dora] + [
             buf for t in self._targets.values() for buf in (t.a, t.b, t.scale)]
+        if device.type == "cuda":   # compile the scatter now, not on the first slot load
+            scatter_slot(self._words, torch.zeros(1, DESC_COLS, dtype=torch.int64,
+                                                  device=device), 0, self.destinations)
 
     def _blob_bytes(self, entries: int) -> int:
         return align(entries * _DESC_BYTES) + 2 * align(4 * self.num_columns)

@@ -48,7 +48,7 @@ BLOCK = 2048
 PROGRAMS_PER_ENTRY = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot"])
 def _scatter_slot_kernel(src_ptr, desc_ptr, slot, BLOCK: tl.constexpr):
     """Program ``(e, t)``: chunks ``t, t + P, ...`` of entry ``e``'s ``n * len`` words."""
     e = tl.program_id(0)
