@@ -215,6 +215,8 @@ def _entry(dst: torch.Tensor, src_off: int, src_stride: int, n: int, n_len: int)
     """A descriptor row writing ``n`` rows of ``n_len`` words into ``dst[slot]`` (rows of
     ``dst.stride(1)`` elements), read from word ``src_off`` of the staging buffer at a
     stride of ``src_stride`` words."""
+    if n * n_len >= 2**31:
+        raise ValueError(f"a slot-load entry of {n} x {n_len} words exceeds 2**31")
     elem_words = dst.element_size() // 2
     row_stride = dst.stride(1) * elem_words if dst.dim() > 2 else 0
     return [src_off, src_stride, dst.data_ptr(), dst.stride(0) * dst.element_size(),

@@ -14,9 +14,9 @@ n, len)`` and the slot ``slot``::
     where  src = staging viewed as 16-bit words,
            dst = (dst_addr + slot * dst_slot_stride) as a pointer to 16-bit words
 
-(``dst_addr`` and ``dst_slot_stride`` in bytes, the rest in words). The destinations are
-~700 separately allocated slot buffers, so each entry names its own as an absolute device
-address (a ``data_ptr`` cast to a pointer in the kernel): one pointer argument cannot reach
+(``dst_addr`` and ``dst_slot_stride`` in bytes, the rest in words; ``n * len < 2**31``).
+The destinations are ~700 separately allocated slot buffers, so each entry names its own as
+an absolute device address (a ``data_ptr`` cast to a pointer in the kernel): one pointer argument cannot reach
 them all, and the buffers are allocated once and never move, so the addresses stay valid
 for the engine's life. Programs ``(e, t)`` of a ``[E, programs_per_entry]`` grid stride
 over entry ``e``'s ``n * len`` words in ``BLOCK``-word chunks. The copy is bit-exact, so it
@@ -59,15 +59,16 @@ def _scatter_slot_kernel(src_ptr, desc_ptr, slot, BLOCK: tl.constexpr):
     src_stride = tl.load(d + 1)
     dst_addr = tl.load(d + 2) + slot.to(tl.int64) * tl.load(d + 3)
     dst_stride = tl.load(d + 4)
-    row_len = tl.load(d + 6)
-    total = tl.load(d + 5) * row_len
+    row_len = tl.load(d + 6).to(tl.int32)
+    total = tl.load(d + 5).to(tl.int32) * row_len        # < 2**31 (checked on the host)
     dst_ptr = dst_addr.to(tl.pointer_type(tl.int16))
-    offs = tl.arange(0, BLOCK).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
     for start in range(t * BLOCK, total, step):
         idx = start + offs
         mask = idx < total
-        row = idx // row_len
-        col = idx - row * row_len
+        row = idx // row_len                                # int32 division
+        col = (idx - row * row_len).to(tl.int64)
+        row = row.to(tl.int64)
         v = tl.load(src_ptr + src_off + row * src_stride + col, mask=mask)
         tl.store(dst_ptr + row * dst_stride + col, v, mask=mask)
 
