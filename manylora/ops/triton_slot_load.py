@@ -16,11 +16,12 @@ n, len)`` and the slot ``slot``::
 
 (``dst_addr`` and ``dst_slot_stride`` in bytes, the rest in words; ``n * len < 2**31``).
 The destinations are ~700 separately allocated slot buffers, so each entry names its own as
-an absolute device address (a ``data_ptr`` cast to a pointer in the kernel): one pointer argument cannot reach
-them all, and the buffers are allocated once and never move, so the addresses stay valid
-for the engine's life. Programs ``(e, t)`` of a ``[E, programs_per_entry]`` grid stride
-over entry ``e``'s ``n * len`` words in ``BLOCK``-word chunks. The copy is bit-exact, so it
-serves any dtype (model-dtype A/B, float32 scales, int32 table rows).
+an absolute device address (a ``data_ptr`` cast to a pointer in the kernel): one pointer
+argument cannot reach them all (offsets from one base would only hide the same absolute
+arithmetic), and the buffers are allocated once and never move, so the addresses stay
+valid for the engine's life. Programs ``(e, t)`` of a ``[E, PROGRAMS_PER_ENTRY]`` grid
+stride over entry ``e``'s ``n * len`` words in ``BLOCK``-word chunks. The copy is
+bit-exact, so it serves any dtype (model-dtype A/B, float32 scales, int32 table rows).
 
 Runs on CUDA, and on CPU tensors under ``TRITON_INTERPRET=1`` (host addresses). On CPU
 without the interpreter ``scatter_slot`` runs ``scatter_slot_reference``, the same copies in
