@@ -102,12 +102,11 @@ class SlotLayout:
         for (layer, module), lora in slots.items():
             self._targets[(layer, LORA_TARGET_MODULES.index(module))] = _target(
                 lora, module, module_shapes[module], table.column(layer, module))
-        first = next(iter(self._targets.values()), None)
-        self.dtype = first.a.dtype if first is not None else torch.float32
-        self.elem = torch.empty((), dtype=self.dtype).element_size()
+        first = next(iter(self._targets.values()))
+        self.dtype, device = first.a.dtype, first.a.device
+        self.elem = first.a.element_size()
         if self.elem % 2:
             raise ValueError(f"slot loads copy 16-bit words; slot buffers in {self.dtype}")
-        device = first.a.device if first is not None else torch.device("cpu")
         self.num_columns = table.num_columns
         largest = sum(align(max_lora_rank * t.full_in * self.elem)
                       + align(max_lora_rank * t.full_out * self.elem) + align(4 * t.full_out)
