@@ -9,9 +9,11 @@ kernels need:
   ``i``-th slot present in the step ``active_slots[i]``, its rows
   ``sorted_rows[seg_start[i] : seg_start[i] + seg_len[i]]``.
 
-It also carries ``slot_dora``, which slots hold a DoRA adapter (Liu et al. 2024): the expand
-kernels read that flag as data, so a captured CUDA graph stays valid when DoRA and plain
-adapters are swapped in and out of slots.
+Ranks and DoRA flags are not part of it: they are per (slot, layer, module), in the model's
+``SlotTable``, which the kernels read as data (a captured CUDA graph stays valid when
+adapters are swapped in and out of slots). An eager step's mapping carries, on the host,
+which table columns any of its slots uses (``used_columns``), so that a projection no row
+needs launches nothing.
 
 All index tensors are int32 on the model's device and are built from one host buffer with
 a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
@@ -40,16 +42,12 @@ class SlotSegment(NamedTuple):
 
     Attributes:
         slot: device slot index in ``[0, max_loras)``.
-        rank: the adapter's true rank (≤ max_lora_rank); columns past it are zero padding.
         rows: int32 ``[n]`` indices into the flat token batch, on the model's device (a view
             of ``LoRAMapping.sorted_rows``).
-        dora: whether the slot's adapter has DoRA scales (``LoRAMapping.slot_dora[slot]``).
     """
 
     slot: int
-    rank: int
     rows: torch.Tensor
-    dora: bool = False
 
 
 class LoRAMapping(NamedTuple):
@@ -57,8 +55,6 @@ class LoRAMapping(NamedTuple):
 
     Attributes:
         token_lora_indices: int32 ``[T]``, the slot of every token row, -1 for base rows.
-        slot_ranks: int32 ``[max_loras]``, the true rank of the adapter in each slot (0 when
-            empty); kernels do ``rank`` work, not ``max_lora_rank`` work.
         sorted_rows: int32 ``[T]``, the rows with an adapter grouped by slot (ascending slot,
             ascending row within a slot), then the base rows.
         active_slots: int32 ``[max_loras]``, the slots present in the step in ascending
@@ -66,26 +62,25 @@ class LoRAMapping(NamedTuple):
         seg_start: int32 ``[max_loras]``, where ``active_slots[i]``'s rows start in
             ``sorted_rows`` (0 past the active ones).
         seg_len: int32 ``[max_loras]``, how many rows ``active_slots[i]`` has (0 past them).
-        slot_dora: int32 ``[max_loras]``, 1 where the slot's adapter has DoRA scales, else 0;
-            the expand kernels read it per program, so it may change between CUDA-graph
-            replays like the other tensors.
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
         schedule: ``"sgmv"`` (segments) or ``"bgmv"`` (per-row gather), the kernel schedule.
         has_lora: host bool, whether any row uses an adapter (if not, layers launch nothing).
         segments: one ``SlotSegment`` per slot present (host view; empty in a padded mapping).
+        used_columns: host, per ``SlotTable`` column, whether any slot of the step has a
+            nonzero rank there (``used_columns``); None: unknown, every LoRA projection
+            launches (CUDA-graph steps, whose kernels exit early on rank 0).
     """
 
     token_lora_indices: torch.Tensor
-    slot_ranks: torch.Tensor
     sorted_rows: torch.Tensor
     active_slots: torch.Tensor
     seg_start: torch.Tensor
     seg_len: torch.Tensor
-    slot_dora: torch.Tensor
     max_seg_len: int
     schedule: str
     has_lora: bool
     segments: tuple[SlotSegment, ...]
+    used_columns: tuple[bool, ...] | None = None
 
 
 class LoRAMappingArrays(NamedTuple):
@@ -162,81 +157,100 @@ def default_schedule(num_lora_rows: int, num_active: int) -> str:
         SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * num_active) else "bgmv")
 
 
-def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
-                       device: torch.device, *, slot_dora: Sequence[int] | None = None,
-                       pad_to: int | None = None, schedule: str | None = None) -> LoRAMapping:
+def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool, ...]:
+    """Which ``SlotTable`` columns any of a step's slots uses (a nonzero rank), one numpy
+    reduction over the table's host mirror.
+
+    Args:
+        ranks_host: int ``[max_loras, E]``, ``SlotTable.ranks_host``.
+        active_slots: int ``[max_loras]``, the step's slots then -1
+            (``LoRAMappingArrays.active_slots``).
+
+    Returns:
+        ``E`` bools.
+    """
+    active = active_slots[active_slots >= 0]
+    return tuple((ranks_host[active] != 0).any(axis=0).tolist())
+
+
+def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
+                       pad_to: int | None = None, schedule: str | None = None,
+                       ranks_host: np.ndarray | None = None) -> LoRAMapping:
     """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
 
     Args:
         token_slots: length ``T``, the slot of every token row (-1 = base model).
-        slot_ranks: length ``max_loras``, the true rank of the adapter in each slot.
+        max_loras: the number of adapter slots.
         device: where the index tensors live.
-        slot_dora: length ``max_loras``, nonzero where the slot's adapter has DoRA scales
-            (stored as 0/1); None: no DoRA slot.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
         schedule: force ``"sgmv"`` or ``"bgmv"``; by default ``default_schedule``.
+        ranks_host: ``SlotTable.ranks_host``, for ``used_columns`` (not with ``pad_to``);
+            None: no eager skip.
 
     Returns:
-        The ``LoRAMapping``; its seven int32 tensors come from one host → device copy
+        The ``LoRAMapping``; its five int32 tensors come from one host → device copy
         (pinned and non-blocking on CUDA).
 
     Raises:
-        IndexError: a slot outside ``[-1, len(slot_ranks))``.
-        ValueError: ``pad_to`` below the number of rows, ``slot_dora`` of another length
-            than ``slot_ranks``, or an unknown ``schedule``.
+        IndexError: a slot outside ``[-1, max_loras)``.
+        ValueError: ``pad_to`` below the number of rows, a ``ranks_host`` of another slot
+            count, or an unknown ``schedule``.
     """
-    max_loras = len(slot_ranks)
     if schedule not in (None, "sgmv", "bgmv"):
         raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
-    dora = np.zeros(max_loras, np.int32) if slot_dora is None else (
-        np.asarray(slot_dora, dtype=np.int64).reshape(-1) != 0).astype(np.int32)
-    if dora.size != max_loras:
-        raise ValueError(f"slot_dora has {dora.size} entries for {max_loras} adapter slots")
+    if ranks_host is not None and ranks_host.shape[0] != max_loras:
+        raise ValueError(f"a rank table of {ranks_host.shape[0]} slots for {max_loras}")
     arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
-    host = torch.empty(2 * total + 5 * max_loras, dtype=torch.int32,
+    host = torch.empty(2 * total + 3 * max_loras, dtype=torch.int32,
                        pin_memory=torch.device(device).type == "cuda")
-    np.concatenate([arrays.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),
-                    arrays.sorted_rows, arrays.active_slots, arrays.seg_start, arrays.seg_len,
-                    dora], out=host.numpy())
+    np.concatenate([arrays.token_lora_indices, arrays.sorted_rows, arrays.active_slots,
+                    arrays.seg_start, arrays.seg_len], out=host.numpy())
     if schedule is None:
         schedule = default_schedule(arrays.num_lora_rows, int((arrays.seg_len > 0).sum()))
     return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
-                                    arrays.max_seg_len, schedule, padded=pad_to is not None)
+                                    arrays.max_seg_len, schedule, padded=pad_to is not None,
+                                    ranks_host=ranks_host, host=host.numpy())
 
 
 def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
-                             schedule: str, *, padded: bool) -> LoRAMapping:
-    """A ``LoRAMapping`` whose seven int32 tensors are views of ``buf``, laid out as
-    ``[token_lora_indices total | slot_ranks L | sorted_rows total | active_slots L |
-    seg_start L | seg_len L | slot_dora L]`` (``L = max_loras``), as
-    ``lora_mapping_arrays`` fills it.
+                             schedule: str, *, padded: bool,
+                             ranks_host: np.ndarray | None = None,
+                             host: np.ndarray | None = None) -> LoRAMapping:
+    """A ``LoRAMapping`` whose five int32 tensors are views of ``buf``, laid out as
+    ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
+    seg_len L]`` (``L = max_loras``), as ``lora_mapping_arrays`` fills it.
 
     Args:
-        buf: int32 ``[2 * total + 5 * max_loras]`` on the model's device.
+        buf: int32 ``[2 * total + 3 * max_loras]`` on the model's device.
         total: rows, padding included.
         max_loras: slots.
         max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
         schedule: ``"sgmv"`` or ``"bgmv"``.
         padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
-            segments.
+            segments, no ``used_columns``.
+        ranks_host: ``SlotTable.ranks_host``; with ``host``, an unpadded mapping gets
+            ``used_columns``.
+        host: the host copy of ``buf`` (numpy int32, same layout).
 
     The host ``segments`` (read only by the PyTorch references) are built when ``buf`` is
     on the CPU, from ``buf`` itself; a CUDA mapping has none (the Triton path reads the
     tensors).
     """
-    (indices, ranks, srows, act, start, length, dora_t) = buf.split(
-        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
+    (indices, srows, act, start, length) = buf.split(
+        (total, total, max_loras, max_loras, max_loras))
     if padded:
-        return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, total, schedule,
-                           True, ())
+        return LoRAMapping(indices, srows, act, start, length, total, schedule, True, ())
+    used = None
+    if ranks_host is not None and host is not None:
+        used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
     segments = ()
     if not buf.is_cuda and max_seg_len:
         num_active = int((length > 0).sum())
         segments = tuple(
-            SlotSegment(s, int(ranks[s]), srows[b: b + n], bool(dora_t[s]))
+            SlotSegment(s, srows[b: b + n])
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
-    return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max_seg_len,
-                       schedule, max_seg_len > 0, segments)
+    return LoRAMapping(indices, srows, act, start, length, max_seg_len, schedule,
+                       max_seg_len > 0, segments, used)

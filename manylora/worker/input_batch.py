@@ -289,7 +289,6 @@ class InputBatch:
     # ----------------------------------------------------------------- inputs
 
     def prepare(self, out: SchedulerOutput, ids: list[str], lora_slots: Mapping[int, int],
-                slot_ranks: Sequence[int], slot_dora: Sequence[int] | None,
                 bucket_of, buffers: StepBuffers, pieces_of=None
                 ) -> tuple[StepInputs, SampleInfo]:
         """Pack the step's inputs (vLLM v1's ``_prepare_inputs``), numpy over the rows.
@@ -297,7 +296,6 @@ class InputBatch:
         Args:
             out: the plan (after ``update_states``); ids: its request ids in batch order.
             lora_slots: ``{lora_int_id: slot}`` of the step's adapters.
-            slot_ranks, slot_dora: each slot's rank and DoRA flag (length max_loras).
             bucket_of: ``num_rows -> graph batch size or None`` (None: no graphs).
             buffers: where the packed step goes (``StepBuffers.host_array``).
             pieces_of: ``num_tokens -> piecewise token bucket or None``; None: no piecewise
@@ -311,8 +309,7 @@ class InputBatch:
             ``(StepInputs, SampleInfo)``.
 
         Raises:
-            ValueError: a plan that computes tokens a row does not hold; slot_ranks or
-                slot_dora not of length max_loras.
+            ValueError: a plan that computes tokens a row does not hold.
             KeyError: a request's adapter has no slot in ``lora_slots``.
         """
         sched = out.scheduled
@@ -404,14 +401,8 @@ class InputBatch:
         v["tile_query"][:] = tile_query
         if lora is not None:
             n, m = pad_tokens, self.max_loras
-            if len(slot_ranks) != m or (slot_dora is not None and len(slot_dora) != m):
-                raise ValueError(f"slot_ranks ({len(slot_ranks)}) and slot_dora must have one "
-                                 f"entry per adapter slot ({m})")
-            dora = np.zeros(m, np.int32) if slot_dora is None else (
-                np.asarray(slot_dora, dtype=np.int64) != 0)
-            np.concatenate([lora.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),
-                            lora.sorted_rows, lora.active_slots, lora.seg_start, lora.seg_len,
-                            dora.astype(np.int32)], out=v["lora"][:2 * n + 5 * m])
+            np.concatenate([lora.token_lora_indices, lora.sorted_rows, lora.active_slots,
+                            lora.seg_start, lora.seg_len], out=v["lora"][:2 * n + 3 * m])
         self.block_table.take_updates(v["table_index"], v["table_value"])
         v["prev_dst"][:] = cu[late] - 1
         v["prev_src"][:] = prev[late]

@@ -22,7 +22,7 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
-LoRA (when present)   2T + 5L        ``lora.punica.lora_mapping_from_buffer``'s layout
+LoRA (when present)   2T + 3L        ``lora.punica.lora_mapping_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)
@@ -108,7 +108,7 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
     sizes = [("ids", t), ("positions", t), ("token_rows", t)]
     if layout.schedule:
-        sizes.append(("lora", 2 * t + 5 * max_loras))
+        sizes.append(("lora", 2 * t + 3 * max_loras))
     sizes += [("seq_rows", b), ("query_start", b), ("query_lens", b), ("seq_lens", b),
               ("tile_seq", nt), ("tile_query", nt)]
     u = layout.num_table_updates
