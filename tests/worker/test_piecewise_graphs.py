@@ -61,7 +61,7 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
     layout = inputs.layout
     host = split_segments(inputs.data, layout, max_loras)
     t = int(host["query_lens"].sum())               # the sequence segments are unpadded
-    tb, m = layout.num_tokens, max_loras
+    m = max_loras
     schedule, max_seg_len, lora = 0, 0, None
     if layout.schedule:
         buf = host["lora"]
@@ -69,9 +69,8 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
         schedule = SCHEDULES.index(default_schedule(arrays.num_lora_rows,
                                                     int((arrays.seg_len > 0).sum())))
         max_seg_len = arrays.max_seg_len
-        lora = np.concatenate([arrays.token_lora_indices, buf[tb:tb + m], arrays.sorted_rows,
-                               arrays.active_slots, arrays.seg_start, arrays.seg_len,
-                               buf[2 * tb + 4 * m:2 * tb + 5 * m]])
+        lora = np.concatenate([arrays.token_lora_indices, arrays.sorted_rows,
+                               arrays.active_slots, arrays.seg_start, arrays.seg_len])
     plain = layout._replace(num_tokens=t, pieces=-1, schedule=schedule,
                             max_seg_len=max_seg_len)
     data = np.zeros(total_size(plain, m), np.int32)
