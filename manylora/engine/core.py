@@ -143,6 +143,7 @@ class EngineCore:
             self.runner.on_step = self.tp_driver.step
             if self.lora_manager is not None:
                 self.lora_manager.on_write_slot = self.tp_driver.write_slot
+                self.lora_manager.host_alloc = self.tp_driver.host_buffers.alloc
                 self.lora_manager.background_dora_reads = False
         self._pending_removals: set[int] = set()
         self.async_scheduling = args.async_scheduling
@@ -215,7 +216,9 @@ class EngineCore:
         per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
                               args.lora_target_modules, args.max_lora_rank, cfg.dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
-        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot)
+        # the slot loads' staging buffer holds one adapter at max_lora_rank: about a slot
+        slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot,
+                                 reserved_bytes=per_slot)
         logger.info("LoRA device cache: %d slots of %.1f MiB (%.0f%% of %.1f GiB free)",
                     slots, per_slot / 2**20, 100 * args.lora_device_cache_percent, free / 2**30)
         return slots

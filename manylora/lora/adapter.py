@@ -62,7 +62,8 @@ def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """A loaded adapter, kept in the host tier.
+    """A loaded adapter, as the format readers produce it (the host tier keeps it packed:
+    ``manylora.lora.packed.pack_adapter``).
 
     Attributes:
         lora_int_id: the adapter's identity in the caches (``LoRARequest.lora_int_id``, which
@@ -94,15 +95,5 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of all its tensors (what the host tier's byte bound counts)."""
+        """Host bytes of all its tensors."""
         return sum(w.nbytes for w in self.weights.values())
-
-    def pin_memory(self) -> LoRAAdapter:
-        """The same adapter with every tensor in page-locked host memory (so host → GPU
-        copies run asynchronously); itself when no CUDA device is available."""
-        if not torch.cuda.is_available():
-            return self
-        pinned = {key: LoRAWeights(*(None if t is None else t.pin_memory()
-                                     for t in (w.a, w.b, w.dora_scale)))
-                  for key, w in self.weights.items()}
-        return LoRAAdapter(self.lora_int_id, self.name, pinned, self.digest)

@@ -1,10 +1,14 @@
 """Adapter residency: disk → host tier → device slot, both LRU (vLLM, S-LoRA, TensorRT-LLM).
 
-The host tier keeps loaded adapters in pinned memory, bounded by count (``max_cpu_loras``)
-and bytes (``max_cpu_lora_bytes``); the device has ``max_loras`` slots whose buffers were
-allocated once, up front. Adapters named by a path are read on first sight (so a bad one
-is refused at once) and, after an eviction, re-read by background threads ahead of the
-requests that need them (``prefetch``), so a step never waits on disk. Slot copies run on a
+The host tier keeps loaded adapters packed (``PackedAdapter``: one pinned buffer in slot
+order, built once on the thread that read the adapter), bounded by count
+(``max_cpu_loras``) and bytes (``max_cpu_lora_bytes``); the device has ``max_loras`` slots
+whose buffers were allocated once, up front. A slot load is one host → device copy of that
+buffer into a staging buffer (plus its small descriptor table) and one scatter kernel
+(``SlotLayout.load``), whatever the number of layers and modules. Adapters named by a
+path are read on first sight (so a bad one is refused at once) and, after an eviction,
+re-read by background threads ahead of the requests that need them (``prefetch``), so a
+step never waits on disk. Slot copies run on a
 side CUDA stream; the compute stream waits only for the copies of the slots it uses. An
 adapter in use is never evicted from a slot; one whose only copy is in the host tier (given
 as tensors, TensorRT-LLM's task_id semantics) is never evicted while requests need it.
@@ -19,15 +23,17 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from manylora.config import LoRAConfig
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
 from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
 from manylora.lora.request import LoRARequest
+from manylora.lora.slot_layout import SlotLayout
 from manylora.lora.slots import LoRASlots
 from manylora.model.hub import resolve_adapter_path
 
@@ -75,21 +81,7 @@ class LoRACacheStats:
     device_load_bytes: int = 0
 
 
-def write_slot_weights(slots: Mapping[tuple[int, str], LoRASlots], slot: int,
-                       weights: Mapping[tuple[int, str], LoRAWeights]) -> None:
-    """Write an adapter's ``{(layer, module): LoRAWeights}`` (whole tensors; each
-    ``LoRASlots`` keeps its rank's shard) into ``slot``, and the slot's row of the model's
-    ``SlotTable``: each module's own rank, 0 for the modules it does not target (whose
-    buffers are left as they are: no kernel reads them)."""
-    for (layer, module), lora in slots.items():
-        w = weights.get((layer, module))
-        if w is None:
-            lora.set_slot(slot, module, None, None)
-        else:
-            lora.set_slot(slot, module, w.a, w.b, w.dora_scale)
-
-
-def _check_unchanged(adapter: LoRAAdapter, known: _Known) -> None:
+def _check_unchanged(adapter: PackedAdapter, known: _Known) -> None:
     """Raises ``AdapterReloadError`` when a re-read adapter's weights differ from the first
     read (its files changed on disk)."""
     if adapter.digest != known.digest:
@@ -117,8 +109,12 @@ class LoRAManager:
     Attributes:
         slot_to_id: length ``max_loras``; the ``lora_int_id`` in each slot or None.
         stats: ``LoRACacheStats``.
-        on_write_slot: called with ``(slot, adapter)`` before an adapter's weights are
-            written into a slot (tensor parallelism sends them to the other ranks there).
+        layout: the ``SlotLayout`` slot loads go through (its staging buffer holds the
+            largest adapter the slots can take).
+        host_alloc: ``nbytes → uint8 [nbytes]`` host tensor a packed adapter is written into
+            (pinned memory; shared memory under tensor parallelism, set before any ``add``).
+        on_write_slot: called with ``(slot, packed)`` before a packed adapter is written into
+            a slot (tensor parallelism tells the other ranks to load it there).
         background_dora_reads: whether evicted DoRA adapters are re-read on the loader
             threads; False under tensor parallelism, where DoRA's norms are a collective
             that only the engine's thread may start: ``prefetch`` then reads them itself.
@@ -130,7 +126,7 @@ class LoRAManager:
         self.target = target
         self.slots = dict(slots)
         self.stats = LoRACacheStats()
-        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._host: OrderedDict[int, PackedAdapter] = OrderedDict()
         self._host_bytes = 0
         self._known: dict[int, _Known] = {}
         self._refs: Counter[int] = Counter()
@@ -142,14 +138,17 @@ class LoRAManager:
         self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="lora-loader")
         self._max_in_flight = 2 * loader_threads
         self._stats_lock = threading.Lock()
-        first = next(iter(self.slots.values()), None)
-        device = first.lora_a_stacked[0].device if first is not None else torch.device("cpu")
+        self.layout = SlotLayout(self.slots, target.module_shapes,
+                                 lora_config.max_lora_rank)
+        device = self.layout.staging.device
         self._cuda = device.type == "cuda"
+        self.host_alloc: Callable[[int], torch.Tensor] = pinned_bytes
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._load_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_events: dict[int, torch.cuda.Event] = {}
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-        self.on_write_slot: Callable[[int, LoRAAdapter], None] | None = None
+        # (start, end, bytes, the packed adapter, alive until its copy is done)
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int, PackedAdapter]] = []
+        self.on_write_slot: Callable[[int, PackedAdapter], None] | None = None
         self.background_dora_reads = True
 
     # ------------------------------------------------------------------ requests come and go
@@ -177,7 +176,7 @@ class LoRAManager:
                 self._replace(request, known)
                 known = None
             if known is None:
-                self._insert_host(adapter.pin_memory(), must_fit=True)
+                self._insert_host(self._pack(adapter), must_fit=True)
                 self._known[lid] = known = _Known(request, adapter.digest, adapter.has_dora)
             else:
                 self._touch_host(lid)
@@ -242,15 +241,21 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ host tier
 
-    def _read(self, request: LoRARequest) -> LoRAAdapter:
-        """Disk → pinned host memory (any thread)."""
+    def _pack(self, adapter: LoRAAdapter) -> PackedAdapter:
+        """The host tier's form of ``adapter``, with this engine's slot-load descriptors
+        (any thread)."""
+        packed = pack_adapter(adapter, self.host_alloc)
+        return replace(packed, load=self.layout.prepare(packed))
+
+    def _read(self, request: LoRARequest) -> PackedAdapter:
+        """Disk → packed pinned host memory (any thread)."""
         start = time.perf_counter()
         stream = (torch.cuda.stream(self._load_stream) if self._load_stream is not None
                   else contextlib.nullcontext())
         with stream:
             adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
                                        self.target)
-        adapter = adapter.pin_memory()
+        adapter = self._pack(adapter)
         with self._stats_lock:
             self.stats.host_load_seconds += time.perf_counter() - start
             self.stats.host_misses += 1
@@ -272,7 +277,7 @@ class LoRAManager:
             return False
         return not (self._refs[lid] > 0 and not self._known[lid].request.lora_path)
 
-    def _insert_host(self, adapter: LoRAAdapter, must_fit: bool) -> bool:
+    def _insert_host(self, adapter: PackedAdapter, must_fit: bool) -> bool:
         """Put ``adapter`` in the host tier, evicting LRU adapters nobody needs.
 
         Raises:
@@ -396,12 +401,12 @@ class LoRAManager:
 
     def _collect_timings(self) -> None:
         pending = []
-        for start, end, nbytes in self._timings:
+        for start, end, nbytes, packed in self._timings:
             if end.query():
                 self.stats.device_load_seconds += start.elapsed_time(end) / 1e3
                 self.stats.device_load_bytes += nbytes
             else:
-                pending.append((start, end, nbytes))
+                pending.append((start, end, nbytes, packed))
         self._timings = pending
 
     # ------------------------------------------------------------------ device slots
@@ -435,7 +440,7 @@ class LoRAManager:
         self._wait_for(slots.values())
         return slots
 
-    def _host_copy(self, lid: int) -> LoRAAdapter:
+    def _host_copy(self, lid: int) -> PackedAdapter:
         adapter = self._host.get(lid)
         if adapter is not None:
             self._host.move_to_end(lid)
@@ -470,7 +475,7 @@ class LoRAManager:
         logger.debug("slot %d: evicted adapter %d", slot, victim)
         return slot
 
-    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _load_slot(self, slot: int, adapter: PackedAdapter) -> None:
         if self._copy_stream is None:
             start = time.perf_counter()
             self._write_slot(slot, adapter)
@@ -486,13 +491,13 @@ class LoRAManager:
                 self._write_slot(slot, adapter)
                 end.record()
             self._slot_events[slot] = end
-            self._timings.append((begin, end, adapter.nbytes))
+            self._timings.append((begin, end, adapter.nbytes, adapter))
         self.slot_to_id[slot] = adapter.lora_int_id
 
-    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+    def _write_slot(self, slot: int, adapter: PackedAdapter) -> None:
         if self.on_write_slot is not None:
             self.on_write_slot(slot, adapter)
-        write_slot_weights(self.slots, slot, adapter.weights)
+        self.layout.load(slot, adapter, adapter.load)
 
     def _wait_for(self, slots: Iterable[int]) -> None:
         if self._copy_stream is None:

@@ -21,15 +21,17 @@ def slot_bytes(module_shapes: Mapping[str, tuple[int, int]], num_layers: int,
     return per_layer * num_layers
 
 
-def slots_for_memory(free_bytes: int, percent: float, bytes_per_slot: int) -> int:
-    """Slots that fit in ``percent`` (a share in (0, 1]) of ``free_bytes``.
+def slots_for_memory(free_bytes: int, percent: float, bytes_per_slot: int,
+                     reserved_bytes: int = 0) -> int:
+    """Slots that fit in ``percent`` (a share in (0, 1]) of ``free_bytes``, after
+    ``reserved_bytes`` of it (the slot loads' staging buffer, about one slot).
 
     Raises:
         ValueError: ``percent`` outside (0, 1], or not even one slot fits.
     """
     if not 0.0 < percent <= 1.0:
         raise ValueError(f"lora_device_cache_percent must be in (0, 1], got {percent}")
-    slots = int(free_bytes * percent // bytes_per_slot)
+    slots = int((free_bytes * percent - reserved_bytes) // bytes_per_slot)
     if slots < 1:
         raise ValueError(
             f"lora_device_cache_percent={percent} of the {free_bytes / 2**20:.0f} MiB left "

@@ -8,16 +8,18 @@ same forward pass on its shard, so the collectives inside the model line up
 (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers that hold no
 scheduler state). The other messages are the KV cache's allocation (with the capture of
 the decode CUDA graphs, whose all-reduces are captured too), an adapter entering a slot
-(the whole host copy; each rank slices it, ``LoRASlots.set_slot``), and a DoRA adapter's
-row norms, which need every rank's part of the base weight. Every message is a dict with
-an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for an adapter's weights,
-follow by ``broadcast_tensor_dict``): no pickle travels.
+(only the name of its packed host buffer in shared memory and its plan: each rank maps the
+buffer, copies it to its GPU and scatters its own part, ``SlotLayout.load``), and a DoRA
+adapter's row norms, which need every rank's part of the base weight. Every message is a
+dict with an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for the DoRA norms'
+``a`` and ``b``, follow by ``broadcast_tensor_dict``): no pickle travels.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from manylora.distributed.broadcast import (
     unpack_tensor_dict,
 )
 from manylora.distributed.parallel_state import TPGroup
+from manylora.distributed.shared_host import Acks, SharedHostBuffers, SharedHostCache
 from manylora.distributed.workers import (
     DEFAULT_STARTUP_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -40,8 +43,8 @@ from manylora.distributed.workers import (
     free_init_method,
     init_distributed,
 )
-from manylora.lora.adapter import LoRAAdapter, LoRAWeights
-from manylora.lora.manager import write_slot_weights
+from manylora.lora.packed import PackedAdapter
+from manylora.lora.slot_layout import SlotLayout
 from manylora.model.loader import load_hf_config, load_model
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.model_runner import ModelRunner
@@ -89,32 +92,30 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def slot_tensors(adapter: LoRAAdapter) -> dict[str, torch.Tensor]:
-    """The tensors of an adapter entering a slot, as the ``"slot"`` message carries them:
-    its whole host tensors, keyed ``a|b|d/<layer>/<module>`` (``d``: DoRA scale, when it has
-    one)."""
-    tensors = {}
-    for (layer, module), w in adapter.weights.items():
-        tensors[f"a/{layer}/{module}"] = w.a
-        tensors[f"b/{layer}/{module}"] = w.b
-        if w.dora_scale is not None:
-            tensors[f"d/{layer}/{module}"] = w.dora_scale
-    return tensors
+def slot_message(slot: int, packed: PackedAdapter, name: str, seq: int) -> dict:
+    """The ``"slot"`` message of an adapter entering ``slot``: its shared buffer's file
+    ``name``, size and plan, and the message's sequence number ``seq``."""
+    return {"op": "slot", "slot": slot, "seq": seq, "name": name, "nbytes": packed.buf.numel(),
+            "plan": packed.plan, "dtype": str(packed.dtype).removeprefix("torch."),
+            "lora_int_id": packed.lora_int_id, "lora_name": packed.name,
+            "digest": packed.digest, "rank": packed.rank, "has_dora": packed.has_dora}
 
 
-def slot_weights(msg: dict) -> dict[tuple[int, str], LoRAWeights]:
-    """The adapter of a ``"slot"`` message, as ``{(layer, module): LoRAWeights}``."""
-    weights = {}
-    for key, a in msg.items():
-        if key.startswith("a/"):
-            _, layer, module = key.split("/")
-            weights[(int(layer), module)] = LoRAWeights(
-                a, msg[f"b/{layer}/{module}"], msg.get(f"d/{layer}/{module}"))
-    return weights
+def load_slot_message(msg: dict, layout: SlotLayout, cache: SharedHostCache) -> None:
+    """Load the adapter of a ``"slot"`` message into this rank's slot: map its shared buffer
+    (``cache``), prepare this rank's scatter once per buffer, and ``layout.load`` it."""
+    buf, load = cache.get(msg["name"], int(msg["nbytes"]))
+    packed = PackedAdapter(int(msg["lora_int_id"]), msg["lora_name"], msg["digest"], buf,
+                           msg["plan"], getattr(torch, msg["dtype"]), int(msg["rank"]),
+                           bool(msg["has_dora"]))
+    if load is None:
+        load = layout.prepare(packed)
+        cache.put(msg["name"], load)
+    layout.load(int(msg["slot"]), packed, load)
 
 
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
-               timeouts: tuple[float, float], readers: tuple) -> None:
+               timeouts: tuple[float, float], readers: tuple, acks_name: str) -> None:
     """A worker process's life (``WorkerGroup``'s target): join the group, load the shard,
     then serve rank 0's messages until ``"stop"``. The process group is left to rank 0 to
     destroy (``WorkerGroup`` ends the worker with ``os._exit``). ``timeouts`` is
@@ -123,8 +124,10 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
 
     Messages arrive on this rank's pipe (``readers[rank - 1]``, packed by
     ``pack_tensor_dict``), where waiting has no time limit: an idle engine never times a
-    collective out. Only the tensors of ``"slot"`` and ``"dora_norm"`` follow through a
-    ``broadcast_tensor_dict`` on the process group. EOF (rank 0 is gone) ends the worker."""
+    collective out. Only the tensors of ``"dora_norm"`` follow through a
+    ``broadcast_tensor_dict`` on the process group. EOF (rank 0 is gone) ends the worker. After each
+    ``"slot"`` message the worker records its sequence number in the shared ``acks_name``
+    array (rank 0 keeps the adapter's buffer alive until every worker has)."""
     reader = readers[rank - 1]
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
@@ -137,6 +140,10 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     model = load_model(Path(spec.model_dir), cfg, device, spec.key_dict, spec.load_format, tp)
     slots = model.create_lora_slots(spec.lora) if spec.lora is not None else {}
     max_loras = spec.lora.max_loras if spec.lora is not None else 0
+    layout = (SlotLayout(slots, cfg.module_shapes(), spec.lora.max_lora_rank)
+              if spec.lora is not None else None)
+    shared = SharedHostCache(spec.lora.max_cpu_loras if spec.lora is not None else 1)
+    acks = Acks(acks_name, tp_size)
     runner: ModelRunner | None = None
     prev_sampled: torch.Tensor | None = None
     with torch.inference_mode():
@@ -171,7 +178,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                                                    device=device)
                         dist.broadcast(prev_sampled, src=0)
             elif op == "slot":
-                write_slot_weights(slots, int(msg["slot"]), slot_weights(msg))
+                load_slot_message(msg, layout, shared)
+                acks.values[rank] = int(msg["seq"])
             elif op == "dora_norm":
                 model.lora_dora_norm(int(msg["layer"]), msg["module"], msg["a"], msg["b"])
             else:
@@ -206,11 +214,15 @@ class TPDriver:
                  for _ in range(tp_size - 1)]
         self._writers = [w for _, w in pipes]
         self.timeout_s = timeout_s
+        self.host_buffers = SharedHostBuffers()
+        self._acks = Acks(self.host_buffers.prefix + "-acks", tp_size, create=True)
+        self._sent: deque[tuple[int, PackedAdapter]] = deque()
+        self._seq = 0
         self.device = rank_device(spec.device_type, 0)
         self.workers = WorkerGroup(run_worker, tp_size, backend=backend,
                                    init_method=free_init_method(),
                                    args=(spec, backend, (startup_timeout_s, timeout_s),
-                                         tuple(r for r, _ in pipes)),
+                                         tuple(r for r, _ in pipes), self._acks.name),
                                    timeout_s=startup_timeout_s)
         # the workers hold the read ends now; with rank 0's copies closed, a write to a dead
         # worker's pipe fails (EPIPE) instead of blocking on a full pipe
@@ -277,8 +289,21 @@ class TPDriver:
         with self.workers.guard():
             dist.broadcast(tokens, src=0)
 
-    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        self.send({"op": "slot", "slot": slot}, slot_tensors(adapter))
+    def write_slot(self, slot: int, packed: PackedAdapter) -> None:
+        """Have every worker load ``packed`` (whose buffer ``host_buffers`` allocated) into
+        ``slot`` from shared memory (``LoRAManager.on_write_slot``); the buffer is kept
+        alive until every worker has mapped it.
+
+        Raises:
+            KeyError: a buffer not in shared memory.
+            WorkerDiedError: a worker has died.
+        """
+        self._seq += 1
+        self.send(slot_message(slot, packed, self.host_buffers.name_of(packed.buf), self._seq))
+        self._sent.append((self._seq, packed))
+        handled = self._acks.handled()
+        while self._sent and self._sent[0][0] <= handled:
+            self._sent.popleft()
 
     def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Have every worker enter the DoRA row-norm collective of ``(layer, module)`` with

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.lora.slots import LoRASlots
+from manylora.lora.slot_layout import SlotLayout
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
@@ -109,12 +109,14 @@ def test_without_the_scales_the_dora_rows_differ(llama, monkeypatch):
     """The DoRA scales matter here: with every scale forced to one (what a kernel ignoring
     the DoRA flag would compute) the DoRA rows no longer match peft."""
     base, adapters, prompts, refs = llama
-    original = LoRASlots.set_slot
+    original = SlotLayout.prepare
 
-    def without_scale(self, slot, module, a, b, dora_scale=None):
-        original(self, slot, module, a, b, None)
+    def without_scale(self, packed):
+        load = original(self, packed)
+        load.dora[:] = 0            # the slot load's DoRA flags (a view of what it copies)
+        return load
 
-    monkeypatch.setattr(LoRASlots, "set_slot", without_scale)
+    monkeypatch.setattr(SlotLayout, "prepare", without_scale)
     rows = [i for i, n in enumerate(NAMES) if n is not None and n.startswith("dora")]
     _, outs = _generate(base, adapters, [prompts[i] for i in rows], [NAMES[i] for i in rows],
                         max_loras=3, max_lora_rank=8)
@@ -126,18 +128,16 @@ def test_dora_through_fewer_slots_than_adapters(llama, monkeypatch):
     """One slot cycles the three adapters: DoRA and plain adapters replace each other in the
     same slot buffers (scales rewritten, flags follow) and the outputs still match peft."""
     base, adapters, prompts, refs = llama
-    written: dict[int, list[bool]] = {}
-    original = LoRASlots.set_slot
+    kinds: list[bool] = []
+    original = SlotLayout.load
 
-    def recording(self, slot, module, a, b, dora_scale=None):
-        if module == "q_proj":
-            written.setdefault(id(self), []).append(dora_scale is not None)
-        original(self, slot, module, a, b, dora_scale)
+    def recording(self, slot, packed, load):
+        kinds.append(bool(load.dora.any()))
+        original(self, slot, packed, load)
 
-    monkeypatch.setattr(LoRASlots, "set_slot", recording)
+    monkeypatch.setattr(SlotLayout, "load", recording)
     _, outs = _generate(base, adapters, prompts, NAMES, max_loras=1, max_lora_rank=8)
     _assert_matches(outs, refs, NAMES)
-    kinds = next(iter(written.values()))
     switches = sum(k1 != k2 for k1, k2 in zip(kinds, kinds[1:]))
     assert switches >= 2, f"slot 0 was not swapped between DoRA and plain adapters: {kinds}"
 
