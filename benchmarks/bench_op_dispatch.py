@@ -19,7 +19,7 @@ import time
 import torch
 
 from manylora.lora.punica import build_lora_mapping
-from manylora.ops import triton_lora
+from manylora.ops import lora_kernels, triton_lora
 
 _SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor token_lora_indices, Tensor slot_ranks, "
            "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "
@@ -87,9 +87,9 @@ def main() -> None:
         for label, fn in rows:
             print(f"  {label:45s} {_per_call_us(fn, op_args, args.calls):8.2f}")
 
-        for name in ("_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel",
-                     "_bgmv_expand_kernel"):
-            setattr(triton_lora, name, _NoLaunch())
+        for name in ("sgmv_shrink_kernel", "bgmv_shrink_kernel", "sgmv_expand_kernel",
+                     "bgmv_expand_kernel"):
+            setattr(lora_kernels, name, _NoLaunch())
         b = [torch.randn(2, n, 8) for n in (64, 16, 16)]
         y = torch.zeros(4, 96)
         buffer = torch.zeros(4, 3, 8)

@@ -16,6 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: How a projection is split over a tensor-parallel group: not split, output rows split
+#: (Megatron-LM's ColumnParallelLinear), input columns split (RowParallelLinear).
+PARALLEL_MODES = (None, "column", "row")
+
 
 @dataclass(frozen=True)
 class TPGroup:

@@ -48,8 +48,8 @@ from manylora.engine.protocol import (
     SchedulerStats,
 )
 from manylora.engine.request import Request, RequestStatus
+from manylora.lora.dora import dora_row_norm
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.layers import dora_row_norm
 from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
 from manylora.lora.request import LoRARequest
 from manylora.lora.sizing import slot_bytes, slots_for_memory

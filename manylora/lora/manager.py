@@ -27,8 +27,8 @@ from manylora.config import LoRAConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
 from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.layers import LoRASlots
 from manylora.lora.request import LoRARequest
+from manylora.lora.slots import LoRASlots
 from manylora.model.hub import resolve_adapter_path
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,9 @@ from torch import nn
 
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
-from manylora.lora.layers import LoRALinear, LoRASlots
+from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import LoRAMapping
+from manylora.lora.slots import LoRASlots
 from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm

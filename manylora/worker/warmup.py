@@ -44,11 +44,11 @@ from typing import NamedTuple
 import torch
 import triton
 
-from manylora.lora.layers import LoRALinear
+from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import build_lora_mapping
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops import triton_attention, triton_fused, triton_lora, triton_skinny
+from manylora.ops import lora_plans, triton_attention, triton_fused, triton_lora, triton_skinny
 from manylora.ops.attention import KVCache, build_attention_metadata
 
 logger = logging.getLogger(__name__)
@@ -214,13 +214,13 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         rank_b = b[0].shape[2]
         max_n = max(size for _, size in slots.output_slices)
         dtype, device = a[0].dtype, a[0].device
-        dot_fp32 = triton_lora._interpreted_bf16(a[0])
+        dot_fp32 = lora_plans.interpreted_bf16(a[0])
         shift = slots.dora_shift_stacked is not None
         cases: dict[tuple, tuple[str, int, int]] = {}
-        for schedule, n, s in triton_lora.lora_row_cases(max_rows):
-            sp = triton_lora.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
+        for schedule, n, s in lora_plans.lora_row_cases(max_rows):
+            sp = lora_plans.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
                                          a[0].element_size(), dot_fp32)
-            ep = triton_lora.expand_plan(schedule, n, s, max_loras, max_n, rank_b, len(b),
+            ep = lora_plans.expand_plan(schedule, n, s, max_loras, max_n, rank_b, len(b),
                                          True, shift, dot_fp32)
             key = (sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
                    tuple(ep.constexprs.items()))

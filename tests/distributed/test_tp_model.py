@@ -320,9 +320,10 @@ def test_fully_sharded_column_slots_keep_their_rank_rows(monkeypatch):
     """Rank 1 of 2 keeps rows 4..8 of each A padded to rank 8 (B whole along the rank, cut
     to its output rows), and its shrink sees each slot's rank as the rows it holds there, so
     a kernel never reads A past them."""
-    from manylora.lora import layers
+    from manylora.lora import slots as lora_slots
+    from manylora.lora.linear import LoRALinear
 
-    layer = layers.LoRALinear(16, (8, 4), ("gate_proj", "up_proj"), False, torch.float32,
+    layer = LoRALinear(16, (8, 4), ("gate_proj", "up_proj"), False, torch.float32,
                               torch.device("cpu"), "column", TPGroup(1, 2))
     slots = layer.create_lora_slots(("gate_proj", "up_proj"), 2, 8, fully_sharded=True)
     a, b = torch.randn(6, 16), torch.randn(8, 6)
@@ -331,7 +332,7 @@ def test_fully_sharded_column_slots_keep_their_rank_rows(monkeypatch):
     assert not slots.lora_a_stacked[0][0, 2:].any()
     assert torch.equal(slots.lora_b_stacked[0][0, :, :6], b[4:8])
     seen = {}
-    monkeypatch.setattr(layers, "lora_shrink",
+    monkeypatch.setattr(lora_slots, "lora_shrink",
                         lambda x, stacks, mapping: seen.setdefault("m", mapping))
     slots.shrink(torch.zeros(3, 16), build_lora_mapping([0, 1, -1], [6, 3], torch.device("cpu")))
     assert seen["m"].slot_ranks.tolist() == [2, 0]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.lora.layers import LoRASlots
+from manylora.lora.slots import LoRASlots
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,

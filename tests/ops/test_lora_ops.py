@@ -18,7 +18,8 @@ import zlib
 import pytest
 import torch
 
-from manylora.lora.layers import LoRALinear, dora_row_norm
+from manylora.lora.dora import dora_row_norm
+from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import build_lora_mapping
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink

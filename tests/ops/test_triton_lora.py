@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from manylora.lora.punica import build_lora_mapping
-from manylora.ops import triton_lora
+from manylora.ops import lora_kernels
 from manylora.ops.triton_lora import lora_expand_triton, lora_shrink_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -225,9 +225,9 @@ def test_no_lora_row_launches_nothing(monkeypatch):
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched for a step without LoRA rows")
 
-    for name in ("_sgmv_shrink_kernel", "_bgmv_shrink_kernel", "_sgmv_expand_kernel",
-                 "_bgmv_expand_kernel"):
-        monkeypatch.setattr(triton_lora, name, NoLaunch())
+    for name in ("sgmv_shrink_kernel", "bgmv_shrink_kernel", "sgmv_expand_kernel",
+                 "bgmv_expand_kernel"):
+        monkeypatch.setattr(lora_kernels, name, NoLaunch())
     x, y = torch.randn(3, 16, device=DEVICE), torch.randn(3, 8, device=DEVICE)
     a, b = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 8, 4, device=DEVICE)
     for schedule in ("sgmv", "bgmv"):
@@ -459,7 +459,7 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from manylora.ops import triton_lora as tl_
+    from manylora.ops import lora_kernels as tl_
 
     def ptx(fn, types, consts):
         sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
@@ -478,9 +478,9 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
     for dora, shift in ((False, False), (True, False), (True, True)):
         flags = {"HAS_DORA": dora, "HAS_SHIFT": shift, "R": 16, "RANK_ALIGN": 8,
                  "BLOCK_N": 128, "BLOCK_R": 16}
-        sgmv = ptx(tl_._sgmv_expand_kernel, types,
+        sgmv = ptx(tl_.sgmv_expand_kernel, types,
                    {**flags, "NUM_SLICES": 3, "BLOCK_M": 16, "DOT_FP32": False})
-        bgmv = ptx(tl_._bgmv_expand_kernel, types, flags)
+        bgmv = ptx(tl_.bgmv_expand_kernel, types, flags)
         loads[dora, shift] = [code.count("ld.global") for code in (sgmv, bgmv)]
     for i in range(2):
         assert loads[False, False][i] < loads[True, False][i] < loads[True, True][i], loads

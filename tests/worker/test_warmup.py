@@ -23,19 +23,19 @@ import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LoRAConfig, ModelConfig
-from manylora.lora import layers as lora_layers
+from manylora.lora import slots as lora_slots
 from manylora.lora.punica import build_lora_mapping
 from manylora.model import llama
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
-from manylora.ops import triton_attention, triton_fused, triton_lora
+from manylora.ops import lora_kernels, lora_plans, triton_attention, triton_fused, triton_lora
 from manylora.ops.attention import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
-KERNEL_MODULES = (triton_lora, triton_attention, triton_fused)
+KERNEL_MODULES = (lora_kernels, triton_attention, triton_fused)
 BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
@@ -107,8 +107,8 @@ def _record_kernels(monkeypatch) -> set:
 def _force_triton(monkeypatch) -> None:
     """Route the model's forward pass through the Triton entry points (on CPU it takes the
     PyTorch references)."""
-    monkeypatch.setattr(lora_layers, "lora_shrink", triton_lora.lora_shrink_triton)
-    monkeypatch.setattr(lora_layers, "lora_expand", triton_lora.lora_expand_triton)
+    monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
+    monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
     monkeypatch.setattr(llama, "write_kv", triton_attention.write_kv_triton)
     monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention_triton)
     monkeypatch.setattr(llama, "silu_and_mul", triton_fused.silu_and_mul_triton)
@@ -197,7 +197,7 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     stepped = set(keys)
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}
-    assert {"_paged_attention_kernel", "_bgmv_expand_kernel", "_sgmv_shrink_kernel",
+    assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
             "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
@@ -210,8 +210,8 @@ def test_lora_row_cases_cover_every_plan():
     def plans(cases, k, slices, max_n, rank):
         out = set()
         for schedule, n, s in cases:
-            sp = triton_lora.shrink_plan(schedule, n, s, 4, k, rank, slices, 2)
-            ep = triton_lora.expand_plan(schedule, n, s, 4, max_n, rank, slices, True, False)
+            sp = lora_plans.shrink_plan(schedule, n, s, 4, k, rank, slices, 2)
+            ep = lora_plans.expand_plan(schedule, n, s, 4, max_n, rank, slices, True, False)
             out.add((sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
                      tuple(ep.constexprs.items())))
         return out
@@ -222,7 +222,7 @@ def test_lora_row_cases_cover_every_plan():
     for k, slices, max_n, rank in ((4096, 3, 4096, 16), (64, 1, 64, 8), (200, 2, 500, 64),
                                    (14336, 1, 4096, 128)):
         want = plans(every, k, slices, max_n, rank)
-        assert plans(triton_lora.lora_row_cases(max_rows), k, slices, max_n, rank) == want
+        assert plans(lora_plans.lora_row_cases(max_rows), k, slices, max_n, rank) == want
 
 
 @pytest.mark.parametrize("num_kv_heads, max_blocks, window", [

@@ -445,7 +445,7 @@ def _peft_row(name: str, layer: int, module_key: str, ab: dict[str, torch.Tensor
 def _peft_dora_scales(name: str, layer: int, module_key: str, magnitude: torch.Tensor,
                       a: torch.Tensor, b: torch.Tensor, base: _BaseWeights) -> torch.Tensor:
     """``m / ||W + BA||`` (float32 ``[out]``) against the base checkpoint's weight."""
-    from manylora.lora.layers import dora_row_norm
+    from manylora.lora.dora import dora_row_norm
 
     magnitude = magnitude.reshape(-1).float()
     weight = base.weight(layer, module_key.rsplit(".", 1)[-1])
