@@ -13,10 +13,15 @@ It also carries ``slot_dora``, which slots hold a DoRA adapter (Liu et al. 2024)
 kernels read that flag as data, so a captured CUDA graph stays valid when DoRA and plain
 adapters are swapped in and out of slots.
 
+With the tiled schedule (``ops/triton_lora_tiled.py``) it also carries the tile view: each
+slot's rows cut into tiles of at most ``block_m`` rows (``lora/row_tiles.py``), so a kernel
+program reads its adapter once per tile.
+
 All index tensors are int32 on the model's device and are built from one host buffer with
 a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
 Python). A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
-padding rows are base rows, and ``max_seg_len`` is the padded batch size.
+padding rows are base rows, ``max_seg_len`` is the padded batch size, and the tile arrays
+have ``max_row_tiles(pad_to, max_loras, block_m)`` entries.
 """
 
 from __future__ import annotations
@@ -27,12 +32,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# The segment (SGMV) schedule pays off once a step has at least SGMV_MIN_ROWS LoRA rows and
-# its slots average SGMV_MIN_ROWS_PER_SLOT rows (prefill); otherwise each row gathers its
-# own adapter (BGMV). From the SGMV-vs-BGMV table in BENCHMARKS.md (H100): BGMV wins at
-# every split of 8 and 64 rows, SGMV from 256 rows at 8 rows per adapter.
-SGMV_MIN_ROWS = 256
-SGMV_MIN_ROWS_PER_SLOT = 8
+from manylora.lora.row_tiles import max_row_tiles, row_tiles
+from manylora.ops.lora_cost_model import TILE_BLOCK_MS, LoRAScheduleModel, graph_block_m
+
+#: The kernel schedules a mapping may carry (``ops/lora_cost_model.py`` picks one per step).
+LORA_SCHEDULES = ("bgmv", "sgmv", "tiled")
 
 
 class SlotSegment(NamedTuple):
@@ -70,9 +74,15 @@ class LoRAMapping(NamedTuple):
             the expand kernels read it per program, so it may change between CUDA-graph
             replays like the other tensors.
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
-        schedule: ``"sgmv"`` (segments) or ``"bgmv"`` (per-row gather), the kernel schedule.
+        schedule: ``"sgmv"`` (segments), ``"bgmv"`` (per-row gather) or ``"tiled"`` (row
+            tiles), the kernel schedule.
         has_lora: host bool, whether any row uses an adapter (if not, layers launch nothing).
         segments: one ``SlotSegment`` per slot present (host view; empty in a padded mapping).
+        tile_slot: int32 ``[num_tiles]``, each row tile's slot, -1 for padding tiles
+            (``lora.row_tiles.row_tiles``; empty unless the schedule is ``"tiled"``).
+        tile_start: int32 ``[num_tiles]``, the tile's first index into ``sorted_rows``.
+        tile_len: int32 ``[num_tiles]``, the tile's rows (0 for padding tiles).
+        block_m: host int, the most rows of a tile (0 without tiles).
     """
 
     token_lora_indices: torch.Tensor
@@ -86,6 +96,10 @@ class LoRAMapping(NamedTuple):
     schedule: str
     has_lora: bool
     segments: tuple[SlotSegment, ...]
+    tile_slot: torch.Tensor
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+    block_m: int
 
 
 class LoRAMappingArrays(NamedTuple):
@@ -155,16 +169,73 @@ def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
                              int(seg_len.max()) if max_loras else 0, num_lora_rows)
 
 
-def default_schedule(num_lora_rows: int, num_active: int) -> str:
-    """``"sgmv"`` when the step has at least ``SGMV_MIN_ROWS`` LoRA rows and its active
-    slots average at least ``SGMV_MIN_ROWS_PER_SLOT`` rows, else ``"bgmv"``."""
-    return ("sgmv" if num_active and num_lora_rows >= max(
-        SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * num_active) else "bgmv")
+def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
+                     model: LoRAScheduleModel | None = None) -> tuple[str, int]:
+    """``(schedule, block_m)`` for a step whose active slots hold ``seg_len`` rows each: the
+    schedule of least modelled time (``ops.lora_cost_model.choose_schedule``; ``block_m`` 0
+    except for ``"tiled"``). A padded (CUDA-graph) step of ``padded_rows`` rows chooses
+    between BGMV and tiles of ``graph_block_m(padded_rows, max_loras)`` rows (what its graphs
+    are captured with).
+
+    Args:
+        seg_len: int ``[n]``, rows per active slot (zeros ignored).
+        max_loras: slots.
+        padded_rows: a graph step's padded row count; None: an eager step.
+        model: the projections, rank and GPU the choice is for; None:
+            ``LoRAScheduleModel.default()``.
+    """
+    model = LoRAScheduleModel.default() if model is None else model
+    return model.choose(seg_len, max_loras, padded_rows=padded_rows,
+                        graph_block_m=None if padded_rows is None
+                        else graph_block_m(padded_rows, max_loras))
+
+
+def lora_segment_size(total: int, max_loras: int, num_tiles: int) -> int:
+    """int32 elements of a mapping's device buffer (``lora_mapping_from_buffer``'s layout)."""
+    return 2 * total + 5 * max_loras + 3 * num_tiles
+
+
+def fill_lora_segment(out: np.ndarray, arrays: LoRAMappingArrays, slot_ranks,
+                      slot_dora, block_m: int, num_tiles: int | None = None) -> int:
+    """Write a mapping's host buffer (``lora_mapping_from_buffer``'s layout) into ``out``,
+    numpy vector ops only; returns the tile count written.
+
+    Args:
+        out: int32 ``[>= lora_segment_size(...)]``, written from 0.
+        arrays: the step's ``LoRAMappingArrays``.
+        slot_ranks: length ``max_loras``, each slot's rank.
+        slot_dora: length ``max_loras``, nonzero for DoRA slots (stored as 0/1); None: none.
+        block_m: the tile height, 0: no tiles (BGMV / SGMV).
+        num_tiles: pad the tile arrays to this many (a graph step: ``max_row_tiles``); None:
+            the exact count.
+
+    Raises:
+        ValueError: ``slot_ranks`` / ``slot_dora`` of another length than ``max_loras``, or
+            more tiles than ``num_tiles``.
+    """
+    m = arrays.active_slots.size
+    dora = np.zeros(m, np.int32) if slot_dora is None else (
+        np.asarray(slot_dora, dtype=np.int64).reshape(-1) != 0).astype(np.int32)
+    ranks = np.asarray(slot_ranks, dtype=np.int32).reshape(-1)
+    if ranks.size != m or dora.size != m:
+        raise ValueError(f"slot_ranks ({ranks.size}) and slot_dora ({dora.size}) must have one "
+                         f"entry per adapter slot ({m})")
+    parts = [arrays.token_lora_indices, ranks, arrays.sorted_rows, arrays.active_slots,
+             arrays.seg_start, arrays.seg_len, dora]
+    if block_m:
+        tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, block_m,
+                          num_tiles)
+        parts += [tiles.tile_slot, tiles.tile_start, tiles.tile_len]
+    n = sum(p.size for p in parts)
+    np.concatenate(parts, out=out[:n])
+    return (n - 2 * arrays.token_lora_indices.size - 5 * m) // 3
 
 
 def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
                        device: torch.device, *, slot_dora: Sequence[int] | None = None,
-                       pad_to: int | None = None, schedule: str | None = None) -> LoRAMapping:
+                       pad_to: int | None = None, schedule: str | None = None,
+                       block_m: int | None = None,
+                       model: LoRAScheduleModel | None = None) -> LoRAMapping:
     """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
 
     Args:
@@ -174,63 +245,84 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         slot_dora: length ``max_loras``, nonzero where the slot's adapter has DoRA scales
             (stored as 0/1); None: no DoRA slot.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
-            CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
-        schedule: force ``"sgmv"`` or ``"bgmv"``; by default ``default_schedule``.
+            CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True,
+            ``max_row_tiles(pad_to, max_loras, block_m)`` tiles.
+        schedule: force ``"sgmv"``, ``"bgmv"`` or ``"tiled"``; by default
+            ``default_schedule`` (with ``model``).
+        block_m: the tiled schedule's tile height; None: the modelled choice (eager) or
+            ``graph_block_m(pad_to, max_loras)`` (padded).
+        model: what ``default_schedule`` models; None: its default.
 
     Returns:
-        The ``LoRAMapping``; its seven int32 tensors come from one host → device copy
-        (pinned and non-blocking on CUDA).
+        The ``LoRAMapping``; its int32 tensors come from one host → device copy (pinned and
+        non-blocking on CUDA).
 
     Raises:
         IndexError: a slot outside ``[-1, len(slot_ranks))``.
         ValueError: ``pad_to`` below the number of rows, ``slot_dora`` of another length
-            than ``slot_ranks``, or an unknown ``schedule``.
+            than ``slot_ranks``, an unknown ``schedule``, or a ``block_m`` the tiled kernels
+            do not take.
     """
     max_loras = len(slot_ranks)
-    if schedule not in (None, "sgmv", "bgmv"):
-        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
-    dora = np.zeros(max_loras, np.int32) if slot_dora is None else (
-        np.asarray(slot_dora, dtype=np.int64).reshape(-1) != 0).astype(np.int32)
-    if dora.size != max_loras:
-        raise ValueError(f"slot_dora has {dora.size} entries for {max_loras} adapter slots")
+    if schedule not in (None, *LORA_SCHEDULES):
+        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use one of "
+                         f"{LORA_SCHEDULES}")
     arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
-    host = torch.empty(2 * total + 5 * max_loras, dtype=torch.int32,
-                       pin_memory=torch.device(device).type == "cuda")
-    np.concatenate([arrays.token_lora_indices, np.asarray(slot_ranks, dtype=np.int32),
-                    arrays.sorted_rows, arrays.active_slots, arrays.seg_start, arrays.seg_len,
-                    dora], out=host.numpy())
     if schedule is None:
-        schedule = default_schedule(arrays.num_lora_rows, int((arrays.seg_len > 0).sum()))
+        schedule, chosen = default_schedule(arrays.seg_len, max_loras, padded_rows=pad_to,
+                                            model=model)
+        block_m = chosen if block_m is None else block_m
+    if schedule != "tiled":
+        block_m = 0
+    elif block_m is None:
+        block_m = (graph_block_m(pad_to, max_loras) if pad_to is not None
+                   else default_schedule(arrays.seg_len, max_loras, model=model)[1] or 16)
+    if schedule == "tiled" and block_m not in TILE_BLOCK_MS:
+        raise ValueError(f"tiled LoRA: block_m {block_m} is not one of {TILE_BLOCK_MS}")
+    num_tiles = (max_row_tiles(total, max_loras, block_m)
+                 if block_m and pad_to is not None else None)
+    bound = max_row_tiles(total, max_loras, block_m) if block_m else 0
+    host = torch.empty(lora_segment_size(total, max_loras, bound), dtype=torch.int32,
+                       pin_memory=torch.device(device).type == "cuda")
+    written = fill_lora_segment(host.numpy(), arrays, slot_ranks, slot_dora, block_m,
+                                num_tiles)
+    host = host[:lora_segment_size(total, max_loras, written)]
     return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
-                                    arrays.max_seg_len, schedule, padded=pad_to is not None)
+                                    arrays.max_seg_len, schedule, padded=pad_to is not None,
+                                    num_tiles=written, block_m=block_m)
 
 
 def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
-                             schedule: str, *, padded: bool) -> LoRAMapping:
-    """A ``LoRAMapping`` whose seven int32 tensors are views of ``buf``, laid out as
+                             schedule: str, *, padded: bool, num_tiles: int = 0,
+                             block_m: int = 0) -> LoRAMapping:
+    """A ``LoRAMapping`` whose int32 tensors are views of ``buf``, laid out as
     ``[token_lora_indices total | slot_ranks L | sorted_rows total | active_slots L |
-    seg_start L | seg_len L | slot_dora L]`` (``L = max_loras``), as
-    ``lora_mapping_arrays`` fills it.
+    seg_start L | seg_len L | slot_dora L | tile_slot NT | tile_start NT | tile_len NT]``
+    (``L = max_loras``, ``NT = num_tiles``), as ``fill_lora_segment`` fills it.
 
     Args:
-        buf: int32 ``[2 * total + 5 * max_loras]`` on the model's device.
+        buf: int32 ``[lora_segment_size(total, max_loras, num_tiles)]`` on the device.
         total: rows, padding included.
         max_loras: slots.
         max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
-        schedule: ``"sgmv"`` or ``"bgmv"``.
+        schedule: one of ``LORA_SCHEDULES``.
         padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
             segments.
+        num_tiles: the tile arrays' length (0 without tiles).
+        block_m: the tiles' height (0 without tiles).
 
     The host ``segments`` (read only by the PyTorch references) are built when ``buf`` is
     on the CPU, from ``buf`` itself; a CUDA mapping has none (the Triton path reads the
     tensors).
     """
-    (indices, ranks, srows, act, start, length, dora_t) = buf.split(
-        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras))
+    nt = num_tiles
+    (indices, ranks, srows, act, start, length, dora_t, t_slot, t_start, t_len) = buf.split(
+        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras, nt, nt, nt))
+    tiles = (t_slot, t_start, t_len, block_m)
     if padded:
         return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, total, schedule,
-                           True, ())
+                           True, (), *tiles)
     segments = ()
     if not buf.is_cuda and max_seg_len:
         num_active = int((length > 0).sum())
@@ -239,4 +331,4 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
     return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max_seg_len,
-                       schedule, max_seg_len > 0, segments)
+                       schedule, max_seg_len > 0, segments, *tiles)

@@ -212,3 +212,32 @@ def graph_block_m(num_rows: int, max_loras: int) -> int:
     engine's ``max_loras`` only, so it is fixed per captured graph."""
     per_slot = -(-num_rows // max(1, min(max_loras, num_rows)))
     return next((b for b in TILE_BLOCK_MS if b >= per_slot), TILE_BLOCK_MS[-1])
+
+
+class LoRAScheduleModel(NamedTuple):
+    """What ``choose_schedule`` needs about an engine: its LoRA projections (one layer), the
+    rank to assume, the element size and the GPU.
+
+    Attributes:
+        shapes: the LoRA projections of one layer.
+        max_rank: the slot buffers' rank (every adapter is assumed at it).
+        gpu: the GPU's figures.
+        element_size: bytes per element of the model dtype.
+    """
+
+    shapes: tuple[ProjectionShape, ...]
+    max_rank: int
+    gpu: GPUModel
+    element_size: int = 2
+
+    @classmethod
+    def default(cls) -> LoRAScheduleModel:
+        """Llama-3-8B's projections at rank 16, bf16, on an H100 (``H100_SXM``)."""
+        return cls(llama3_8b_shapes(), 16, H100_SXM)
+
+    def choose(self, seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
+               graph_block_m: int | None = None) -> tuple[str, int]:
+        """``choose_schedule`` for this engine (see there)."""
+        return choose_schedule(seg_len, self.shapes, self.max_rank, max_loras, self.gpu,
+                               element_size=self.element_size, padded_rows=padded_rows,
+                               graph_block_m=graph_block_m)

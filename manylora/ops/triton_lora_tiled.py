@@ -305,6 +305,12 @@ def _check_table(name: str, table: torch.Tensor, max_loras: int, num_slices: int
                          f"{table.dtype} strides {table.stride()} on {table.device}")
 
 
+def _check_rows(num_rows: int, tiles: RowTiles) -> None:
+    if tiles.sorted_rows.shape[0] != num_rows:
+        raise ValueError(f"the mapping has {tiles.sorted_rows.shape[0]} rows, the activations "
+                         f"{num_rows}")
+
+
 def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
                   device: torch.device) -> None:
     if not 1 <= len(stacks) <= MAX_SLICES:
@@ -335,8 +341,8 @@ def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
 
     Raises:
         ValueError: 0 or more than 3 slices, slices of another dtype/device/shape, an
-            unsupported dtype, a malformed rank table, or a ``block_m`` the kernels do not
-            take.
+            unsupported dtype, a malformed rank table, tiles of another row count, or a
+            ``block_m`` the kernels do not take.
     """
     if x.dtype not in _DTYPES or x.dim() != 2:
         raise ValueError(f"lora_shrink: x must be 2-d float32/bf16/fp16, got {x.dtype}")
@@ -348,6 +354,7 @@ def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
                          f"match [max_loras, max_lora_rank, {x.shape[1]}]")
     _check_table("lora_shrink ranks", ranks, max_loras, len(stacks), x.device)
     num_rows, num_slices = x.shape[0], len(stacks)
+    _check_rows(num_rows, tiles)
     out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
     num_tiles = tiles.tile_slot.shape[0]
     plan = tiled_shrink_plan(num_tiles, tiles.block_m, k, max_rank, num_slices,
@@ -395,7 +402,8 @@ def lora_expand_tiled(y: torch.Tensor, buffer: torch.Tensor,
 
     Raises:
         ValueError: 0 or more than 3 slices, slices of another dtype/device/rank, offsets
-            that do not fit ``y`` or overlap, a buffer of the wrong shape, a malformed rank or
+            that do not fit ``y`` or overlap, a buffer of the wrong shape, tiles of another
+            row count, a malformed rank or
             DoRA table, DoRA stacks of another shape, a bias without scales, or a
             ``block_m`` the kernels do not take.
     """
@@ -417,6 +425,7 @@ def lora_expand_tiled(y: torch.Tensor, buffer: torch.Tensor,
         raise ValueError(f"lora_expand: B slices {[tuple(b.shape) for b in stacks]} at offsets "
                          f"{list(slice_offsets)} do not fit y's {y.shape[1]} columns")
     _check_table("lora_expand ranks", ranks, max_loras, num_slices, y.device)
+    _check_rows(num_rows, tiles)
     has_dora = dora_scale_stacked is not None
     if has_dora:
         _check_table("lora_expand dora", dora, max_loras, num_slices, y.device)
