@@ -32,13 +32,14 @@ Triton runs on, including CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.host_math import cdiv, next_power_of_2
 
 MAX_SLICES = 3
@@ -267,6 +268,17 @@ def tiled_expand_plan(num_tiles: int, block_m: int, max_n: int, max_rank: int,
                      dict(R=max_rank, BLOCK_M=block_m, BLOCK_N=block_n,
                           BLOCK_R=_block_r(max_rank), DOT_FP32=dot_fp32, HAS_DORA=has_dora,
                           HAS_BIAS=has_bias, num_warps=4), n_tiles=n_tiles)
+
+
+def tiled_row_cases(max_rows: int, max_loras: int) -> Iterator[tuple[int, int]]:
+    """``(num_tiles, block_m)`` covering every distinct ``tiled_shrink_plan`` /
+    ``tiled_expand_plan`` launch of steps of 1..``max_rows`` rows over ``max_loras`` slots:
+    the plans see the step only through the tile count (at most ``max_row_tiles``) and
+    ``block_m``, and stop changing once the tiles reach ``_TARGET_PROGRAMS``."""
+    for block_m in TILE_BLOCK_MS:
+        most = max_row_tiles(max_rows, max_loras, block_m)
+        for num_tiles in range(1, min(most, _TARGET_PROGRAMS) + 1):
+            yield num_tiles, block_m
 
 
 def _interpreted_bf16(t: torch.Tensor) -> bool:
