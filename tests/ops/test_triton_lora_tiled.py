@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from manylora.lora.punica import lora_mapping_arrays
+from manylora.lora.punica import build_lora_mapping, lora_mapping_arrays
 from manylora.lora.row_tiles import max_row_tiles, row_tiles
+from manylora.ops.lora_cost_model import graph_block_m
 from manylora.ops.triton_lora_tiled import (
     RowTiles,
     lora_expand_tiled,
@@ -243,22 +244,26 @@ def test_max_row_tiles_bounds_every_split_of_the_rows(block_m):
 
 
 def test_graph_grid_depends_only_on_the_row_count():
-    """Padded mappings of the same row count give the same launches whatever the split of
-    the rows over slots (a captured graph replays them all); the grid follows the bound."""
-    max_loras, total, block_m = 8, 48, 16
+    """Padded mappings (``build_lora_mapping(pad_to=...)``, as the engine's graph steps build
+    them) of the same row count give the same launches whatever the split of the rows over
+    slots (a captured graph replays them all); the tile count is the bound."""
+    max_loras, total = 8, 48
+    block_m = graph_block_m(total, max_loras)
     bound = max_row_tiles(total, max_loras, block_m)
-    grids = set()
+    launches = set()
     gen = np.random.default_rng(3)
     for lora_rows in (1, 5, 20, 48):
         for _ in range(5):
-            slots = np.full(lora_rows, -1)
-            slots[:] = gen.integers(0, max_loras, lora_rows)
-            tiles = make_tiles(slots.tolist(), max_loras, block_m, total - lora_rows, True)
-            n = tiles.tile_slot.shape[0]
-            assert n == bound
-            grids.add(repr((tiled_shrink_plan(n, block_m, 4096, 16, 3, 2),
-                            tiled_expand_plan(n, block_m, 4096, 16, 3, True, False))))
-    assert len(grids) == 1
+            slots = gen.integers(0, max_loras, lora_rows).tolist()
+            mapping = build_lora_mapping(slots, [16] * max_loras, torch.device("cpu"),
+                                         pad_to=total, schedule="tiled")
+            n = mapping.tile_slot.shape[0]
+            assert (n, mapping.block_m, mapping.sorted_rows.shape[0]) == (bound, block_m, total)
+            assert int((mapping.tile_slot >= 0).sum()) <= bound
+            launches.add(repr((tiled_shrink_plan(n, mapping.block_m, 4096, 16, 3, 2),
+                               tiled_expand_plan(n, mapping.block_m, 4096, 16, 3, True,
+                                                 False))))
+    assert len(launches) == 1
 
 
 def test_tiled_ops_reject_bad_tables():
