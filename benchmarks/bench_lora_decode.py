@@ -64,15 +64,15 @@ class Projection:
 
 def _step(projections, mapping, schedule: str, copy: int) -> None:
     from manylora.ops.triton_lora import lora_expand_triton, lora_shrink_triton
-    from manylora.ops.triton_lora_tiled import RowTiles, lora_expand_tiled, lora_shrink_tiled
+    from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
     for p in projections:
         a, b = p.a[copy], p.b[copy]
         if schedule == "tiled":
-            tiles = RowTiles(mapping.sorted_rows, mapping.tile_slot, mapping.tile_start,
-                             mapping.tile_len, mapping.block_m)
-            buf = lora_shrink_tiled(p.x, a, p.ranks, tiles)
-            lora_expand_tiled(p.y, buf, b, p.ranks, tiles, [o for o, _ in p.slices])
+            tiles = (mapping.sorted_rows, mapping.tile_slot, mapping.tile_start,
+                     mapping.tile_len, mapping.block_m)
+            buf = lora_shrink_tiled(p.x, a, p.ranks, *tiles)
+            lora_expand_tiled(p.y, buf, b, p.ranks, *tiles, [o for o, _ in p.slices])
         else:
             buf = lora_shrink_triton(p.x, a, mapping)
             lora_expand_triton(p.y, buf, [t.transpose(1, 2) for t in b], mapping, p.slices)

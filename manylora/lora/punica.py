@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from manylora.lora.row_tiles import max_row_tiles, row_tiles
-from manylora.ops.lora_cost_model import TILE_BLOCK_MS, LoRAScheduleModel, graph_block_m
+from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
+from manylora.ops.lora_tiled_plans import TILE_BLOCK_MS
 
 #: The kernel schedules a mapping may carry (``ops/lora_cost_model.py`` picks one per step).
 LORA_SCHEDULES = ("bgmv", "sgmv", "tiled")

@@ -42,9 +42,8 @@ from typing import NamedTuple
 import numpy as np
 
 from manylora.lora.row_tiles import max_row_tiles
+from manylora.ops.lora_tiled_plans import TILE_BLOCK_MS
 
-#: Row-tile heights of the tiled schedule (``ops.triton_lora_tiled.TILE_BLOCK_MS``).
-TILE_BLOCK_MS = (16, 32, 64)
 #: SGMV's row tile for the model (its kernels use 16/32/64 by the longest segment).
 _SGMV_BLOCK_MS = ((16, 16), (32, 32), (1 << 62, 64))
 

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from manylora.lora.punica import LoRAMapping
-from manylora.ops import lora_kernels
+from manylora.ops import lora_kernels, triton_lora_tiled
 from manylora.ops.lora_plans import MAX_SLICES, expand_plan, interpreted_bf16, shrink_plan
-from manylora.ops.triton_lora_tiled import RowTiles, lora_expand_tiled, lora_shrink_tiled
+from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -287,6 +287,10 @@ def _register(name: str, schema: str, impl, fake) -> None:
 
 _register("lora_shrink", _LORA_SHRINK_SCHEMA, lora_shrink_op, _lora_shrink_fake)
 _register("lora_expand", _LORA_EXPAND_SCHEMA, lora_expand_op, _lora_expand_fake)
+_register("lora_shrink_tiled", triton_lora_tiled.LORA_SHRINK_TILED_SCHEMA, lora_shrink_tiled,
+          triton_lora_tiled._lora_shrink_tiled_fake)
+_register("lora_expand_tiled", triton_lora_tiled.LORA_EXPAND_TILED_SCHEMA, lora_expand_tiled,
+          triton_lora_tiled._lora_expand_tiled_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,8 +324,10 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
         return torch.zeros(x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1],
                            dtype=torch.float32, device=x.device)
     if mapping.schedule == "tiled":
-        return lora_shrink_tiled(x, lora_a_stacked, _slice_ranks(mapping, len(lora_a_stacked)),
-                                 _row_tiles(mapping))
+        op = (torch.ops.manylora.lora_shrink_tiled if torch.compiler.is_compiling()
+              else lora_shrink_tiled)
+        return op(x, list(lora_a_stacked), _slice_ranks(mapping, len(lora_a_stacked)),
+                  *_row_tiles(mapping))
     op = torch.ops.manylora.lora_shrink if torch.compiler.is_compiling() else lora_shrink_op
     return op(x, list(lora_a_stacked), mapping.token_lora_indices, mapping.slot_ranks,
               mapping.sorted_rows, mapping.active_slots, mapping.seg_start, mapping.seg_len,
@@ -368,11 +374,13 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
     dora = dora_scale_stacked is not None
     if mapping.schedule == "tiled" and dora_shift_stacked is None:
         num_slices = len(lora_b_stacked)
-        lora_expand_tiled(y, buffer, [b.transpose(1, 2).contiguous() for b in lora_b_stacked],
-                          _slice_ranks(mapping, num_slices), _row_tiles(mapping),
-                          [offset for offset, _ in output_slices],
-                          mapping.slot_dora[:, None].repeat(1, num_slices) if dora else None,
-                          dora_scale_stacked)
+        op = (torch.ops.manylora.lora_expand_tiled if torch.compiler.is_compiling()
+              else lora_expand_tiled)
+        op(y, buffer, [b.transpose(1, 2).contiguous() for b in lora_b_stacked],
+           _slice_ranks(mapping, num_slices), *_row_tiles(mapping),
+           [offset for offset, _ in output_slices],
+           mapping.slot_dora[:, None].repeat(1, num_slices) if dora else None,
+           list(dora_scale_stacked) if dora else None)
         return
     op = torch.ops.manylora.lora_expand if torch.compiler.is_compiling() else lora_expand_op
     op(y, buffer, list(lora_b_stacked), mapping.token_lora_indices, mapping.slot_ranks,
@@ -383,10 +391,10 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
        None if dora_shift_stacked is None else list(dora_shift_stacked))
 
 
-def _row_tiles(mapping: LoRAMapping) -> RowTiles:
-    """The tiled kernels' view of ``mapping``."""
-    return RowTiles(mapping.sorted_rows, mapping.tile_slot, mapping.tile_start,
-                    mapping.tile_len, mapping.block_m)
+def _row_tiles(mapping: LoRAMapping) -> tuple:
+    """The tiled ops' mapping arguments: ``sorted_rows``, the tile arrays, ``block_m``."""
+    return (mapping.sorted_rows, mapping.tile_slot, mapping.tile_start, mapping.tile_len,
+            mapping.block_m)
 
 
 def _slice_ranks(mapping: LoRAMapping, num_slices: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   the schedule (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
   pick from the row count and the longest SGMV segment (``BLOCK_M``, ``BLOCK_N``,
   ``BLOCK_K``, split-K's ``ATOMIC``).
-* Tiled LoRA (``triton_lora_tiled``): per projection as above, plus the bias (``HAS_BIAS``);
+* Tiled LoRA (``lora_tiled_kernels``): per projection as above, plus the bias (``HAS_BIAS``);
   per step, the tile height ``BLOCK_M`` and what ``tiled_shrink_plan`` /
   ``tiled_expand_plan`` pick from the tile count (``tiled_row_cases``).
 * Attention (``triton_attention``): the model's G, head_dim, block_size, KV-cache dtype
@@ -53,10 +53,10 @@ from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import (
     lora_plans,
+    lora_tiled_plans,
     triton_attention,
     triton_fused,
     triton_lora,
-    triton_lora_tiled,
     triton_skinny,
 )
 from manylora.ops.attention import KVCache, build_attention_metadata
@@ -259,12 +259,12 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
     _, rank, k = a[0].shape
     max_n = max(size for _, size in slots.output_slices)
     dtype, device = a[0].dtype, a[0].device
-    dot_fp32 = triton_lora_tiled._interpreted_bf16(a[0])
+    dot_fp32 = lora_plans.interpreted_bf16(a[0])
     cases: dict[tuple, tuple[int, int]] = {}
-    for num_tiles, block_m in triton_lora_tiled.tiled_row_cases(max_rows, max_loras):
-        sp = triton_lora_tiled.tiled_shrink_plan(num_tiles, block_m, k, rank, len(a),
+    for num_tiles, block_m in lora_tiled_plans.tiled_row_cases(max_rows, max_loras):
+        sp = lora_tiled_plans.tiled_shrink_plan(num_tiles, block_m, k, rank, len(a),
                                                  a[0].element_size(), dot_fp32)
-        ep = triton_lora_tiled.tiled_expand_plan(num_tiles, block_m, max_n, rank, len(b),
+        ep = lora_tiled_plans.tiled_expand_plan(num_tiles, block_m, max_n, rank, len(b),
                                                  True, False, dot_fp32)
         cases.setdefault((tuple(sp.constexprs.items()), tuple(ep.constexprs.items())),
                          (num_tiles, block_m))

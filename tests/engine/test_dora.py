@@ -113,9 +113,11 @@ def test_dora_through_the_triton_kernels_matches_peft(llama, monkeypatch):
     flagged = []
     real = triton_lora.lora_expand_tiled
 
-    def spy(y, buffer, b, ranks, tiles, offsets, dora=None, scales=None, bias=None):
+    def spy(y, buffer, b, ranks, rows, slot, start, length, block_m, offsets, dora=None,
+            scales=None, bias=None):
         flagged.append(dora is not None and bool(dora.any()))
-        return real(y, buffer, b, ranks, tiles, offsets, dora, scales, bias)
+        return real(y, buffer, b, ranks, rows, slot, start, length, block_m, offsets, dora,
+                    scales, bias)
 
     monkeypatch.setattr(triton_lora, "lora_expand_tiled", spy)
     base, adapters, prompts, refs = llama

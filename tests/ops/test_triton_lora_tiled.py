@@ -19,13 +19,8 @@ import torch
 from manylora.lora.punica import build_lora_mapping, lora_mapping_arrays
 from manylora.lora.row_tiles import max_row_tiles, row_tiles
 from manylora.ops.lora_cost_model import graph_block_m
-from manylora.ops.triton_lora_tiled import (
-    RowTiles,
-    lora_expand_tiled,
-    lora_shrink_tiled,
-    tiled_expand_plan,
-    tiled_shrink_plan,
-)
+from manylora.ops.lora_tiled_plans import tiled_expand_plan, tiled_shrink_plan
+from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
@@ -37,8 +32,9 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def make_tiles(token_slots: list[int], max_loras: int, block_m: int,
-               pad_rows: int = 0, padded: bool = False) -> RowTiles:
-    """Device ``RowTiles`` of the step: padded (a graph mapping) to ``max_row_tiles``."""
+               pad_rows: int = 0, padded: bool = False) -> tuple:
+    """The tiled ops' mapping arguments (sorted rows, tile arrays on the device, block_m):
+    padded (a graph mapping) to ``max_row_tiles``."""
     arrays = lora_mapping_arrays(np.asarray(token_slots), max_loras,
                                  len(token_slots) + pad_rows)
     total = arrays.token_lora_indices.size
@@ -47,8 +43,8 @@ def make_tiles(token_slots: list[int], max_loras: int, block_m: int,
     def as_t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE)
 
-    return RowTiles(as_t(arrays.sorted_rows), as_t(tiles.tile_slot), as_t(tiles.tile_start),
-                    as_t(tiles.tile_len), block_m)
+    return (as_t(arrays.sorted_rows), as_t(tiles.tile_slot), as_t(tiles.tile_start),
+            as_t(tiles.tile_len), block_m)
 
 
 def rows_per_slot(counts: dict[int, int], base: int, gen: torch.Generator) -> list[int]:
@@ -139,7 +135,7 @@ def test_tiled_shrink_expand_match_float64(case_id, dtype, padded):
     cols = table[:, 2:]
     x = torch.randn(len(rows), k, generator=gen).to(dtype).to(DEVICE)
 
-    buffer = lora_shrink_tiled(x, a_stacked, cols, tiles).cpu()
+    buffer = lora_shrink_tiled(x, a_stacked, cols, *tiles).cpu()
     assert buffer.shape == (len(rows), len(slices), max_rank)
     assert not buffer.isnan().any(), "A past a (slot, slice)'s rank must never be read"
     want = reference_shrink(x, rows, a_stacked, ranks, max_rank)
@@ -153,7 +149,7 @@ def test_tiled_shrink_expand_match_float64(case_id, dtype, padded):
             fresh[t, s, int(ranks[slot, s]) if slot >= 0 else 0:] = float("nan")
     y0 = torch.randn(len(rows), out_total, generator=gen).to(dtype)
     y = y0.to(DEVICE, copy=True)
-    lora_expand_tiled(y, fresh.to(DEVICE), b_stacked, cols, tiles, [o for o, _ in slices])
+    lora_expand_tiled(y, fresh.to(DEVICE), b_stacked, cols, *tiles, [o for o, _ in slices])
     want = reference_expand(y0, fresh, rows, b_stacked, ranks, slices)
     untouched = want == y0.double()
     y = y.cpu()
@@ -179,7 +175,7 @@ def test_tiled_expand_dora_per_slot_and_slice(with_bias):
     buffer = torch.randn(len(rows), len(slices), max_rank, generator=gen)
     y0 = torch.randn(len(rows), out_total, generator=gen)
     y = y0.to(DEVICE, copy=True)
-    lora_expand_tiled(y, buffer.to(DEVICE), b_stacked, table[:, 2:], tiles,
+    lora_expand_tiled(y, buffer.to(DEVICE), b_stacked, table[:, 2:], *tiles,
                       [o for o, _ in slices], dora_cols, [s.to(DEVICE) for s in scales],
                       None if biases is None else [b.to(DEVICE) for b in biases])
     want = reference_expand(y0, buffer, rows, b_stacked, ranks, slices, dora[:, 2:],
@@ -187,7 +183,7 @@ def test_tiled_expand_dora_per_slot_and_slice(with_bias):
     assert rel_err(y.cpu(), want) < 1e-6
     # plain (slot, slice)s are exactly what a launch without DoRA arguments gives
     plain = y0.to(DEVICE, copy=True)
-    lora_expand_tiled(plain, buffer.to(DEVICE), b_stacked, table[:, 2:], tiles,
+    lora_expand_tiled(plain, buffer.to(DEVICE), b_stacked, table[:, 2:], *tiles,
                       [o for o, _ in slices])
     for t, slot in enumerate(rows):
         for s, (off, n) in enumerate(slices):
@@ -271,15 +267,44 @@ def test_tiled_ops_reject_bad_tables():
     x = torch.randn(2, 8, device=DEVICE)
     a = [torch.randn(2, 4, 8, device=DEVICE)]
     with pytest.raises(ValueError, match="int32"):
-        lora_shrink_tiled(x, a, torch.zeros(2, 1, dtype=torch.int64, device=DEVICE), tiles)
+        lora_shrink_tiled(x, a, torch.zeros(2, 1, dtype=torch.int64, device=DEVICE), *tiles)
     with pytest.raises(ValueError, match="BLOCK_M"):
         lora_shrink_tiled(x, a, torch.ones(2, 1, dtype=torch.int32, device=DEVICE),
-                          tiles._replace(block_m=8))
+                          *tiles[:4], 8)
     y = torch.randn(2, 6, device=DEVICE)
     b = [torch.randn(2, 4, 6, device=DEVICE)]
     buf = torch.zeros(2, 1, 4, device=DEVICE)
     ranks = torch.ones(2, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="without DoRA scales"):
-        lora_expand_tiled(y, buf, b, ranks, tiles, [0], dora_bias=[torch.zeros(6)])
+        lora_expand_tiled(y, buf, b, ranks, *tiles, [0], dora_bias=[torch.zeros(6)])
     with pytest.raises(ValueError, match="do not fit"):
-        lora_expand_tiled(y, buf, b, ranks, tiles, [1])
+        lora_expand_tiled(y, buf, b, ranks, *tiles, [1])
+
+
+def test_dispatcher_ops_match_the_wrappers_and_have_fake_kernels():
+    """``torch.ops.manylora.lora_shrink_tiled`` / ``lora_expand_tiled`` (what
+    ``torch.compile`` traces) give the wrappers' results, and their fake kernels the
+    buffer's shape without running a kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import manylora.ops.triton_lora  # noqa: F401  (registers the ops)
+
+    gen = torch.Generator().manual_seed(11)
+    token_slots, _, table, a_stacked, b_stacked = make_case("decode-1-row-each",
+                                                            torch.float32, gen)
+    _, _, max_loras, slices, out_total, k, max_rank = CASES["decode-1-row-each"]
+    tiles = make_tiles(token_slots, max_loras, 16)
+    x = torch.randn(len(token_slots), k, generator=gen).to(DEVICE)
+    want = lora_shrink_tiled(x, a_stacked, table[:, 2:], *tiles)
+    got = torch.ops.manylora.lora_shrink_tiled(x, a_stacked, table[:, 2:], *tiles)
+    assert torch.equal(got, want)
+    y0 = torch.randn(len(token_slots), out_total, generator=gen).to(DEVICE)
+    y1, y2 = y0.clone(), y0.clone()
+    lora_expand_tiled(y1, want, b_stacked, table[:, 2:], *tiles, [o for o, _ in slices])
+    torch.ops.manylora.lora_expand_tiled(y2, want, b_stacked, table[:, 2:], *tiles,
+                                         [o for o, _ in slices])
+    assert torch.equal(y1, y2) and not torch.equal(y1, y0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.ops.manylora.lora_shrink_tiled(torch.empty(5, k), a_stacked, table[:, 2:],
+                                                    *tiles)
+    assert tuple(fake.shape) == (5, 1, max_rank) and fake.dtype == torch.float32

@@ -33,17 +33,18 @@ from manylora.model.loader import load_hf_config, load_model
 from manylora.ops import (
     lora_kernels,
     lora_plans,
+    lora_tiled_kernels,
+    lora_tiled_plans,
     triton_attention,
     triton_fused,
     triton_lora,
-    triton_lora_tiled,
 )
 from manylora.ops.attention import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
-KERNEL_MODULES = (lora_kernels, triton_lora_tiled, triton_attention, triton_fused)
+KERNEL_MODULES = (lora_kernels, lora_tiled_kernels, triton_attention, triton_fused)
 BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
@@ -206,7 +207,7 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}
     assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
-            "_tiled_shrink_kernel", "_tiled_expand_kernel",
+            "tiled_shrink_kernel", "tiled_expand_kernel",
             "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
@@ -238,17 +239,17 @@ def test_tiled_row_cases_cover_every_plan():
     """``tiled_row_cases`` gives the same tiled launches as every tile count a step of up to
     ``max_rows`` rows can have, for projections of several shapes."""
     def plans(cases, k, slices, max_n, rank):
-        return {(repr(triton_lora_tiled.tiled_shrink_plan(n, bm, k, rank, slices, 2)),
-                 repr(triton_lora_tiled.tiled_expand_plan(n, bm, max_n, rank, slices, True,
+        return {(repr(lora_tiled_plans.tiled_shrink_plan(n, bm, k, rank, slices, 2)),
+                 repr(lora_tiled_plans.tiled_expand_plan(n, bm, max_n, rank, slices, True,
                                                           False)))
                 for n, bm in cases}
 
     max_rows, max_loras = 1100, 64
-    every = [(n, bm) for bm in triton_lora_tiled.TILE_BLOCK_MS
+    every = [(n, bm) for bm in lora_tiled_plans.TILE_BLOCK_MS
              for n in range(1, max_row_tiles(max_rows, max_loras, bm) + 1)]
     for k, slices, max_n, rank in ((4096, 3, 4096, 16), (64, 1, 64, 8), (14336, 1, 4096, 128)):
         want = plans(every, k, slices, max_n, rank)
-        got = plans(triton_lora_tiled.tiled_row_cases(max_rows, max_loras), k, slices, max_n,
+        got = plans(lora_tiled_plans.tiled_row_cases(max_rows, max_loras), k, slices, max_n,
                     rank)
         assert got == want
 
