@@ -9,13 +9,14 @@ of padding tiles (slot -1) exit at once.
 
 Semantics, for every slice ``s``, tile ``i`` with ``slot = tile_slot[i] >= 0``, its rows
 ``t in sorted_rows[tile_start[i] : tile_start[i] + tile_len[i]]`` and
-``r = ranks[slot, s]`` (``ranks_ptr + slot * rank_stride + s``: the rank table's columns)::
+``r = ranks[slot, s]`` (``ranks_ptr + slot * stride_rank + s``: the rank table's columns;
+shrink: ``clamp(r - rank_start, 0, R)`` of A's rows under fully sharded parallelism)::
 
     shrink:  buffer[t, s, :r] = x[t] @ A_s[slot, :r]^T                    (float32)
     expand:  delta = buffer[t, s, :r] @ B_s[slot, :r]                     (B rank-major)
              y[t, cols_s] += delta                                        (plain)
              y[t, cols_s] = (y[t, cols_s] + delta) * scale_s[slot]
-                            + (1 - scale_s[slot]) * bias_s                (dora[slot, s] = 1)
+                            + (1 - scale_s[slot]) * bias[cols_s]          (dora[slot, s] = 1)
 
 A program whose (slot, slice) has rank 0, or whose rank tile starts past the rank, returns
 before it loads x, A, B, the buffer or y. Shrink splits the reduction over ``in`` (split-K,
@@ -46,14 +47,16 @@ def _pick(s, v0, v1, v2):
     return v
 
 
-@triton.jit(do_not_specialize=_TILE_PTRS)
+@triton.jit(do_not_specialize=[*_TILE_PTRS, "stride_rank", "rank_start"])
 def tiled_shrink_kernel(
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, ranks_ptr, rank_stride,
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, ranks_ptr,
         sorted_rows_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Grid ``(num_tiles * r_tiles, split_k, NUM_SLICES)``."""
+    """Grid ``(num_tiles * r_tiles, split_k, NUM_SLICES)``. A holds rank rows
+    ``[rank_start, rank_start + R)``: a program reduces ``clamp(rank - rank_start, 0, R)``
+    of them."""
     R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     tile = tl.program_id(0) // R_TILES
     pid_r = tl.program_id(0) % R_TILES
@@ -62,7 +65,8 @@ def tiled_shrink_kernel(
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot * rank_stride + s)
+    rank = tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
+    rank = tl.minimum(tl.maximum(rank - rank_start, 0), R)
     if pid_r * BLOCK_R >= rank:
         return
     a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
@@ -96,26 +100,27 @@ def tiled_shrink_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit(do_not_specialize=[*_TILE_PTRS, "dora_ptr", "bias0_ptr", "bias1_ptr",
-                               "bias2_ptr", "N_TILES"])
+@triton.jit(do_not_specialize=[*_TILE_PTRS, "stride_rank", "dora_ptr", "stride_dora",
+                               "bias_ptr", "N_TILES"])
 def tiled_expand_kernel(
-        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, ranks_ptr, dora_ptr, rank_stride,
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, ranks_ptr,
         sorted_rows_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-        sc0_ptr, sc1_ptr, sc2_ptr, bias0_ptr, bias1_ptr, bias2_ptr,
+        dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
         N0, N1, N2, OFF0, OFF1, OFF2, N_TILES,
-        stride_bt, stride_bs, stride_yt, stride_yn,
+        stride_bt, stride_bs, stride_yt, stride_yn, stride_rank, stride_dora,
         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr,
-        HAS_BIAS: tl.constexpr):
-    """Grid ``(num_tiles * n_tiles, NUM_SLICES)``. With ``HAS_DORA`` a (slot, slice) flagged
-    in ``dora`` stores ``(y + delta) * scale (+ (1 - scale) * bias)``."""
+        HAS_SHIFT: tl.constexpr):
+    """Grid ``(num_tiles * n_tiles, NUM_SLICES)``. B ``[max_loras, R, n_out]`` rank-major,
+    read rows ``[0, rank)``. With ``HAS_DORA`` a (slot, slice) flagged in ``dora`` stores
+    ``(y + delta) * scale (+ (1 - scale) * bias)``, the bias indexed by ``y``'s columns."""
     tile = tl.program_id(0) // N_TILES
     pid_n = tl.program_id(0) % N_TILES
     s = tl.program_id(1)
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot * rank_stride + s)
+    rank = tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
     if rank == 0:
         return
     n_out = _pick(s, N0, N1, N2)
@@ -152,12 +157,11 @@ def tiled_expand_kernel(
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     out = y.to(tl.float32) + acc
     if HAS_DORA:
-        if tl.load(dora_ptr + slot * rank_stride + s) != 0:
+        if tl.load(dora_ptr + slot.to(tl.int64) * stride_dora + s) != 0:
             sc_ptr = _pick(s, sc0_ptr, sc1_ptr, sc2_ptr)
             scale = tl.load(sc_ptr + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=1.0)
             out = out * scale[None, :]
-            if HAS_BIAS:
-                bias_ptr = _pick(s, bias0_ptr, bias1_ptr, bias2_ptr)
-                bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if HAS_SHIFT:
+                bias = tl.load(bias_ptr + col0 + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 out = out + ((1.0 - scale) * bias)[None, :]
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)

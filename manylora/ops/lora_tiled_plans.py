@@ -65,7 +65,7 @@ def tiled_shrink_plan(num_tiles: int, block_m: int, k: int, max_rank: int, num_s
 
 
 def tiled_expand_plan(num_tiles: int, block_m: int, max_n: int, max_rank: int,
-                      num_slices: int, has_dora: bool, has_bias: bool,
+                      num_slices: int, has_dora: bool, has_shift: bool,
                       dot_fp32: bool = False) -> TiledPlan:
     """The launch of ``lora_expand_tiled`` over ``num_tiles`` row tiles of ``block_m`` rows
     into slices at most ``max_n`` wide: the widest output tile of 64..256 columns (128 for
@@ -85,7 +85,7 @@ def tiled_expand_plan(num_tiles: int, block_m: int, max_n: int, max_rank: int,
     return TiledPlan((num_tiles * n_tiles, num_slices),
                      dict(R=max_rank, BLOCK_M=block_m, BLOCK_N=block_n,
                           BLOCK_R=_block_r(max_rank), DOT_FP32=dot_fp32, HAS_DORA=has_dora,
-                          HAS_BIAS=has_bias, num_warps=4), n_tiles=n_tiles)
+                          HAS_SHIFT=has_shift, num_warps=4), n_tiles=n_tiles)
 
 
 def tiled_row_cases(max_rows: int, max_loras: int) -> Iterator[tuple[int, int]]:

@@ -132,7 +132,7 @@ def test_tiled_shrink_expand_match_float64(case_id, dtype, padded):
     rows = token_slots + [-1] * pad_rows
     block_m = 16
     tiles = make_tiles(token_slots, max_loras, block_m, pad_rows, padded)
-    cols = table[:, 2:]
+    cols = table[:, 2:2 + len(slices)]
     x = torch.randn(len(rows), k, generator=gen).to(dtype).to(DEVICE)
 
     buffer = lora_shrink_tiled(x, a_stacked, cols, *tiles).cpu()
@@ -169,21 +169,24 @@ def test_tiled_expand_dora_per_slot_and_slice(with_bias):
     rows = token_slots + [-1] * 3
     dora = torch.zeros(max_loras, 7, dtype=torch.int32)
     dora[0, 2] = dora[2, 3] = dora[4, 2:5] = 1         # some (slot, slice)s only
-    dora_cols = dora[:, 2:].to(DEVICE)
+    num_slices = len(slices)
+    dora_cols = dora[:, 2:2 + num_slices].to(DEVICE)
     scales = [torch.rand(max_loras, n, generator=gen) + 0.5 for _, n in slices]
-    biases = [torch.randn(n, generator=gen) for _, n in slices] if with_bias else None
+    bias = torch.randn(out_total, generator=gen) if with_bias else None
+    biases = None if bias is None else [bias[o:o + n] for o, n in slices]
     buffer = torch.randn(len(rows), len(slices), max_rank, generator=gen)
     y0 = torch.randn(len(rows), out_total, generator=gen)
     y = y0.to(DEVICE, copy=True)
-    lora_expand_tiled(y, buffer.to(DEVICE), b_stacked, table[:, 2:], *tiles,
+    ranks_cols = table[:, 2:2 + num_slices]
+    lora_expand_tiled(y, buffer.to(DEVICE), b_stacked, ranks_cols, *tiles,
                       [o for o, _ in slices], dora_cols, [s.to(DEVICE) for s in scales],
-                      None if biases is None else [b.to(DEVICE) for b in biases])
+                      None if bias is None else bias.to(DEVICE))
     want = reference_expand(y0, buffer, rows, b_stacked, ranks, slices, dora[:, 2:],
                             scales, biases)
     assert rel_err(y.cpu(), want) < 1e-6
     # plain (slot, slice)s are exactly what a launch without DoRA arguments gives
     plain = y0.to(DEVICE, copy=True)
-    lora_expand_tiled(plain, buffer.to(DEVICE), b_stacked, table[:, 2:], *tiles,
+    lora_expand_tiled(plain, buffer.to(DEVICE), b_stacked, ranks_cols, *tiles,
                       [o for o, _ in slices])
     for t, slot in enumerate(rows):
         for s, (off, n) in enumerate(slices):
@@ -276,7 +279,7 @@ def test_tiled_ops_reject_bad_tables():
     buf = torch.zeros(2, 1, 4, device=DEVICE)
     ranks = torch.ones(2, 1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="without DoRA scales"):
-        lora_expand_tiled(y, buf, b, ranks, *tiles, [0], dora_bias=[torch.zeros(6)])
+        lora_expand_tiled(y, buf, b, ranks, *tiles, [0], bias=torch.zeros(6))
     with pytest.raises(ValueError, match="do not fit"):
         lora_expand_tiled(y, buf, b, ranks, *tiles, [1])
 
@@ -295,16 +298,41 @@ def test_dispatcher_ops_match_the_wrappers_and_have_fake_kernels():
     _, _, max_loras, slices, out_total, k, max_rank = CASES["decode-1-row-each"]
     tiles = make_tiles(token_slots, max_loras, 16)
     x = torch.randn(len(token_slots), k, generator=gen).to(DEVICE)
-    want = lora_shrink_tiled(x, a_stacked, table[:, 2:], *tiles)
-    got = torch.ops.manylora.lora_shrink_tiled(x, a_stacked, table[:, 2:], *tiles)
+    cols = table[:, 2:2 + len(slices)]
+    want = lora_shrink_tiled(x, a_stacked, cols, *tiles)
+    got = torch.ops.manylora.lora_shrink_tiled(x, a_stacked, cols, *tiles)
     assert torch.equal(got, want)
     y0 = torch.randn(len(token_slots), out_total, generator=gen).to(DEVICE)
     y1, y2 = y0.clone(), y0.clone()
-    lora_expand_tiled(y1, want, b_stacked, table[:, 2:], *tiles, [o for o, _ in slices])
-    torch.ops.manylora.lora_expand_tiled(y2, want, b_stacked, table[:, 2:], *tiles,
+    lora_expand_tiled(y1, want, b_stacked, cols, *tiles, [o for o, _ in slices])
+    torch.ops.manylora.lora_expand_tiled(y2, want, b_stacked, cols, *tiles,
                                          [o for o, _ in slices])
     assert torch.equal(y1, y2) and not torch.equal(y1, y0)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fake = torch.ops.manylora.lora_shrink_tiled(torch.empty(5, k), a_stacked, table[:, 2:],
-                                                    *tiles)
+        fake = torch.ops.manylora.lora_shrink_tiled(torch.empty(5, k), a_stacked, cols, *tiles)
     assert tuple(fake.shape) == (5, 1, max_rank) and fake.dtype == torch.float32
+
+
+def test_shrink_reads_only_its_rank_rows_under_rank_sharding():
+    """Fully sharded column parallelism: A holds rank rows ``[start, start + R)`` of each
+    adapter; a row of rank ``r`` reduces ``clamp(r - start, 0, R)`` of them (none when its
+    rank ends before ``start``)."""
+    gen = torch.Generator().manual_seed(5)
+    max_loras, k, width, start = 4, 40, 8, 8
+    ranks = torch.tensor([[3], [12], [16], [0]], dtype=torch.int32)
+    full = torch.randn(max_loras, 2 * width, k, generator=gen, dtype=torch.float64)
+    shard = full[:, start:start + width].clone()
+    for slot in range(max_loras):
+        shard[slot, max(0, int(ranks[slot]) - start):] = float("nan")   # never read
+    token_slots = [0, 1, 2, 3, 1, -1, 2]
+    x = torch.randn(len(token_slots), k, generator=gen, dtype=torch.float64)
+    got = lora_shrink_tiled(x.float().to(DEVICE), [shard.float().to(DEVICE)],
+                            ranks.to(DEVICE), *make_tiles(token_slots, max_loras, 16),
+                            rank_start=start).cpu()
+    want = torch.zeros(len(token_slots), 1, width, dtype=torch.float64)
+    for t, slot in enumerate(token_slots):
+        c = min(max(int(ranks[slot]) - start, 0), width) if slot >= 0 else 0
+        want[t, 0, :c] = full[slot, start:start + c] @ x[t]
+    assert not got.isnan().any()
+    assert torch.all(got[want == 0] == 0)
+    assert rel_err(got, want) < 1e-5
