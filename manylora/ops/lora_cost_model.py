@@ -21,17 +21,22 @@ the layer count):
   expand's output tiles of 128 columns. A program costs at least
   ``program_s`` (its index loads and first memory round trip) and ``sms * programs_per_sm``
   of them run at once, so a launch takes at least ``waves * program_s``.
-* **time** = ``launch_s + max(bytes / bandwidth, waves * program_s, flops / flop_rate)``,
-  with BGMV's multiply-adds on the FP32 pipes and the others' dots on the tensor cores
-  (padded to ``BLOCK_M`` rows, the dot's minimum of 16).
+* **L2**: the first read of each adapter comes from HBM; a reread hits L2 in the share of
+  the launch's distinct adapter bytes that fits ``l2_bytes`` (all of it below), and is then
+  paid at ``l2_bandwidth``, otherwise at ``bandwidth``.
+* **time** = ``launch_s + max(memory time, waves * program_s, flops / flop_rate)`` per
+  launch, with BGMV's multiply-adds on the FP32 pipes and the others' dots on the tensor
+  cores (padded to ``BLOCK_M`` rows, the dot's minimum of 16).
 
 Assumptions: kernels are bandwidth-bound at decode sizes (true below ~64 rows per adapter at
-rank 16 on an H100); L2 does not keep an adapter between programs that reread it (the other
-adapters' reads evict it: 64 rank-16 adapters on q/k/v/o/gate/up/down are 28 MB per layer
-step, above an H100's 50 MB L2 once x and y are counted); split-K reaches the target program
-count; every adapter in the step has the projection's ``max_rank`` (the rank table is on the
-device, the choice is made on the host: an upper bound on the bytes, the same for every
-schedule, so the ranking holds).
+rank 16 on an H100); reread adapters are spread over the launch (rows are in batch order for
+BGMV), so L2 keeps them only as far as the launch's adapters fit it, and x / y / the buffer
+stream from HBM; split-K reaches the target program count; every adapter in the step has the
+projection's ``max_rank`` (the rank table is on the device and the choice is made on the
+host: an upper bound on the bytes, the same for every schedule, so the ranking holds). The
+default figures (``H100_SXM``) are an H100 SXM's datasheet and microbenchmark values; the
+engine takes the SM count and memory bus of its own device (``gpu_model``), and
+``benchmarks/bench_lora_decode.py`` prints the model next to the measured times.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class GPUModel(NamedTuple):
         launch_s: seconds a launch costs on the GPU inside a CUDA graph.
         fma_rate: FP32 multiply-add FLOP/s (BGMV's broadcast-multiply + sum).
         dot_rate: 16-bit tensor-core FLOP/s (``tl.dot``).
+        l2_bytes: L2 cache bytes.
+        l2_bandwidth: L2 read bytes/s.
     """
 
     bandwidth: float
@@ -69,9 +76,11 @@ class GPUModel(NamedTuple):
     launch_s: float = 2e-6
     fma_rate: float = 50e12
     dot_rate: float = 600e12
+    l2_bytes: float = 50e6
+    l2_bandwidth: float = 7e12
 
 
-#: An H100 SXM (132 SMs, HBM3 ~3.35 TB/s peak, ~2.9 TB/s reached by a copy).
+#: An H100 SXM (132 SMs, HBM3 ~3.35 TB/s peak, ~2.9 TB/s reached by a copy, 50 MB L2).
 H100_SXM = GPUModel(bandwidth=2.9e12, sms=132)
 
 
@@ -177,11 +186,15 @@ def schedule_time(seg_len: np.ndarray, schedule: str, shapes: Sequence[Projectio
         rate = gpu.fma_rate if schedule == "bgmv" else gpu.dot_rate
         shrink_programs = max(units * s, min(1024, units * s * -(-k // 256)))
         expand_programs = units * s * -(-max(outs) // 128)
-        for programs, nbytes in ((shrink_programs, adapter_a * reads + x_bytes),
-                                 (expand_programs, adapter_b * reads + y_bytes)):
+        for programs, adapter, stream in ((shrink_programs, adapter_a, x_bytes),
+                                          (expand_programs, adapter_b, y_bytes)):
+            distinct = adapter * lens.size
+            again = adapter * (reads - lens.size)
+            hit = min(1.0, gpu.l2_bytes / distinct) if distinct else 0.0
+            memory = ((distinct + stream) / gpu.bandwidth + again * hit / gpu.l2_bandwidth
+                      + again * (1 - hit) / gpu.bandwidth)
             waves = -(-programs // slots)
-            total += gpu.launch_s + max(nbytes / gpu.bandwidth, waves * gpu.program_s,
-                                        flops / 2 / rate)
+            total += gpu.launch_s + max(memory, waves * gpu.program_s, flops / 2 / rate)
     return total
 
 

@@ -30,8 +30,8 @@ def test_adapter_reads_count_rows_tiles_and_sgmv_tiles():
 
 def test_bandwidth_bound_decode_time_scales_with_adapter_reads():
     """64 rank-16 adapters at 4 rows each: BGMV reads every adapter 4 times, tiles once; with
-    no program or launch cost, the model's times are in the ratio of the bytes."""
-    gpu = H100_SXM._replace(program_s=0.0, launch_s=0.0)
+    no program or launch cost and no L2, the model's times are in the ratio of the bytes."""
+    gpu = H100_SXM._replace(program_s=0.0, launch_s=0.0, l2_bytes=0.0)
     seg = np.full(64, 4)
     shapes = llama3_8b_shapes()
     bgmv = schedule_time(seg, "bgmv", shapes, 16, 64, gpu)
@@ -42,6 +42,26 @@ def test_bandwidth_bound_decode_time_scales_with_adapter_reads():
                   for s in shapes) * 64
     assert bgmv == pytest.approx((4 * adapter + act) / gpu.bandwidth)
     assert tiled == pytest.approx((adapter + act) / gpu.bandwidth)
+
+
+def test_rereads_that_fit_l2_cost_l2_bandwidth():
+    """One adapter read 4 times (BGMV, 4 rows): the first read from HBM, the other three
+    from L2 (one adapter's projection fits an H100's L2); with 500 adapters the launch's
+    adapter bytes exceed L2 and only its share of the rereads hits."""
+    gpu = H100_SXM._replace(program_s=0.0, launch_s=0.0)
+    shape = (llama3_8b_shapes()[1],)                       # o_proj: 4096 -> 4096
+    a = b = 16 * 4096 * 2
+    stream = 4 * 4096 * 2 + 4 * 16 * 4 + 2 * 4 * 4096 * 2 + 4 * 16 * 4
+    got = schedule_time(np.array([4]), "bgmv", shape, 16, 1, gpu)
+    want = (a + b + stream) / gpu.bandwidth + 3 * (a + b) / gpu.l2_bandwidth
+    assert got == pytest.approx(want)
+    many = np.full(500, 4)
+    hit = gpu.l2_bytes / (500 * a)
+    got = schedule_time(many, "bgmv", shape, 16, 500, gpu)
+    again = 3 * 500 * (a + b)
+    want = ((500 * (a + b) + 500 * stream) / gpu.bandwidth
+            + again * hit / gpu.l2_bandwidth + again * (1 - hit) / gpu.bandwidth)
+    assert got == pytest.approx(want)
 
 
 def test_graph_steps_pay_for_their_padded_grid():
