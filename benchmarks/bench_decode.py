@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -100,26 +101,26 @@ def decode_plans(reqs: list[Request], tables: list[list[int]], context: int,
     return plans
 
 
-def time_execute(runner, plans, lora_slots, ranks) -> float:
+def time_execute(runner, plans, lora_slots) -> float:
     """Median wall time of ``runner.execute`` over ``plans[WARMUP_STEPS:]`` (each ends in a
     host read of the tokens), s."""
     times = []
     for i, out in enumerate(plans):
         t0 = time.perf_counter()
-        runner.execute(out, lora_slots, ranks)
+        runner.execute(out, lora_slots)
         if i >= WARMUP_STEPS:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def time_execute_async(runner, plans, lora_slots, ranks) -> float:
+def time_execute_async(runner, plans, lora_slots) -> float:
     """Median wall time per step of ``plans[WARMUP_STEPS:]`` pipelined as the engine runs
     them under async scheduling: step i+1 is launched (its decode tokens gathered from
     step i's samples on the device) before step i's tokens are read, s."""
     times, launched = [], None
     for i, out in enumerate(plans):
         t0 = time.perf_counter()
-        step = runner.execute_async(out, lora_slots, ranks)
+        step = runner.execute_async(out, lora_slots)
         runner.get_output(launched)
         launched = step
         if i >= WARMUP_STEPS:
@@ -164,6 +165,9 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
     for s in set(slots.values()):
         for t in (*s.lora_a_stacked, *s.lora_b_stacked):
             t.copy_(torch.randn(t.shape, generator=gen, device=device) * 0.01)
+    table = model.slot_table            # every slot: an adapter of ``rank`` on every module
+    for slot in range(max_batch):
+        table.write_row(slot, np.full(table.num_columns, rank), np.zeros(table.num_columns))
     blocks_per_seq = -(-(context + 2 * (WARMUP_STEPS + iters)) // BLOCK_SIZE)
     kv_caches = allocate_kv_caches(cfg, max_batch * blocks_per_seq, BLOCK_SIZE, device,
                                    kv_cache_dtype)
@@ -177,7 +181,6 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
     runner = ModelRunner(model, kv_caches, BLOCK_SIZE, max_batch, cfg.max_model_len, sizes)
     runner.capture_graphs()
     bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
-    ranks = [rank] * max_batch
     params = SamplingParams(temperature=0.0, max_tokens=1)
     results = []
     for batch in batches:
@@ -193,8 +196,8 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
             plans = decode_plans(reqs, tables, context, 2 * n)
             lora_slots = {b + 1: b for b in range(batch)} if lora else {}
             runner.release([r.request_id for r in reqs])      # the last case's rows
-            step = time_execute(runner, plans[:n], lora_slots, ranks)
-            step_async = time_execute_async(runner, plans[n:], lora_slots, ranks)
+            step = time_execute(runner, plans[:n], lora_slots)
+            step_async = time_execute_async(runner, plans[n:], lora_slots)
             nbytes = step_bytes(model, config, batch, context, rank, batch if lora else 0,
                                 kv_cache_dtype)
             results.append({"batch": batch, "lora": lora, "step_s": step,

@@ -52,7 +52,7 @@ class Projection:
         self.y = torch.randn(rows, off, device=device, dtype=dt)
         self.a = [[torch.randn(ADAPTERS, RANK, in_features, device=device, dtype=dt) / 64
                    for _ in outs] for _ in range(copies)]
-        # rank-major B [slots, R, out]; the BGMV/SGMV kernels of this tree read B^T views
+        # rank-major B [slots, R, out], as every schedule's expand reads it
         self.b = [[torch.randn(ADAPTERS, RANK, n, device=device, dtype=dt) / 64 for n in outs]
                   for _ in range(copies)]
         self.ranks = torch.full((ADAPTERS, len(outs)), RANK, dtype=torch.int32, device=device)
@@ -74,8 +74,8 @@ def _step(projections, mapping, schedule: str, copy: int) -> None:
             buf = lora_shrink_tiled(p.x, a, p.ranks, *tiles)
             lora_expand_tiled(p.y, buf, b, p.ranks, *tiles, [o for o, _ in p.slices])
         else:
-            buf = lora_shrink_triton(p.x, a, mapping)
-            lora_expand_triton(p.y, buf, [t.transpose(1, 2) for t in b], mapping, p.slices)
+            buf = lora_shrink_triton(p.x, a, p.ranks, mapping)
+            lora_expand_triton(p.y, buf, b, p.ranks, mapping, p.slices)
 
 
 def measure(batch: int, schedule: str, device: torch.device, projections) -> float:
@@ -83,8 +83,7 @@ def measure(batch: int, schedule: str, device: torch.device, projections) -> flo
     from manylora.lora.punica import build_lora_mapping
 
     slots = [r % ADAPTERS for r in range(batch)]
-    mapping = build_lora_mapping(slots, [RANK] * ADAPTERS, device, pad_to=batch,
-                                 schedule=schedule)
+    mapping = build_lora_mapping(slots, ADAPTERS, device, pad_to=batch, schedule=schedule)
     return time_graph_calls(lambda i: _step(projections, mapping, schedule, i), CALLS, REPLAYS)
 
 

@@ -1,8 +1,9 @@
 """LoRA shrink + expand kernels: one LoRA application on Llama-3-8B projections, against its floor.
 
-One LoRA application of a (packed) projection is ``buffer = lora_shrink(x, A, mapping)`` then
-``lora_expand(y, buffer, B, mapping, output_slices)``, the engine's public ops (Triton on
-CUDA). Shapes are Llama-3-8B's: qkv (4096 → 4096/1024/1024), o (4096 → 4096), gate_up
+One LoRA application of a (packed) projection is ``buffer = lora_shrink(x, A, ranks, mapping)``
+then ``lora_expand(y, buffer, B, ranks, mapping, output_slices)``, the engine's public ops
+(Triton on CUDA; ``ranks``: the projection's columns of the rank table, B rank-major).
+Shapes are Llama-3-8B's: qkv (4096 → 4096/1024/1024), o (4096 → 4096), gate_up
 (4096 → 14336/14336), down (14336 → 4096); bf16; ``max_loras = 256`` slots of padded rank
 ``max_lora_rank = 64``, so ranks 8 and 16 measure rank skipping. Rows are assigned to the
 adapters present round-robin (row ``t`` → slot ``t % n``), so each gets ``T / n`` rows.
@@ -88,9 +89,9 @@ class Weights(NamedTuple):
     """Slot buffers of one projection, laid out as the engine's ``LoRASlots``."""
 
     a_stacked: tuple[torch.Tensor, ...]      # S x [MAX_LORAS, MAX_RANK, in]
-    b_stacked: tuple[torch.Tensor, ...]      # S x [MAX_LORAS, out_s, MAX_RANK]
+    b_stacked: tuple[torch.Tensor, ...]      # S x [MAX_LORAS, MAX_RANK, out_s] (rank-major)
     output_slices: tuple[tuple[int, int], ...]
-    slot_ranks: list[int]                    # true rank per slot, 0 for empty slots
+    ranks: torch.Tensor                      # int32 [MAX_LORAS, S], 0 for empty slots
 
 
 class Result(NamedTuple):
@@ -142,8 +143,8 @@ def make_weights(fan_in: int, outs: Sequence[int], rank: int, filled: int,
                  device: torch.device, seed: int) -> Weights:
     """Slot buffers with ``filled`` random adapters of rank ``rank`` in slots ``0..filled-1``.
 
-    A ~ N(0, 1/in) and B ~ N(0, 1/rank) (so the delta has unit scale); rows of A and
-    columns of B past ``rank`` and the other slots are zero, as the engine keeps them.
+    A ~ N(0, 1/in) and B ~ N(0, 1/rank) (so the delta has unit scale); rows of A and B
+    past ``rank`` and the other slots are zero (the gather + bmm baseline reads them).
     """
     gen = torch.Generator(device).manual_seed(seed)
     a_stacked, b_stacked, slices, offset = [], [], [], 0
@@ -151,19 +152,16 @@ def make_weights(fan_in: int, outs: Sequence[int], rank: int, filled: int,
         a = torch.zeros(MAX_LORAS, MAX_RANK, fan_in, dtype=DTYPE, device=device)
         a[:filled, :rank] = torch.randn(filled, rank, fan_in, generator=gen, device=device,
                                         dtype=DTYPE) * fan_in ** -0.5
-        b = torch.zeros(MAX_LORAS, out, MAX_RANK, dtype=DTYPE, device=device)
-        b[:filled, :, :rank] = torch.randn(filled, out, rank, generator=gen, device=device,
-                                           dtype=DTYPE) * rank ** -0.5
+        b = torch.zeros(MAX_LORAS, MAX_RANK, out, dtype=DTYPE, device=device)
+        b[:filled, :rank] = torch.randn(filled, rank, out, generator=gen, device=device,
+                                        dtype=DTYPE) * rank ** -0.5
         a_stacked.append(a)
         b_stacked.append(b)
         slices.append((offset, out))
         offset += out
-    return Weights(tuple(a_stacked), tuple(b_stacked), tuple(slices), slot_ranks(rank, filled))
-
-
-def slot_ranks(rank: int, filled: int) -> list[int]:
-    """True rank of each of the MAX_LORAS slots: ``rank`` for the filled ones, else 0."""
-    return [rank] * filled + [0] * (MAX_LORAS - filled)
+    ranks = torch.zeros(MAX_LORAS, len(outs), dtype=torch.int32, device=device)
+    ranks[:filled] = rank
+    return Weights(tuple(a_stacked), tuple(b_stacked), tuple(slices), ranks)
 
 
 def floor_bytes(fan_in: int, outs: Sequence[int], tokens: int, adapters: int,
@@ -190,14 +188,13 @@ def gather_bmm(x: torch.Tensor, y: torch.Tensor, weights: Weights, idx: torch.Te
         for a, b, (off, size) in zip(weights.a_stacked, weights.b_stacked,
                                      weights.output_slices):
             h = torch.bmm(xb, a[idx].transpose(1, 2))                 # [T, 1, R]
-            y[:, off: off + size] += torch.bmm(h, b[idx].transpose(1, 2)).squeeze(1)
+            y[:, off: off + size] += torch.bmm(h, b[idx]).squeeze(1)
         return y
     xb = xb.to(compute_dtype)
     delta = torch.zeros(y.shape, dtype=compute_dtype, device=y.device)
     for a, b, (off, size) in zip(weights.a_stacked, weights.b_stacked, weights.output_slices):
         h = torch.bmm(xb, a[idx].to(compute_dtype).transpose(1, 2))
-        delta[:, off: off + size] = torch.bmm(h, b[idx].to(compute_dtype).transpose(1, 2)
-                                              ).squeeze(1)
+        delta[:, off: off + size] = torch.bmm(h, b[idx].to(compute_dtype)).squeeze(1)
     return delta
 
 
@@ -263,7 +260,7 @@ class Bench:
         y0 = torch.randn(case.tokens, sum(outs), generator=gen, device=self.device,
                          dtype=DTYPE) * 0.1
         token_slots = [t % case.adapters for t in range(case.tokens)]
-        mapping = self.ops["build_lora_mapping"](token_slots, w.slot_ranks, self.device,
+        mapping = self.ops["build_lora_mapping"](token_slots, MAX_LORAS, self.device,
                                                  schedule=case.schedule)
         if case.schedule is not None and mapping.schedule != case.schedule:
             raise RuntimeError(f"{case}: build_lora_mapping(schedule={case.schedule!r}) gave "
@@ -272,11 +269,11 @@ class Bench:
         shrink, expand = self.ops["lora_shrink"], self.ops["lora_expand"]
 
         def ours(y: torch.Tensor) -> None:
-            buffer = shrink(x, w.a_stacked, mapping)
-            expand(y, buffer, w.b_stacked, mapping, w.output_slices)
+            buffer = shrink(x, w.a_stacked, w.ranks, mapping)
+            expand(y, buffer, w.b_stacked, w.ranks, mapping, w.output_slices)
 
         want = gather_bmm(x, y0, w, idx, compute_dtype=torch.float32)
-        buffer = shrink(x, w.a_stacked, mapping)
+        buffer = shrink(x, w.a_stacked, w.ranks, mapping)
         expected = (case.tokens, len(outs), MAX_RANK)
         if buffer.dtype != torch.float32 or tuple(buffer.shape) != expected:
             raise RuntimeError(f"{case}: lora_shrink returned {buffer.dtype} "
@@ -413,8 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def default_pick(case: Case) -> str:
         slots = [t % case.adapters for t in range(case.tokens)]
-        ranks = slot_ranks(case.rank, filled[(case.proj, case.rank)])
-        return ops["build_lora_mapping"](slots, ranks, device).schedule
+        return ops["build_lora_mapping"](slots, MAX_LORAS, device).schedule
 
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_lora_kernels")

@@ -1,7 +1,7 @@
 """Host cost of one LoRA op call: ``torch.library.custom_op`` against a direct
 ``torch.library.Library`` registration against a plain Python call (CPU, microseconds).
 
-Three registrations of the same ``lora_shrink`` schema (ten arguments, a list of three
+Three registrations of the same ``lora_shrink`` schema (eleven arguments, a list of three
 tensors) around one trivial body (returns a preallocated buffer), so that only the dispatch
 differs; then the real entry point ``lora_shrink_triton`` / ``lora_expand_triton`` with its
 Triton kernels stubbed out (argument checks, heuristics and the dispatch; no launch), as the
@@ -21,9 +21,9 @@ import torch
 from manylora.lora.punica import build_lora_mapping
 from manylora.ops import lora_kernels, triton_lora
 
-_SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor token_lora_indices, Tensor slot_ranks, "
+_SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor ranks, Tensor token_lora_indices, "
            "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "
-           "SymInt max_seg_len, str schedule) -> Tensor")
+           "SymInt max_seg_len, str schedule, SymInt rank_start=0) -> Tensor")
 
 
 def _per_call_us(fn, args, calls: int) -> float:
@@ -53,14 +53,15 @@ def main() -> None:
                         help="call outside torch.inference_mode (the engine runs inside)")
     args = parser.parse_args()
 
-    mapping = build_lora_mapping([0, 1, -1, 1], [8, 8], torch.device("cpu"), schedule="bgmv")
+    mapping = build_lora_mapping([0, 1, -1, 1], 2, torch.device("cpu"), schedule="bgmv")
     x = torch.randn(4, 64)
     a = [torch.randn(2, 8, 64) for _ in range(3)]
+    ranks = torch.full((2, 3), 8, dtype=torch.int32)
     result = torch.zeros(4, 3, 8)
-    op_args = (x, a, *mapping[:6], mapping.max_seg_len, mapping.schedule)
+    op_args = (x, a, ranks, *mapping[:5], mapping.max_seg_len, mapping.schedule, 0)
 
-    def body(x, lora_a_stacked, token_lora_indices, slot_ranks, sorted_rows, active_slots,
-             seg_start, seg_len, max_seg_len, schedule):
+    def body(x, lora_a_stacked, ranks, token_lora_indices, sorted_rows, active_slots,
+             seg_start, seg_len, max_seg_len, schedule, rank_start=0):
         return result
 
     def fake(x, lora_a_stacked, *rest):
@@ -90,15 +91,16 @@ def main() -> None:
         for name in ("sgmv_shrink_kernel", "bgmv_shrink_kernel", "sgmv_expand_kernel",
                      "bgmv_expand_kernel"):
             setattr(lora_kernels, name, _NoLaunch())
-        b = [torch.randn(2, n, 8) for n in (64, 16, 16)]
+        b = [torch.randn(2, 8, n) for n in (64, 16, 16)]
         y = torch.zeros(4, 96)
         buffer = torch.zeros(4, 3, 8)
         slices = [(0, 64), (64, 16), (80, 16)]
         scales = [torch.ones(2, n) for n in (64, 16, 16)]
         print("entry points, kernels stubbed (us per call):")
-        print(f"  {'lora_shrink_triton':45s} "
-              f"{_per_call_us(triton_lora.lora_shrink_triton, (x, a, mapping), args.calls):8.2f}")
-        expand_args = (y, buffer, b, mapping, slices, scales)
+        shrink_us = _per_call_us(triton_lora.lora_shrink_triton, (x, a, ranks, mapping),
+                                 args.calls)
+        print(f"  {'lora_shrink_triton':45s} {shrink_us:8.2f}")
+        expand_args = (y, buffer, b, ranks, mapping, slices, ranks, scales)
         print(f"  {'lora_expand_triton (DoRA stacks)':45s} "
               f"{_per_call_us(triton_lora.lora_expand_triton, expand_args, args.calls):8.2f}")
 

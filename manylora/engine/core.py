@@ -212,9 +212,8 @@ class EngineCore:
             raise ValueError("lora_device_cache_percent sizes slots from free GPU memory; on "
                              f"{self.device} set max_loras instead")
         cfg = self.model_config
-        biased = ("q_proj", "k_proj", "v_proj") if cfg.qkv_bias else ()
         per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
-                              args.lora_target_modules, args.max_lora_rank, cfg.dtype, biased)
+                              args.lora_target_modules, args.max_lora_rank, cfg.dtype)
         free, _ = torch.cuda.mem_get_info(self.device)
         slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot)
         logger.info("LoRA device cache: %d slots of %.1f MiB (%.0f%% of %.1f GiB free)",
@@ -417,8 +416,7 @@ class EngineCore:
             return None
         with (self.tp_driver.workers.guard() if self.tp_driver is not None
               else contextlib.nullcontext()):        # a dead worker: WorkerDiedError
-            launched = self.runner.execute_async(out, lora_slots, self._slot_ranks(),
-                                                 self._slot_dora())
+            launched = self.runner.execute_async(out, lora_slots)
         return out, launched
 
     def _process(self, out: SchedulerOutput, launched: LaunchedStep | None
@@ -442,12 +440,6 @@ class EngineCore:
         for status, ids in finished.items():
             self._finish(ids, status)
         return outputs
-
-    def _slot_ranks(self) -> list[int]:
-        return self.lora_manager.slot_ranks if self.lora_manager else []
-
-    def _slot_dora(self) -> list[int]:
-        return self.lora_manager.slot_dora if self.lora_manager else []
 
     def _end_failed_adapters(self) -> list[EngineCoreOutput]:
         """End the requests of adapters whose background re-read failed."""

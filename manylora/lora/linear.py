@@ -82,7 +82,10 @@ class LoRALinear(nn.Module):
     reads only the rank's rows (column) or columns (row) of each checkpoint tensor.
     Forward: ``x [T, local in]`` and the step's ``LoRAMapping`` (None: no adapters) →
     ``[T, local out]`` (column) or ``[T, out]`` summed over ranks (row). Every rank of the
-    group must run the forward of a row-parallel or fully sharded layer together.
+    group must run the forward of a row-parallel or fully sharded layer together. An eager
+    step whose slots none targets this projection (``LoRASlots.used``: the rank table's
+    host mirror, the same on every rank) launches no LoRA kernel and no LoRA collective;
+    a CUDA-graph step always launches (the kernels return at rank 0).
 
     Raises:
         ValueError: an unknown ``parallel``, a row-parallel projection of several modules,
@@ -157,7 +160,7 @@ class LoRALinear(nn.Module):
     def create_lora_slots(self, enabled: Sequence[str], max_loras: int, max_lora_rank: int,
                           fully_sharded: bool = False) -> LoRASlots | None:
         """Allocate slot buffers for the modules in ``enabled`` (None if none is enabled);
-        with a bias, the slots keep views of each enabled module's bias slice for DoRA.
+        with a bias, the slots keep a view of it (as the expand's output sees it) for DoRA.
 
         Args:
             fully_sharded: also split the replicated half of each adapter across the ranks
@@ -179,7 +182,6 @@ class LoRALinear(nn.Module):
             return self.lora
         self.fully_sharded = fully_sharded and self.parallel is not None
         bias = None if self.bias is None else self.bias.detach()
-        biases = None if bias is None else [bias[o: o + n] for _, o, n in modules]
         in_features, sharding = self.in_features, None
         full_out = tuple(full for _, full in kept)
         if self.parallel == "column":
@@ -188,16 +190,16 @@ class LoRALinear(nn.Module):
             sharding = SlotSharding(full_out, tuple(rng for rng, _ in kept), None, rank_range)
         elif self.parallel == "row" and not self.fully_sharded:
             # The bias is added once after the all-reduce: the slots shift by nothing.
-            sharding, biases = SlotSharding(full_out, None, self.in_range), None
+            sharding, bias = SlotSharding(full_out, None, self.in_range), None
         elif self.parallel == "row":
             name, full = modules[0][0], full_out[0]
             lo, hi = self.tp.even_range(full, f"{name} output (fully sharded LoRA)")
             self._lora_cols = (lo, hi)
             modules = [(name, 0, hi - lo)]
-            biases = None if bias is None else [bias[lo:hi]]
+            bias = None if bias is None else bias[lo:hi]
             sharding = SlotSharding(full_out, ((lo, hi),), self.in_range)
         self.lora = LoRASlots(in_features, modules, max_loras, max_lora_rank,
-                              self.weight.dtype, self.weight.device, biases, sharding)
+                              self.weight.dtype, self.weight.device, bias, sharding)
         return self.lora
 
     def module_weight(self, module: str) -> torch.Tensor:
@@ -228,6 +230,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
         lora = self.lora if mapping is not None and mapping.has_lora else None
+        if lora is not None and not lora.used(mapping):
+            lora = None               # an eager step none of whose slots targets this layer
         if self.parallel != "row":
             y = base_linear(x, self.weight, self.bias)
             if lora is not None:

@@ -78,8 +78,9 @@ class LoRACacheStats:
 def write_slot_weights(slots: Mapping[tuple[int, str], LoRASlots], slot: int,
                        weights: Mapping[tuple[int, str], LoRAWeights]) -> None:
     """Write an adapter's ``{(layer, module): LoRAWeights}`` (whole tensors; each
-    ``LoRASlots`` keeps its rank's shard) into ``slot``; modules it does not target are
-    zeroed."""
+    ``LoRASlots`` keeps its rank's shard) into ``slot``, and the slot's row of the model's
+    ``SlotTable``: each module's own rank, 0 for the modules it does not target (whose
+    buffers are left as they are: no kernel reads them)."""
     for (layer, module), lora in slots.items():
         w = weights.get((layer, module))
         if w is None:
@@ -115,8 +116,6 @@ class LoRAManager:
 
     Attributes:
         slot_to_id: length ``max_loras``; the ``lora_int_id`` in each slot or None.
-        slot_ranks: length ``max_loras``; the true rank in each slot (0 when empty).
-        slot_dora: length ``max_loras``; 1 where the slot's adapter has DoRA scales.
         stats: ``LoRACacheStats``.
         on_write_slot: called with ``(slot, adapter)`` before an adapter's weights are
             written into a slot (tensor parallelism sends them to the other ranks there).
@@ -137,8 +136,6 @@ class LoRAManager:
         self._refs: Counter[int] = Counter()
         self._device: OrderedDict[int, int] = OrderedDict()   # lora_int_id → slot, LRU order
         self.slot_to_id: list[int | None] = [None] * lora_config.max_loras
-        self.slot_ranks: list[int] = [0] * lora_config.max_loras
-        self.slot_dora: list[int] = [0] * lora_config.max_loras
         self._loading: dict[int, Future] = {}
         self._failures: list[AdapterReloadError] = []
         self._wanted: set[int] = set()
@@ -240,7 +237,8 @@ class LoRAManager:
         slot = self._device.pop(lid, None)
         if slot is not None:
             self.slot_to_id[slot] = None
-            self.slot_ranks[slot] = self.slot_dora[slot] = 0
+            if self.slots:                   # empty: rank 0 everywhere in the rank table
+                next(iter(self.slots.values())).table.clear(slot)
 
     # ------------------------------------------------------------------ host tier
 
@@ -490,8 +488,6 @@ class LoRAManager:
             self._slot_events[slot] = end
             self._timings.append((begin, end, adapter.nbytes))
         self.slot_to_id[slot] = adapter.lora_int_id
-        self.slot_ranks[slot] = adapter.rank
-        self.slot_dora[slot] = int(adapter.has_dora)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         if self.on_write_slot is not None:

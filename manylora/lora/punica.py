@@ -9,13 +9,15 @@ kernels need:
   ``i``-th slot present in the step ``active_slots[i]``, its rows
   ``sorted_rows[seg_start[i] : seg_start[i] + seg_len[i]]``.
 
-It also carries ``slot_dora``, which slots hold a DoRA adapter (Liu et al. 2024): the expand
-kernels read that flag as data, so a captured CUDA graph stays valid when DoRA and plain
-adapters are swapped in and out of slots.
+* the tile view (the tiled schedule, ``ops/triton_lora_tiled.py``): each slot's rows cut
+  into tiles of at most ``block_m`` rows (``lora/row_tiles.py``), so a kernel program reads
+  its adapter once per tile.
 
-With the tiled schedule (``ops/triton_lora_tiled.py``) it also carries the tile view: each
-slot's rows cut into tiles of at most ``block_m`` rows (``lora/row_tiles.py``), so a kernel
-program reads its adapter once per tile.
+Ranks and DoRA flags are not part of it: they are per (slot, layer, module), in the model's
+``SlotTable``, which the kernels read as data (a captured CUDA graph stays valid when
+adapters are swapped in and out of slots). An eager step's mapping carries, on the host,
+which table columns any of its slots uses (``used_columns``), so that a projection no row
+needs launches nothing.
 
 All index tensors are int32 on the model's device and are built from one host buffer with
 a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
@@ -45,16 +47,12 @@ class SlotSegment(NamedTuple):
 
     Attributes:
         slot: device slot index in ``[0, max_loras)``.
-        rank: the adapter's true rank (≤ max_lora_rank); columns past it are zero padding.
         rows: int32 ``[n]`` indices into the flat token batch, on the model's device (a view
             of ``LoRAMapping.sorted_rows``).
-        dora: whether the slot's adapter has DoRA scales (``LoRAMapping.slot_dora[slot]``).
     """
 
     slot: int
-    rank: int
     rows: torch.Tensor
-    dora: bool = False
 
 
 class LoRAMapping(NamedTuple):
@@ -62,8 +60,6 @@ class LoRAMapping(NamedTuple):
 
     Attributes:
         token_lora_indices: int32 ``[T]``, the slot of every token row, -1 for base rows.
-        slot_ranks: int32 ``[max_loras]``, the true rank of the adapter in each slot (0 when
-            empty); kernels do ``rank`` work, not ``max_lora_rank`` work.
         sorted_rows: int32 ``[T]``, the rows with an adapter grouped by slot (ascending slot,
             ascending row within a slot), then the base rows.
         active_slots: int32 ``[max_loras]``, the slots present in the step in ascending
@@ -71,9 +67,6 @@ class LoRAMapping(NamedTuple):
         seg_start: int32 ``[max_loras]``, where ``active_slots[i]``'s rows start in
             ``sorted_rows`` (0 past the active ones).
         seg_len: int32 ``[max_loras]``, how many rows ``active_slots[i]`` has (0 past them).
-        slot_dora: int32 ``[max_loras]``, 1 where the slot's adapter has DoRA scales, else 0;
-            the expand kernels read it per program, so it may change between CUDA-graph
-            replays like the other tensors.
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
         schedule: ``"sgmv"`` (segments), ``"bgmv"`` (per-row gather) or ``"tiled"`` (row
             tiles), the kernel schedule.
@@ -84,15 +77,16 @@ class LoRAMapping(NamedTuple):
         tile_start: int32 ``[num_tiles]``, the tile's first index into ``sorted_rows``.
         tile_len: int32 ``[num_tiles]``, the tile's rows (0 for padding tiles).
         block_m: host int, the most rows of a tile (0 without tiles).
+        used_columns: host, per ``SlotTable`` column, whether any slot of the step has a
+            nonzero rank there (``used_columns``); None: unknown, every LoRA projection
+            launches (CUDA-graph steps, whose kernels exit early on rank 0).
     """
 
     token_lora_indices: torch.Tensor
-    slot_ranks: torch.Tensor
     sorted_rows: torch.Tensor
     active_slots: torch.Tensor
     seg_start: torch.Tensor
     seg_len: torch.Tensor
-    slot_dora: torch.Tensor
     max_seg_len: int
     schedule: str
     has_lora: bool
@@ -101,6 +95,7 @@ class LoRAMapping(NamedTuple):
     tile_start: torch.Tensor
     tile_len: torch.Tensor
     block_m: int
+    used_columns: tuple[bool, ...] | None = None
 
 
 class LoRAMappingArrays(NamedTuple):
@@ -193,63 +188,69 @@ def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | 
 
 def lora_segment_size(total: int, max_loras: int, num_tiles: int) -> int:
     """int32 elements of a mapping's device buffer (``lora_mapping_from_buffer``'s layout)."""
-    return 2 * total + 5 * max_loras + 3 * num_tiles
+    return 2 * total + 3 * max_loras + 3 * num_tiles
 
 
-def fill_lora_segment(out: np.ndarray, arrays: LoRAMappingArrays, slot_ranks,
-                      slot_dora, block_m: int, num_tiles: int | None = None) -> int:
+def fill_lora_segment(out: np.ndarray, arrays: LoRAMappingArrays, block_m: int,
+                      num_tiles: int | None = None) -> int:
     """Write a mapping's host buffer (``lora_mapping_from_buffer``'s layout) into ``out``,
     numpy vector ops only; returns the tile count written.
 
     Args:
         out: int32 ``[>= lora_segment_size(...)]``, written from 0.
         arrays: the step's ``LoRAMappingArrays``.
-        slot_ranks: length ``max_loras``, each slot's rank.
-        slot_dora: length ``max_loras``, nonzero for DoRA slots (stored as 0/1); None: none.
         block_m: the tile height, 0: no tiles (BGMV / SGMV).
         num_tiles: pad the tile arrays to this many (a graph step: ``max_row_tiles``); None:
             the exact count.
 
     Raises:
-        ValueError: ``slot_ranks`` / ``slot_dora`` of another length than ``max_loras``, or
-            more tiles than ``num_tiles``.
+        ValueError: more tiles than ``num_tiles``.
     """
     m = arrays.active_slots.size
-    dora = np.zeros(m, np.int32) if slot_dora is None else (
-        np.asarray(slot_dora, dtype=np.int64).reshape(-1) != 0).astype(np.int32)
-    ranks = np.asarray(slot_ranks, dtype=np.int32).reshape(-1)
-    if ranks.size != m or dora.size != m:
-        raise ValueError(f"slot_ranks ({ranks.size}) and slot_dora ({dora.size}) must have one "
-                         f"entry per adapter slot ({m})")
-    parts = [arrays.token_lora_indices, ranks, arrays.sorted_rows, arrays.active_slots,
-             arrays.seg_start, arrays.seg_len, dora]
+    parts = [arrays.token_lora_indices, arrays.sorted_rows, arrays.active_slots,
+             arrays.seg_start, arrays.seg_len]
     if block_m:
         tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, block_m,
                           num_tiles)
         parts += [tiles.tile_slot, tiles.tile_start, tiles.tile_len]
     n = sum(p.size for p in parts)
     np.concatenate(parts, out=out[:n])
-    return (n - 2 * arrays.token_lora_indices.size - 5 * m) // 3
+    return (n - 2 * arrays.token_lora_indices.size - 3 * m) // 3
 
 
-def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
-                       device: torch.device, *, slot_dora: Sequence[int] | None = None,
+def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool, ...]:
+    """Which ``SlotTable`` columns any of a step's slots uses (a nonzero rank), one numpy
+    reduction over the table's host mirror.
+
+    Args:
+        ranks_host: int ``[max_loras, E]``, ``SlotTable.ranks_host``.
+        active_slots: int ``[max_loras]``, the step's slots then -1
+            (``LoRAMappingArrays.active_slots``).
+
+    Returns:
+        ``E`` bools.
+    """
+    active = active_slots[active_slots >= 0]
+    return tuple((ranks_host[active] != 0).any(axis=0).tolist())
+
+
+def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
                        pad_to: int | None = None, schedule: str | None = None,
-                       block_m: int | None = None,
+                       ranks_host: np.ndarray | None = None, block_m: int | None = None,
                        model: LoRAScheduleModel | None = None) -> LoRAMapping:
     """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
 
     Args:
         token_slots: length ``T``, the slot of every token row (-1 = base model).
-        slot_ranks: length ``max_loras``, the true rank of the adapter in each slot.
+        max_loras: the number of adapter slots.
         device: where the index tensors live.
-        slot_dora: length ``max_loras``, nonzero where the slot's adapter has DoRA scales
-            (stored as 0/1); None: no DoRA slot.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True,
             ``max_row_tiles(pad_to, max_loras, block_m)`` tiles.
-        schedule: force ``"sgmv"``, ``"bgmv"`` or ``"tiled"``; by default
-            ``default_schedule`` (with ``model``).
+        schedule: force one of ``LORA_SCHEDULES``; by default ``default_schedule`` (with
+            ``model``).
+        ranks_host: ``SlotTable.ranks_host``, for ``used_columns`` (not with ``pad_to``);
+            None: no eager skip.
         block_m: the tiled schedule's tile height; None: the modelled choice (eager) or
             ``graph_block_m(pad_to, max_loras)`` (padded).
         model: what ``default_schedule`` models; None: its default.
@@ -259,15 +260,15 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
         non-blocking on CUDA).
 
     Raises:
-        IndexError: a slot outside ``[-1, len(slot_ranks))``.
-        ValueError: ``pad_to`` below the number of rows, ``slot_dora`` of another length
-            than ``slot_ranks``, an unknown ``schedule``, or a ``block_m`` the tiled kernels
-            do not take.
+        IndexError: a slot outside ``[-1, max_loras)``.
+        ValueError: ``pad_to`` below the number of rows, a ``ranks_host`` of another slot
+            count, an unknown ``schedule``, or a ``block_m`` the tiled kernels do not take.
     """
-    max_loras = len(slot_ranks)
     if schedule not in (None, *LORA_SCHEDULES):
         raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use one of "
                          f"{LORA_SCHEDULES}")
+    if ranks_host is not None and ranks_host.shape[0] != max_loras:
+        raise ValueError(f"a rank table of {ranks_host.shape[0]} slots for {max_loras}")
     arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
     if schedule is None:
@@ -281,26 +282,27 @@ def build_lora_mapping(token_slots: Sequence[int], slot_ranks: Sequence[int],
                    else default_schedule(arrays.seg_len, max_loras, model=model)[1] or 16)
     if schedule == "tiled" and block_m not in TILE_BLOCK_MS:
         raise ValueError(f"tiled LoRA: block_m {block_m} is not one of {TILE_BLOCK_MS}")
-    num_tiles = (max_row_tiles(total, max_loras, block_m)
-                 if block_m and pad_to is not None else None)
     bound = max_row_tiles(total, max_loras, block_m) if block_m else 0
     host = torch.empty(lora_segment_size(total, max_loras, bound), dtype=torch.int32,
                        pin_memory=torch.device(device).type == "cuda")
-    written = fill_lora_segment(host.numpy(), arrays, slot_ranks, slot_dora, block_m,
-                                num_tiles)
+    written = fill_lora_segment(host.numpy(), arrays, block_m,
+                                bound if pad_to is not None else None)
     host = host[:lora_segment_size(total, max_loras, written)]
     return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
                                     arrays.max_seg_len, schedule, padded=pad_to is not None,
+                                    ranks_host=ranks_host, host=host.numpy(),
                                     num_tiles=written, block_m=block_m)
 
 
 def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
-                             schedule: str, *, padded: bool, num_tiles: int = 0,
+                             schedule: str, *, padded: bool,
+                             ranks_host: np.ndarray | None = None,
+                             host: np.ndarray | None = None, num_tiles: int = 0,
                              block_m: int = 0) -> LoRAMapping:
     """A ``LoRAMapping`` whose int32 tensors are views of ``buf``, laid out as
-    ``[token_lora_indices total | slot_ranks L | sorted_rows total | active_slots L |
-    seg_start L | seg_len L | slot_dora L | tile_slot NT | tile_start NT | tile_len NT]``
-    (``L = max_loras``, ``NT = num_tiles``), as ``fill_lora_segment`` fills it.
+    ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
+    seg_len L | tile_slot NT | tile_start NT | tile_len NT]`` (``L = max_loras``,
+    ``NT = num_tiles``), as ``fill_lora_segment`` fills it.
 
     Args:
         buf: int32 ``[lora_segment_size(total, max_loras, num_tiles)]`` on the device.
@@ -309,7 +311,10 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
         max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
         schedule: one of ``LORA_SCHEDULES``.
         padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
-            segments.
+            segments, no ``used_columns``.
+        ranks_host: ``SlotTable.ranks_host``; with ``host``, an unpadded mapping gets
+            ``used_columns``.
+        host: the host copy of ``buf`` (numpy int32, same layout).
         num_tiles: the tile arrays' length (0 without tiles).
         block_m: the tiles' height (0 without tiles).
 
@@ -318,18 +323,21 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
     tensors).
     """
     nt = num_tiles
-    (indices, ranks, srows, act, start, length, dora_t, t_slot, t_start, t_len) = buf.split(
-        (total, max_loras, total, max_loras, max_loras, max_loras, max_loras, nt, nt, nt))
+    (indices, srows, act, start, length, t_slot, t_start, t_len) = buf.split(
+        (total, total, max_loras, max_loras, max_loras, nt, nt, nt))
     tiles = (t_slot, t_start, t_len, block_m)
     if padded:
-        return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, total, schedule,
-                           True, (), *tiles)
+        return LoRAMapping(indices, srows, act, start, length, total, schedule, True, (),
+                           *tiles)
+    used = None
+    if ranks_host is not None and host is not None:
+        used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
     segments = ()
     if not buf.is_cuda and max_seg_len:
         num_active = int((length > 0).sum())
         segments = tuple(
-            SlotSegment(s, int(ranks[s]), srows[b: b + n], bool(dora_t[s]))
+            SlotSegment(s, srows[b: b + n])
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
-    return LoRAMapping(indices, ranks, srows, act, start, length, dora_t, max_seg_len,
-                       schedule, max_seg_len > 0, segments, *tiles)
+    return LoRAMapping(indices, srows, act, start, length, max_seg_len, schedule,
+                       max_seg_len > 0, segments, *tiles, used)

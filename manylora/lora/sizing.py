@@ -9,18 +9,15 @@ import torch
 
 
 def slot_bytes(module_shapes: Mapping[str, tuple[int, int]], num_layers: int,
-               target_modules: Sequence[str], max_lora_rank: int, dtype: torch.dtype,
-               biased_modules: Sequence[str] = ()) -> int:
+               target_modules: Sequence[str], max_lora_rank: int, dtype: torch.dtype) -> int:
     """Bytes of one slot over all layers: A ``[max_lora_rank, in]`` and B
-    ``[out, max_lora_rank]`` in ``dtype`` per targeted module, plus the float32 DoRA scale
-    ``[out]`` (and shift ``[out]`` for modules with a bias)."""
+    ``[max_lora_rank, out]`` in ``dtype`` per targeted module, plus the float32 DoRA scale
+    ``[out]`` and the slot's two int32 entries of the rank table (rank, DoRA flag)."""
     elem = torch.empty((), dtype=dtype).element_size()
     per_layer = 0
     for module in target_modules:
         in_f, out_f = module_shapes[module]
-        per_layer += (in_f + out_f) * max_lora_rank * elem + out_f * 4
-        if module in biased_modules:
-            per_layer += out_f * 4
+        per_layer += (in_f + out_f) * max_lora_rank * elem + out_f * 4 + 2 * 4
     return per_layer * num_layers
 
 

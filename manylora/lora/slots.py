@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from manylora.lora.punica import LoRAMapping
+from manylora.lora.slot_table import SlotTable
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink
 
@@ -44,82 +45,77 @@ class SlotSharding:
 class LoRASlots(nn.Module):
     """Device-resident adapter slots of one packed projection.
 
-    Buffers, per enabled slice ``s`` (module name ``modules[s]``):
+    Buffers, per enabled slice ``s`` (module name ``modules[s]``), in the model dtype:
 
-    * ``lora_a_{s}: [max_loras, R, in_features]`` and
-      ``lora_b_{s}: [max_loras, out_s, max_lora_rank]``, in the model dtype, zero where a
-      slot holds no adapter or the adapter does not target that module (``R`` is
+    * ``lora_a_{s}: [max_loras, R_a, in_features]``: a slot's A, rows ``[0, r)`` (``R_a`` is
       ``max_lora_rank``, or the width of ``sharding.rank_range``);
+    * ``lora_b_{s}: [max_loras, max_lora_rank, out_s]``: a slot's B transposed, rank-major,
+      rows ``[0, r)``, so that the expand's loads run along ``out`` (coalesced) and a slot
+      write of rank ``r`` is one contiguous block per tensor;
     * ``dora_scale_{s}``: float32 ``[max_loras, out_s]``, the slot's DoRA scale
-      ``m / ||W + BA||`` (ones where the slot's adapter has none for that module);
-    * ``dora_shift_{s}`` (only for a projection with a bias): float32 ``[max_loras, out_s]``,
-      ``(1 - scale) * bias_s``, so that the expand's ``(y + delta) * scale + shift`` of a row
-      whose ``y`` includes the bias is DoRA's ``scale * (x W^T + delta) + bias``.
+      ``m / ||W + BA||``, read only where the table flags DoRA.
+
+    Each (slot, slice)'s rank ``r`` and DoRA flag live in the model's ``SlotTable``
+    (``ranks`` / ``dora``: this projection's columns); rows of A and B at or past ``r`` are
+    never read, so nothing is ever zeroed. Until the model binds the slots to its table,
+    they have a table of their own.
 
     Args:
         in_features: input width of the A buffers (the rank's columns when sharded).
         modules: the enabled slices as ``(module_name, column_offset, out_features)``, the
             rank's widths and offsets in the output the expand writes.
         max_loras, max_lora_rank: slot count and padded rank.
-        dtype, device: of the A/B buffers (the DoRA buffers are float32).
-        biases: None (no bias, or one the slots must not shift by), or per enabled slice its
-            bias ``[out_s]`` (views of the projection's bias, read whenever a slot is written).
+        dtype, device: of the A/B buffers (the DoRA scales are float32).
+        bias: None (no bias, or one the slots must not shift by), or the projection's bias
+            as the expand's output sees it (``[out]``, indexed by the slices' offsets); DoRA
+            rows then get ``(1 - scale) * bias`` added after the scaling.
         sharding: how the whole adapter tensors given to ``set_slot`` are cut for this
             tensor-parallel rank; None: kept whole.
 
     Raises:
-        ValueError: ``biases`` that are not one ``[out_s]`` tensor per slice, or a
-            ``sharding`` whose ranges do not match the slices' widths or ``in_features``.
+        ValueError: a ``bias`` that does not cover the slices, or a ``sharding`` whose
+            ranges do not match the slices' widths or ``in_features``.
     """
 
     def __init__(self, in_features: int, modules: Sequence[tuple[str, int, int]],
                  max_loras: int, max_lora_rank: int, dtype: torch.dtype,
-                 device: torch.device, biases: Sequence[torch.Tensor] | None = None,
+                 device: torch.device, bias: torch.Tensor | None = None,
                  sharding: SlotSharding | None = None) -> None:
         super().__init__()
         self.module_names = tuple(name for name, _, _ in modules)
         self.output_slices = tuple((offset, size) for _, offset, size in modules)
-        if biases is not None and [tuple(b.shape) for b in biases] != [
-                (size,) for _, _, size in modules]:
-            raise ValueError(f"biases {[tuple(b.shape) for b in biases]} do not match the "
-                             f"slices {list(self.output_slices)}")
+        if bias is not None and (bias.dim() != 1 or any(
+                offset + size > bias.shape[0] for offset, size in self.output_slices)):
+            raise ValueError(f"a bias of {tuple(bias.shape)} does not cover the slices "
+                             f"{list(self.output_slices)}")
         _check_sharding(sharding, modules, in_features)
         self.sharding = sharding
-        self.biases = None if biases is None else tuple(biases)
+        self.bias = bias
+        self.max_loras = max_loras
         rank_range = None if sharding is None else sharding.rank_range
+        self.rank_start = 0 if rank_range is None else rank_range[0]
         a_rank = max_lora_rank if rank_range is None else rank_range[1] - rank_range[0]
         for s, (_, _, size) in enumerate(modules):
             self.register_buffer(f"lora_a_{s}", torch.zeros(
                 max_loras, a_rank, in_features, dtype=dtype, device=device))
             self.register_buffer(f"lora_b_{s}", torch.zeros(
-                max_loras, size, max_lora_rank, dtype=dtype, device=device))
+                max_loras, max_lora_rank, size, dtype=dtype, device=device))
             self.register_buffer(f"dora_scale_{s}", torch.ones(
                 max_loras, size, dtype=torch.float32, device=device))
-            if biases is not None:
-                self.register_buffer(f"dora_shift_{s}", torch.zeros(
-                    max_loras, size, dtype=torch.float32, device=device))
+        self.lora_a_stacked = self._stack("lora_a")
+        self.lora_b_stacked = self._stack("lora_b")
+        self.dora_scale_stacked = self._stack("dora_scale")
+        SlotTable({(0, name): self for name in self.module_names}, max_loras, device)
 
     def _stack(self, prefix: str) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f"{prefix}_{s}") for s in range(len(self.module_names)))
 
-    @property
-    def lora_a_stacked(self) -> tuple[torch.Tensor, ...]:
-        return self._stack("lora_a")
-
-    @property
-    def lora_b_stacked(self) -> tuple[torch.Tensor, ...]:
-        return self._stack("lora_b")
-
-    @property
-    def dora_scale_stacked(self) -> tuple[torch.Tensor, ...]:
-        """Per slice float32 ``[max_loras, out_s]``: each slot's DoRA scales."""
-        return self._stack("dora_scale")
-
-    @property
-    def dora_shift_stacked(self) -> tuple[torch.Tensor, ...] | None:
-        """Per slice float32 ``[max_loras, out_s]``: ``(1 - scale) * bias``; None without a
-        bias."""
-        return None if self.biases is None else self._stack("dora_shift")
+    def bind(self, table: SlotTable, rank_col: int) -> None:
+        """Use columns ``[rank_col, rank_col + S)`` of ``table`` (``SlotTable`` calls this):
+        ``ranks`` / ``dora`` become int32 ``[max_loras, S]`` views of them."""
+        cols = slice(rank_col, rank_col + len(self.module_names))
+        self.table, self.rank_col = table, rank_col
+        self.ranks, self.dora = table.ranks[:, cols], table.dora[:, cols]
 
     @property
     def rank_sharded(self) -> bool:
@@ -129,83 +125,89 @@ class LoRASlots(nn.Module):
 
     def set_slot(self, slot: int, module: str, a: torch.Tensor | None,
                  b: torch.Tensor | None, dora_scale: torch.Tensor | None = None) -> None:
-        """Copy one adapter's weights for ``module`` into ``slot`` (zeros when ``a`` is None).
+        """Write one adapter's weights for ``module`` into ``slot`` (``a`` None: the adapter
+        does not target it, rank 0), and the slot's entry of the rank table.
 
         The tensors are the adapter's whole ones; under tensor parallelism the slot keeps
-        this rank's part (``sharding``). Every copy is ``non_blocking`` and every write is
-        enqueued on the current stream (a side stream when called under
-        ``torch.cuda.stream``); nothing synchronises.
+        this rank's part (``sharding``). Only rows ``[0, r)`` of A and B are written;
+        nothing is zeroed. Every copy is ``non_blocking`` and every write is enqueued on the
+        current stream (a side stream when called under ``torch.cuda.stream``); nothing
+        synchronises. The table entry holds the module's true rank ``r`` on every
+        tensor-parallel rank (a rank-sharded shrink clamps it to its rank rows itself).
 
         Args:
-            a: ``[r, in]``, r ≤ max_lora_rank (``in``: the whole projection's input width).
+            a: ``[r, in]``, 1 <= r <= max_lora_rank (``in``: the whole projection's input
+                width).
             b: ``[out, r]`` with the LoRA scaling already folded in (``out``: the module's
                 whole output width).
             dora_scale: DoRA only: float32 ``[out]``, ``m / ||W + b @ a||`` (host, possibly
-                pinned, or device); None writes ones (plain LoRA). The slot's shift becomes
-                ``(1 - dora_scale) * bias``.
+                pinned, or device); None: plain LoRA.
 
         Raises:
-            ValueError: ``module`` is not one of ``module_names``, or ``dora_scale`` is not
-                ``[out]``.
+            ValueError: ``module`` is not one of ``module_names``, ``a`` without ``b`` (or
+                the reverse), shapes that do not match the slot buffers, or a
+                ``dora_scale`` that is not ``[out]``.
         """
         s = self.module_names.index(module)
+        col = self.rank_col + s
+        if a is None or b is None:
+            if a is not None or b is not None:
+                raise ValueError(f"{module}: A and B must be given together")
+            self.table.set(slot, col, 0, False)
+            return
         sh = self.sharding
         full = self.output_slices[s][1] if sh is None else sh.full_out[s]
+        a_buf, b_buf = self.lora_a_stacked[s][slot], self.lora_b_stacked[s][slot]
+        r = a.shape[0]
+        full_in = a_buf.shape[1] if sh is None or sh.in_range is None else None
+        if (a.dim() != 2 or not 1 <= r <= b_buf.shape[0] or tuple(b.shape) != (full, r)
+                or (full_in is not None and a.shape[1] != full_in)):
+            raise ValueError(f"{module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                             f"rank <= {b_buf.shape[0]} slots of {full} outputs")
         if dora_scale is not None and tuple(dora_scale.shape) != (full,):
             raise ValueError(f"{module}: DoRA scale {tuple(dora_scale.shape)}, expected "
                              f"({full},)")
-        a_buf, b_buf = self.lora_a_stacked[s][slot], self.lora_b_stacked[s][slot]
-        a_buf.zero_()
-        b_buf.zero_()
         if sh is not None and sh.out_ranges is not None:
             rows = slice(*sh.out_ranges[s])
-            b = None if b is None else b[rows]
+            b = b[rows]
             dora_scale = None if dora_scale is None else dora_scale[rows]
-        if a is not None and b is not None:
-            r = a.shape[0]
-            b_buf[:, :r].copy_(b, non_blocking=True)
-            if sh is not None and sh.in_range is not None:
-                a = a[:, sh.in_range[0]: sh.in_range[1]]
-            if sh is not None and sh.rank_range is not None:
-                a = a[sh.rank_range[0]: sh.rank_range[1]]
+        if b.device != b_buf.device:        # copy as stored, transpose on the device
+            b = b.to(b_buf.device, non_blocking=True)
+        b_buf[:r].copy_(b.t(), non_blocking=True)
+        if sh is not None and sh.in_range is not None:
+            a = a[:, sh.in_range[0]: sh.in_range[1]]
+        if sh is not None and sh.rank_range is not None:
+            a = a[sh.rank_range[0]: sh.rank_range[1]]
+        if a.shape[0]:
             a_buf[: a.shape[0]].copy_(a, non_blocking=True)
-        self._set_dora(s, slot, dora_scale)
+        if dora_scale is not None:
+            self.dora_scale_stacked[s][slot].copy_(dora_scale, non_blocking=True)
+        self.table.set(slot, col, r, dora_scale is not None)
 
-    def _set_dora(self, s: int, slot: int, dora_scale: torch.Tensor | None) -> None:
-        """Write slice ``s``'s DoRA scale row of ``slot`` (ones for None) and its shift
-        ``(1 - scale) * bias``, computed on the scales' device after their copy."""
-        scale = self.dora_scale_stacked[s][slot]
-        if dora_scale is None:
-            scale.fill_(1.0)
-        else:
-            scale.copy_(dora_scale, non_blocking=True)
-        if self.biases is None:
-            return
-        shift = self.dora_shift_stacked[s][slot]
-        if dora_scale is None:
-            shift.zero_()
-        else:
-            torch.mul(1.0 - scale, self.biases[s], out=shift)
+    def used(self, mapping: LoRAMapping) -> bool:
+        """Whether the step's slots need this projection: some slot of the step has a
+        nonzero rank in one of its columns (from the table's host mirror,
+        ``mapping.used_columns``), or the mapping does not say (CUDA-graph steps)."""
+        cols = mapping.used_columns
+        return cols is None or any(cols[self.rank_col: self.rank_col + len(self.module_names)])
 
     def shrink(self, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-        """``x [T, in] → float32 [T, S, R]``: every row through its slot's A (``R`` is this
-        rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``)."""
-        if self.rank_sharded:
-            start, stop = self.sharding.rank_range
-            mapping = _local_ranks(mapping, start, stop - start)
-        return lora_shrink(x, self.lora_a_stacked, mapping)
+        """``x [T, in] → float32 [T, S, R_a]``: every row through its slot's A (``R_a`` is
+        this rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``)."""
+        return lora_shrink(x, self.lora_a_stacked, self.ranks, mapping,
+                           rank_start=self.rank_start)
 
     def expand(self, y: torch.Tensor, buffer: torch.Tensor, mapping: LoRAMapping) -> None:
-        """``y += expand(buffer)`` in place, DoRA-rescaled for the slots flagged in
-        ``mapping.slot_dora``; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]``."""
-        lora_expand(y, buffer, self.lora_b_stacked, mapping, self.output_slices,
-                    self.dora_scale_stacked, self.dora_shift_stacked)
+        """``y += expand(buffer)`` in place, DoRA-rescaled for the (slot, slice)s the table
+        flags; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]``."""
+        lora_expand(y, buffer, self.lora_b_stacked, self.ranks, mapping, self.output_slices,
+                    self.dora, self.dora_scale_stacked, self.bias)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> None:
-        """``y += expand(shrink(x))`` for every enabled slice, DoRA-rescaled for the slots
-        flagged in ``mapping.slot_dora``; ``x [T, in]``, ``y [T, out]`` (bias included).
-        Slots with ``rank_sharded`` need the buffer all-gathered in between: use
-        ``shrink`` and ``expand``."""
+        """``y += expand(shrink(x))`` for every enabled slice, DoRA-rescaled where the table
+        flags it; ``x [T, in]``, ``y [T, out]`` (bias included). Slots with
+        ``rank_sharded`` need the buffer all-gathered in between: use ``shrink`` and
+        ``expand``."""
         self.expand(y, self.shrink(x, mapping), mapping)
 
 
@@ -228,12 +230,3 @@ def _check_sharding(sharding: SlotSharding | None, modules: Sequence[tuple[str, 
     if sharding.in_range is not None and (
             sharding.in_range[1] - sharding.in_range[0] != in_features):
         raise ValueError(f"input range {sharding.in_range} is not {in_features} wide")
-
-
-def _local_ranks(mapping: LoRAMapping, start: int, width: int) -> LoRAMapping:
-    """The mapping seen by rows ``[start, start + width)`` of every slot's A: each slot's
-    rank becomes how many of its rows fall there (so kernels read no row past it)."""
-    ranks = (mapping.slot_ranks - start).clamp_(0, width)
-    segments = tuple(seg._replace(rank=min(max(seg.rank - start, 0), width))
-                     for seg in mapping.segments)
-    return mapping._replace(slot_ranks=ranks, segments=segments)

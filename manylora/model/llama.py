@@ -23,6 +23,7 @@ from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import LoRAMapping
+from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
 from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
@@ -160,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
     heads).
     ``compute_logits(hidden [N, hidden]) → float32 [N, vocab]`` on every rank.
 
+    Attributes:
+        slot_table: the ``SlotTable`` over all slot buffers (None until
+            ``create_lora_slots``, and without LoRA).
+
     Raises:
         ValueError: ``cfg`` sharded for another number of ranks than ``tp``, or a shape that
             does not split over them (``ModelConfig.shard``).
@@ -177,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, device, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(
             cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, self.tp)
+        self.slot_table: SlotTable | None = None
 
     def _projections(self, layer: int) -> tuple[LoRALinear, ...]:
         layer_mod = self.model.layers[layer]
@@ -184,8 +190,9 @@ class LlamaForCausalLM(nn.Module):
                 layer_mod.mlp.gate_up_proj, layer_mod.mlp.down_proj)
 
     def create_lora_slots(self, lora_config: LoRAConfig) -> dict[tuple[int, str], LoRASlots]:
-        """Allocate every layer's slot buffers once; ``{(layer, module): slots}``. Under tensor
-        parallelism the slots hold the rank's part of each adapter (sharded further with
+        """Allocate every layer's slot buffers once, and the ``SlotTable`` over them
+        (``slot_table``); ``{(layer, module): slots}``. Under tensor parallelism the slots
+        hold the rank's part of each adapter (sharded further with
         ``lora_config.fully_sharded_loras``).
 
         Raises:
@@ -200,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
                                               lora_config.fully_sharded_loras)
                 if lora is not None:
                     slots.update({(i, name): lora for name in lora.module_names})
+        self.slot_table = SlotTable(slots, lora_config.max_loras,
+                                    next(self.parameters()).device)
         return slots
 
     def _projection(self, layer: int, module: str) -> LoRALinear:

@@ -1,19 +1,22 @@
 """LoRA expand: add each row's low-rank delta into the base output (Punica's SGMV/BGMV expand).
 
 Semantics, for every slice ``s`` (output columns ``cols = off_s .. off_s + out_s``) and token
-row ``t`` with ``slot[t] >= 0``::
+row ``t`` with ``slot[t] >= 0``, ``r = ranks[slot[t], s]`` the (slot, module)'s rank in the
+model's ``SlotTable`` and ``B_s[slot]`` stored rank-major (``[R, out_s]``, rows ``[0, r)``
+read)::
 
-    delta       = buffer[t, s] @ B_s[slot[t]]^T
-    y[t, cols] += delta                                              (plain LoRA)
-    y[t, cols]  = (y[t, cols] + delta) * scale_s[slot] + shift_s[slot]   (DoRA slot)
+    delta       = buffer[t, s, :r] @ B_s[slot[t], :r]
+    y[t, cols] += delta                                                  (plain LoRA)
+    y[t, cols]  = (y[t, cols] + delta) * scale_s[slot] + (1 - scale_s[slot]) * bias[cols]
+                                                            (DoRA: dora[slot, s] = 1)
 
-in place; rows whose slot is -1 are left untouched. The LoRA scaling (alpha/r or
-alpha/sqrt(r)) is already folded into B. DoRA (Liu et al. 2024, arXiv 2402.09353) applies to
-the slots flagged in ``LoRAMapping.slot_dora`` when scales are given: with ``y = x W^T + bias``,
-``scale = m / ||W + BA||`` and ``shift = (1 - scale) * bias`` (0 without a bias) the row gets
-peft's ``scale * (x W^T + delta) + bias``. ``lora_expand`` runs the Triton kernels of
-``manylora.ops.triton_lora`` (Punica's SGMV/BGMV, Chen et al. 2023, as in vLLM) on CUDA
-tensors and the PyTorch reference ``lora_expand_reference`` elsewhere.
+in place; rows whose slot is -1, and every row of a (slot, slice) of rank 0, are left
+untouched. The LoRA scaling (alpha/r or alpha/sqrt(r)) is already folded into B. DoRA (Liu et
+al. 2024, arXiv 2402.09353): with ``y = x W^T + bias`` and ``scale = m / ||W + BA||`` the
+row gets peft's ``scale * (x W^T + delta) + bias`` (no bias term without a bias).
+``lora_expand`` runs the Triton ops of ``manylora.ops.triton_lora`` (Punica's SGMV/BGMV,
+Chen et al. 2023, as in vLLM) on CUDA tensors and the PyTorch reference
+``lora_expand_reference`` elsewhere.
 """
 
 from __future__ import annotations
@@ -26,99 +29,121 @@ from manylora.lora.punica import LoRAMapping
 
 
 def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[torch.Tensor],
-                mapping: LoRAMapping, output_slices: Sequence[tuple[int, int]],
+                ranks: torch.Tensor, mapping: LoRAMapping,
+                output_slices: Sequence[tuple[int, int]], dora: torch.Tensor | None = None,
                 dora_scale_stacked: Sequence[torch.Tensor] | None = None,
-                dora_shift_stacked: Sequence[torch.Tensor] | None = None) -> None:
-    """Add ``buffer @ B^T`` of each row's adapter into ``y``, all slices in one call; rows of
-    DoRA slots are rescaled as well (see the module docstring).
+                bias: torch.Tensor | None = None) -> None:
+    """Add ``buffer @ B`` of each row's adapter into ``y``, all slices in one call; rows of
+    DoRA (slot, slice)s are rescaled as well (see the module docstring).
 
     CUDA tensors go to the Triton kernels (``triton_lora.lora_expand_triton``, one launch,
     schedule ``mapping.schedule``), others to ``lora_expand_reference``.
 
     Args:
         y: ``[T, out_total]`` base-layer output (bias included), updated in place.
-        buffer: float32 ``[T, S, max_lora_rank]`` from ``lora_shrink``.
-        lora_b_stacked: ``S`` tensors ``[max_loras, out_s, max_lora_rank]``, dtype of ``y``;
-            columns past a slot's rank are zero padding. The Triton path takes 1 to 3 slices.
-        mapping: the step's token → slot map; ``mapping.slot_dora`` says which slots are DoRA.
+        buffer: float32 ``[T, S, R]`` from ``lora_shrink``.
+        lora_b_stacked: ``S`` tensors ``[max_loras, R, out_s]`` (rank-major), dtype of ``y``;
+            rows past a (slot, slice)'s rank are never read. The Triton path takes 1 to 3
+            slices.
+        ranks: int32 ``[max_loras, S]``, each (slot, slice)'s rank (``LoRASlots.ranks``).
+        mapping: the step's token → slot map.
         output_slices: ``S`` pairs ``(offset, out_s)``: the columns of ``y`` slice ``s`` adds
             to; they must not overlap.
+        dora: int32 ``[max_loras, S]``, 1 where the (slot, slice) has DoRA scales
+            (``LoRASlots.dora``); needed with ``dora_scale_stacked``.
         dora_scale_stacked: None (no DoRA), or ``S`` float32 ``[max_loras, out_s]`` tensors,
-            each slot's DoRA scale ``m / ||W + BA||`` (read only for DoRA slots).
-        dora_shift_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` tensors added after
-            the scaling, ``(1 - scale) * bias``; only with ``dora_scale_stacked``.
+            the DoRA scales ``m / ||W + BA||`` (read only where ``dora`` is 1).
+        bias: None, or ``[out_total]`` in ``y``'s dtype, the bias ``y`` includes; DoRA rows
+            get ``(1 - scale) * bias`` added (only with ``dora_scale_stacked``).
 
     Raises:
-        ValueError: ``output_slices`` and ``lora_b_stacked`` disagree in length, DoRA stacks
-            of another count or shape, or shifts without scales; on the Triton path, also
-            shapes, dtypes or slice counts it does not take.
+        ValueError: ``output_slices`` and ``lora_b_stacked`` disagree in length, DoRA
+            arguments of another count or shape, or a bias without scales; on the Triton
+            path, also shapes, dtypes or slice counts it does not take.
     """
     if y.is_cuda:
         from manylora.ops.triton_lora import lora_expand_triton
 
-        lora_expand_triton(y, buffer, lora_b_stacked, mapping, output_slices,
-                           dora_scale_stacked, dora_shift_stacked)
+        lora_expand_triton(y, buffer, lora_b_stacked, ranks, mapping, output_slices, dora,
+                           dora_scale_stacked, bias)
         return
-    lora_expand_reference(y, buffer, lora_b_stacked, mapping, output_slices,
-                          dora_scale_stacked, dora_shift_stacked)
+    lora_expand_reference(y, buffer, lora_b_stacked, ranks, mapping, output_slices, dora,
+                          dora_scale_stacked, bias)
 
 
 def lora_expand_reference(y: torch.Tensor, buffer: torch.Tensor,
-                          lora_b_stacked: Sequence[torch.Tensor], mapping: LoRAMapping,
-                          output_slices: Sequence[tuple[int, int]],
+                          lora_b_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
+                          mapping: LoRAMapping, output_slices: Sequence[tuple[int, int]],
+                          dora: torch.Tensor | None = None,
                           dora_scale_stacked: Sequence[torch.Tensor] | None = None,
-                          dora_shift_stacked: Sequence[torch.Tensor] | None = None) -> None:
+                          bias: torch.Tensor | None = None) -> None:
     """PyTorch reference of ``lora_expand``: a gather and a matmul per slot and slice.
 
     Reads the mapping's host ``segments`` (empty in a padded, CUDA-graph mapping, which only
-    the Triton path takes), whose ``dora`` field says which slots are DoRA. Plain LoRA rows
-    get ``y += delta`` (delta rounded to ``y``'s dtype); DoRA rows
-    ``(y + delta) * scale (+ shift)`` computed in float32 and rounded once.
+    the Triton path takes), ``ranks`` and ``dora`` (copied to the host once). Plain LoRA
+    rows get ``y += delta`` (delta rounded to ``y``'s dtype); DoRA rows
+    ``(y + delta) * scale + (1 - scale) * bias`` computed in float32 and rounded once.
 
     Args:
         y: ``[T, out_total]`` base-layer output, updated in place.
-        buffer: float32 ``[T, S, max_lora_rank]`` from ``lora_shrink``.
-        lora_b_stacked: ``S`` tensors ``[max_loras, out_s, max_lora_rank]``, dtype of ``y``.
+        buffer: float32 ``[T, S, R]`` from ``lora_shrink``.
+        lora_b_stacked: ``S`` tensors ``[max_loras, R, out_s]``, dtype of ``y``.
+        ranks: int32 ``[max_loras, S]``; dora: int32 ``[max_loras, S]`` or None.
         mapping: the step's token → slot map.
         output_slices: ``S`` pairs ``(offset, out_s)``: the columns of ``y`` slice ``s`` adds to.
         dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA scales.
-        dora_shift_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA shifts.
+        bias: None, or ``[out_total]``, the bias in ``y``.
 
     Raises:
-        ValueError: ``output_slices`` and ``lora_b_stacked`` disagree in length, DoRA stacks
-            of another count or shape, or shifts without scales.
+        ValueError: ``output_slices`` and ``lora_b_stacked`` disagree in length, DoRA
+            arguments of another count or shape, or a bias without scales.
     """
     if len(output_slices) != len(lora_b_stacked):
         raise ValueError(
             f"{len(output_slices)} output slices for {len(lora_b_stacked)} B stacks")
-    _check_dora_stacks(lora_b_stacked, dora_scale_stacked, dora_shift_stacked)
+    _check_dora_args(lora_b_stacked, dora, dora_scale_stacked, bias, y)
+    if not mapping.segments:
+        return
+    table = ranks.tolist()
+    flags = dora.tolist() if dora_scale_stacked is not None else None
     for seg in mapping.segments:
-        dora = seg.dora and dora_scale_stacked is not None
         for s, (b_stacked, (offset, size)) in enumerate(zip(lora_b_stacked, output_slices)):
-            b = b_stacked[seg.slot, :, : seg.rank].float()              # [out_s, r]
-            delta = buffer[seg.rows, s, : seg.rank] @ b.t()             # [n, out_s]
+            r = table[seg.slot][s]
+            if not r:
+                continue
+            b = b_stacked[seg.slot, :r].float()                         # [r, out_s]
+            delta = buffer[seg.rows, s, :r] @ b                         # [n, out_s]
             cols = slice(offset, offset + size)
-            if not dora:
+            if flags is None or not flags[seg.slot][s]:
                 y[seg.rows, cols] += delta.to(y.dtype)
                 continue
-            out = (y[seg.rows, cols].float() + delta) * dora_scale_stacked[s][seg.slot]
-            if dora_shift_stacked is not None:
-                out += dora_shift_stacked[s][seg.slot]
+            scale = dora_scale_stacked[s][seg.slot]
+            out = (y[seg.rows, cols].float() + delta) * scale
+            if bias is not None:
+                out += (1.0 - scale) * bias[cols].float()
             y[seg.rows, cols] = out.to(y.dtype)
 
 
-def _check_dora_stacks(lora_b_stacked: Sequence[torch.Tensor],
-                       scales: Sequence[torch.Tensor] | None,
-                       shifts: Sequence[torch.Tensor] | None) -> None:
-    """Raise ValueError unless the DoRA stacks are absent or one float32
-    ``[max_loras, out_s]`` per B stack (shifts only with scales)."""
+def _check_dora_args(lora_b_stacked: Sequence[torch.Tensor], dora: torch.Tensor | None,
+                     scales: Sequence[torch.Tensor] | None, bias: torch.Tensor | None,
+                     y: torch.Tensor) -> None:
+    """Raise ValueError unless the DoRA arguments are absent or ``dora`` int32
+    ``[max_loras, S]``, one float32 ``[max_loras, out_s]`` scale per B stack and a bias
+    (if any) of ``y``'s width."""
     if scales is None:
-        if shifts is not None:
-            raise ValueError("lora_expand: DoRA shifts were given without DoRA scales")
+        if bias is not None:
+            raise ValueError("lora_expand: a DoRA bias was given without DoRA scales")
         return
-    want = [(b.shape[0], b.shape[1]) for b in lora_b_stacked]
-    for name, stacks in (("scales", scales), ("shifts", shifts)):
-        if stacks is not None and ([tuple(t.shape) for t in stacks] != want
-                                   or any(t.dtype != torch.float32 for t in stacks)):
-            raise ValueError(f"lora_expand: DoRA {name} {[tuple(t.shape) for t in stacks]}, "
-                             f"expected float32 {want}")
+    num_slices = len(lora_b_stacked)
+    max_loras = lora_b_stacked[0].shape[0]
+    if dora is None or tuple(dora.shape) != (max_loras, num_slices):
+        got = None if dora is None else tuple(dora.shape)
+        raise ValueError(f"lora_expand: DoRA scales need dora flags [{max_loras}, "
+                         f"{num_slices}], got {got}")
+    want = [(b.shape[0], b.shape[2]) for b in lora_b_stacked]
+    if [tuple(t.shape) for t in scales] != want or any(t.dtype != torch.float32
+                                                       for t in scales):
+        raise ValueError(f"lora_expand: DoRA scales {[tuple(t.shape) for t in scales]}, "
+                         f"expected float32 {want}")
+    if bias is not None and tuple(bias.shape) != (y.shape[1],):
+        raise ValueError(f"lora_expand: bias {tuple(bias.shape)} for {y.shape[1]} columns")

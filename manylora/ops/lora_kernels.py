@@ -13,14 +13,21 @@ a packed projection (q/k/v, gate/up) at once. Two schedules over the same
   per token row (x output tile x slice) reads its slot from ``token_lora_indices`` and does
   a broadcast-multiply + ``tl.sum``; base rows (slot -1) exit at once.
 
-Both read each slot's true rank from ``slot_ranks``: a rank-8 adapter in a rank-64 slot
-buffer does rank-8 work. Shrink splits the reduction over ``in`` (split-K, fp32 atomics into
-a zeroed buffer); expand tiles the output columns and stops its reduction at the rank.
+Every program reads its (slot, slice)'s rank from the model's ``SlotTable`` right after
+its slot, ``rank = ranks[slot * stride_rank + s]`` (the projection's columns of the table),
+and returns when it is 0 (the slot's adapter does not target that module) or when its rank
+tile starts past it, before it reads x, A, B or y: an untargeted module costs a few int32
+loads per program and leaves ``y`` untouched, and a rank-8 ``rank_pattern`` module of a
+rank-64 adapter does rank-8 work. Nothing past a (slot, slice)'s rank is read, so the slot
+buffers need no zero padding. Shrink splits the reduction over ``in`` (split-K, fp32
+atomics into a zeroed buffer); expand tiles the output columns and reads B rank-major
+(``[max_loras, R, out_s]``, loads coalesced along ``out``) up to exactly the rank.
 
-Expand also fuses DoRA (Liu et al. 2024): a program whose slot is flagged in ``slot_dora``
-stores ``(y + delta) * scale (+ shift)`` in float32, rounded once, and only such programs
-load the scale/shift tiles; ``HAS_DORA`` / ``HAS_SHIFT`` are constexprs, so a launch without
-DoRA arguments compiles to the plain kernel.
+Expand also fuses DoRA (Liu et al. 2024): a program whose (slot, slice) is flagged in the
+table's ``dora`` stores ``(y + delta) * scale + (1 - scale) * bias`` in float32, rounded
+once, and only such programs load the scale (and bias) tiles; ``HAS_DORA`` / ``HAS_SHIFT``
+(a bias to shift by) are constexprs, so a launch without DoRA arguments compiles to the
+plain kernel.
 
 Launch sizes come from ``manylora.ops.lora_plans``; the ops that launch these kernels, and
 their dispatcher registration, are in ``manylora.ops.triton_lora``.
@@ -32,11 +39,13 @@ import triton
 import triton.language as tl
 
 # The per-step LoRAMapping tensors are views at offsets of one buffer that move with the row
-# count, and N_TILES varies with the batch: Triton would otherwise compile one kernel per
-# pointer alignment (16 bytes or not) and per int that happens to be 1 or a multiple of 16.
-_SEGMENT_PTRS = ["slot_ranks_ptr", "sorted_rows_ptr", "active_slots_ptr", "seg_start_ptr",
-                 "seg_len_ptr"]
-_GATHER_PTRS = ["token_lora_ptr", "slot_ranks_ptr"]
+# count, the table's views start at each projection's column, and N_TILES varies with the
+# batch: Triton would otherwise compile one kernel per pointer alignment (16 bytes or not)
+# and per int that happens to be 1 or a multiple of 16.
+_TABLE_ARGS = ["ranks_ptr", "stride_rank"]
+_DORA_ARGS = ["dora_ptr", "stride_dora", "bias_ptr"]
+_SEGMENT_PTRS = ["sorted_rows_ptr", "active_slots_ptr", "seg_start_ptr", "seg_len_ptr"]
+_GATHER_PTRS = ["token_lora_ptr"]
 
 
 @triton.jit
@@ -52,22 +61,38 @@ def _pick(s, v0, v1, v2):
 
 
 @triton.jit
-def _dora_row(p0, p1, p2, s, slot, n_out, offs_n, n_mask, other: tl.constexpr):
-    """Slice ``s``'s float32 ``[BLOCK_N]`` tile of a ``[max_loras, n_out]`` DoRA stack (the
-    scales or the shifts) at ``slot``, columns ``offs_n``."""
-    p = _pick(s, p0, p1, p2)
-    return tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=other)
+def _rank(ranks_ptr, stride_rank, slot, s):
+    """The rank of ``slot``'s adapter for slice ``s``: ``ranks[slot, s]`` of the table."""
+    return tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
 
 
-@triton.jit(do_not_specialize=_SEGMENT_PTRS)
+@triton.jit
+def _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr, s, slot,
+                   n_out, col0, offs_n, n_mask, HAS_SHIFT: tl.constexpr):
+    """``out * scale + (1 - scale) * bias`` (bias only with ``HAS_SHIFT``) where the table
+    flags (slot, s) DoRA, else ``out``; ``out`` float32 ``[..., BLOCK_N]`` over columns
+    ``offs_n`` of slice ``s``."""
+    if tl.load(dora_ptr + slot.to(tl.int64) * stride_dora + s) != 0:
+        p = _pick(s, sc0_ptr, sc1_ptr, sc2_ptr)
+        scale = tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=1.0)
+        out = out * scale
+        if HAS_SHIFT:
+            bias = tl.load(bias_ptr + col0 + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            out = out + (1.0 - scale) * bias
+    return out
+
+
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *_TABLE_ARGS, "rank_start"])
 def sgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
-        slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
-        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+        ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
+        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
         R: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
         DOT_FP32: tl.constexpr):
-    """Grid ``(m_tiles * r_tiles, split_k, max_loras * NUM_SLICES)``."""
+    """Grid ``(m_tiles * r_tiles, split_k, max_loras * NUM_SLICES)``. A holds rank rows
+    ``[rank_start, rank_start + R)``: a program reduces ``clamp(rank - rank_start, 0, R)``
+    of them."""
     R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     pid_m = tl.program_id(0) // R_TILES
     pid_r = tl.program_id(0) % R_TILES
@@ -77,11 +102,11 @@ def sgmv_shrink_kernel(
     slot = tl.load(active_slots_ptr + seg)
     if slot < 0:
         return
+    rank = tl.minimum(tl.maximum(_rank(ranks_ptr, stride_rank, slot, s) - rank_start, 0), R)
+    if pid_r * BLOCK_R >= rank:
+        return
     seg_len = tl.load(seg_len_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
-        return
-    rank = tl.load(slot_ranks_ptr + slot)
-    if pid_r * BLOCK_R >= rank:
         return
     a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
 
@@ -114,12 +139,12 @@ def sgmv_shrink_kernel(
         tl.store(out_ptrs, acc, mask=mask)
 
 
-@triton.jit(do_not_specialize=_GATHER_PTRS)
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, *_TABLE_ARGS, "rank_start"])
 def bgmv_shrink_kernel(
-        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, slot_ranks_ptr,
-        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+        x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, ranks_ptr,
+        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
         R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """Grid ``(T * r_tiles, split_k, NUM_SLICES)``."""
+    """Grid ``(T * r_tiles, split_k, NUM_SLICES)``; ranks as ``sgmv_shrink_kernel``'s."""
     R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     t = tl.program_id(0) // R_TILES
     pid_r = tl.program_id(0) % R_TILES
@@ -128,7 +153,7 @@ def bgmv_shrink_kernel(
     slot = tl.load(token_lora_ptr + t)
     if slot < 0:
         return
-    rank = tl.load(slot_ranks_ptr + slot)
+    rank = tl.minimum(tl.maximum(_rank(ranks_ptr, stride_rank, slot, s) - rank_start, 0), R)
     if pid_r * BLOCK_R >= rank:
         return
     a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
@@ -155,24 +180,28 @@ def bgmv_shrink_kernel(
         tl.store(out_ptrs, tl.sum(acc, axis=1), mask=r_mask)
 
 
-@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, "slot_dora_ptr", "N_TILES"])
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *_TABLE_ARGS, *_DORA_ARGS, "N_TILES"])
 def sgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
-        slot_ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
-        slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
+        ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
+        dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
         N0, N1, N2, OFF0, OFF1, OFF2, N_TILES,
-        stride_bt, stride_bs, stride_yt, stride_yn,
-        R: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_SLICES: tl.constexpr,
+        stride_bt, stride_bs, stride_yt, stride_yn, stride_rank, stride_dora,
+        R: tl.constexpr, NUM_SLICES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
-    """Grid ``(m_tiles * n_tiles, max_loras * NUM_SLICES)``. With ``HAS_DORA`` a program of
-    a slot whose ``slot_dora`` flag is set stores ``(y + delta) * scale (+ shift)``."""
+    """Grid ``(m_tiles * n_tiles, max_loras * NUM_SLICES)``. B ``[max_loras, R, n_out]``
+    rank-major, read rows ``[0, rank)``. With ``HAS_DORA`` a program of a (slot, slice) the
+    table flags DoRA stores ``(y + delta) * scale (+ (1 - scale) * bias)``."""
     pid_m = tl.program_id(0) // N_TILES
     pid_n = tl.program_id(0) % N_TILES
     seg = tl.program_id(1) // NUM_SLICES
     s = tl.program_id(1) % NUM_SLICES
     slot = tl.load(active_slots_ptr + seg)
     if slot < 0:
+        return
+    rank = _rank(ranks_ptr, stride_rank, slot, s)
+    if rank == 0:
         return
     seg_len = tl.load(seg_len_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
@@ -182,9 +211,6 @@ def sgmv_expand_kernel(
     col0 = _pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
-    rank = tl.load(slot_ranks_ptr + slot)
-    # B is read up to the rank rounded up to RANK_ALIGN (zero padding): loads stay vectorized.
-    rank_bound = (rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_len
@@ -194,83 +220,75 @@ def sgmv_expand_kernel(
     n_mask = offs_n < n_out
     offs_r = tl.arange(0, BLOCK_R)
     buf_ptrs = buf_ptr + rows[:, None] * stride_bt + s * stride_bs + offs_r[None, :]
-    # B[slot] is [n_out, R], rank fastest: the [BLOCK_R, BLOCK_N] tile is B^T.
-    b_ptrs = (b_ptr + slot.to(tl.int64) * n_out * R + offs_n[None, :].to(tl.int64) * R
-              + offs_r[:, None])
+    # B[slot] is [R, n_out], out fastest: the [BLOCK_R, BLOCK_N] tile loads along out.
+    b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[:, None] * n_out
+              + offs_n[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
-        vt = tl.load(buf_ptrs, mask=m_mask[:, None] & (r0 + offs_r < rank)[None, :], other=0.0)
-        bt = tl.load(b_ptrs, mask=(r0 + offs_r < rank_bound)[:, None] & n_mask[None, :],
-                     other=0.0)
+        r_mask = r0 + offs_r < rank
+        vt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        bt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         vt = vt.to(bt.dtype)
         if DOT_FP32:
             vt, bt = vt.to(tl.float32), bt.to(tl.float32)
         acc += tl.dot(vt, bt, input_precision="ieee")
         buf_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * n_out
 
     y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     out = y.to(tl.float32) + acc
     if HAS_DORA:
-        if tl.load(slot_dora_ptr + slot) != 0:
-            out = out * _dora_row(sc0_ptr, sc1_ptr, sc2_ptr, s, slot, n_out, offs_n, n_mask,
-                                  1.0)[None, :]
-            if HAS_SHIFT:
-                out = out + _dora_row(sh0_ptr, sh1_ptr, sh2_ptr, s, slot, n_out, offs_n,
-                                      n_mask, 0.0)[None, :]
+        out = _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
+                             s, slot, n_out, col0, offs_n, n_mask, HAS_SHIFT)
     tl.store(y_ptrs, out.to(y.dtype), mask=mask)
 
 
-@triton.jit(do_not_specialize=[*_GATHER_PTRS, "slot_dora_ptr"])
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, *_TABLE_ARGS, *_DORA_ARGS])
 def bgmv_expand_kernel(
-        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, slot_ranks_ptr,
-        slot_dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, sh0_ptr, sh1_ptr, sh2_ptr,
+        buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, ranks_ptr,
+        dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
         N0, N1, N2, OFF0, OFF1, OFF2,
-        stride_bt, stride_bs, stride_yt, stride_yn,
-        R: tl.constexpr, RANK_ALIGN: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_R: tl.constexpr, HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
-    """Grid ``(T, n_tiles, NUM_SLICES)``. With ``HAS_DORA`` a row whose slot has its
-    ``slot_dora`` flag set stores ``(y + delta) * scale (+ shift)``."""
+        stride_bt, stride_bs, stride_yt, stride_yn, stride_rank, stride_dora,
+        R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """Grid ``(T, n_tiles, NUM_SLICES)``; B and DoRA as ``sgmv_expand_kernel``'s."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(token_lora_ptr + t)
     if slot < 0:
         return
+    rank = _rank(ranks_ptr, stride_rank, slot, s)
+    if rank == 0:
+        return
     b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
     n_out = _pick(s, N0, N1, N2)
     col0 = _pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
-    rank = tl.load(slot_ranks_ptr + slot)
-    # B is read up to the rank rounded up to RANK_ALIGN (zero padding): loads stay vectorized.
-    rank_bound = (rank + RANK_ALIGN - 1) // RANK_ALIGN * RANK_ALIGN
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
     offs_r = tl.arange(0, BLOCK_R)
     buf_ptrs = buf_ptr + t.to(tl.int64) * stride_bt + s * stride_bs + offs_r
-    b_ptrs = (b_ptr + slot.to(tl.int64) * n_out * R + offs_n[:, None].to(tl.int64) * R
-              + offs_r[None, :])
+    # B[slot] is [R, n_out], out fastest: the [BLOCK_N, BLOCK_R] tile loads along out.
+    b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[None, :] * n_out
+              + offs_n[:, None])
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
-        v = tl.load(buf_ptrs, mask=r0 + offs_r < rank, other=0.0)
-        bt = tl.load(b_ptrs, mask=n_mask[:, None] & (r0 + offs_r < rank_bound)[None, :],
-                     other=0.0)
+        r_mask = r0 + offs_r < rank
+        v = tl.load(buf_ptrs, mask=r_mask, other=0.0)
+        bt = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         acc += bt.to(tl.float32) * v[None, :]
         buf_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R
+        b_ptrs += BLOCK_R * n_out
 
     y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + (col0 + offs_n) * stride_yn
     y = tl.load(y_ptrs, mask=n_mask, other=0.0)
     out = y.to(tl.float32) + tl.sum(acc, axis=1)
     if HAS_DORA:
-        if tl.load(slot_dora_ptr + slot) != 0:
-            out = out * _dora_row(sc0_ptr, sc1_ptr, sc2_ptr, s, slot, n_out, offs_n, n_mask,
-                                  1.0)
-            if HAS_SHIFT:
-                out = out + _dora_row(sh0_ptr, sh1_ptr, sh2_ptr, s, slot, n_out, offs_n,
-                                      n_mask, 0.0)
+        out = _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
+                             s, slot, n_out, col0, offs_n, n_mask, HAS_SHIFT)
     tl.store(y_ptrs, out.to(y.dtype), mask=n_mask)

@@ -8,7 +8,6 @@ enumerates every distinct plan a range of step sizes can produce (for the compil
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -110,12 +109,12 @@ def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
                 max_rank: int, num_slices: int, has_dora: bool, has_shift: bool,
                 dot_fp32: bool = False) -> LaunchPlan:
     """The launch of ``lora_expand_op`` for ``num_rows`` rows (``max_seg_len`` the longest
-    SGMV segment) into slices at most ``max_n`` wide from B stacks ``[max_loras, out_s,
-    max_rank]``. Output tiles: the widest of 64..256 columns that still gives
+    SGMV segment) into slices at most ``max_n`` wide from rank-major B stacks ``[max_loras,
+    max_rank, out_s]`` (``has_dora``: DoRA scales given; ``has_shift``: a bias too). Output
+    tiles: the widest of 64..256 columns that still gives
     ``_TARGET_PROGRAMS`` programs; SGMV row tiles as ``shrink_plan``'s; the rank in one tile
     of 16-64 (BGMV: up to 32) columns."""
-    flags = dict(R=max_rank, RANK_ALIGN=math.gcd(max_rank, 8), HAS_DORA=has_dora,
-                 HAS_SHIFT=has_shift, num_warps=4)
+    flags = dict(R=max_rank, HAS_DORA=has_dora, HAS_SHIFT=has_shift, num_warps=4)
     if schedule == "sgmv":
         block_m = _block_m(max_seg_len)
         block_n = _block_n(cdiv(num_rows, block_m) * num_slices, max_n,

@@ -295,7 +295,6 @@ class InputBatch:
     # ----------------------------------------------------------------- inputs
 
     def prepare(self, out: SchedulerOutput, ids: list[str], lora_slots: Mapping[int, int],
-                slot_ranks: Sequence[int], slot_dora: Sequence[int] | None,
                 bucket_of, buffers: StepBuffers, pieces_of=None
                 ) -> tuple[StepInputs, SampleInfo]:
         """Pack the step's inputs (vLLM v1's ``_prepare_inputs``), numpy over the rows.
@@ -303,7 +302,6 @@ class InputBatch:
         Args:
             out: the plan (after ``update_states``); ids: its request ids in batch order.
             lora_slots: ``{lora_int_id: slot}`` of the step's adapters.
-            slot_ranks, slot_dora: each slot's rank and DoRA flag (length max_loras).
             bucket_of: ``num_rows -> graph batch size or None`` (None: no graphs).
             buffers: where the packed step goes (``StepBuffers.host_array``).
             pieces_of: ``num_tokens -> piecewise token bucket or None``; None: no piecewise
@@ -317,8 +315,7 @@ class InputBatch:
             ``(StepInputs, SampleInfo)``.
 
         Raises:
-            ValueError: a plan that computes tokens a row does not hold; slot_ranks or
-                slot_dora not of length max_loras.
+            ValueError: a plan that computes tokens a row does not hold.
             KeyError: a request's adapter has no slot in ``lora_slots``.
         """
         sched = out.scheduled
@@ -419,8 +416,7 @@ class InputBatch:
         v["tile_seq"][:] = tile_seq
         v["tile_query"][:] = tile_query
         if lora is not None:
-            fill_lora_segment(v["lora"], lora, slot_ranks, slot_dora, block_m,
-                              num_tiles if block_m else None)
+            fill_lora_segment(v["lora"], lora, block_m, num_tiles if block_m else None)
         self.block_table.take_updates(v["table_index"], v["table_value"])
         v["prev_dst"][:] = cu[late] - 1
         v["prev_src"][:] = prev[late]

@@ -155,14 +155,12 @@ class ModelRunner:
             self._input_batch = InputBatch(*self._batch_args)
         return self._input_batch
 
-    def execute(self, out: SchedulerOutput, lora_slots: dict[int, int],
-                slot_ranks: list[int], slot_dora: list[int] | None = None) -> SampledTokens:
+    def execute(self, out: SchedulerOutput, lora_slots: dict[int, int]) -> SampledTokens:
         """``get_output(execute_async(...))``: run one step and wait for its tokens."""
-        return self.get_output(self.execute_async(out, lora_slots, slot_ranks, slot_dora))
+        return self.get_output(self.execute_async(out, lora_slots))
 
     @torch.inference_mode()
-    def execute_async(self, out: SchedulerOutput, lora_slots: dict[int, int],
-                      slot_ranks: list[int], slot_dora: list[int] | None = None
+    def execute_async(self, out: SchedulerOutput, lora_slots: dict[int, int]
                       ) -> LaunchedStep | None:
         """Apply the plan's deltas to the input batch, launch the step, sample, and start
         the copy of the tokens (and the log-probabilities asked for) to the host; nothing
@@ -174,10 +172,8 @@ class ModelRunner:
 
         Args:
             out: the scheduler's plan.
-            lora_slots: ``{lora_int_id: slot}`` for the adapters of the step.
-            slot_ranks: the true rank of each slot (length max_loras).
-            slot_dora: 1 where a slot's adapter has DoRA scales (length max_loras); None: no
-                DoRA slot. Read by the kernels as data, so it never selects another graph.
+            lora_slots: ``{lora_int_id: slot}`` for the adapters of the step (their ranks
+                and DoRA flags are in the model's ``SlotTable``, which the kernels read).
 
         Returns:
             The launched step (``get_output`` reads it), or None when no row samples.
@@ -193,8 +189,7 @@ class ModelRunner:
             return None
         bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
         pieces_of = self.pieces.bucket if self.pieces is not None else None
-        inputs, info = batch.prepare(out, ids, lora_slots, slot_ranks, slot_dora, bucket_of,
-                                     self.buffers, pieces_of)
+        inputs, info = batch.prepare(out, ids, lora_slots, bucket_of, self.buffers, pieces_of)
         if self.on_step is not None:
             self.on_step(inputs)
         hidden, views = self.forward_step(inputs, self._prev_sampled)
@@ -247,43 +242,56 @@ class ModelRunner:
         views = self.buffers.upload(inputs, self.max_loras, prev_sampled)
         layout = inputs.layout
         if layout.pieces >= 0 and self.pieces is not None:
-            return self._forward_pieces(views, layout), views
+            return self._forward_pieces(views, layout, inputs.data), views
         if layout.bucket < 0 or self.graphs is None:
-            return self._forward(views, layout), views
+            return self._forward(views, layout, inputs.data), views
         key = (layout.bucket, SCHEDULES[layout.schedule])
         if not self.graphs.has(key):
             self.buffers.frozen = True
             self.graphs.capture(key, lambda: self._forward(views, layout))
         return self.graphs.replay(key), views
 
-    def _forward(self, views: dict, layout: StepLayout) -> torch.Tensor:
+    def _forward(self, views: dict, layout: StepLayout,
+                 host: np.ndarray | None = None) -> torch.Tensor:
         """The model over the step's device views: slot mapping and the step's block table
         from the persistent device block table, then the layers (captured whole in a
-        graph)."""
+        graph). ``host``: the step's packed host buffer (an eager step's LoRA launch skip
+        reads its active slots)."""
         return self.model(views["ids"].long(), views["positions"].long(), self.kv_caches,
                           self._attention_metadata(views, layout),
-                          self._lora_mapping(views, layout))
+                          self._lora_mapping(views, layout, host))
 
-    def _forward_pieces(self, views: dict, layout: StepLayout) -> torch.Tensor:
+    def _forward_pieces(self, views: dict, layout: StepLayout,
+                        host: np.ndarray | None = None) -> torch.Tensor:
         """A piecewise step: the pieces of ``(layout.pieces, schedule)``, graph replays when
         captured (the LoRA mapping is then read from the buffer by the graphs, not built),
         attention eager between them → hidden ``[Tb, hidden]``."""
         key = (layout.pieces, SCHEDULES[layout.schedule])
-        lora = None if self.pieces.has(key) else self._lora_mapping(views, layout)
+        lora = None if self.pieces.has(key) else self._lora_mapping(views, layout, host)
         return self.pieces.run(key, views["ids"], views["positions"], lora,
                                self._attention_metadata(views, layout), self.kv_caches)
 
-    def _lora_mapping(self, views: dict, layout: StepLayout) -> LoRAMapping | None:
+    def _lora_mapping(self, views: dict, layout: StepLayout,
+                      host: np.ndarray | None = None) -> LoRAMapping | None:
         """The step's ``LoRAMapping`` over its device buffer (None without a LoRA row).
         Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
-        host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket)."""
+        host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket). An
+        unpadded step with ``host`` (its packed host buffer) carries ``used_columns`` from
+        the rank table's host mirror: its projections that none of its slots targets launch
+        nothing. Every tensor-parallel rank computes the same from its own table."""
         if not layout.schedule:
             return None
         buf = views["lora"]
         padded = layout.bucket >= 0 or (layout.pieces >= 0 and buf.is_cuda)
+        table = self.model.slot_table
+        lora_host = None
+        if host is not None and table is not None and not padded:
+            lora_host = split_segments(host, layout, self.max_loras)["lora"]
         return lora_mapping_from_buffer(buf, layout.num_tokens, self.max_loras,
                                         layout.max_seg_len, SCHEDULES[layout.schedule],
-                                        padded=padded, num_tiles=layout.lora_tiles,
+                                        padded=padded,
+                                        ranks_host=None if table is None else table.ranks_host,
+                                        host=lora_host, num_tiles=layout.lora_tiles,
                                         block_m=layout.lora_block_m)
 
     def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
@@ -320,9 +328,8 @@ class ModelRunner:
         the rows' tiles) when LoRA is on, on an all-padding step (nothing is written to the
         cache). Then the piecewise graphs: ``L + 1`` pieces per token bucket, without LoRA
         and with row tiles (a piecewise step with LoRA rows always runs them), largest
-        bucket first.
-        No slot is flagged DoRA: the kernels read ``slot_dora`` as data at replay. Tensor-
-        parallel ranks call this together (their collectives are captured in order).
+        bucket first. Ranks and DoRA flags are the ``SlotTable``'s, read as data at replay.
+        Tensor-parallel ranks call this together (their collectives are captured in order).
         """
         if self.device.type != "cuda":
             return
@@ -436,5 +443,5 @@ def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int,
     """Fill a LoRA segment (``lora_mapping_from_buffer``'s layout) with the mapping of
     ``size`` base rows: no row on an adapter, no active slot, only padding tiles."""
     arrays = lora_mapping_arrays(np.full(size, -1), max_loras)
-    fill_lora_segment(lora, arrays, np.zeros(max_loras, np.int32), None, layout.lora_block_m,
+    fill_lora_segment(lora, arrays, layout.lora_block_m,
                       layout.lora_tiles if layout.lora_block_m else None)

@@ -22,7 +22,7 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
-LoRA (when present)   2T + 5L + 3NT  ``lora.punica.lora_mapping_from_buffer``'s layout
+LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_mapping_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)

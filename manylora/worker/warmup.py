@@ -10,8 +10,9 @@ manylora's kernels.
 What selects a specialization, kernel by kernel (``manylora/ops``):
 
 * LoRA (``triton_lora``): per projection, the slot buffers' rank and slice count (``R``,
-  ``NUM_SLICES``, ``RANK_ALIGN``) and dtype, whether the projection has a bias
-  (``HAS_SHIFT``; ``HAS_DORA`` is always on in the engine, the DoRA flag is data); per step,
+  ``NUM_SLICES``) and dtype, whether the projection has a bias to shift DoRA rows by
+  (``HAS_SHIFT``; ``HAS_DORA`` is always on in the engine; ranks and DoRA flags are the
+  slot table's data, and the table views' offsets and strides are not specialized); per step,
   the schedule (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
   pick from the row count and the longest SGMV segment (``BLOCK_M``, ``BLOCK_N``,
   ``BLOCK_K``, split-K's ``ATOMIC``).
@@ -201,7 +202,7 @@ def _lora_targets(model: LlamaForCausalLM) -> dict[tuple, LoRALinear]:
         slots = m.lora
         key = (m.in_features, _expand_width(m), slots.output_slices,
                tuple(slots.lora_a_stacked[0].shape), tuple(slots.lora_b_stacked[0].shape),
-               slots.lora_a_stacked[0].dtype, slots.dora_shift_stacked is not None)
+               slots.lora_a_stacked[0].dtype, slots.bias is not None)
         targets.setdefault(key, m)
     return targets
 
@@ -221,11 +222,12 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         slots = m.lora
         a, b = slots.lora_a_stacked, slots.lora_b_stacked
         max_loras, rank_a, k = a[0].shape
-        rank_b = b[0].shape[2]
+        rank_b = b[0].shape[1]
         max_n = max(size for _, size in slots.output_slices)
         dtype, device = a[0].dtype, a[0].device
         dot_fp32 = lora_plans.interpreted_bf16(a[0])
-        shift = slots.dora_shift_stacked is not None
+        shift = slots.bias is not None
+        zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
         cases: dict[tuple, tuple[str, int, int]] = {}
         for schedule, n, s in lora_plans.lora_row_cases(max_rows):
             sp = lora_plans.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
@@ -236,15 +238,16 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
                    tuple(ep.constexprs.items()))
             cases.setdefault(key, (schedule, n, s))
         for schedule, n, s in cases.values():
-            # Every slot rank 0: the launches compile, the programs read nothing and return.
-            mapping = build_lora_mapping([0] * s + [-1] * (n - s), [0] * max_loras, device,
-                                         slot_dora=[0] * max_loras, schedule=schedule)
+            # A table of rank 0 everywhere: the launches compile, the programs read nothing
+            # and return (the model's table may already hold adapters).
+            mapping = build_lora_mapping([0] * s + [-1] * (n - s), max_loras, device,
+                                         schedule=schedule)
             x = torch.zeros(n, m.in_features, dtype=dtype, device=device)
-            triton_lora.lora_shrink_triton(x, a, mapping)
+            triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
             buffer = torch.zeros(n, len(b), rank_b, dtype=torch.float32, device=device)
             y = torch.zeros(n, _expand_width(m), dtype=dtype, device=device)
-            triton_lora.lora_expand_triton(y, buffer, b, mapping, slots.output_slices,
-                                           slots.dora_scale_stacked, slots.dora_shift_stacked)
+            triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
+                                           zeros, slots.dora_scale_stacked, slots.bias)
             launches += 2
         launches += _warm_tiled(m, max_rows, max_loras)
     return launches
@@ -252,35 +255,38 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
 
 def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
     """Launch the tiled kernels once per distinct plan of ``tiled_row_cases``, through the
-    entry points the model calls, on tiles whose slots have rank 0 (the programs return
-    at once); the tiles all name row 0 of a one-row step."""
+    entry points the model calls, with a rank table of zeros (the programs return at once);
+    the tiles all name row 0 of a one-row step."""
     slots = m.lora
     a, b = slots.lora_a_stacked, slots.lora_b_stacked
-    _, rank, k = a[0].shape
+    _, rank_a, k = a[0].shape
+    rank_b = b[0].shape[1]
     max_n = max(size for _, size in slots.output_slices)
     dtype, device = a[0].dtype, a[0].device
     dot_fp32 = lora_plans.interpreted_bf16(a[0])
+    shift = slots.bias is not None
+    zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
     cases: dict[tuple, tuple[int, int]] = {}
     for num_tiles, block_m in lora_tiled_plans.tiled_row_cases(max_rows, max_loras):
-        sp = lora_tiled_plans.tiled_shrink_plan(num_tiles, block_m, k, rank, len(a),
+        sp = lora_tiled_plans.tiled_shrink_plan(num_tiles, block_m, k, rank_a, len(a),
                                                  a[0].element_size(), dot_fp32)
-        ep = lora_tiled_plans.tiled_expand_plan(num_tiles, block_m, max_n, rank, len(b),
-                                                 True, False, dot_fp32)
+        ep = lora_tiled_plans.tiled_expand_plan(num_tiles, block_m, max_n, rank_b, len(b),
+                                                 True, shift, dot_fp32)
         cases.setdefault((tuple(sp.constexprs.items()), tuple(ep.constexprs.items())),
                          (num_tiles, block_m))
     launches = 0
     for num_tiles, block_m in cases.values():
-        mapping = build_lora_mapping([-1], [0] * max_loras, device, slot_dora=[0] * max_loras,
-                                     schedule="tiled", block_m=block_m)
+        mapping = build_lora_mapping([-1], max_loras, device, schedule="tiled",
+                                     block_m=block_m)
         ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
         mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
                                    has_lora=True)
         x = torch.zeros(1, m.in_features, dtype=dtype, device=device)
-        triton_lora.lora_shrink_triton(x, a, mapping)
-        buffer = torch.zeros(1, len(b), rank, dtype=torch.float32, device=device)
+        triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
+        buffer = torch.zeros(1, len(b), rank_b, dtype=torch.float32, device=device)
         y = torch.zeros(1, _expand_width(m), dtype=dtype, device=device)
-        triton_lora.lora_expand_triton(y, buffer, b, mapping, slots.output_slices,
-                                       slots.dora_scale_stacked, slots.dora_shift_stacked)
+        triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
+                                       zeros, slots.dora_scale_stacked, slots.bias)
         launches += 2
     return launches
 

@@ -78,9 +78,11 @@ def _prompts(vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, torch.randint(4, vocab, (len(LENS),), generator=gen).tolist()
 
 
-def _two_steps(model, slot_of_seq, slot_ranks, slot_dora, device) -> torch.Tensor:
+def _two_steps(model, slot_of_seq, device) -> torch.Tensor:
     """Prefill ``LENS`` tokens per sequence, then decode one more; logits of every row of
-    both steps, float32 ``[sum(LENS) + len(LENS), vocab]`` on the CPU."""
+    both steps, float32 ``[sum(LENS) + len(LENS), vocab]`` on the CPU. The mappings carry
+    ``used_columns`` from the rank's own table: every rank must skip the same projections
+    (their collectives included)."""
     cfg = model.cfg
     prompts, next_ids = _prompts(cfg.vocab_size)
     tables, first = [], 0
@@ -101,7 +103,9 @@ def _two_steps(model, slot_of_seq, slot_ranks, slot_dora, device) -> torch.Tenso
         lora = None
         if slot_of_seq is not None:
             tokens = [slot for seq, slot in zip(new, slot_of_seq) for _ in seq]
-            lora = build_lora_mapping(tokens, slot_ranks, device, slot_dora=slot_dora)
+            table = model.slot_table
+            lora = build_lora_mapping(tokens, table.max_loras, device,
+                                      ranks_host=table.ranks_host)
         hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv,
                        attn, lora)
         outs.append(model.compute_logits(hidden).cpu())
@@ -122,8 +126,6 @@ def _run(model_dir: str, adapter_dirs: dict[str, str], tp: TPGroup,
                            LORA_TARGET_MODULES, full_cfg.dtype, dora_norm=model.lora_dora_norm)
     adapters = [load_adapter_dir(LoRARequest(name, i + 1, path), path, target)
                 for i, (name, path) in enumerate(adapter_dirs.items())]
-    slot_ranks = [a.rank for a in adapters]
-    slot_dora = [int(a.has_dora) for a in adapters]
     for name, (fully_sharded, slot_of_seq) in SCENARIOS.items():
         cfg = LoRAConfig(max_loras=len(adapters), max_lora_rank=MAX_LORA_RANK,
                          fully_sharded_loras=fully_sharded)
@@ -136,8 +138,7 @@ def _run(model_dir: str, adapter_dirs: dict[str, str], tp: TPGroup,
                 else:
                     lora.set_slot(slot, module, w.a, w.b, w.dora_scale)
         with torch.inference_mode():
-            out[f"logits.{name}"] = _two_steps(model, slot_of_seq, slot_ranks, slot_dora,
-                                               device)
+            out[f"logits.{name}"] = _two_steps(model, slot_of_seq, device)
     return out
 
 
@@ -316,24 +317,27 @@ def test_single_rank_group_needs_no_process_group():
             TPGroup(0, 2).all_reduce(t)
 
 
-def test_fully_sharded_column_slots_keep_their_rank_rows(monkeypatch):
+def test_fully_sharded_column_slots_keep_their_rank_rows():
     """Rank 1 of 2 keeps rows 4..8 of each A padded to rank 8 (B whole along the rank, cut
-    to its output rows), and its shrink sees each slot's rank as the rows it holds there, so
-    a kernel never reads A past them."""
-    from manylora.lora import slots as lora_slots
+    to its output rows, rank-major); the table holds each module's true rank (the same on
+    every rank), and the shrink clamps it to the rows this rank holds, so it reads no row
+    of A past them: rows 4 and 5 of a rank-6 adapter, none of a rank-3 one."""
     from manylora.lora.linear import LoRALinear
 
     layer = LoRALinear(16, (8, 4), ("gate_proj", "up_proj"), False, torch.float32,
-                              torch.device("cpu"), "column", TPGroup(1, 2))
+                       torch.device("cpu"), "column", TPGroup(1, 2))
     slots = layer.create_lora_slots(("gate_proj", "up_proj"), 2, 8, fully_sharded=True)
+    assert slots.rank_start == 4 and slots.lora_a_stacked[0].shape == (2, 4, 16)
     a, b = torch.randn(6, 16), torch.randn(8, 6)
     slots.set_slot(0, "gate_proj", a, b)
+    slots.set_slot(1, "gate_proj", torch.randn(3, 16), torch.randn(8, 3))
     assert torch.equal(slots.lora_a_stacked[0][0, :2], a[4:6])
-    assert not slots.lora_a_stacked[0][0, 2:].any()
-    assert torch.equal(slots.lora_b_stacked[0][0, :, :6], b[4:8])
-    seen = {}
-    monkeypatch.setattr(lora_slots, "lora_shrink",
-                        lambda x, stacks, mapping: seen.setdefault("m", mapping))
-    slots.shrink(torch.zeros(3, 16), build_lora_mapping([0, 1, -1], [6, 3], torch.device("cpu")))
-    assert seen["m"].slot_ranks.tolist() == [2, 0]
-    assert [s.rank for s in seen["m"].segments] == [2, 0]
+    assert torch.equal(slots.lora_b_stacked[0][0, :6], b[4:8].T)
+    assert slots.ranks.tolist() == [[6, 0], [3, 0]]
+    slots.lora_a_stacked[0][0, 2:] = float("nan")        # past rank 6: never read
+    slots.lora_a_stacked[0][1] = float("nan")            # rank 3 holds none of rows 4..8
+    x = torch.randn(3, 16)
+    buffer = slots.shrink(x, build_lora_mapping([0, 1, -1], 2, torch.device("cpu")))
+    want = torch.zeros(3, 2, 4)
+    want[0, 0, :2] = x[0] @ a[4:6].T
+    assert torch.allclose(buffer, want, atol=1e-6)

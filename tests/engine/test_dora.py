@@ -95,11 +95,14 @@ def test_dora_plain_and_base_rows_in_one_batch_match_peft(llama):
     llm, outs = _generate(base, adapters, prompts, NAMES, max_loras=3, max_lora_rank=8,
                           max_num_batched_tokens=32)
     _assert_matches(outs, refs, NAMES)
-    manager = llm.llm_engine.engine_core.lora_manager
+    core = llm.llm_engine.engine_core
+    table = core.model.slot_table
     ids = {name: i + 1 for i, name in enumerate(adapters)}
-    for slot, lid in enumerate(manager.slot_to_id):
-        if lid is not None:
-            assert manager.slot_dora[slot] == int(lid != ids["plain"])
+    for slot, lid in enumerate(core.lora_manager.slot_to_id):
+        if lid is not None:                      # DoRA flags only in the modules it targets
+            flags = table.dora_host[slot]
+            assert flags.any() == (lid != ids["plain"])
+            assert not (flags & (table.ranks_host[slot] == 0)).any()
 
 
 def test_dora_through_the_triton_kernels_matches_peft(llama, monkeypatch):
@@ -197,7 +200,7 @@ def test_qwen2_qkv_bias_with_dora_matches_peft(tmp_path):
     llm, outs = _generate(base, adapters, prompts, names, max_loras=2, max_lora_rank=4)
     _assert_matches(outs, refs, names)
     qkv = llm.llm_engine.engine_core.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.bias is not None and qkv.lora.dora_shift_stacked is not None
+    assert qkv.bias is not None and qkv.lora.bias is not None
 
 
 @pytest.mark.gpu

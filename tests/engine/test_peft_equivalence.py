@@ -106,9 +106,9 @@ def test_mixed_batch_through_the_triton_kernels_matches_peft(demo_set, prompts, 
     tiled = []
     real = triton_lora_tiled.lora_shrink_tiled
 
-    def spy(x, a, ranks, *tiles):
-        tiled.append(tiles[-1])
-        return real(x, a, ranks, *tiles)
+    def spy(x, a, ranks, rows, slot, start, length, block_m, rank_start=0):
+        tiled.append(block_m)
+        return real(x, a, ranks, rows, slot, start, length, block_m, rank_start)
 
     monkeypatch.setattr(triton_lora, "lora_shrink_tiled", spy)
     _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=4,

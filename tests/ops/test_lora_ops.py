@@ -5,16 +5,18 @@ The reference is a plain per-row loop::
     y[t, off:off+n] += x[t] @ A[slot].T @ B[slot].T        (slot[t] >= 0)
 
 over slot buffers laid out as the engine lays them out: ``A [max_loras, max_lora_rank, in]``
-and ``B [max_loras, out, max_lora_rank]`` with the rows of A / columns of B past each slot's
-rank zero. Adapter popularity follows Punica's tests: distinct, uniform, zipf, identical,
-all base (-1) and base rows mixed in. DoRA rows get ``(y + delta) * scale (+ shift)``, and
-through ``LoRALinear`` peft's ``scale * (x W^T + delta) + bias``.
+and B rank-major ``[max_loras, max_lora_rank, out]``, each (slot, slice)'s rank from a rank
+table (``SlotTable`` columns), with everything past the rank NaN (never read). Adapter
+popularity follows Punica's tests: distinct, uniform, zipf, identical, all base (-1) and base
+rows mixed in. DoRA rows get ``(y + delta) * scale + (1 - scale) * bias``, and through
+``LoRALinear`` peft's ``scale * (x W^T + delta) + bias``.
 """
 
 from __future__ import annotations
 
 import zlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,29 +86,44 @@ def make_token_slots(popularity: str, gen: torch.Generator) -> list[int]:
     return token_slots
 
 
-def make_stacks(ranks, slices, dtype, gen):
-    """Slot buffers as LoRASlots holds them: zero past each slot's rank."""
+def rank_table(ranks, num_slices) -> list[list[int]]:
+    """``[max_loras][S]``: slice 0 the given ranks, slice s another slot's, and rank 0 for
+    every third (slot, slice) past the first slice (a module the adapter does not target)."""
+    return [[0 if s and (slot + s) % 3 == 0 else ranks[(slot + s) % len(ranks)]
+             for s in range(num_slices)] for slot in range(len(ranks))]
+
+
+def table_tensor(table) -> torch.Tensor:
+    return torch.tensor(table, dtype=torch.int32)
+
+
+def make_stacks(table, slices, dtype, gen):
+    """Slot buffers as LoRASlots holds them (B rank-major), NaN past each (slot, slice)'s
+    rank: nothing may read there."""
     a_stacked, b_stacked = [], []
-    for _, size in slices:
+    for s, (_, size) in enumerate(slices):
         a = torch.randn(MAX_LORAS, MAX_RANK, IN, generator=gen, dtype=torch.float64) / IN ** 0.5
-        b = torch.randn(MAX_LORAS, size, MAX_RANK, generator=gen, dtype=torch.float64)
-        for slot, r in enumerate(ranks):
-            a[slot, r:] = 0
-            b[slot, :, r:] = 0
-            b[slot, :, :r] /= r ** 0.5
+        b = torch.randn(MAX_LORAS, MAX_RANK, size, generator=gen, dtype=torch.float64)
+        for slot in range(MAX_LORAS):
+            r = table[slot][s]
+            a[slot, r:] = float("nan")
+            b[slot, r:] = float("nan")
+            b[slot, :r] /= max(r, 1) ** 0.5
         a_stacked.append(a.to(dtype))
         b_stacked.append(b.to(dtype))
     return a_stacked, b_stacked
 
 
-def reference_delta(x, token_slots, a_stacked, b_stacked, slices, out_total):
-    """float64 per-row loop, independent of the Punica mapping."""
+def reference_delta(x, token_slots, a_stacked, b_stacked, table, slices, out_total):
+    """float64 per-row loop over each (slot, slice)'s first ``rank`` rows, independent of
+    the Punica mapping."""
     delta = torch.zeros(x.shape[0], out_total, dtype=torch.float64)
     for t, slot in enumerate(token_slots):
         if slot < 0:
             continue
-        for a, b, (off, n) in zip(a_stacked, b_stacked, slices, strict=True):
-            delta[t, off:off + n] += x[t].double() @ a[slot].double().T @ b[slot].double().T
+        for s, (a, b, (off, n)) in enumerate(zip(a_stacked, b_stacked, slices, strict=True)):
+            r = table[slot][s]
+            delta[t, off:off + n] += x[t].double() @ a[slot, :r].double().T @ b[slot, :r].double()
     return delta
 
 
@@ -122,30 +139,34 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
     num_rows = len(token_slots)
     x = torch.randn(num_rows, IN, generator=gen).to(dtype)
     y0 = torch.randn(num_rows, out_total, generator=gen).to(dtype)
-    a_stacked, b_stacked = make_stacks(ranks, slices, dtype, gen)
-    mapping = build_lora_mapping(token_slots, list(ranks), torch.device("cpu"))
+    table = rank_table(ranks, len(slices))
+    a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
+    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
     assert mapping.has_lora == any(s >= 0 for s in token_slots)
     assert mapping.token_lora_indices.tolist() == token_slots
 
-    buffer = lora_shrink(x, a_stacked, mapping)
+    buffer = lora_shrink(x, a_stacked, table_tensor(table), mapping)
     assert buffer.dtype == torch.float32
     assert buffer.shape == (num_rows, len(slices), MAX_RANK)
     ref_buffer = torch.zeros(num_rows, len(slices), MAX_RANK, dtype=torch.float64)
     for t, slot in enumerate(token_slots):
         if slot >= 0:
             for s, a in enumerate(a_stacked):
-                ref_buffer[t, s] = x[t].double() @ a[slot].double().T
+                r = table[slot][s]
+                ref_buffer[t, s, :r] = x[t].double() @ a[slot, :r].double().T
     base = torch.tensor([s < 0 for s in token_slots])
     assert torch.all(buffer[base] == 0), "base rows must shrink to zero"
+    assert not buffer.isnan().any(), "A past a rank was read"
     for t, slot in enumerate(token_slots):
-        if slot >= 0:
-            assert torch.all(buffer[t, :, ranks[slot]:] == 0), "padded ranks must stay zero"
+        for s in range(len(slices)):
+            if slot >= 0:
+                assert torch.all(buffer[t, s, table[slot][s]:] == 0), "past the rank: zero"
     if mapping.has_lora:
         assert rel_err(buffer, ref_buffer) < TOL[dtype]
 
     y = y0.clone()
-    lora_expand(y, buffer, b_stacked, mapping, slices)
-    want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, slices,
+    lora_expand(y, buffer, b_stacked, table_tensor(table), mapping, slices)
+    want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, table, slices,
                                          out_total)
     assert y.dtype == dtype and y.shape == y0.shape
     assert torch.equal(y[base], y0[base]), "base rows must be left untouched"
@@ -162,19 +183,35 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
 
 
 def test_expand_rejects_mismatched_slices():
-    mapping = build_lora_mapping([0], [4], torch.device("cpu"))
+    mapping = build_lora_mapping([0], 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="output slices"):
-        lora_expand(torch.zeros(1, 8), torch.zeros(1, 1, 4), [torch.zeros(1, 8, 4)] * 2,
-                    mapping, [(0, 8)])
+        lora_expand(torch.zeros(1, 8), torch.zeros(1, 1, 4), [torch.zeros(1, 4, 8)] * 2,
+                    table_tensor([[4, 4]]), mapping, [(0, 8)])
 
 
 def test_build_lora_mapping_segments_and_bad_slot():
-    mapping = build_lora_mapping([2, -1, 0, 2, 2, -1], [3, 5, 7], torch.device("cpu"))
-    assert [(s.slot, s.rank, s.rows.tolist()) for s in mapping.segments] == [
-        (0, 3, [2]), (2, 7, [0, 3, 4])]
-    assert not build_lora_mapping([-1, -1], [3], torch.device("cpu")).has_lora
+    mapping = build_lora_mapping([2, -1, 0, 2, 2, -1], 3, torch.device("cpu"))
+    assert [(s.slot, s.rows.tolist()) for s in mapping.segments] == [(0, [2]), (2, [0, 3, 4])]
+    assert mapping.used_columns is None
+    assert not build_lora_mapping([-1, -1], 1, torch.device("cpu")).has_lora
     with pytest.raises(IndexError, match="slot 3"):
-        build_lora_mapping([0, 3], [1, 2, 3], torch.device("cpu"))
+        build_lora_mapping([0, 3], 3, torch.device("cpu"))
+
+
+def test_build_lora_mapping_one_copy_and_used_columns():
+    """Five int32 tensors from one host copy; ``used_columns`` is the OR over the step's
+    slots of their nonzero table entries (slot 1, in the table but not in the step, adds
+    nothing), and absent from a padded (CUDA-graph) mapping."""
+    cpu = torch.device("cpu")
+    ranks_host = np.array([[4, 0, 0, 0], [0, 8, 8, 0], [0, 0, 2, 0]], np.int32)
+    mapping = build_lora_mapping([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
+    storages = {t.untyped_storage().data_ptr() for t in mapping if isinstance(t, torch.Tensor)}
+    assert len(storages) == 1, "every index tensor must come from one host → device copy"
+    assert mapping.used_columns == (True, False, True, False)
+    padded = build_lora_mapping([2, 0], 3, cpu, pad_to=4, ranks_host=ranks_host)
+    assert padded.used_columns is None and padded.segments == ()
+    with pytest.raises(ValueError, match="rank table of 2 slots"):
+        build_lora_mapping([0], 3, cpu, ranks_host=ranks_host[:2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,30 +234,36 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
     assert slots is not None and slots.module_names == enabled
     assert slots.output_slices == tuple((QKV_OFFSET[m], QKV_WIDTH[m]) for m in enabled)
 
-    # slot 1 is first filled with a rank-16 adapter, then overwritten by a rank-2 one: the
-    # padding left behind must be zeroed by set_slot.
+    # slot 1 is first filled with a rank-16 adapter (NaN), then overwritten by a rank-2 one:
+    # the rows left behind past rank 2 are never read. Slot 2's adapter does not target
+    # the first enabled module, and its modules have ranks of their own (rank_pattern).
+    for m in enabled:
+        slots.set_slot(1, m, torch.full((MAX_RANK, IN), float("nan")).to(dtype),
+                       torch.full((QKV_WIDTH[m], MAX_RANK), float("nan")).to(dtype))
     ranks = {0: 5, 1: 2, 2: MAX_RANK}
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor] | None] = {}
-    for m in enabled:
-        slots.set_slot(1, m, torch.randn(MAX_RANK, IN, generator=gen).to(dtype),
-                       torch.randn(QKV_WIDTH[m], MAX_RANK,
-                                   generator=gen).to(dtype))
     for slot, r in ranks.items():
         for i, m in enumerate(enabled):
             if slot == 2 and i == 0:
                 weights[(slot, m)] = None            # this adapter does not target m
                 slots.set_slot(slot, m, None, None)
                 continue
+            r_m = r - 3 * i if slot == 2 else r
             out = QKV_WIDTH[m]
-            a = (torch.randn(r, IN, generator=gen) / IN ** 0.5).to(dtype)
-            b = (torch.randn(out, r, generator=gen) / r ** 0.5).to(dtype)
+            a = (torch.randn(r_m, IN, generator=gen) / IN ** 0.5).to(dtype)
+            b = (torch.randn(out, r_m, generator=gen) / r_m ** 0.5).to(dtype)
             weights[(slot, m)] = (a, b)
             slots.set_slot(slot, m, a, b)
-    slot_ranks = [ranks.get(s, 0) for s in range(MAX_LORAS)]
+    want_table = [[0 if weights.get((slot, m)) is None else weights[(slot, m)][0].shape[0]
+                   for m in enabled] for slot in range(MAX_LORAS)]
+    assert slots.ranks.tolist() == want_table
+    assert slots.table.ranks_host[:, slots.rank_col:].tolist() == want_table
+    assert not slots.dora.any()
 
     token_slots = [0, -1, 1, 1, 2, -1, 0, 2, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_mapping(token_slots, slot_ranks, torch.device("cpu"))
+    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"),
+                                 ranks_host=slots.table.ranks_host)
     with torch.no_grad():
         got = layer(x, mapping)
         base_only = layer(x, None)
@@ -246,9 +289,43 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
         assert rel_err(got - base_only, want - base_only.double()) < 1e-5
     # an all-base mapping gives the base output exactly
     with torch.no_grad():
-        all_base = layer(x, build_lora_mapping([-1] * len(token_slots), slot_ranks,
+        all_base = layer(x, build_lora_mapping([-1] * len(token_slots), MAX_LORAS,
                                                torch.device("cpu")))
     assert torch.equal(all_base, base_only)
+
+
+def test_lora_linear_skips_projections_no_slot_of_the_step_targets(monkeypatch):
+    """An eager step launches the shrink and expand of a projection only when one of its
+    slots has a nonzero rank in one of the projection's columns; a mapping without
+    ``used_columns`` (a CUDA-graph step) always launches."""
+    from manylora.lora import slots as lora_slots
+
+    calls = []
+    real_shrink, real_expand = lora_slots.lora_shrink, lora_slots.lora_expand
+    monkeypatch.setattr(lora_slots, "lora_shrink",
+                        lambda *a, **k: calls.append("shrink") or real_shrink(*a, **k))
+    monkeypatch.setattr(lora_slots, "lora_expand",
+                        lambda *a, **k: calls.append("expand") or real_expand(*a, **k))
+    layer = LoRALinear(IN, tuple(QKV_WIDTH.values()), QKV_NAMES, bias=False,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(layer.weight.shape))
+    slots = layer.create_lora_slots(QKV_NAMES, MAX_LORAS, MAX_RANK)
+    slots.set_slot(1, "v_proj", torch.randn(4, IN), torch.randn(16, 4))   # slot 1: v only
+    x = torch.randn(3, IN)
+    cpu = torch.device("cpu")
+    host = slots.table.ranks_host
+    for token_slots, launches in (([0, 2, -1], 0), ([0, 1, 2], 2), ([-1, 1, 1], 2)):
+        calls.clear()
+        with torch.no_grad():
+            got = layer(x, build_lora_mapping(token_slots, MAX_LORAS, cpu, ranks_host=host))
+            base = layer(x, None)
+        assert len(calls) == launches, (token_slots, calls)
+        assert torch.equal(got, base) == (launches == 0)
+    calls.clear()
+    with torch.no_grad():
+        layer(x, build_lora_mapping([0, 2, -1], MAX_LORAS, cpu))      # no used_columns
+    assert calls == ["shrink", "expand"]
 
 
 def test_create_lora_slots_none_when_nothing_enabled():
@@ -259,69 +336,60 @@ def test_create_lora_slots_none_when_nothing_enabled():
 
 
 # ---------------------------------------------------------------------------------------------
-# DoRA: (y + delta) * scale (+ shift) for the rows of the slots flagged in slot_dora
+# DoRA: (y + delta) * scale + (1 - scale) * bias for the (slot, slice)s the table flags
 
-DORA_FLAGS = [1, 0, 1, 0]
-
-
-def test_build_lora_mapping_carries_slot_dora_in_the_one_copy():
-    cpu = torch.device("cpu")
-    mapping = build_lora_mapping([2, -1, 0, 1, 2], [3, 5, 7, 2], cpu, slot_dora=[0, 1, 5, 0])
-    assert mapping.slot_dora.dtype == torch.int32
-    assert mapping.slot_dora.tolist() == [0, 1, 1, 0]
-    assert [(s.slot, s.dora) for s in mapping.segments] == [(0, False), (1, True), (2, True)]
-    storages = {t.untyped_storage().data_ptr() for t in mapping if isinstance(t, torch.Tensor)}
-    assert len(storages) == 1, "every index tensor must come from one host → device copy"
-    assert build_lora_mapping([0], [3, 5], cpu).slot_dora.tolist() == [0, 0]
-    padded = build_lora_mapping([], [3, 5], cpu, slot_dora=[0, 0], pad_to=4, schedule="bgmv")
-    assert padded.slot_dora.tolist() == [0, 0] and padded.segments == ()
-    with pytest.raises(ValueError, match="slot_dora"):
-        build_lora_mapping([0], [3, 5], cpu, slot_dora=[1])
+DORA_FLAGS = [[1, 1], [0, 0], [1, 0], [0, 1]]
 
 
-@pytest.mark.parametrize("shift", [False, True], ids=["noshift", "shift"])
+@pytest.mark.parametrize("shift", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_dora_expand_reference(dtype, shift):
     gen = torch.Generator().manual_seed(31 + shift)
     slices, out_total = SLICES["gap"]
-    ranks = RANKS["mixed"]
+    table = rank_table(RANKS["mixed"], len(slices))
     token_slots = [0, -1, 1, 2, 2, 3, 0, -1, 1, 2]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
     y0 = torch.randn(len(token_slots), out_total, generator=gen).to(dtype)
-    a_stacked, b_stacked = make_stacks(ranks, slices, dtype, gen)
+    a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
     scales = [1 + 0.2 * torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices]
-    shifts = [torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices] if shift else None
-    mapping = build_lora_mapping(token_slots, list(ranks), torch.device("cpu"),
-                                 slot_dora=DORA_FLAGS)
-    buffer = lora_shrink(x, a_stacked, mapping)
+    bias = torch.randn(out_total, generator=gen).to(dtype) if shift else None
+    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
+    ranks, flags = table_tensor(table), table_tensor(DORA_FLAGS)
+    buffer = lora_shrink(x, a_stacked, ranks, mapping)
 
     y = y0.clone()
-    lora_expand(y, buffer, b_stacked, mapping, slices, scales, shifts)
+    lora_expand(y, buffer, b_stacked, ranks, mapping, slices, flags, scales, bias)
     plain = y0.clone()
-    lora_expand(plain, buffer, b_stacked, mapping, slices)
-    want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, slices,
+    lora_expand(plain, buffer, b_stacked, ranks, mapping, slices)
+    want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, table, slices,
                                          out_total)
-    dora_rows = torch.tensor([s >= 0 and DORA_FLAGS[s] == 1 for s in token_slots])
-    for t in dora_rows.nonzero().flatten().tolist():
+    dora = torch.zeros(want.shape, dtype=torch.bool)
+    for t, slot in enumerate(token_slots):
         for s, (off, n) in enumerate(slices):
-            want[t, off:off + n] *= scales[s][token_slots[t]].double()
-            if shifts is not None:
-                want[t, off:off + n] += shifts[s][token_slots[t]].double()
-    assert torch.equal(y[~dora_rows], plain[~dora_rows]), "non-DoRA rows must not change"
-    assert rel_err(y[dora_rows], want[dora_rows]) < TOL[dtype]
+            if slot >= 0 and DORA_FLAGS[slot][s] and table[slot][s]:
+                dora[t, off:off + n] = True
+                scale = scales[s][slot].double()
+                want[t, off:off + n] *= scale
+                if bias is not None:
+                    want[t, off:off + n] += (1 - scale) * bias[off:off + n].double()
+    assert dora.any() and torch.equal(y[~dora], plain[~dora]), "non-DoRA cells changed"
+    assert rel_err(y[dora], want[dora]) < TOL[dtype]
     assert torch.equal(y[:, 32:48], y0[:, 32:48]), "columns of no slice changed"
 
 
 def test_dora_expand_rejects_bad_stacks():
-    mapping = build_lora_mapping([0], [4], torch.device("cpu"), slot_dora=[1])
-    y, buffer, b = torch.zeros(1, 8), torch.zeros(1, 1, 4), torch.zeros(1, 8, 4)
+    mapping = build_lora_mapping([0], 1, torch.device("cpu"))
+    y, buffer, b = torch.zeros(1, 8), torch.zeros(1, 1, 4), torch.zeros(1, 4, 8)
+    ranks, flags = table_tensor([[4]]), table_tensor([[1]])
     with pytest.raises(ValueError, match="without DoRA scales"):
-        lora_expand(y, buffer, [b], mapping, [(0, 8)], None, [torch.zeros(1, 8)])
+        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, None, torch.zeros(8))
     with pytest.raises(ValueError, match="DoRA scales"):
-        lora_expand(y, buffer, [b], mapping, [(0, 8)], [torch.ones(1, 4)])
-    with pytest.raises(ValueError, match="DoRA shifts"):
-        lora_expand(y, buffer, [b], mapping, [(0, 8)], [torch.ones(1, 8)],
-                    [torch.zeros(1, 8, dtype=torch.float64)])
+        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [torch.ones(1, 4)])
+    with pytest.raises(ValueError, match="dora flags"):
+        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], None, [torch.ones(1, 8)])
+    with pytest.raises(ValueError, match="bias"):
+        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [torch.ones(1, 8)],
+                    torch.zeros(4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -329,7 +397,8 @@ def test_dora_expand_rejects_bad_stacks():
 def test_lora_linear_dora_matches_peft_formula(bias, dtype):
     """DoRA rows give ``scale * (x W^T + x a^T b^T) + bias`` (peft), plain rows
     ``x W^T + bias + x a^T b^T``; a slot that held a DoRA adapter and then a plain one is
-    plain again (its scales back to one, its shifts to zero)."""
+    plain again (its table flag 0), and a DoRA adapter that does not target a module leaves
+    that module's rows as the base computes them."""
     gen = torch.Generator().manual_seed(41 + bias)
     enabled = ("q_proj", "v_proj")
     layer = LoRALinear(IN, tuple(QKV_WIDTH.values()), QKV_NAMES, bias=bias, dtype=dtype,
@@ -339,11 +408,12 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
         if bias:
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=gen))
     slots = layer.create_lora_slots(enabled, MAX_LORAS, MAX_RANK)
-    assert (slots.dora_shift_stacked is not None) == bias
+    assert (slots.bias is not None) == bias
     assert all(t.dtype == torch.float32 and t.shape == (MAX_LORAS, QKV_WIDTH[m])
                for t, m in zip(slots.dora_scale_stacked, enabled))
 
     ranks = {0: 5, 1: 3, 2: 8, 3: 2}
+    dora_slots = {0, 3}
     weights = {}
     for slot, r in ranks.items():
         for m in enabled:
@@ -353,21 +423,18 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
             scale = magnitude / dora_row_norm(layer.module_weight(m), a, b)
             if slot == 2:                        # a DoRA adapter, then a plain one
                 slots.set_slot(slot, m, a, b, scale)
+            if slot not in dora_slots:
                 scale = None
             if slot == 3 and m == "v_proj":      # a DoRA adapter that does not target v
                 a = b = scale = None
             weights[(slot, m)] = (a, b, scale)
             slots.set_slot(slot, m, a, b, scale)
-    for t, m in zip(slots.dora_scale_stacked, enabled):
-        assert torch.all(t[2] == 1) and (m != "v_proj" or torch.all(t[3] == 1))
-    if bias:
-        assert all(torch.all(t[2] == 0) for t in slots.dora_shift_stacked)
+    assert slots.dora.tolist() == [[1, 1], [0, 0], [0, 0], [1, 0]]
+    assert slots.ranks.tolist() == [[5, 5], [3, 3], [8, 8], [2, 0]]
 
     token_slots = [0, -1, 1, 2, 3, 3, 0, -1, 2, 1]
-    slot_dora = [1, 0, 0, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_mapping(token_slots, [ranks[s] for s in range(MAX_LORAS)],
-                                 torch.device("cpu"), slot_dora=slot_dora)
+    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
     with torch.no_grad():
         got = layer(x, mapping)
         base_only = layer(x, None)
@@ -382,7 +449,7 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
             cols = slice(QKV_OFFSET[m], QKV_OFFSET[m] + QKV_WIDTH[m])
             if a is not None:
                 want[t, cols] += x[t].double() @ a.double().T @ b.double().T
-            if slot_dora[slot] and scale is not None:
+            if scale is not None:
                 want[t, cols] *= scale.double()
     if bias:
         want += layer.bias.double()
@@ -391,7 +458,7 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
     assert rel_err(got, want) < TOL[dtype]
 
 
-def test_set_slot_rejects_a_dora_scale_of_another_width():
+def test_set_slot_rejects_bad_tensors_and_keeps_the_slot():
     layer = LoRALinear(IN, (32,), ("o_proj",), bias=True, dtype=torch.float32,
                        device=torch.device("cpu"))
     slots = layer.create_lora_slots(("o_proj",), MAX_LORAS, MAX_RANK)
@@ -399,5 +466,12 @@ def test_set_slot_rejects_a_dora_scale_of_another_width():
     slots.set_slot(0, "o_proj", a, b, torch.full((32,), 2.0))
     with pytest.raises(ValueError, match="DoRA scale"):
         slots.set_slot(0, "o_proj", a * 3, b * 3, torch.ones(16))
+    with pytest.raises(ValueError, match="do not fit"):
+        slots.set_slot(0, "o_proj", torch.ones(MAX_RANK + 1, IN), torch.ones(32, MAX_RANK + 1))
+    with pytest.raises(ValueError, match="do not fit"):
+        slots.set_slot(0, "o_proj", a, torch.ones(32, 3))
+    with pytest.raises(ValueError, match="together"):
+        slots.set_slot(0, "o_proj", a, None)
     assert torch.all(slots.lora_a_stacked[0][0, :2] == 1), "a refused write changed the slot"
     assert torch.all(slots.dora_scale_stacked[0][0] == 2)
+    assert slots.ranks.tolist()[0] == [2] and slots.dora.tolist()[0] == [1]

@@ -254,7 +254,7 @@ def test_graph_grid_depends_only_on_the_row_count():
     for lora_rows in (1, 5, 20, 48):
         for _ in range(5):
             slots = gen.integers(0, max_loras, lora_rows).tolist()
-            mapping = build_lora_mapping(slots, [16] * max_loras, torch.device("cpu"),
+            mapping = build_lora_mapping(slots, max_loras, torch.device("cpu"),
                                          pad_to=total, schedule="tiled")
             n = mapping.tile_slot.shape[0]
             assert (n, mapping.block_m, mapping.sorted_rows.shape[0]) == (bound, block_m, total)

@@ -89,7 +89,7 @@ class Harness:
     def has_work(self) -> bool:
         return self.in_flight is not None or self.sched.has_unfinished_requests()
 
-    def step(self, lora_slots=None, slot_ranks=(), drop: bool = False, fail: bool = False):
+    def step(self, lora_slots=None, drop: bool = False, fail: bool = False):
         """One engine step; ``drop``: the engine drops the plan unrun; ``fail``: the
         runner applies its deltas, then the step fails and the plan is undone (sent
         again)."""
@@ -105,8 +105,8 @@ class Harness:
                 sched.revert(out)
                 return out, None, None
             self.lora_slots = lora_slots or {}
-            inputs, info = batch.prepare(out, ids, self.lora_slots, list(slot_ranks), None,
-                                         self.bucket_of, self.buffers, self.pieces_of)
+            inputs, info = batch.prepare(out, ids, self.lora_slots, self.bucket_of,
+                                         self.buffers, self.pieces_of)
             views = self.buffers.upload(inputs, self.max_loras, self.prev_sampled)
             self.check(out, inputs, info, views)
             sampled = {rid: next(self.tokens) for rid in info.req_ids}
@@ -201,12 +201,12 @@ class Harness:
         m = self.max_loras
         lora = host["lora"]
         assert lora[:tb].tolist() == ref.token_lora_indices.tolist()
-        assert lora[tb + m:2 * tb + m].tolist() == ref.sorted_rows.tolist()
-        assert lora[2 * tb + m:2 * tb + 2 * m].tolist() == ref.active_slots.tolist()
-        assert lora[2 * tb + 3 * m:2 * tb + 4 * m].tolist() == ref.seg_len.tolist()
+        assert lora[tb:2 * tb].tolist() == ref.sorted_rows.tolist()
+        assert lora[2 * tb:2 * tb + m].tolist() == ref.active_slots.tolist()
+        assert lora[2 * tb + 2 * m:2 * tb + 3 * m].tolist() == ref.seg_len.tolist()
         block_m, nt = layout.lora_block_m, layout.lora_tiles
         assert block_m == graph_block_m(tb, m) and nt == max_row_tiles(tb, m, block_m)
-        t0 = 2 * tb + 5 * m
+        t0 = 2 * tb + 3 * m
         tile_slot, tile_start, tile_len = (lora[t0 + i * nt:t0 + (i + 1) * nt]
                                            for i in range(3))
         # every slot's rows, in order, in tiles of at most block_m rows; then padding tiles
@@ -278,7 +278,7 @@ def test_a_request_left_out_of_a_step_is_parked_and_restored():
                             r.sampling_params) for r in new],
             CachedRequestData(*(list(c) for c in cached)))
         ids = batch.update_states(out)
-        inputs, info = batch.prepare(out, ids, {}, [], None, _no_bucket, buffers)
+        inputs, info = batch.prepare(out, ids, {}, _no_bucket, buffers)
         buffers.upload(inputs, 0)
         tokens = [1000 + len(r.token_ids) for r in (s[0] for s in scheduled)]
         batch.append_sampled(info, tokens)
@@ -374,7 +374,7 @@ def test_piece_steps_pad_token_segments_at_offsets_fixed_by_the_bucket(async_sch
         h.sched.add_request(_request(3 + 2 * i, 6, lora_id=lid))
     offsets, seen = {}, set()
     while h.has_work():
-        out, inputs, _ = h.step(lora_slots={5: 2, 9: 0, 7: 1}, slot_ranks=(4, 2, 8))
+        out, inputs, _ = h.step(lora_slots={5: 2, 9: 0, 7: 1})
         if inputs is None:
             continue
         layout = inputs.layout
@@ -435,16 +435,16 @@ def test_lora_slots_follow_the_rows_and_a_missing_adapter_is_named():
     reqs = [_request(3, 2, lora_id=lid) for lid in (5, 0, 9, 5)]
     for r in reqs:
         h.sched.add_request(r)
-    _, inputs, _ = h.step(lora_slots={5: 2, 9: 0}, slot_ranks=(4, 0, 8))
+    _, inputs, _ = h.step(lora_slots={5: 2, 9: 0})
     host = split_segments(inputs.data, inputs.layout, 3)
     t = inputs.layout.num_tokens
     lora = host["lora"]
     want = [2] * 3 + [-1] * 3 + [0] * 3 + [2] * 3
     assert lora[:t].tolist() == want
-    assert lora[t:t + 3].tolist() == [4, 0, 8]                 # slot ranks
-    assert lora[t + 3:2 * t + 3].tolist() == [6, 7, 8, 0, 1, 2, 9, 10, 11, 3, 4, 5]
+    assert lora[t:2 * t].tolist() == [6, 7, 8, 0, 1, 2, 9, 10, 11, 3, 4, 5]
+    assert lora[2 * t:2 * t + 3].tolist() == [0, 2, -1]         # active slots
     with pytest.raises(KeyError, match="adapter 9"):
-        h.step(lora_slots={5: 2}, slot_ranks=(4, 0, 8))
+        h.step(lora_slots={5: 2})
 
 
 def test_a_plan_the_batch_cannot_follow_is_refused_by_name_and_changes_nothing():
@@ -562,7 +562,7 @@ def test_sampling_columns_match_sampling_tensors_from_params():
            for i, r in enumerate(reqs)]
     out = SchedulerOutput([ScheduledRequest(r, 0, 3, True) for r in reqs], [], [], [], new)
     ids = batch.update_states(out)
-    inputs, info = batch.prepare(out, ids, {}, [], None, _no_bucket, buffers)
+    inputs, info = batch.prepare(out, ids, {}, _no_bucket, buffers)
     host = split_segments(inputs.data, inputs.layout, 0)
     ref = SamplingTensors.from_params(params, 50, "cpu")
     assert host["temperature"].tolist() == pytest.approx(ref.temperature.tolist())

@@ -66,7 +66,7 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
     layout = inputs.layout
     host = split_segments(inputs.data, layout, max_loras)
     t = int(host["query_lens"].sum())               # the sequence segments are unpadded
-    tb, m = layout.num_tokens, max_loras
+    m = max_loras
     schedule, max_seg_len, lora, block_m, num_tiles = 0, 0, None, 0, 0
     if layout.schedule:
         buf = host["lora"]
@@ -75,8 +75,7 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
         schedule = SCHEDULES.index(name)
         max_seg_len = arrays.max_seg_len
         lora = np.zeros(lora_segment_size(t, m, t), np.int32)
-        num_tiles = fill_lora_segment(lora, arrays, buf[tb:tb + m],
-                                      buf[2 * tb + 4 * m:2 * tb + 5 * m], block_m)
+        num_tiles = fill_lora_segment(lora, arrays, block_m)
         lora = lora[:lora_segment_size(t, m, num_tiles)]
     plain = layout._replace(num_tokens=t, pieces=-1, schedule=schedule,
                             max_seg_len=max_seg_len, lora_block_m=block_m,

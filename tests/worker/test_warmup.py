@@ -159,9 +159,7 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     lora = None
     if rng.random() < 0.8 and (graph or any(s >= 0 for s in token_slots)):
         schedule = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
-        lora = build_lora_mapping(token_slots, [rng.randint(1, 16) for _ in range(MAX_LORAS)],
-                                  dev, slot_dora=[rng.randint(0, 1) for _ in range(MAX_LORAS)],
-                                  pad_to=pad, schedule=schedule)
+        lora = build_lora_mapping(token_slots, MAX_LORAS, dev, pad_to=pad, schedule=schedule)
     ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64)
     positions = torch.tensor([c - q + j for q, c in zip(q_lens, c_lens) for j in range(q)]
                              + [0] * (rows - sum(q_lens)), dtype=torch.int64)

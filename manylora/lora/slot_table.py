@@ -1,0 +1,139 @@
+"""The per-(slot, layer, module) rank table every LoRA kernel reads.
+
+One table per model (vLLM keeps one rank per slot; S-LoRA and Punica one per adapter): for
+each adapter slot and each (layer, module) with slot buffers, the rank of the slot's adapter
+for that module and whether it has DoRA scales there. A module the adapter does not target
+has rank 0 (as has every module of an empty slot), and a ``rank_pattern`` module has its own
+rank, so the shrink and expand kernels do exactly the work the adapter defines: a program
+whose (slot, module) has rank 0 returns before it reads x, A, B or y.
+
+The device tensors are written in place when a slot is written, never reallocated, so a
+captured CUDA graph reads the current table at every replay. Host numpy mirrors of both,
+written at the same time, let an eager step skip the launches of a projection that none of
+its slots needs (``used_columns``), without reading the device.
+
+Each ``LoRASlots`` of ``S`` slices owns ``S`` consecutive columns from its ``rank_col`` and
+holds views of them (``LoRASlots.ranks`` / ``.dora``, int32 ``[max_loras, S]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from manylora.lora.slots import LoRASlots
+
+
+class SlotTable:
+    """Ranks and DoRA flags of every (slot, layer, module) with slot buffers.
+
+    Args:
+        slots: ``{(layer, module): LoRASlots}`` (the model's; a packed ``LoRASlots`` appears
+            under each of its modules' keys, all of one layer). Each distinct ``LoRASlots``
+            gets its columns in first-appearance order and is bound to this table (its
+            ``ranks`` / ``dora`` views and ``rank_col`` point here; what it held before is
+            dropped).
+        max_loras: the number of adapter slots.
+        device: where the kernels read the table.
+
+    Attributes:
+        ranks: device int32 ``[max_loras, E]``; ``E`` = the number of (layer, module) pairs.
+        dora: device int32 ``[max_loras, E]``, 1 where that (slot, module) has DoRA scales.
+        ranks_host, dora_host: numpy int32 ``[max_loras, E]``, the host mirrors.
+        keys: the ``(layer, module)`` of each column.
+
+    Raises:
+        ValueError: a ``LoRASlots`` of another ``max_loras``, under keys of several layers or
+            of modules it does not have.
+    """
+
+    def __init__(self, slots: Mapping[tuple[int, str], LoRASlots], max_loras: int,
+                 device: torch.device) -> None:
+        owners: dict[int, tuple[LoRASlots, int]] = {}
+        for (layer, module), lora in slots.items():
+            if module not in lora.module_names:
+                raise ValueError(f"({layer}, {module!r}) maps to slots of {lora.module_names}")
+            if lora.max_loras != max_loras:
+                raise ValueError(f"slots of {lora.module_names} have {lora.max_loras} slots, "
+                                 f"the table {max_loras}")
+            known = owners.setdefault(id(lora), (lora, layer))
+            if known[1] != layer:
+                raise ValueError(f"slots of {lora.module_names} appear in layers {known[1]} "
+                                 f"and {layer}")
+        keys: list[tuple[int, str]] = []
+        bind: list[tuple[LoRASlots, int]] = []
+        for lora, layer in owners.values():
+            bind.append((lora, len(keys)))
+            keys.extend((layer, name) for name in lora.module_names)
+        self.keys = tuple(keys)
+        self._column = {key: i for i, key in enumerate(keys)}
+        self.max_loras = max_loras
+        self.ranks = torch.zeros(max_loras, len(keys), dtype=torch.int32, device=device)
+        self.dora = torch.zeros(max_loras, len(keys), dtype=torch.int32, device=device)
+        self.ranks_host = np.zeros((max_loras, len(keys)), np.int32)
+        self.dora_host = np.zeros((max_loras, len(keys)), np.int32)
+        for lora, col in bind:
+            lora.bind(self, col)
+
+    @property
+    def num_columns(self) -> int:
+        """E, the (layer, module) pairs with slot buffers."""
+        return len(self.keys)
+
+    def column(self, layer: int, module: str) -> int:
+        """The column of ``(layer, module)``.
+
+        Raises:
+            KeyError: no slot buffers for that (layer, module).
+        """
+        try:
+            return self._column[(layer, module)]
+        except KeyError:
+            raise KeyError(f"no adapter slot buffers for module {module!r} of layer "
+                           f"{layer}") from None
+
+    def set(self, slot: int, col: int, rank: int, dora: bool) -> None:
+        """Write one entry, host mirror and device (two in-place fills on the current
+        stream; nothing synchronises).
+
+        Raises:
+            ValueError: a negative rank, or a slot or column out of range.
+        """
+        if rank < 0 or not 0 <= slot < self.max_loras or not 0 <= col < self.num_columns:
+            raise ValueError(f"rank {rank} at slot {slot}, column {col} of a "
+                             f"[{self.max_loras}, {self.num_columns}] table")
+        self.ranks_host[slot, col] = rank
+        self.dora_host[slot, col] = int(dora)
+        self.ranks[slot, col] = rank
+        self.dora[slot, col] = int(dora)
+
+    def write_row(self, slot: int, ranks: np.ndarray, dora: np.ndarray) -> None:
+        """Write a slot's whole row (every column: 0 where its adapter has no module there):
+        the host mirrors, then one copy per device tensor, on the current stream.
+
+        Args:
+            ranks, dora: integer ``[E]``.
+
+        Raises:
+            ValueError: rows of another length, or a negative rank.
+        """
+        ranks = np.asarray(ranks, dtype=np.int32).reshape(-1)
+        flags = (np.asarray(dora).reshape(-1) != 0).astype(np.int32)
+        if ranks.size != self.num_columns or flags.size != self.num_columns:
+            raise ValueError(f"a row of {ranks.size} ranks and {flags.size} DoRA flags for "
+                             f"{self.num_columns} columns")
+        if (ranks < 0).any():
+            raise ValueError(f"negative rank in slot {slot}'s row")
+        self.ranks_host[slot] = ranks
+        self.dora_host[slot] = flags
+        self.ranks[slot].copy_(torch.from_numpy(ranks))
+        self.dora[slot].copy_(torch.from_numpy(flags))
+
+    def clear(self, slot: int) -> None:
+        """Mark ``slot`` empty: rank 0 and no DoRA in every column."""
+        self.write_row(slot, np.zeros(self.num_columns, np.int32),
+                       np.zeros(self.num_columns, np.int32))
