@@ -10,7 +10,9 @@ one shrink and one expand over all its LoRA-enabled slices and all adapters of t
 
 For the rows of a DoRA adapter (Liu et al. 2024; peft's ``use_dora``) the expand also
 rescales: ``y = (y + delta) * scale + shift`` with ``scale = m / ||W + BA||`` and
-``shift = (1 - scale) * b``, i.e. ``scale * (x W^T + delta) + b``.
+``shift = (1 - scale) * b`` (computed by the expand from the bias), i.e.
+``scale * (x W^T + delta) + b``. Which (slot, module)s are DoRA, and each one's rank (0: not
+targeted, nothing launched or read for it), come from the model's ``SlotTable``.
 
 The slot buffers (``manylora.lora.slots``) are allocated once, up front, and only for the
 projections in ``LoRAConfig.target_modules``.
@@ -37,7 +39,8 @@ With ``fully_sharded`` (vLLM's ``fully_sharded_loras``, after S-LoRA) the replic
 split too, for more collectives:
 
 * column-parallel: A cut along the (padded) rank; each rank shrinks to its ``max_lora_rank /
-  tp`` columns of the buffer and the buffer is all-gathered along the rank;
+  tp`` columns of the buffer (each (slot, module)'s rank clamped to those rows in the kernel)
+  and the buffer is all-gathered along the rank;
 * row-parallel: B cut to the rank's output columns; the shrink buffer is all-reduced, the
   base output all-reduced (plus bias), the rank expands its columns and the columns are
   all-gathered: ``y = all_gather_i((all_reduce(x W^T) + b)[:, cols_i] + delta[:, cols_i])``.

@@ -4,8 +4,9 @@ Slot buffers are allocated once, up front (vLLM's ``lora_a_stacked`` / ``lora_b_
 Punica's per-slot adapter stacks), one ``LoRASlots`` per LoRA-enabled packed projection,
 only for the modules in ``LoRAConfig.target_modules``. ``set_slot`` writes one adapter's
 tensors into a slot and, under tensor parallelism, keeps the rank's part of them
-(``SlotSharding``; the split is explained in ``manylora.lora.linear``). ``shrink`` /
-``expand`` run the step's Punica ops over the buffers.
+(``SlotSharding``; the split is explained in ``manylora.lora.linear``), and writes the
+(slot, module)'s rank and DoRA flag into the model's ``SlotTable``, which the kernels read.
+``shrink`` / ``expand`` run the step's Punica ops over the buffers.
 """
 
 from __future__ import annotations

@@ -475,3 +475,24 @@ def test_set_slot_rejects_bad_tensors_and_keeps_the_slot():
     assert torch.all(slots.lora_a_stacked[0][0, :2] == 1), "a refused write changed the slot"
     assert torch.all(slots.dora_scale_stacked[0][0] == 2)
     assert slots.ranks.tolist()[0] == [2] and slots.dora.tolist()[0] == [1]
+
+
+def test_set_slot_writes_rows_up_to_the_rank_only():
+    """A slot write of rank r writes rows [0, r) of A and of rank-major B (B transposed)
+    and nothing else: rows past r, other slots and an untargeted module's buffers keep what
+    they held (no zeroing; no kernel reads them)."""
+    layer = LoRALinear(IN, tuple(QKV_WIDTH.values()), QKV_NAMES, bias=False,
+                       dtype=torch.float32, device=torch.device("cpu"))
+    slots = layer.create_lora_slots(QKV_NAMES, MAX_LORAS, MAX_RANK)
+    for t in (*slots.lora_a_stacked, *slots.lora_b_stacked):
+        t.fill_(7.0)
+    a, b = torch.randn(3, IN), torch.randn(QKV_WIDTH["k_proj"], 3)
+    slots.set_slot(1, "k_proj", a, b)
+    slots.set_slot(1, "q_proj", None, None)
+    a_k, b_k = slots.lora_a_stacked[1], slots.lora_b_stacked[1]
+    assert torch.equal(a_k[1, :3], a) and torch.equal(b_k[1, :3], b.T)
+    assert torch.all(a_k[1, 3:] == 7) and torch.all(b_k[1, 3:] == 7)
+    assert torch.all(a_k[[0, 2, 3]] == 7) and torch.all(b_k[[0, 2, 3]] == 7)
+    for s in (0, 2):
+        assert torch.all(slots.lora_a_stacked[s] == 7) and torch.all(slots.lora_b_stacked[s] == 7)
+    assert slots.ranks.tolist()[1] == [0, 3, 0]
