@@ -412,8 +412,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         slots = [t % case.adapters for t in range(case.tokens)]
         return ops["build_lora_mapping"](slots, MAX_LORAS, device).schedule
 
-    from manylora.lora.punica import SGMV_MIN_ROWS_PER_SLOT
-
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_lora_kernels")
     shape = (f"Llama-3-8B / {TINY_DIVISOR} (tiny smoke shapes)" if tiny else "Llama-3-8B")
@@ -450,8 +448,9 @@ def main(argv: Sequence[str] | None = None) -> None:
            command, SCHEDULE_COLUMNS, schedule_rows(sched_results, bandwidth, default_pick),
            notes=("Both schedules forced through `build_lora_mapping(..., schedule=...)`, "
                   "timed as above; bgmv / sgmv > 1 means SGMV is faster. The default pick is "
-                  f"SGMV when the adapters present average ≥ {SGMV_MIN_ROWS_PER_SLOT} rows "
-                  "(`SGMV_MIN_ROWS_PER_SLOT` in manylora/lora/punica.py). best % copy BW = "
+                  "the schedule of least modelled time (`default_schedule` in "
+                  "manylora/lora/punica.py, ops/lora_cost_model.py; it may be `tiled`, "
+                  "benchmarks/bench_lora_decode.py times that one). best % copy BW = "
                   "floor bytes / the faster time / measured copy bandwidth."),
            write=write, device=device)
     print(f"total {time.perf_counter() - t_start:.0f} s", flush=True)

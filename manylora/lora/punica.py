@@ -9,6 +9,10 @@ kernels need:
   ``i``-th slot present in the step ``active_slots[i]``, its rows
   ``sorted_rows[seg_start[i] : seg_start[i] + seg_len[i]]``.
 
+* the tile view (the tiled schedule, ``ops/triton_lora_tiled.py``): each slot's rows cut
+  into tiles of at most ``block_m`` rows (``lora/row_tiles.py``), so a kernel program reads
+  its adapter once per tile.
+
 Ranks and DoRA flags are not part of it: they are per (slot, layer, module), in the model's
 ``SlotTable``, which the kernels read as data (a captured CUDA graph stays valid when
 adapters are swapped in and out of slots). An eager step's mapping carries, on the host,
@@ -18,7 +22,8 @@ needs launches nothing.
 All index tensors are int32 on the model's device and are built from one host buffer with
 a single copy (numpy vector ops: a stable ``argsort`` and a ``bincount``, no per-row
 Python). A mapping built with ``pad_to`` has the fixed shapes a CUDA graph captures:
-padding rows are base rows, and ``max_seg_len`` is the padded batch size.
+padding rows are base rows, ``max_seg_len`` is the padded batch size, and the tile arrays
+have ``max_row_tiles(pad_to, max_loras, block_m)`` entries.
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-# The segment (SGMV) schedule pays off once a step has at least SGMV_MIN_ROWS LoRA rows and
-# its slots average SGMV_MIN_ROWS_PER_SLOT rows (prefill); otherwise each row gathers its
-# own adapter (BGMV). From the SGMV-vs-BGMV table in BENCHMARKS.md (H100): BGMV wins at
-# every split of 8 and 64 rows, SGMV from 256 rows at 8 rows per adapter.
-SGMV_MIN_ROWS = 256
-SGMV_MIN_ROWS_PER_SLOT = 8
+from manylora.lora.row_tiles import max_row_tiles, row_tiles
+from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
+from manylora.ops.lora_tiled_plans import TILE_BLOCK_MS
+
+#: The kernel schedules a mapping may carry (``ops/lora_cost_model.py`` picks one per step).
+LORA_SCHEDULES = ("bgmv", "sgmv", "tiled")
 
 
 class SlotSegment(NamedTuple):
@@ -63,9 +68,15 @@ class LoRAMapping(NamedTuple):
             ``sorted_rows`` (0 past the active ones).
         seg_len: int32 ``[max_loras]``, how many rows ``active_slots[i]`` has (0 past them).
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
-        schedule: ``"sgmv"`` (segments) or ``"bgmv"`` (per-row gather), the kernel schedule.
+        schedule: ``"sgmv"`` (segments), ``"bgmv"`` (per-row gather) or ``"tiled"`` (row
+            tiles), the kernel schedule.
         has_lora: host bool, whether any row uses an adapter (if not, layers launch nothing).
         segments: one ``SlotSegment`` per slot present (host view; empty in a padded mapping).
+        tile_slot: int32 ``[num_tiles]``, each row tile's slot, -1 for padding tiles
+            (``lora.row_tiles.row_tiles``; empty unless the schedule is ``"tiled"``).
+        tile_start: int32 ``[num_tiles]``, the tile's first index into ``sorted_rows``.
+        tile_len: int32 ``[num_tiles]``, the tile's rows (0 for padding tiles).
+        block_m: host int, the most rows of a tile (0 without tiles).
         used_columns: host, per ``SlotTable`` column, whether any slot of the step has a
             nonzero rank there (``used_columns``); None: unknown, every LoRA projection
             launches (CUDA-graph steps, whose kernels exit early on rank 0).
@@ -80,6 +91,10 @@ class LoRAMapping(NamedTuple):
     schedule: str
     has_lora: bool
     segments: tuple[SlotSegment, ...]
+    tile_slot: torch.Tensor
+    tile_start: torch.Tensor
+    tile_len: torch.Tensor
+    block_m: int
     used_columns: tuple[bool, ...] | None = None
 
 
@@ -150,11 +165,57 @@ def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
                              int(seg_len.max()) if max_loras else 0, num_lora_rows)
 
 
-def default_schedule(num_lora_rows: int, num_active: int) -> str:
-    """``"sgmv"`` when the step has at least ``SGMV_MIN_ROWS`` LoRA rows and its active
-    slots average at least ``SGMV_MIN_ROWS_PER_SLOT`` rows, else ``"bgmv"``."""
-    return ("sgmv" if num_active and num_lora_rows >= max(
-        SGMV_MIN_ROWS, SGMV_MIN_ROWS_PER_SLOT * num_active) else "bgmv")
+def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
+                     model: LoRAScheduleModel | None = None) -> tuple[str, int]:
+    """``(schedule, block_m)`` for a step whose active slots hold ``seg_len`` rows each: the
+    schedule of least modelled time (``ops.lora_cost_model.choose_schedule``; ``block_m`` 0
+    except for ``"tiled"``). A padded (CUDA-graph) step of ``padded_rows`` rows chooses
+    between BGMV and tiles of ``graph_block_m(padded_rows, max_loras)`` rows (what its graphs
+    are captured with).
+
+    Args:
+        seg_len: int ``[n]``, rows per active slot (zeros ignored).
+        max_loras: slots.
+        padded_rows: a graph step's padded row count; None: an eager step.
+        model: the projections, rank and GPU the choice is for; None:
+            ``LoRAScheduleModel.default()``.
+    """
+    model = LoRAScheduleModel.default() if model is None else model
+    return model.choose(seg_len, max_loras, padded_rows=padded_rows,
+                        graph_block_m=None if padded_rows is None
+                        else graph_block_m(padded_rows, max_loras))
+
+
+def lora_segment_size(total: int, max_loras: int, num_tiles: int) -> int:
+    """int32 elements of a mapping's device buffer (``lora_mapping_from_buffer``'s layout)."""
+    return 2 * total + 3 * max_loras + 3 * num_tiles
+
+
+def fill_lora_segment(out: np.ndarray, arrays: LoRAMappingArrays, block_m: int,
+                      num_tiles: int | None = None) -> int:
+    """Write a mapping's host buffer (``lora_mapping_from_buffer``'s layout) into ``out``,
+    numpy vector ops only; returns the tile count written.
+
+    Args:
+        out: int32 ``[>= lora_segment_size(...)]``, written from 0.
+        arrays: the step's ``LoRAMappingArrays``.
+        block_m: the tile height, 0: no tiles (BGMV / SGMV).
+        num_tiles: pad the tile arrays to this many (a graph step: ``max_row_tiles``); None:
+            the exact count.
+
+    Raises:
+        ValueError: more tiles than ``num_tiles``.
+    """
+    m = arrays.active_slots.size
+    parts = [arrays.token_lora_indices, arrays.sorted_rows, arrays.active_slots,
+             arrays.seg_start, arrays.seg_len]
+    if block_m:
+        tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, block_m,
+                          num_tiles)
+        parts += [tiles.tile_slot, tiles.tile_start, tiles.tile_len]
+    n = sum(p.size for p in parts)
+    np.concatenate(parts, out=out[:n])
+    return (n - 2 * arrays.token_lora_indices.size - 3 * m) // 3
 
 
 def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool, ...]:
@@ -175,7 +236,8 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
 
 def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
                        pad_to: int | None = None, schedule: str | None = None,
-                       ranks_host: np.ndarray | None = None) -> LoRAMapping:
+                       ranks_host: np.ndarray | None = None, block_m: int | None = None,
+                       model: LoRAScheduleModel | None = None) -> LoRAMapping:
     """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
 
     Args:
@@ -183,65 +245,90 @@ def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch
         max_loras: the number of adapter slots.
         device: where the index tensors live.
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
-            CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True.
-        schedule: force ``"sgmv"`` or ``"bgmv"``; by default ``default_schedule``.
+            CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True,
+            ``max_row_tiles(pad_to, max_loras, block_m)`` tiles.
+        schedule: force one of ``LORA_SCHEDULES``; by default ``default_schedule`` (with
+            ``model``).
         ranks_host: ``SlotTable.ranks_host``, for ``used_columns`` (not with ``pad_to``);
             None: no eager skip.
+        block_m: the tiled schedule's tile height; None: the modelled choice (eager) or
+            ``graph_block_m(pad_to, max_loras)`` (padded).
+        model: what ``default_schedule`` models; None: its default.
 
     Returns:
-        The ``LoRAMapping``; its five int32 tensors come from one host → device copy
-        (pinned and non-blocking on CUDA).
+        The ``LoRAMapping``; its int32 tensors come from one host → device copy (pinned and
+        non-blocking on CUDA).
 
     Raises:
         IndexError: a slot outside ``[-1, max_loras)``.
         ValueError: ``pad_to`` below the number of rows, a ``ranks_host`` of another slot
-            count, or an unknown ``schedule``.
+            count, an unknown ``schedule``, or a ``block_m`` the tiled kernels do not take.
     """
-    if schedule not in (None, "sgmv", "bgmv"):
-        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
+    if schedule not in (None, *LORA_SCHEDULES):
+        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use one of "
+                         f"{LORA_SCHEDULES}")
     if ranks_host is not None and ranks_host.shape[0] != max_loras:
         raise ValueError(f"a rank table of {ranks_host.shape[0]} slots for {max_loras}")
     arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
-    host = torch.empty(2 * total + 3 * max_loras, dtype=torch.int32,
-                       pin_memory=torch.device(device).type == "cuda")
-    np.concatenate([arrays.token_lora_indices, arrays.sorted_rows, arrays.active_slots,
-                    arrays.seg_start, arrays.seg_len], out=host.numpy())
     if schedule is None:
-        schedule = default_schedule(arrays.num_lora_rows, int((arrays.seg_len > 0).sum()))
+        schedule, chosen = default_schedule(arrays.seg_len, max_loras, padded_rows=pad_to,
+                                            model=model)
+        block_m = chosen if block_m is None else block_m
+    if schedule != "tiled":
+        block_m = 0
+    elif block_m is None:
+        block_m = (graph_block_m(pad_to, max_loras) if pad_to is not None
+                   else default_schedule(arrays.seg_len, max_loras, model=model)[1] or 16)
+    if schedule == "tiled" and block_m not in TILE_BLOCK_MS:
+        raise ValueError(f"tiled LoRA: block_m {block_m} is not one of {TILE_BLOCK_MS}")
+    bound = max_row_tiles(total, max_loras, block_m) if block_m else 0
+    host = torch.empty(lora_segment_size(total, max_loras, bound), dtype=torch.int32,
+                       pin_memory=torch.device(device).type == "cuda")
+    written = fill_lora_segment(host.numpy(), arrays, block_m,
+                                bound if pad_to is not None else None)
+    host = host[:lora_segment_size(total, max_loras, written)]
     return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
                                     arrays.max_seg_len, schedule, padded=pad_to is not None,
-                                    ranks_host=ranks_host, host=host.numpy())
+                                    ranks_host=ranks_host, host=host.numpy(),
+                                    num_tiles=written, block_m=block_m)
 
 
 def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
                              schedule: str, *, padded: bool,
                              ranks_host: np.ndarray | None = None,
-                             host: np.ndarray | None = None) -> LoRAMapping:
-    """A ``LoRAMapping`` whose five int32 tensors are views of ``buf``, laid out as
+                             host: np.ndarray | None = None, num_tiles: int = 0,
+                             block_m: int = 0) -> LoRAMapping:
+    """A ``LoRAMapping`` whose int32 tensors are views of ``buf``, laid out as
     ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
-    seg_len L]`` (``L = max_loras``), as ``lora_mapping_arrays`` fills it.
+    seg_len L | tile_slot NT | tile_start NT | tile_len NT]`` (``L = max_loras``,
+    ``NT = num_tiles``), as ``fill_lora_segment`` fills it.
 
     Args:
-        buf: int32 ``[2 * total + 3 * max_loras]`` on the model's device.
+        buf: int32 ``[lora_segment_size(total, max_loras, num_tiles)]`` on the device.
         total: rows, padding included.
         max_loras: slots.
         max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
-        schedule: ``"sgmv"`` or ``"bgmv"``.
+        schedule: one of ``LORA_SCHEDULES``.
         padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
             segments, no ``used_columns``.
         ranks_host: ``SlotTable.ranks_host``; with ``host``, an unpadded mapping gets
             ``used_columns``.
         host: the host copy of ``buf`` (numpy int32, same layout).
+        num_tiles: the tile arrays' length (0 without tiles).
+        block_m: the tiles' height (0 without tiles).
 
     The host ``segments`` (read only by the PyTorch references) are built when ``buf`` is
     on the CPU, from ``buf`` itself; a CUDA mapping has none (the Triton path reads the
     tensors).
     """
-    (indices, srows, act, start, length) = buf.split(
-        (total, total, max_loras, max_loras, max_loras))
+    nt = num_tiles
+    (indices, srows, act, start, length, t_slot, t_start, t_len) = buf.split(
+        (total, total, max_loras, max_loras, max_loras, nt, nt, nt))
+    tiles = (t_slot, t_start, t_len, block_m)
     if padded:
-        return LoRAMapping(indices, srows, act, start, length, total, schedule, True, ())
+        return LoRAMapping(indices, srows, act, start, length, total, schedule, True, (),
+                           *tiles)
     used = None
     if ranks_host is not None and host is not None:
         used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
@@ -253,4 +340,4 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
     return LoRAMapping(indices, srows, act, start, length, max_seg_len, schedule,
-                       max_seg_len > 0, segments, used)
+                       max_seg_len > 0, segments, *tiles, used)

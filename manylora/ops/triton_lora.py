@@ -3,7 +3,9 @@
 ``lora_shrink_op`` / ``lora_expand_op`` validate their arguments and launch one kernel of
 ``manylora.ops.lora_kernels`` (Punica, Chen et al. 2023; vLLM's punica Triton ops) sized by
 ``manylora.ops.lora_plans``. The schedule is the mapping's: ``"sgmv"`` (rows grouped by
-slot, prefill) or ``"bgmv"`` (a gather per row, decode).
+slot), ``"bgmv"`` (a gather per row) or ``"tiled"`` (each slot's rows in tiles of at most
+``block_m``, each adapter read once per tile: ``ops/triton_lora_tiled.py``, registered here
+as ``torch.ops.manylora.lora_shrink_tiled`` / ``lora_expand_tiled``).
 
 The ops are CUDA-graph safe: no host synchronisation, grids only from tensor shapes and the
 mapping's host ints. Both are registered directly with the dispatcher
@@ -26,8 +28,9 @@ from collections.abc import Sequence
 import torch
 
 from manylora.lora.punica import LoRAMapping
-from manylora.ops import lora_kernels
+from manylora.ops import lora_kernels, triton_lora_tiled
 from manylora.ops.lora_plans import MAX_SLICES, expand_plan, interpreted_bf16, shrink_plan
+from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -299,6 +302,10 @@ def _register(name: str, schema: str, impl, fake) -> None:
 
 _register("lora_shrink", _LORA_SHRINK_SCHEMA, lora_shrink_op, _lora_shrink_fake)
 _register("lora_expand", _LORA_EXPAND_SCHEMA, lora_expand_op, _lora_expand_fake)
+_register("lora_shrink_tiled", triton_lora_tiled.LORA_SHRINK_TILED_SCHEMA, lora_shrink_tiled,
+          triton_lora_tiled._lora_shrink_tiled_fake)
+_register("lora_expand_tiled", triton_lora_tiled.LORA_EXPAND_TILED_SCHEMA, lora_expand_tiled,
+          triton_lora_tiled._lora_expand_tiled_fake)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,8 +316,9 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
                        ranks: torch.Tensor, mapping: LoRAMapping, *,
                        rank_start: int = 0) -> torch.Tensor:
     """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` for every slice, up to each (slot,
-    slice)'s rank, in one launch of Punica's SGMV or BGMV shrink (``mapping.schedule``):
-    ``lora_shrink_op`` with the mapping's fields.
+    slice)'s rank, in one launch of Punica's SGMV or BGMV shrink or the tiled shrink
+    (``mapping.schedule``): ``lora_shrink_op`` / ``lora_shrink_tiled`` with the mapping's
+    fields.
 
     Eager calls (CUDA-graph capture included: a graph records the launches, whatever Python
     made them) call ``lora_shrink_op`` directly, skipping the dispatcher hop a
@@ -335,6 +343,10 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
     if not mapping.has_lora:
         return torch.zeros(x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1],
                            dtype=torch.float32, device=x.device)
+    if mapping.schedule == "tiled":
+        op = (torch.ops.manylora.lora_shrink_tiled if torch.compiler.is_compiling()
+              else lora_shrink_tiled)
+        return op(x, list(lora_a_stacked), ranks, *_row_tiles(mapping), rank_start)
     op = torch.ops.manylora.lora_shrink if torch.compiler.is_compiling() else lora_shrink_op
     return op(x, list(lora_a_stacked), ranks, mapping.token_lora_indices, mapping.sorted_rows,
               mapping.active_slots, mapping.seg_start, mapping.seg_len, mapping.max_seg_len,
@@ -348,9 +360,10 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                        dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                        bias: torch.Tensor | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s, :r] @ B_s[slot[t], :r]`` for every
-    slice, in place, in one launch of Punica's SGMV or BGMV expand (``mapping.schedule``):
-    ``lora_expand_op`` with the mapping's fields, called directly when eager and through
-    ``torch.ops.manylora.lora_expand`` under ``torch.compile`` (see ``lora_shrink_triton``).
+    slice, in place, in one launch of Punica's SGMV or BGMV expand or the tiled expand
+    (``mapping.schedule``): ``lora_expand_op`` / ``lora_expand_tiled`` with the mapping's
+    fields, called directly when eager and through ``torch.ops.manylora`` under
+    ``torch.compile`` (see ``lora_shrink_triton``).
 
     With ``dora_scale_stacked``, rows whose (slot, slice) the table flags in ``dora`` get
     ``y[t, cols] = (y[t, cols] + delta) * scale + (1 - scale) * bias[cols]`` instead
@@ -380,8 +393,21 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
     if not mapping.has_lora:
         return
     scales = None if dora_scale_stacked is None else list(dora_scale_stacked)
+    flags = dora if scales is not None else None
+    offsets = [offset for offset, _ in output_slices]
+    if mapping.schedule == "tiled":
+        op = (torch.ops.manylora.lora_expand_tiled if torch.compiler.is_compiling()
+              else lora_expand_tiled)
+        op(y, buffer, list(lora_b_stacked), ranks, *_row_tiles(mapping), offsets, flags,
+           scales, bias)
+        return
     op = torch.ops.manylora.lora_expand if torch.compiler.is_compiling() else lora_expand_op
     op(y, buffer, list(lora_b_stacked), ranks, mapping.token_lora_indices, mapping.sorted_rows,
        mapping.active_slots, mapping.seg_start, mapping.seg_len, mapping.max_seg_len,
-       mapping.schedule, [offset for offset, _ in output_slices],
-       dora if scales is not None else None, scales, bias)
+       mapping.schedule, offsets, flags, scales, bias)
+
+
+def _row_tiles(mapping: LoRAMapping) -> tuple:
+    """The tiled ops' mapping arguments: ``sorted_rows``, the tile arrays, ``block_m``."""
+    return (mapping.sorted_rows, mapping.tile_slot, mapping.tile_start, mapping.tile_len,
+            mapping.block_m)

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from manylora.core.scheduler import NewRequestData, SchedulerOutput
-from manylora.lora.punica import default_schedule, lora_mapping_arrays
+from manylora.lora.punica import default_schedule, fill_lora_segment, lora_mapping_arrays
+from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
+from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
 from manylora.sampling_params import SamplingParams
 from manylora.worker.block_table import BlockTable
 from manylora.worker.step_inputs import (
@@ -103,6 +105,8 @@ class InputBatch:
         num_queries_per_kv: G, query heads per KV head (sizes prefill tiles).
         max_rows: rows the batch may never exceed (CUDA graphs hold the block table's
             address), None: no bound.
+        lora_schedule: the projections, rank and GPU the LoRA kernel schedule of each step
+            is modelled for (``lora.punica.default_schedule``); None: its default.
 
     Attributes:
         token_ids: int32 ``[rows, max_model_len]``.
@@ -120,8 +124,10 @@ class InputBatch:
     """
 
     def __init__(self, num_rows: int, max_model_len: int, block_size: int, max_loras: int,
-                 vocab_size: int, num_queries_per_kv: int, max_rows: int | None = None) -> None:
+                 vocab_size: int, num_queries_per_kv: int, max_rows: int | None = None,
+                 lora_schedule: LoRAScheduleModel | None = None) -> None:
         self.max_model_len = max_model_len
+        self.lora_schedule = lora_schedule
         self.block_size = block_size
         self.max_loras = max_loras
         self.vocab_size = vocab_size
@@ -301,7 +307,7 @@ class InputBatch:
             pieces_of: ``num_tokens -> piecewise token bucket or None``; None: no piecewise
                 graphs. A step that is not a decode graph step and has a bucket ``Tb`` pads
                 its token segments to ``Tb`` (ids 0, positions 0, token rows -1: the slot
-                mapping skips them; the LoRA mapping built for ``Tb`` rows with the SGMV
+                mapping skips them; the LoRA mapping built for ``Tb`` rows with the tiled
                 schedule, ``max_seg_len = Tb``) and leaves the sequence, tile and sampling
                 segments unpadded (attention runs eagerly between the pieces).
 
@@ -344,7 +350,8 @@ class InputBatch:
         token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
         if bucket is not None:
             probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
-                               0, pending, num_sampled, 0, bucket, 0, int(late.size))
+                               0, pending, num_sampled, 0, bucket, 0, int(late.size),
+                               lora_tiles=bucket)
             if total_size(probe, self.max_loras) > buffers.capacity:
                 bucket = None     # a graph reads the persistent buffer only: run eagerly
         pad_tokens = num_tokens if bucket is None else bucket
@@ -363,21 +370,29 @@ class InputBatch:
         if pieces is not None:
             probe = StepLayout(pieces, num_seqs, int(tile_seq.size), num_decode, width,
                                int(token_slots is not None), 0, pending, num_sampled, 0, -1,
-                               0, int(late.size), pieces)
+                               0, int(late.size), pieces, lora_tiles=pieces)
             if total_size(probe, self.max_loras) > buffers.capacity:
                 pieces = None     # a graph reads the persistent buffer only: run eagerly
             else:
                 pad_tokens = pieces
 
         lora = None
-        max_seg_len = pad_tokens if bucket is not None or pieces is not None else 0
-        schedule = 0
+        padded = pad_tokens if bucket is not None or pieces is not None else None
+        max_seg_len = padded or 0
+        schedule = block_m = num_tiles = 0
         if token_slots is not None:
             lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
             if not max_seg_len:
                 max_seg_len = lora.max_seg_len
-            schedule = SCHEDULES.index("sgmv" if pieces is not None else default_schedule(
-                lora.num_lora_rows, int((lora.seg_len > 0).sum())))
+            if pieces is not None:          # piece graphs are captured with tiles only
+                name, block_m = "tiled", graph_block_m(pieces, self.max_loras)
+            else:
+                name, block_m = default_schedule(lora.seg_len, self.max_loras,
+                                                 padded_rows=bucket, model=self.lora_schedule)
+            schedule = SCHEDULES.index(name)
+            if block_m:
+                num_tiles = (max_row_tiles(padded, self.max_loras, block_m) if padded
+                             else int((-(-lora.seg_len // block_m)).sum()))
         layout = StepLayout(
             num_tokens=pad_tokens, num_seqs=pad_seqs, num_tiles=int(tile_seq.size),
             num_decode_tiles=num_decode, table_width=width, schedule=schedule,
@@ -386,7 +401,8 @@ class InputBatch:
             sample_prefix=int(num_sampled == 0 or sample_rows_in_batch[-1] == num_sampled - 1),
             bucket=-1 if bucket is None else bucket,
             table_rows=self.num_rows, num_prev=int(late.size),
-            pieces=-1 if pieces is None else pieces)
+            pieces=-1 if pieces is None else pieces, lora_block_m=block_m,
+            lora_tiles=num_tiles)
         data = buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         _put(v["ids"], self.token_ids[token_rows, positions], 0)
@@ -400,9 +416,7 @@ class InputBatch:
         v["tile_seq"][:] = tile_seq
         v["tile_query"][:] = tile_query
         if lora is not None:
-            n, m = pad_tokens, self.max_loras
-            np.concatenate([lora.token_lora_indices, lora.sorted_rows, lora.active_slots,
-                            lora.seg_start, lora.seg_len], out=v["lora"][:2 * n + 3 * m])
+            fill_lora_segment(v["lora"], lora, block_m, num_tiles if block_m else None)
         self.block_table.take_updates(v["table_index"], v["table_value"])
         v["prev_dst"][:] = cu[late] - 1
         v["prev_src"][:] = prev[late]

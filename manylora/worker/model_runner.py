@@ -26,13 +26,26 @@ import numpy as np
 import torch
 
 from manylora.core.scheduler import SchedulerOutput
-from manylora.lora.punica import LoRAMapping, lora_mapping_from_buffer
+from manylora.lora.linear import LoRALinear
+from manylora.lora.punica import (
+    LoRAMapping,
+    fill_lora_segment,
+    lora_mapping_arrays,
+    lora_mapping_from_buffer,
+)
+from manylora.lora.row_tiles import max_row_tiles
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops.attention import (
     AttentionMetadata,
     KVCache,
     prefill_block_q,
     slot_mapping_from_block_table,
+)
+from manylora.ops.lora_cost_model import (
+    LoRAScheduleModel,
+    ProjectionShape,
+    gpu_model,
+    graph_block_m,
 )
 from manylora.sample.sampler import (
     SampledTokens,
@@ -122,7 +135,8 @@ class ModelRunner:
         self.pieces = PiecewiseGraphs(model, piece_sizes, self.device) if piece_sizes else None
         rows = largest or INITIAL_ROWS
         self._batch_args = (rows, max_model_len, block_size, max_loras, self.vocab_size,
-                            self.num_queries_per_kv, largest or None)
+                            self.num_queries_per_kv, largest or None,
+                            lora_schedule_model(model, self.device))
         self._input_batch: InputBatch | None = None
         capacity = max(1 << 16, 32 * largest + 16 * max(piece_sizes, default=0)
                        + 8 * max_loras + 8192)
@@ -277,7 +291,8 @@ class ModelRunner:
                                         layout.max_seg_len, SCHEDULES[layout.schedule],
                                         padded=padded,
                                         ranks_host=None if table is None else table.ranks_host,
-                                        host=lora_host)
+                                        host=lora_host, num_tiles=layout.lora_tiles,
+                                        block_m=layout.lora_block_m)
 
     def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
         """The step's ``AttentionMetadata``: the slot mapping of every token row (-1 on
@@ -308,22 +323,23 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture every CUDA graph up front (vLLM captures at start-up too; CUDA only).
 
-        Decode graphs: one per batch size, without LoRA and with each LoRA kernel schedule
-        when LoRA is on, on an all-padding step (nothing is written to the cache). Then the
-        piecewise graphs: ``L + 1`` pieces per token bucket, without LoRA and with the SGMV
-        schedule (a piecewise step with LoRA rows always runs SGMV), largest bucket first.
-        Ranks and DoRA flags are the ``SlotTable``'s, read as data at replay. Tensor-
-        parallel ranks call this together (their collectives are captured in order).
+        Decode graphs: one per batch size, without LoRA and with each LoRA kernel schedule a
+        graph step may pick (BGMV and row tiles: a padded SGMV grid is ``max_loras`` times
+        the rows' tiles) when LoRA is on, on an all-padding step (nothing is written to the
+        cache). Then the piecewise graphs: ``L + 1`` pieces per token bucket, without LoRA
+        and with row tiles (a piecewise step with LoRA rows always runs them), largest
+        bucket first. Ranks and DoRA flags are the ``SlotTable``'s, read as data at replay.
+        Tensor-parallel ranks call this together (their collectives are captured in order).
         """
         if self.device.type != "cuda":
             return
         if self.graphs is not None:
-            schedules = (None, "bgmv", "sgmv") if self.max_loras else (None,)
+            schedules = (None, "bgmv", "tiled") if self.max_loras else (None,)
             for size in reversed(self.graphs.capture_sizes):  # largest first: the pool fits all
                 for schedule in schedules:
                     self.forward_step(self._padding_step(size, SCHEDULES.index(schedule)))
         if self.pieces is not None:
-            schedules = (None, "sgmv") if self.max_loras else (None,)
+            schedules = (None, "tiled") if self.max_loras else (None,)
             for size in reversed(self.pieces.sizes):
                 for schedule in schedules:
                     inputs = self._padding_piece_step(size, SCHEDULES.index(schedule))
@@ -337,7 +353,8 @@ class ModelRunner:
                             num_decode_tiles=size, table_width=self.max_blocks_per_seq,
                             schedule=schedule, max_seg_len=size, num_table_updates=0,
                             num_sampled=0, sample_prefix=1, bucket=size,
-                            table_rows=self.buffers.block_table.shape[0])
+                            table_rows=self.buffers.block_table.shape[0],
+                            **self._graph_tiles(size, schedule))
         data = self.buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         data[:] = 0
@@ -346,7 +363,7 @@ class ModelRunner:
         v["query_lens"][:] = 1
         v["tile_seq"][:] = np.arange(size)
         if schedule:
-            _base_rows_mapping(v["lora"], size, self.max_loras)
+            _base_rows_mapping(v["lora"], size, self.max_loras, layout)
         return StepInputs(layout, data)
 
     def _padding_piece_step(self, size: int, schedule: int) -> StepInputs:
@@ -355,14 +372,24 @@ class ModelRunner:
         layout = StepLayout(num_tokens=size, num_seqs=0, num_tiles=0, num_decode_tiles=0,
                             table_width=1, schedule=schedule, max_seg_len=size,
                             num_table_updates=0, num_sampled=0, sample_prefix=1, bucket=-1,
-                            table_rows=self.buffers.block_table.shape[0], pieces=size)
+                            table_rows=self.buffers.block_table.shape[0], pieces=size,
+                            **self._graph_tiles(size, schedule))
         data = self.buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         data[:] = 0
         v["token_rows"][:] = -1
         if schedule:
-            _base_rows_mapping(v["lora"], size, self.max_loras)
+            _base_rows_mapping(v["lora"], size, self.max_loras, layout)
         return StepInputs(layout, data)
+
+    def _graph_tiles(self, size: int, schedule: int) -> dict:
+        """The tile fields of a graph layout of ``size`` rows: ``graph_block_m`` and its
+        ``max_row_tiles`` bound for the tiled schedule, none otherwise."""
+        if SCHEDULES[schedule] != "tiled":
+            return {}
+        block_m = graph_block_m(size, self.max_loras)
+        return dict(lora_block_m=block_m,
+                    lora_tiles=max_row_tiles(size, self.max_loras, block_m))
 
     def release_graphs(self) -> None:
         """Destroy the captured graphs (decode and piecewise); later steps run eagerly."""
@@ -390,13 +417,31 @@ class ModelRunner:
         return gen
 
 
+def lora_schedule_model(model: LlamaForCausalLM, device: torch.device
+                        ) -> LoRAScheduleModel | None:
+    """The ``LoRAScheduleModel`` of ``model``'s first layer (its LoRA projections' ``in``
+    and slice widths, the slot buffers' rank and element size) on ``device``'s
+    ``gpu_model``; None without LoRA slots."""
+    shapes, rank, size = [], 0, 2
+    for m in model.model.layers[0].modules():
+        slots = getattr(m, "lora", None)
+        if isinstance(m, LoRALinear) and slots is not None:
+            a = slots.lora_a_stacked[0]
+            shapes.append(ProjectionShape(a.shape[2], tuple(n for _, n in slots.output_slices)))
+            rank, size = max(rank, a.shape[1]), a.element_size()
+    if not shapes:
+        return None
+    return LoRAScheduleModel(tuple(shapes), rank, gpu_model(device), size)
+
+
 def _no_bucket(num_rows: int) -> None:
     return None
 
 
-def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int) -> None:
-    """Fill a zeroed LoRA segment (``lora_mapping_from_buffer``'s layout) with the mapping
-    of ``size`` base rows: no row on an adapter, no active slot."""
-    lora[:size] = -1                                         # every row on the base
-    lora[size:2 * size] = np.arange(size)                    # sorted rows
-    lora[2 * size:2 * size + max_loras] = -1                 # no active slot
+def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int,
+                       layout: StepLayout) -> None:
+    """Fill a LoRA segment (``lora_mapping_from_buffer``'s layout) with the mapping of
+    ``size`` base rows: no row on an adapter, no active slot, only padding tiles."""
+    arrays = lora_mapping_arrays(np.full(size, -1), max_loras)
+    fill_lora_segment(lora, arrays, layout.lora_block_m,
+                      layout.lora_tiles if layout.lora_block_m else None)

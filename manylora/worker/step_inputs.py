@@ -22,7 +22,7 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
-LoRA (when present)   2T + 3L        ``lora.punica.lora_mapping_from_buffer``'s layout
+LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_mapping_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)
@@ -48,8 +48,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-#: ``StepLayout.schedule`` codes: no LoRA segment, BGMV, SGMV.
-SCHEDULES = (None, "bgmv", "sgmv")
+from manylora.lora.punica import lora_segment_size
+
+#: ``StepLayout.schedule`` codes: no LoRA segment, BGMV, SGMV, row tiles.
+SCHEDULES = (None, "bgmv", "sgmv", "tiled")
 
 
 class StepLayout(NamedTuple):
@@ -73,6 +75,9 @@ class StepLayout(NamedTuple):
             (async scheduling; 0 otherwise).
         pieces: the piecewise CUDA-graph token bucket (= ``num_tokens``; the token segments
             padded to it, the sequence segments not), -1: not a piecewise step.
+        lora_block_m: the tiled schedule's tile height (0: no tiles).
+        lora_tiles: NT, entries of the LoRA mapping's tile arrays (``max_row_tiles`` of the
+            padded rows on a graph step; 0: no tiles).
     """
 
     num_tokens: int
@@ -89,6 +94,8 @@ class StepLayout(NamedTuple):
     table_rows: int
     num_prev: int = 0
     pieces: int = -1
+    lora_block_m: int = 0
+    lora_tiles: int = 0
 
 
 class StepInputs(NamedTuple):
@@ -108,7 +115,7 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
     sizes = [("ids", t), ("positions", t), ("token_rows", t)]
     if layout.schedule:
-        sizes.append(("lora", 2 * t + 3 * max_loras))
+        sizes.append(("lora", lora_segment_size(t, max_loras, layout.lora_tiles)))
     sizes += [("seq_rows", b), ("query_start", b), ("query_lens", b), ("seq_lens", b),
               ("tile_seq", nt), ("tile_query", nt)]
     u = layout.num_table_updates

@@ -16,6 +16,9 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   the schedule (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
   pick from the row count and the longest SGMV segment (``BLOCK_M``, ``BLOCK_N``,
   ``BLOCK_K``, split-K's ``ATOMIC``).
+* Tiled LoRA (``lora_tiled_kernels``): per projection as above, plus the bias (``HAS_BIAS``);
+  per step, the tile height ``BLOCK_M`` and what ``tiled_shrink_plan`` /
+  ``tiled_expand_plan`` pick from the tile count (``tiled_row_cases``).
 * Attention (``triton_attention``): the model's G, head_dim, block_size, KV-cache dtype
   (``QUANT``), each layer's window (``USE_WINDOW``); per step, decode tiles vs prefill tiles
   (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the decode launch's ``NUM_SPLITS``
@@ -49,7 +52,14 @@ from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import build_lora_mapping
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops import lora_plans, triton_attention, triton_fused, triton_lora, triton_skinny
+from manylora.ops import (
+    lora_plans,
+    lora_tiled_plans,
+    triton_attention,
+    triton_fused,
+    triton_lora,
+    triton_skinny,
+)
 from manylora.ops.attention import KVCache, build_attention_metadata
 
 logger = logging.getLogger(__name__)
@@ -239,6 +249,45 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
             triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
                                            zeros, slots.dora_scale_stacked, slots.bias)
             launches += 2
+        launches += _warm_tiled(m, max_rows, max_loras)
+    return launches
+
+
+def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
+    """Launch the tiled kernels once per distinct plan of ``tiled_row_cases``, through the
+    entry points the model calls, with a rank table of zeros (the programs return at once);
+    the tiles all name row 0 of a one-row step."""
+    slots = m.lora
+    a, b = slots.lora_a_stacked, slots.lora_b_stacked
+    _, rank_a, k = a[0].shape
+    rank_b = b[0].shape[1]
+    max_n = max(size for _, size in slots.output_slices)
+    dtype, device = a[0].dtype, a[0].device
+    dot_fp32 = lora_plans.interpreted_bf16(a[0])
+    shift = slots.bias is not None
+    zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
+    cases: dict[tuple, tuple[int, int]] = {}
+    for num_tiles, block_m in lora_tiled_plans.tiled_row_cases(max_rows, max_loras):
+        sp = lora_tiled_plans.tiled_shrink_plan(num_tiles, block_m, k, rank_a, len(a),
+                                                 a[0].element_size(), dot_fp32)
+        ep = lora_tiled_plans.tiled_expand_plan(num_tiles, block_m, max_n, rank_b, len(b),
+                                                 True, shift, dot_fp32)
+        cases.setdefault((tuple(sp.constexprs.items()), tuple(ep.constexprs.items())),
+                         (num_tiles, block_m))
+    launches = 0
+    for num_tiles, block_m in cases.values():
+        mapping = build_lora_mapping([-1], max_loras, device, schedule="tiled",
+                                     block_m=block_m)
+        ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
+        mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
+                                   has_lora=True)
+        x = torch.zeros(1, m.in_features, dtype=dtype, device=device)
+        triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
+        buffer = torch.zeros(1, len(b), rank_b, dtype=torch.float32, device=device)
+        y = torch.zeros(1, _expand_width(m), dtype=dtype, device=device)
+        triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
+                                       zeros, slots.dora_scale_stacked, slots.bias)
+        launches += 2
     return launches
 
 

@@ -105,6 +105,31 @@ def test_dora_plain_and_base_rows_in_one_batch_match_peft(llama):
             assert not (flags & (table.ranks_host[slot] == 0)).any()
 
 
+def test_dora_through_the_triton_kernels_matches_peft(llama, monkeypatch):
+    """The same batch with the LoRA layers forced onto the Triton entry points (CPU: the
+    interpreter): the tiled expand applies DoRA per (slot, slice) flag and still matches."""
+    from manylora.lora import slots as lora_slots
+    from manylora.ops import triton_lora
+
+    monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
+    monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
+    flagged = []
+    real = triton_lora.lora_expand_tiled
+
+    def spy(y, buffer, b, ranks, rows, slot, start, length, block_m, offsets, dora=None,
+            scales=None, bias=None):
+        flagged.append(dora is not None and bool(dora.any()))
+        return real(y, buffer, b, ranks, rows, slot, start, length, block_m, offsets, dora,
+                    scales, bias)
+
+    monkeypatch.setattr(triton_lora, "lora_expand_tiled", spy)
+    base, adapters, prompts, refs = llama
+    _, outs = _generate(base, adapters, prompts, NAMES, max_loras=3, max_lora_rank=8,
+                        max_num_batched_tokens=32)
+    _assert_matches(outs, refs, NAMES)
+    assert any(flagged), "no tiled expand saw a DoRA slot"
+
+
 def test_without_the_scales_the_dora_rows_differ(llama, monkeypatch):
     """The DoRA scales matter here: with every scale forced to one (what a kernel ignoring
     the DoRA flag would compute) the DoRA rows no longer match peft."""

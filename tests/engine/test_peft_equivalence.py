@@ -93,6 +93,30 @@ def test_mixed_batch_matches_peft(demo_set, prompts, reference):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def test_mixed_batch_through_the_triton_kernels_matches_peft(demo_set, prompts, reference,
+                                                            monkeypatch):
+    """The LoRA layers forced onto the Triton entry points (CPU: Triton's interpreter), each
+    step on the schedule the cost model picks: the tiled kernels run, and the outputs still
+    match peft's."""
+    from manylora.lora import slots as lora_slots
+    from manylora.ops import triton_lora, triton_lora_tiled
+
+    monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
+    monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
+    tiled = []
+    real = triton_lora_tiled.lora_shrink_tiled
+
+    def spy(x, a, ranks, rows, slot, start, length, block_m, rank_start=0):
+        tiled.append(block_m)
+        return real(x, a, ranks, rows, slot, start, length, block_m, rank_start)
+
+    monkeypatch.setattr(triton_lora, "lora_shrink_tiled", spy)
+    _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=4,
+                     max_lora_rank=32, max_num_batched_tokens=48, block_size=4,
+                     num_kv_blocks=256)
+    assert tiled, "no step ran the tiled kernels"
+
+
 def test_fewer_slots_than_adapters(demo_set, prompts, reference):
     llm = _run_mixed_batch(demo_set, prompts, reference, device="cpu", max_loras=2,
                            max_cpu_loras=2, max_lora_rank=32, num_kv_blocks=256, block_size=8)

@@ -335,14 +335,6 @@ def test_create_lora_slots_none_when_nothing_enabled():
     assert layer.lora is None
 
 
-@pytest.mark.parametrize("rows,slots,expected", [
-    (8, 1, "bgmv"), (64, 4, "bgmv"), (255, 1, "bgmv"), (256, 64, "bgmv"), (256, 32, "sgmv"),
-    (4096, 3, "sgmv")])
-def test_default_schedule_follows_the_measured_crossover(rows, slots, expected):
-    mapping = build_lora_mapping([r % slots for r in range(rows)], 64, torch.device("cpu"))
-    assert mapping.schedule == expected
-
-
 # ---------------------------------------------------------------------------------------------
 # DoRA: (y + delta) * scale + (1 - scale) * bias for the (slot, slice)s the table flags
 

@@ -30,7 +30,9 @@ from manylora.core.scheduler import (
 )
 from manylora.engine.request import Request, RequestStatus
 from manylora.lora.punica import lora_mapping_arrays
+from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import slot_mapping_from_block_table
+from manylora.ops.lora_cost_model import graph_block_m
 from manylora.sample.sampler import SamplingTensors
 from manylora.worker.input_batch import InputBatch
 from manylora.worker.step_inputs import (
@@ -180,8 +182,9 @@ class Harness:
 
     def check_pieces(self, out: SchedulerOutput, layout, host, t: int, b: int) -> None:
         """A piecewise step: token segments padded to the bucket (ids and positions 0,
-        token rows -1), the LoRA mapping built over the bucket's rows with the SGMV
-        schedule, sequence and sampling segments unpadded."""
+        token rows -1), the LoRA mapping built over the bucket's rows with the tiled
+        schedule (``graph_block_m`` rows a tile, ``max_row_tiles`` tiles), sequence and
+        sampling segments unpadded."""
         tb = layout.pieces
         want = None if self.pieces_of is None else self.pieces_of(t)
         assert tb == want and layout.num_tokens == tb and layout.bucket == -1
@@ -193,7 +196,7 @@ class Harness:
         if not any(x >= 0 for x in slots):
             assert layout.schedule == 0 and "lora" not in dict(segment_sizes(layout, 0))
             return
-        assert SCHEDULES[layout.schedule] == "sgmv" and layout.max_seg_len == tb
+        assert SCHEDULES[layout.schedule] == "tiled" and layout.max_seg_len == tb
         ref = lora_mapping_arrays(np.asarray(slots), self.max_loras, tb)
         m = self.max_loras
         lora = host["lora"]
@@ -201,6 +204,22 @@ class Harness:
         assert lora[tb:2 * tb].tolist() == ref.sorted_rows.tolist()
         assert lora[2 * tb:2 * tb + m].tolist() == ref.active_slots.tolist()
         assert lora[2 * tb + 2 * m:2 * tb + 3 * m].tolist() == ref.seg_len.tolist()
+        block_m, nt = layout.lora_block_m, layout.lora_tiles
+        assert block_m == graph_block_m(tb, m) and nt == max_row_tiles(tb, m, block_m)
+        t0 = 2 * tb + 3 * m
+        tile_slot, tile_start, tile_len = (lora[t0 + i * nt:t0 + (i + 1) * nt]
+                                           for i in range(3))
+        # every slot's rows, in order, in tiles of at most block_m rows; then padding tiles
+        rows_of: dict[int, list[int]] = {}
+        for i in range(nt):
+            if tile_slot[i] < 0:
+                assert tile_len[i] == 0
+                continue
+            assert 1 <= tile_len[i] <= block_m
+            rows_of.setdefault(int(tile_slot[i]), []).extend(
+                ref.sorted_rows[tile_start[i]:tile_start[i] + tile_len[i]].tolist())
+        assert rows_of == {s: [r for r, x in enumerate(slots) if x == s]
+                           for s in set(slots) if s >= 0}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -371,7 +390,7 @@ def test_piece_steps_pad_token_segments_at_offsets_fixed_by_the_bucket(async_sch
     assert h.sched.num_preemptions > 0
     assert "eager" in seen
     seen.discard("eager")
-    assert len({tb for tb, schedule in seen if schedule == 2}) >= 2       # LoRA rows
+    assert len({tb for tb, schedule in seen if schedule == 3}) >= 2       # LoRA rows
     assert any(schedule == 0 for _, schedule in seen)                      # base rows only
 
 

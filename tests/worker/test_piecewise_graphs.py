@@ -22,7 +22,12 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import _piece_sizes
-from manylora.lora.punica import default_schedule, lora_mapping_arrays
+from manylora.lora.punica import (
+    default_schedule,
+    fill_lora_segment,
+    lora_mapping_arrays,
+    lora_segment_size,
+)
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
@@ -62,17 +67,19 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
     host = split_segments(inputs.data, layout, max_loras)
     t = int(host["query_lens"].sum())               # the sequence segments are unpadded
     m = max_loras
-    schedule, max_seg_len, lora = 0, 0, None
+    schedule, max_seg_len, lora, block_m, num_tiles = 0, 0, None, 0, 0
     if layout.schedule:
         buf = host["lora"]
         arrays = lora_mapping_arrays(buf[:t].astype(np.int64), m)
-        schedule = SCHEDULES.index(default_schedule(arrays.num_lora_rows,
-                                                    int((arrays.seg_len > 0).sum())))
+        name, block_m = default_schedule(arrays.seg_len, m)
+        schedule = SCHEDULES.index(name)
         max_seg_len = arrays.max_seg_len
-        lora = np.concatenate([arrays.token_lora_indices, arrays.sorted_rows,
-                               arrays.active_slots, arrays.seg_start, arrays.seg_len])
+        lora = np.zeros(lora_segment_size(t, m, t), np.int32)
+        num_tiles = fill_lora_segment(lora, arrays, block_m)
+        lora = lora[:lora_segment_size(t, m, num_tiles)]
     plain = layout._replace(num_tokens=t, pieces=-1, schedule=schedule,
-                            max_seg_len=max_seg_len)
+                            max_seg_len=max_seg_len, lora_block_m=block_m,
+                            lora_tiles=num_tiles)
     data = np.zeros(total_size(plain, m), np.int32)
     v = split_segments(data, plain, m)
     for name, dst in v.items():
@@ -143,7 +150,7 @@ def test_padded_piecewise_steps_equal_the_unpadded_eager_step(base_dir, adapters
     assert len(buckets) >= 3, buckets
     with_lora = [tb for tb, schedule, _ in compared if schedule]
     if enable_lora:
-        assert all(SCHEDULES[s] in (None, "sgmv") for _, s, _ in compared)
+        assert all(SCHEDULES[s] in (None, "tiled") for _, s, _ in compared)
         assert len(set(with_lora)) >= 2, "steps with LoRA rows in several buckets"
     else:
         assert not with_lora

@@ -25,17 +25,26 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
 from manylora.lora.punica import build_lora_mapping
+from manylora.lora.row_tiles import max_row_tiles
 from manylora.model import llama
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
-from manylora.ops import lora_kernels, lora_plans, triton_attention, triton_fused, triton_lora
+from manylora.ops import (
+    lora_kernels,
+    lora_plans,
+    lora_tiled_kernels,
+    lora_tiled_plans,
+    triton_attention,
+    triton_fused,
+    triton_lora,
+)
 from manylora.ops.attention import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
-KERNEL_MODULES = (lora_kernels, triton_attention, triton_fused)
+KERNEL_MODULES = (lora_kernels, lora_tiled_kernels, triton_attention, triton_fused)
 BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
@@ -127,7 +136,7 @@ def _force_triton(monkeypatch) -> None:
 def _random_step(rng: random.Random, model, max_blocks: int):
     """One step's model inputs: eager (decode, prefill, chunks over cached prefixes, mixed)
     or a CUDA-graph padded decode batch; LoRA off, or rows over random slots with the
-    default, SGMV or BGMV schedule."""
+    default, SGMV, BGMV or tiled schedule (graphs: BGMV or tiled, as the engine captures)."""
     dev = torch.device("cpu")
     graph = rng.random() < 0.3
     budget = MAX_TOKENS
@@ -149,7 +158,7 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     token_slots = [s for s, q in zip(seq_slots, q_lens) for _ in range(q)]
     lora = None
     if rng.random() < 0.8 and (graph or any(s >= 0 for s in token_slots)):
-        schedule = rng.choice(["sgmv", "bgmv"] if graph else [None, "sgmv", "bgmv"])
+        schedule = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
         lora = build_lora_mapping(token_slots, MAX_LORAS, dev, pad_to=pad, schedule=schedule)
     ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64)
     positions = torch.tensor([c - q + j for q, c in zip(q_lens, c_lens) for j in range(q)]
@@ -196,6 +205,7 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}
     assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
+            "tiled_shrink_kernel", "tiled_expand_kernel",
             "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
@@ -221,6 +231,25 @@ def test_lora_row_cases_cover_every_plan():
                                    (14336, 1, 4096, 128)):
         want = plans(every, k, slices, max_n, rank)
         assert plans(lora_plans.lora_row_cases(max_rows), k, slices, max_n, rank) == want
+
+
+def test_tiled_row_cases_cover_every_plan():
+    """``tiled_row_cases`` gives the same tiled launches as every tile count a step of up to
+    ``max_rows`` rows can have, for projections of several shapes."""
+    def plans(cases, k, slices, max_n, rank):
+        return {(repr(lora_tiled_plans.tiled_shrink_plan(n, bm, k, rank, slices, 2)),
+                 repr(lora_tiled_plans.tiled_expand_plan(n, bm, max_n, rank, slices, True,
+                                                          False)))
+                for n, bm in cases}
+
+    max_rows, max_loras = 1100, 64
+    every = [(n, bm) for bm in lora_tiled_plans.TILE_BLOCK_MS
+             for n in range(1, max_row_tiles(max_rows, max_loras, bm) + 1)]
+    for k, slices, max_n, rank in ((4096, 3, 4096, 16), (64, 1, 64, 8), (14336, 1, 4096, 128)):
+        want = plans(every, k, slices, max_n, rank)
+        got = plans(lora_tiled_plans.tiled_row_cases(max_rows, max_loras), k, slices, max_n,
+                    rank)
+        assert got == want
 
 
 @pytest.mark.parametrize("num_kv_heads, max_blocks, window", [
