@@ -55,19 +55,20 @@ name                                        type       labels (+ model_name)   u
 ==========================================  =========  ======================  ============
 
 Notes: ``request_success`` counts every finished request, aborted ones included
-(``finished_reason="abort"``), and the three per-request histograms likewise observe every
-finished request. ``lora_loads`` is disk reads for the host tier (= host misses) and
-host → device copies into a slot for the device tier (= device misses, slot loads);
-``lora_load_seconds`` is the disk reads' wall time (read, validate, digest, pin; on loader
-threads) for the host tier and the copies' GPU time (CUDA events on the copy stream; host
-time on the CPU) for the device tier. ``lora_adapter_waits`` counts requests that arrived
-while their adapter was on disk only (a first read, or a re-read after an eviction) and
-``lora_adapter_wait_seconds`` the time they waited for it to reach host memory (counted
-when it does); ``lora_sync_disk_loads`` counts the reads a step itself waited for.
-``prefix_cache_hit_rate`` is hits / queries since start, 0 before any query;
-``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none. ``lora_requests_info`` has one sample, valued at the
-scrape's unix time, with the adapter names comma-joined (empty string when none), present
-whether or not LoRA is on (``max_lora="0"`` when off).
+(``finished_reason="abort"``), and the three per-request histograms likewise observe
+every finished request. ``lora_loads`` is disk reads for the host tier (= host misses)
+and host → device copies into a slot for the device tier (= device misses, slot loads);
+``lora_load_seconds`` is the disk reads' wall time (read, validate, digest, pin; on
+loader threads) for the host tier and the copies' GPU time (CUDA events on the copy
+stream; host time on the CPU) for the device tier. ``lora_adapter_waits`` counts
+requests that arrived while their adapter was on disk only (a first read, or a re-read
+after an eviction) and ``lora_adapter_wait_seconds`` the time they waited for it to
+reach host memory (counted when it does); ``lora_sync_disk_loads`` counts the reads a
+step itself waited for. ``prefix_cache_hit_rate`` is hits / queries since start, 0
+before any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there
+are none. ``lora_requests_info`` has one sample, valued at the scrape's unix time, with
+the adapter names comma-joined (empty string when none), present whether or not LoRA is
+on (``max_lora="0"`` when off).
 """
 
 from __future__ import annotations
