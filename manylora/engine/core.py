@@ -342,6 +342,11 @@ class EngineCore:
         ``set_load_notify`` tells when)."""
         return self.lora_manager is not None and self.lora_manager.has_pending_reads
 
+    def has_finished_reads(self) -> bool:
+        """Whether an adapter read has ended that no step or ``poll_adapters`` has taken in
+        yet (then a loop must not wait for ``set_load_notify``'s call: it came already)."""
+        return self.lora_manager is not None and self.lora_manager.has_finished_reads()
+
     def set_load_notify(self, notify: Callable[[], None] | None) -> None:
         """Have ``notify()`` called (on a loader thread) whenever an adapter's first read
         finishes, so a loop waiting for messages wakes to ``poll_adapters``."""

@@ -169,8 +169,8 @@ class InprocClient:
 
     def _step(self, block: bool) -> list[EngineCoreOutputs]:
         core = self.engine_core
-        self._wakeup.clear()
-        if block and (core.waiting_on_reads() or (
+        self._wakeup.clear()       # set again by every read that ends, or a wake(), from now
+        if block and not core.has_finished_reads() and (core.waiting_on_reads() or (
                 not core.has_unfinished_requests() and self.has_pending_calls())):
             self._wakeup.wait()
         if core.has_unfinished_requests():

@@ -134,9 +134,9 @@ def _check_unchanged(adapter: LoRAAdapter, known: _Known) -> None:
     """Raises ``AdapterReloadError`` when a re-read adapter's weights differ from the first
     read (its files changed on disk)."""
     if adapter.digest != known.digest:
-        raise AdapterReloadError(
-            adapter.lora_int_id, f"adapter {adapter.name!r} changed on disk since it was "
-            f"first loaded (digest {known.digest[:12]} → {adapter.digest[:12]})")
+        raise AdapterReloadError(adapter.lora_int_id, LoRAAdapterError(
+            f"adapter {adapter.name!r} changed on disk since it was first loaded (digest "
+            f"{known.digest[:12]} → {adapter.digest[:12]})"))
 
 
 @dataclass
@@ -425,8 +425,16 @@ class LoRAManager:
         return lora_int_id in self._device
 
     def is_loading(self, lora_int_id: int) -> bool:
-        """Whether a loader thread is reading the adapter (first read or re-read)."""
-        return lora_int_id in self._first or lora_int_id in self._loading
+        """Whether a loader thread is still reading the adapter (first read or re-read;
+        a read that ended is not, even before ``poll`` takes it in)."""
+        first = self._first.get(lora_int_id)
+        future = first.future if first is not None else self._loading.get(lora_int_id)
+        return future is not None and not future.done()
+
+    def has_finished_reads(self) -> bool:
+        """Whether a read has ended that ``poll`` has not taken in yet."""
+        return (any(f.future.done() for f in self._first.values())
+                or any(f.done() for f in self._loading.values()))
 
     # ------------------------------------------------------------------ staging ahead
 
