@@ -143,7 +143,7 @@ class KVCacheManager:
         return self._tables.get(holder, [])
 
     def _hashes(self, req: Request) -> list[bytes]:
-        if req.lora_request is not None and req.lora_digest is None:
+        if req.adapter_pending:
             # its adapter's first read is still in flight: a hash now would be rooted in
             # the base model's and share its blocks
             raise RuntimeError(f"request {req.request_id!r}: its adapter's digest is not "

@@ -215,8 +215,7 @@ class Scheduler:
             sess = self.sessions.begin(request)
             turn = sess.last_turn
             if turn is not None and (turn.lora_digest != request.lora_digest
-                                     or request.lora_digest is None and request.lora_request):
-                # (no digest yet with an adapter: its first read is in flight)
+                                     or request.adapter_pending):     # (no digest yet)
                 self._release_session_kv(sess)    # KV of another adapter: recompute
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)

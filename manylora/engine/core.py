@@ -286,7 +286,8 @@ class EngineCore:
         req = Request(rid, None, list(ids), params, lora_request,
                       min(limit, self.max_model_len), arrival_time=request.arrival_time,
                       lora_digest=digest, session_id=session_id,
-                      eos_token_ids=request.eos_token_ids)
+                      eos_token_ids=request.eos_token_ids,
+                      adapter_pending=lora_request is not None and digest is None)
         self.scheduler.add_request(req)
         if not ready:
             self._awaiting.setdefault(req.lora_int_id, {})[rid] = (req, time.monotonic())
@@ -370,6 +371,7 @@ class EngineCore:
         """
         if self.lora_manager is None or self.lora_manager.remove(lora_int_id):
             self._pending_removals.discard(lora_int_id)
+            self._awaiting.pop(lora_int_id, None)        # only ended requests were left
             for future in self._lora_waiters.pop(lora_int_id, []):
                 future.set_exception(ValueError(
                     f"adapter {lora_int_id} was removed (remove_lora) before its read ended"))
@@ -547,7 +549,7 @@ class EngineCore:
         for lid, digest in events.ready.items():
             for req, _ in self._awaiting.get(lid, {}).values():
                 if self.scheduler.requests.get(req.request_id) is req:
-                    req.lora_digest = digest
+                    req.lora_digest, req.adapter_pending = digest, False
             for future in self._lora_waiters.pop(lid, []):
                 future.set_result(True)
         for error in events.failed:

@@ -152,7 +152,7 @@ def test_streams_run_while_a_new_adapter_is_read(engine, adapters, reference, mo
     engine.add_request("new-1", {"prompt_token_ids": PROMPTS[1]}, LONG, new)
     engine.add_request("new-2", {"prompt_token_ids": PROMPTS[2]}, LONG, new)  # joins the read
     waiting = [core.scheduler.requests[r] for r in ("new-1", "new-2")]
-    assert all(r.lora_digest is None for r in waiting)
+    assert all(r.lora_digest is None and r.adapter_pending for r in waiting)
 
     seen: dict[str, list[int]] = {}
     for _ in range(8):                        # the read cannot end: the gate is shut
@@ -171,7 +171,7 @@ def test_streams_run_while_a_new_adapter_is_read(engine, adapters, reference, mo
     assert set(finished) == {"base", "new-1", "new-2"}
     assert reader.paths == [str(adapters["a"])]
     digest = core.lora_manager._known[new.lora_int_id].digest
-    assert all(r.lora_digest == digest for r in waiting)
+    assert all(r.lora_digest == digest and not r.adapter_pending for r in waiting)
     for rid, (prompt, name) in {"base": (0, None), "new-1": (1, "a"), "new-2": (2, "a")}.items():
         assert finished[rid].outputs[0].token_ids == reference[(prompt, name)], rid
 
@@ -352,6 +352,7 @@ def test_no_block_hash_without_the_adapter_digest(engine, adapters):
     from manylora.engine.request import Request
 
     kv = engine.engine_core.scheduler.kv
-    req = Request("x", None, list(PROMPTS[0]), GREEDY8, lora(adapters["a"]), 32)
+    req = Request("x", None, list(PROMPTS[0]), GREEDY8, lora(adapters["a"]), 32,
+                  adapter_pending=True)
     with pytest.raises(RuntimeError, match="digest is not known yet"):
         kv.lookup(req)
