@@ -28,13 +28,13 @@ import statistics
 import time
 
 import torch
-from manylora.lora.slot_table import SlotTable
 
 from benchmarks.common import record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.packed import pack_adapter
 from manylora.lora.slot_layout import SlotLayout
+from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
 
 PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),

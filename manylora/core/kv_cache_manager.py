@@ -143,6 +143,11 @@ class KVCacheManager:
         return self._tables.get(holder, [])
 
     def _hashes(self, req: Request) -> list[bytes]:
+        if req.adapter_pending:
+            # its adapter's first read is still in flight: a hash now would be rooted in
+            # the base model's and share its blocks
+            raise RuntimeError(f"request {req.request_id!r}: its adapter's digest is not "
+                               "known yet; it cannot be hashed into the prefix cache")
         return extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
                                    req.lora_digest)
 

@@ -230,7 +230,8 @@ class Scheduler:
         if request.session_id is not None:
             sess = self.sessions.begin(request)
             turn = sess.last_turn
-            if turn is not None and turn.lora_digest != request.lora_digest:
+            if turn is not None and (turn.lora_digest != request.lora_digest
+                                     or request.adapter_pending):     # (no digest yet)
                 self._release_session_kv(sess)    # KV of another adapter: recompute
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)

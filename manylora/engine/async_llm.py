@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -153,6 +154,9 @@ class AsyncLLM:
         Raises:
             ValueError: a bad prompt, parameters, id or adapter (``LLMEngine.add_request``),
                 before anything is yielded.
+            LoRAAdapterError, FileNotFoundError, ValueError: the request's adapter could not
+                be read (its first read runs while the request waits; the output would
+                have had ``finish_reason`` ``"error"``), before anything is yielded.
             EngineOverloadedError: ``max_waiting_requests`` requests are waiting already.
             EngineDeadError: the engine stopped, before or while the request ran.
         """
@@ -198,7 +202,8 @@ class AsyncLLM:
             self.engine.wake()
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read an adapter into the host tier now (``LLMEngine.add_lora``).
+        """Read an adapter into the host tier now (``LLMEngine.add_lora``); the engine's
+        steps go on while the core reads it, and this returns once it is in.
 
         Raises:
             LoRAAdapterError, FileNotFoundError, ValueError: as ``LLMEngine.add_lora``.
@@ -233,7 +238,8 @@ class AsyncLLM:
                 while not self._stopped:
                     # in this process, wait on the queue while idle; otherwise the wait is
                     # in step(), which a command's wake() ends
-                    idle = in_process and not self.engine.has_unfinished_requests()
+                    idle = (in_process and not self.engine.has_unfinished_requests()
+                            and not self.engine.has_pending_calls())
                     if not self._take_commands(idle):
                         break
                     stats = IterationStats()
@@ -275,6 +281,12 @@ class AsyncLLM:
         if isinstance(result, _Deferred):       # answered when the core's answer comes
             self._adding[result.request_id] = cmd
             return
+        if isinstance(result, Future):          # answered by the step that receives it
+            if cmd.future is not None:
+                result.add_done_callback(lambda f: _call_soon(
+                    cmd.loop, _settle, cmd.future, None if f.exception() else f.result(),
+                    f.exception()))
+            return
         if cmd.future is not None:
             _call_soon(cmd.loop, _settle, cmd.future, result, error)
 
@@ -310,26 +322,29 @@ class AsyncLLM:
             self._adding.pop(rid, None)
         self._log(stats)
 
-    def _do_add_lora(self, lora_request: LoRARequest) -> None:
-        self.engine.add_lora(lora_request)
+    def _do_add_lora(self, lora_request: LoRARequest) -> Future:
+        return self.engine.add_lora_async(lora_request)
 
     def _do_remove_lora(self, lora_int_id: int) -> None:
         self.engine.remove_lora(lora_int_id)     # at once, or when its requests are done
 
     def _dispatch(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         self._log(stats)
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop,
+                      list[tuple[_Stream, RequestOutput | Exception]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            batches.setdefault(stream.loop, []).append((stream, out))
+            # a request the core could not serve: its caller gets the error itself
+            batches.setdefault(stream.loop, []).append(
+                (stream, out if out.error is None else out.error))
         # one wake-up of each caller's event loop per step, not one per request
         gone = [out.request_id for loop, batch in batches.items()
                 if not _call_soon(loop, _put_all, batch)
-                for _, out in batch if not out.finished]
+                for _, out in batch if isinstance(out, RequestOutput) and not out.finished]
         if gone:
             self._do_abort(gone)     # their callers' event loops have closed
 
@@ -382,7 +397,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     return True
 
 
-def _put_all(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+def _put_all(batch: list[tuple[_Stream, RequestOutput | Exception]]) -> None:
     for stream, out in batch:
         stream.queue.put_nowait(out)
 

@@ -23,7 +23,9 @@ import contextlib
 import dataclasses
 import gc
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -48,9 +50,10 @@ from manylora.engine.protocol import (
     SchedulerStats,
 )
 from manylora.engine.request import Request, RequestStatus
+from manylora.engine.serial import ErrorInfo
 from manylora.lora.dora import dora_row_norm
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.manager import AdapterReloadError, LoRACacheStats, LoRAManager
+from manylora.lora.manager import AdapterLoadError, LoRACacheStats, LoRAManager
 from manylora.lora.request import LoRARequest
 from manylora.lora.sizing import slot_bytes, slots_for_memory
 from manylora.model.hub import resolve_model_path
@@ -146,6 +149,11 @@ class EngineCore:
                 self.lora_manager.host_alloc = self.tp_driver.host_buffers.alloc
                 self.lora_manager.background_dora_reads = False
         self._pending_removals: set[int] = set()
+        # adapters on disk only when requests for them arrived: {lora_int_id: {request id:
+        # (request, arrival)}}, until the adapter is in host memory
+        self._awaiting: dict[int, dict[str, tuple[Request, float]]] = {}
+        self._lora_waiters: dict[int, list[Future]] = {}   # add_lora calls awaiting a read
+        self._late_outputs: list[EngineCoreOutput] = []    # adapter failures met off-step
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         if self.tp_driver is not None and self.async_scheduling:
@@ -239,8 +247,13 @@ class EngineCore:
             ValueError: an empty prompt, ids outside the vocabulary, a prompt (with its
                 session's history) that leaves no room to generate within max_model_len, a
                 duplicate id, a session with a turn still in flight, a LoRA request while
-                LoRA is off, or an adapter that cannot be served (``LoRAAdapterError``,
-                ``FileNotFoundError``).
+                LoRA is off, or an adapter that cannot be served as far as its config shows
+                (``LoRAAdapterError``, ``FileNotFoundError``).
+
+        An adapter path seen for the first time is read on a loader thread: the request
+        waits in the queue meanwhile (other requests keep running), takes the adapter's
+        digest when the read is in, and ends with ``FinishReason.ERROR`` and the error when
+        the read fails (bad weights).
         """
         rid, params, session_id = request.request_id, request.sampling_params, request.session_id
         if rid in self.scheduler.requests:
@@ -266,14 +279,20 @@ class EngineCore:
                              "generated token")
         lora_request = request.lora_request
         digest = None
+        ready = True
         if lora_request is not None:
-            digest = self._lora_manager(lora_request).add(lora_request)
+            manager = self._lora_manager(lora_request)
+            digest = manager.add(lora_request)
+            ready = manager.is_ready(lora_request.lora_int_id)
         limit = len(ids) + (params.max_tokens or self.max_model_len)
         req = Request(rid, None, list(ids), params, lora_request,
                       min(limit, self.max_model_len), arrival_time=request.arrival_time,
                       lora_digest=digest, session_id=session_id,
-                      eos_token_ids=request.eos_token_ids)
+                      eos_token_ids=request.eos_token_ids,
+                      adapter_pending=lora_request is not None and digest is None)
         self.scheduler.add_request(req)
+        if not ready:
+            self._awaiting.setdefault(req.lora_int_id, {})[rid] = (req, time.monotonic())
         return history
 
     def _lora_manager(self, lora_request: LoRARequest) -> LoRAManager:
@@ -283,15 +302,65 @@ class EngineCore:
         return self.lora_manager
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``).
+        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``),
+        waiting for its read on this thread (``add_lora_async`` does not wait).
 
         Raises:
-            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``.
+            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``, or what
+                the read met (bad weights).
+        """
+        future = self.add_lora_async(lora_request)
+        if not future.done():
+            self.lora_manager.wait_first_read(lora_request.lora_int_id)
+            self._late_outputs.extend(self._poll_adapters())
+        return future.result()
+
+    def add_lora_async(self, lora_request: LoRARequest) -> Future:
+        """Start loading an adapter into the host tier (``add_lora``) without waiting: a
+        new path is read on a loader thread while steps go on.
+
+        Returns:
+            A ``concurrent.futures.Future`` of True, done once the adapter is in the host
+            tier (set by the step, or ``poll_adapters``, that takes the read in), or
+            holding what the read met (``LoRAAdapterError``, ``FileNotFoundError``,
+            ``ValueError``), or a ``ValueError`` when the adapter is removed meanwhile.
+
+        Raises:
+            ValueError, LoRAAdapterError, FileNotFoundError: the checks that read no tensor
+                (as ``add_request``).
         """
         manager = self._lora_manager(lora_request)
-        manager.add(lora_request)
-        manager.release(lora_request.lora_int_id)
-        return True
+        lid = lora_request.lora_int_id
+        digest = manager.add(lora_request)
+        manager.release(lid)
+        future: Future = Future()
+        if digest is not None:
+            future.set_result(True)
+        else:
+            self._lora_waiters.setdefault(lid, []).append(future)
+        return future
+
+    def has_pending_loads(self) -> bool:
+        """Whether an adapter's first read is in flight (``poll_adapters`` takes it in;
+        ``set_load_notify`` tells when)."""
+        return self.lora_manager is not None and self.lora_manager.has_pending_reads
+
+    def has_finished_reads(self) -> bool:
+        """Whether an adapter read has ended that no step or ``poll_adapters`` has taken in
+        yet (then a loop must not wait for ``set_load_notify``'s call: it came already)."""
+        return self.lora_manager is not None and self.lora_manager.has_finished_reads()
+
+    def set_load_notify(self, notify: Callable[[], None] | None) -> None:
+        """Have ``notify()`` called (on a loader thread) whenever an adapter's first read
+        finishes, so a loop waiting for messages wakes to ``poll_adapters``."""
+        if self.lora_manager is not None:
+            self.lora_manager.notify = notify
+
+    def poll_adapters(self) -> EngineCoreOutputs:
+        """Take in finished adapter reads without stepping (``step`` does it too): their
+        requests become schedulable, ``add_lora_async`` futures are answered, requests of
+        adapters that failed end (their outputs are returned)."""
+        return EngineCoreOutputs(self._poll_adapters())
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)
@@ -304,6 +373,10 @@ class EngineCore:
         """
         if self.lora_manager is None or self.lora_manager.remove(lora_int_id):
             self._pending_removals.discard(lora_int_id)
+            self._awaiting.pop(lora_int_id, None)        # only ended requests were left
+            for future in self._lora_waiters.pop(lora_int_id, []):
+                future.set_exception(ValueError(
+                    f"adapter {lora_int_id} was removed (remove_lora) before its read ended"))
             return True
         self._pending_removals.add(lora_int_id)
         return False
@@ -365,7 +438,21 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Whether a request is unfinished or a step is still in flight (async scheduling:
         ``step`` must run once more to read it)."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or bool(self._late_outputs)
+                or self.scheduler.has_unfinished_requests())
+
+    def waiting_on_reads(self) -> bool:
+        """Whether no step can make progress until an adapter read finishes: nothing runs
+        or is in flight, and every waiting request's adapter is being read. A loop should
+        then wait for a message or ``set_load_notify``'s call rather than step."""
+        sched = self.scheduler
+        if (self._in_flight is not None or self._late_outputs or sched.running
+                or not sched.requests or self.lora_manager is None):
+            return False
+        manager = self.lora_manager
+        return all(r is not None and manager.is_loading(r.lora_int_id)
+                   and not manager.is_ready(r.lora_int_id)
+                   for r in sched.waiting_lora_requests())
 
     def info(self) -> CoreInfo:
         """What the front needs to know of this core."""
@@ -380,7 +467,7 @@ class EngineCore:
         is reported is the previous step's tokens, read while this one runs on the device
         (vLLM v1's batch queue of depth 2). A step whose plan computes nothing (every
         request waits) only reads the step in flight."""
-        outputs = self._end_failed_adapters()
+        outputs = self._poll_adapters()
         launched = self._schedule_and_launch(outputs)
         if self.async_scheduling:
             done, self._in_flight = self._in_flight, launched
@@ -444,21 +531,56 @@ class EngineCore:
             self._finish(ids, status)
         return outputs
 
-    def _end_failed_adapters(self) -> list[EngineCoreOutput]:
-        """End the requests of adapters whose background re-read failed."""
+    def _poll_adapters(self) -> list[EngineCoreOutput]:
+        """Take in the loader threads' work: adapters whose first read finished give their
+        waiting requests the digest (before any of them is scheduled, so every block hash
+        is rooted in it) and answer ``add_lora_async``; requests of adapters whose read
+        failed end with the error; requests whose adapter reached host memory are counted
+        as having waited for it."""
+        outputs, self._late_outputs = self._late_outputs, []
         if self.lora_manager is None:
-            return []
-        outputs = []
-        for error in self.lora_manager.poll():
+            return outputs
+        events = self.lora_manager.poll()
+        for lid, digest in events.ready.items():
+            for req, _ in self._awaiting.get(lid, {}).values():
+                if self.scheduler.requests.get(req.request_id) is req:
+                    req.lora_digest, req.adapter_pending = digest, False
+            for future in self._lora_waiters.pop(lid, []):
+                future.set_result(True)
+        for error in events.failed:
             outputs.extend(self._end_adapter_requests(error))
+            self._awaiting.pop(error.lora_int_id, None)
+            for future in self._lora_waiters.pop(error.lora_int_id, []):
+                future.set_exception(error.cause or error)
+        if self._awaiting:
+            self._count_adapter_waits()
         return outputs
 
-    def _end_adapter_requests(self, error: AdapterReloadError) -> list[EngineCoreOutput]:
-        logger.error("adapter %d: %s; its requests are aborted", error.lora_int_id, error)
+    def _count_adapter_waits(self) -> None:
+        """Requests that waited for their adapter's read: counted once it is in host
+        memory (or once they end)."""
+        now = time.monotonic()
+        manager = self.lora_manager
+        count, seconds = 0, 0.0
+        for lid in [lid for lid in self._awaiting if manager.is_ready(lid)]:
+            for req, since in self._awaiting.pop(lid).values():
+                if self.scheduler.requests.get(req.request_id) is req:
+                    count += 1
+                    seconds += now - since
+        if count:
+            manager.record_wait(count, seconds)
+
+    def _end_adapter_requests(self, error: AdapterLoadError) -> list[EngineCoreOutput]:
+        """End every request of an adapter that failed to load, with the error (its cause,
+        e.g. ``LoRAAdapterError``, travels to the front as ``ErrorInfo``)."""
+        logger.error("adapter %d: %s; its requests end with the error", error.lora_int_id,
+                     error)
         ids = [r.request_id for r in self.scheduler.requests.values()
                if r.lora_int_id == error.lora_int_id]
         self._finish(ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in ids]
+        info = ErrorInfo.of(error.cause or error)
+        return [EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=info)
+                for rid in ids]
 
     def _activate_adapters(self) -> tuple[dict[int, int], list[EngineCoreOutput]]:
         if self.lora_manager is None:
@@ -466,7 +588,7 @@ class EngineCore:
         wanted = {r.lora_int_id: r.lora_request for r in self.scheduler.running if r.lora_int_id}
         try:
             return self.lora_manager.activate(wanted.values()), []
-        except AdapterReloadError as e:
+        except AdapterLoadError as e:
             # An adapter that loaded once failed to reload (files removed or changed): end
             # its requests; the next step re-plans the others.
             return {}, self._end_adapter_requests(e)

@@ -7,7 +7,9 @@ are sent without waiting. What comes back is a stream of messages, in
 the order the core produced them: an ``AddResult`` for every request sent (before any of
 its outputs) and ``EngineCoreOutputs`` per step. ``call`` runs one of the core's utility
 methods and waits for its answer; messages that arrive meanwhile are kept, in order, for
-the next ``get_messages``.
+the next ``get_messages``. ``call_async`` does not wait: its future is answered by the
+``get_messages`` that receives the answer (``add_lora`` reads on the core's loader threads
+while the core keeps stepping).
 
 ``MANYLORA_ENABLE_MULTIPROCESSING=0`` keeps the core in the caller's process (as vLLM's
 ``VLLM_ENABLE_V1_MULTIPROCESSING``).
@@ -24,6 +26,7 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ import zmq
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
 from manylora.engine.protocol import (
+    DEFERRED_UTILITY_METHODS,
     UTILITY_METHODS,
     AbortRequests,
     AddResult,
@@ -93,7 +97,10 @@ class InprocClient:
     def __init__(self, args: EngineArgs) -> None:
         self.engine_core = EngineCore(args)
         self.info = self.engine_core.info()
-        self._results: deque[AddDone] = deque()
+        self._results: deque[AddDone | EngineCoreOutputs] = deque()
+        self._wakeup = threading.Event()
+        self.engine_core.set_load_notify(self._wakeup.set)
+        self._calls: list[Future] = []
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
@@ -109,28 +116,73 @@ class InprocClient:
         self.engine_core.abort_requests(request_ids, reason)
 
     def call(self, method: str, *args: Any) -> Any:
-        """``EngineCore.<method>(*args)``, for the methods its own process offers too.
+        """``EngineCore.<method>(*args)``, for the methods its own process offers too (a
+        deferred one, ``add_lora``, steps the core until it is answered; the steps'
+        outputs are kept for ``get_messages``).
+
+        Raises:
+            ValueError: ``method`` is not in ``UTILITY_METHODS``.
+            Exception: what the method raised.
+        """
+        future = self.call_async(method, *args)
+        while not future.done():
+            self._results.extend(self._step(block=True))
+        return future.result()
+
+    def call_async(self, method: str, *args: Any) -> Future:
+        """``EngineCore.<method>(*args)`` as a ``concurrent.futures.Future``: a deferred
+        method's (``DEFERRED_UTILITY_METHODS``) is answered by a later ``get_messages``
+        (the step that takes its work in), any other's at once.
 
         Raises:
             ValueError: ``method`` is not in ``UTILITY_METHODS``.
         """
         if method not in UTILITY_METHODS:
             raise ValueError(f"the engine core has no method {method!r} to call")
-        return getattr(self.engine_core, method)(*args)
+        deferred = DEFERRED_UTILITY_METHODS.get(method)
+        future: Future = Future()
+        try:
+            if deferred is not None:
+                future = getattr(self.engine_core, deferred)(*args)
+                if not future.done():
+                    self._calls.append(future)
+            else:
+                future.set_result(getattr(self.engine_core, method)(*args))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def has_pending_calls(self) -> bool:
+        """Whether a deferred utility call is still unanswered."""
+        self._calls = [f for f in self._calls if not f.done()]
+        return bool(self._calls)
 
     def get_messages(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
-        """Pending add results, else one step's outputs when the core has work (``block``
-        changes nothing: a step always runs to its end)."""
+        """Pending add results, else one step's outputs when the core has work. A step
+        always runs to its end; ``block`` waits only while nothing can run before an
+        adapter read ends (for that read, or a ``wake``)."""
         if self._results:
             results = list(self._results)
             self._results.clear()
             return results
-        if self.engine_core.has_unfinished_requests():
-            return [self.engine_core.step()]
+        return self._step(block)
+
+    def _step(self, block: bool) -> list[EngineCoreOutputs]:
+        core = self.engine_core
+        self._wakeup.clear()       # set again by every read that ends, or a wake(), from now
+        if block and not core.has_finished_reads() and (core.waiting_on_reads() or (
+                not core.has_unfinished_requests() and self.has_pending_calls())):
+            self._wakeup.wait()
+        if core.has_unfinished_requests():
+            return [core.step()]
+        if core.has_pending_loads() or self._calls:
+            outputs = core.poll_adapters()
+            return [outputs] if outputs.outputs else []
         return []
 
     def wake(self) -> None:
-        """Nothing to wake: ``get_messages`` never waits."""
+        """End a ``get_messages`` waiting for an adapter read (any thread)."""
+        self._wakeup.set()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -176,7 +228,7 @@ class MPClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._calls = itertools.count()
-        self._utility: dict[int, UtilityResult] = {}
+        self._utility: dict[int, tuple[str, Future]] = {}
         self._kept: deque[AddDone | EngineCoreOutputs] = deque()
         self.error: EngineDeadError | None = None
         self._closed = False
@@ -263,16 +315,48 @@ class MPClient:
             EngineDeadError: the core process died.
             Exception: what the method raised, raised again here.
         """
+        future = self.call_async(method, *args)
+        while not future.done():
+            self._kept.extend(self._poll(block=True))
+        return future.result()
+
+    def call_async(self, method: str, *args: Any) -> Future:
+        """Send ``EngineCore.<method>(*args)`` to the core without waiting: the returned
+        ``concurrent.futures.Future`` is answered (result or the core's error, raised again
+        as its class; ``EngineDeadError`` when the core dies first) by the ``get_messages``
+        or ``call`` that receives the answer, on that caller's thread.
+
+        Raises:
+            ValueError: ``method`` is not one the core offers.
+            EngineDeadError: the core is gone.
+        """
         if method not in UTILITY_METHODS:
             raise ValueError(f"the engine core has no method {method!r} to call")
         call_id = next(self._calls)
-        self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
-        while call_id not in self._utility:
-            self._kept.extend(self._poll(block=True))
-        result = self._utility.pop(call_id)
+        future: Future = Future()
+        self._utility[call_id] = (method, future)
+        try:
+            self._send(RequestType.UTILITY, UtilityCall(call_id, method, list(args)))
+        except BaseException:
+            del self._utility[call_id]
+            raise
+        return future
+
+    def has_pending_calls(self) -> bool:
+        """Whether a utility call is still unanswered."""
+        return bool(self._utility)
+
+    def _answer(self, result: UtilityResult) -> None:
+        method, future = self._utility.pop(result.call_id, (None, None))
+        if future is None:
+            return
         if result.error is not None:
-            raise result.error.to_exception()
-        return msgspec.convert(result.result, UTILITY_METHODS[method][1])
+            future.set_exception(result.error.to_exception())
+            return
+        try:
+            future.set_result(msgspec.convert(result.result, UTILITY_METHODS[method][1]))
+        except msgspec.ValidationError as e:
+            future.set_exception(e)
 
     def get_messages(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
         """Every message received so far (waiting for one, or for ``wake``, when
@@ -288,6 +372,8 @@ class MPClient:
         return self._poll(block)
 
     def _poll(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
+        if self.error is not None:
+            self._fail_calls(self.error)
         self._check_alive()
         ready = dict(self._poller.poll(None if block else 0))
         if self._wake_r in ready:
@@ -304,16 +390,23 @@ class MPClient:
                 messages.extend(AddDone(r.request_id, r.history, None if r.error is None
                                         else r.error.to_exception()) for r in message)
             elif kind is ReplyType.UTILITY_RESULT:
-                self._utility[message.call_id] = message
+                self._answer(message)
             elif kind is ReplyType.DEAD:
                 self.error = EngineDeadError(f"the engine core failed: {message.type}: "
                                              f"{message.message}")
         if self.error is None and not messages and self._pidfd in ready:
             self.error = EngineDeadError("the engine core process died (exit code "
                                          f"{self.process.wait()})")
-        if self.error is not None and not messages:
-            raise self.error
+        if self.error is not None:
+            self._fail_calls(self.error)
+            if not messages:
+                raise self.error
         return messages
+
+    def _fail_calls(self, error: Exception) -> None:
+        calls, self._utility = self._utility, {}
+        for _, future in calls.values():
+            future.set_exception(error)
 
     def wake(self) -> None:
         """Make a blocked ``get_messages`` return (any thread)."""
@@ -335,6 +428,7 @@ class MPClient:
         if self._closed:
             return
         self._closed = True
+        self._fail_calls(EngineDeadError("the engine core was shut down"))
         if self.process.poll() is None:
             try:
                 with self._send_lock:       # the core may be exiting: never block here

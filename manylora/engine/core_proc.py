@@ -5,13 +5,17 @@ that takes the front's messages and steps the core, so that nothing of the front
 Two ZMQ sockets, both bound by the front: the core PULLs ``RequestType`` messages and
 PUSHes ``ReplyType`` messages, in order (``engine/protocol.py``). The loop:
 
-1. take every message waiting (block for one when there is no work): ``ADD`` (a list of
-   requests) → ``EngineCore.add_request`` for each and their ``AddResult``s at once;
-   ``ABORT``; ``UTILITY`` → ``UtilityResult``; ``SHUTDOWN`` → ``EngineCore.shutdown`` and
-   exit;
-2. one ``EngineCore.step`` when requests are unfinished;
-3. ``OUTPUTS`` with the step's deltas and ``SchedulerStats``, when the step produced any or
-   a message changed the state.
+1. take every message waiting (block for one, or for an adapter read to end, when there is
+   no work or nothing can run before a read ends): ``ADD`` (a list of requests) →
+   ``EngineCore.add_request`` for each and their ``AddResult``s at once; ``ABORT``;
+   ``UTILITY`` → ``UtilityResult`` (at once; for ``DEFERRED_UTILITY_METHODS``, e.g.
+   ``add_lora``, when its work ends: the read runs on a loader thread while steps go on);
+   ``SHUTDOWN`` → ``EngineCore.shutdown`` and exit;
+2. one ``EngineCore.step`` when requests are unfinished (else ``poll_adapters`` while a
+   read is in flight);
+3. the deferred ``UtilityResult``s answered meanwhile, then ``OUTPUTS`` with the step's
+   deltas and ``SchedulerStats``, when the step produced any or a message changed the
+   state.
 
 A failed start-up or step sends ``DEAD`` with the error and ends the process (exit 1). The
 core also exits when its parent dies (checked once a second while idle).
@@ -28,6 +32,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import Future
 
 import msgspec
 import torch
@@ -37,6 +42,7 @@ from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
 from manylora.engine.protocol import (
+    DEFERRED_UTILITY_METHODS,
     UTILITY_METHODS,
     AbortRequests,
     AddResult,
@@ -127,6 +133,21 @@ class EngineCoreProc:
         self._decoders = {RequestType.ADD: Decoder(list[EngineCoreRequest]),
                           RequestType.ABORT: Decoder(AbortRequests),
                           RequestType.UTILITY: Decoder(UtilityCall)}
+        self._deferred: list[tuple[int, Future]] = []
+        # a finished adapter read writes a byte here: it wakes a loop waiting for messages
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(inp, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        core.set_load_notify(self._notify)
+
+    def _notify(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass           # a wake-up is pending already
 
     def run(self) -> None:
         """Serve until ``SHUTDOWN`` (or the parent's death).
@@ -137,11 +158,18 @@ class EngineCoreProc:
         core = self.core
         with torch.inference_mode():
             while True:
-                handled = self._take_messages(block=not core.has_unfinished_requests())
+                block = not core.has_unfinished_requests() or core.waiting_on_reads()
+                handled = self._take_messages(block)
                 if handled is None:
                     core.shutdown()
                     return
-                outputs = core.step() if core.has_unfinished_requests() else EngineCoreOutputs()
+                if core.has_unfinished_requests():
+                    outputs = core.step()
+                elif core.has_pending_loads() or self._deferred:
+                    outputs = core.poll_adapters()
+                else:
+                    outputs = EngineCoreOutputs()
+                handled = self._send_deferred() or handled
                 if outputs.outputs or handled:
                     outputs.scheduler_stats = core.scheduler_stats()
                     self._send(ReplyType.OUTPUTS, outputs)
@@ -152,7 +180,13 @@ class EngineCoreProc:
         handled = False
         while True:
             if block and not handled:
-                while not self.inp.poll(_IDLE_POLL_MS):
+                while True:
+                    ready = dict(self._poller.poll(_IDLE_POLL_MS))
+                    if self._wake_r in ready:
+                        self._drain_wake()
+                        return handled         # a read ended: poll it in
+                    if ready:
+                        break
                     if os.getppid() != self.parent_pid:
                         logger.error("the front (pid %d) is gone: the engine core exits",
                                      self.parent_pid)
@@ -180,9 +214,13 @@ class EngineCoreProc:
         elif kind is RequestType.ABORT:
             core.abort_requests(message.request_ids, message.reason)
         else:
-            self._send(ReplyType.UTILITY_RESULT, self._call(message))
+            result = self._call(message)
+            if result is not None:
+                self._send(ReplyType.UTILITY_RESULT, result)
 
-    def _call(self, call: UtilityCall) -> UtilityResult:
+    def _call(self, call: UtilityCall) -> UtilityResult | None:
+        """The call's answer, or None for a deferred call still at work (answered by
+        ``_send_deferred``)."""
         types, _ = UTILITY_METHODS.get(call.method, (None, None))
         try:
             if types is None:
@@ -191,12 +229,43 @@ class EngineCoreProc:
                 raise ValueError(f"{call.method} takes {len(types)} arguments, got "
                                  f"{len(call.args)}")
             args = [msgspec.convert(a, t) for a, t in zip(call.args, types)]
-            return UtilityResult(call.call_id, getattr(self.core, call.method)(*args))
+            deferred = DEFERRED_UTILITY_METHODS.get(call.method)
+            if deferred is None:
+                return UtilityResult(call.call_id, getattr(self.core, call.method)(*args))
+            future = getattr(self.core, deferred)(*args)
         except Exception as e:
             return UtilityResult(call.call_id, error=ErrorInfo.of(e))
+        if future.done():
+            return _result_of(call.call_id, future)
+        self._deferred.append((call.call_id, future))
+        return None
+
+    def _send_deferred(self) -> bool:
+        """Answer the deferred calls whose work ended; whether any was."""
+        done = [(cid, f) for cid, f in self._deferred if f.done()]
+        if not done:
+            return False
+        self._deferred = [(cid, f) for cid, f in self._deferred if not f.done()]
+        for call_id, future in done:
+            self._send(ReplyType.UTILITY_RESULT, _result_of(call_id, future))
+        return True
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
 
     def _send(self, kind: ReplyType, message) -> None:
         self.out.send_multipart([kind.value, self.encoder.encode(message)], copy=False)
+
+
+def _result_of(call_id: int, future: Future) -> UtilityResult:
+    error = future.exception()
+    if error is not None:
+        return UtilityResult(call_id, error=ErrorInfo.of(error))
+    return UtilityResult(call_id, future.result())
 
 
 def main(argv: list[str] | None = None) -> None:

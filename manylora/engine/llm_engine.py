@@ -16,6 +16,7 @@ import operator
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -293,12 +294,28 @@ class LLMEngine:
             self.output_processor.answered(message.request_id, message.history)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``).
+        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``),
+        waiting until it is there (the core reads it on a loader thread and keeps stepping;
+        outputs that arrive meanwhile wait for the next ``step``).
 
         Raises:
-            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``.
+            ValueError, LoRAAdapterError, FileNotFoundError: as ``add_request``, or what
+                the read met (bad weights).
         """
         return self.client.call("add_lora", lora_request)
+
+    def add_lora_async(self, lora_request: LoRARequest) -> Future:
+        """``add_lora`` without waiting: a ``concurrent.futures.Future`` answered (True, or
+        the error) by the ``step`` that receives the core's answer, on its thread.
+
+        Raises:
+            EngineDeadError: the core is gone.
+        """
+        return self.client.call_async("add_lora", lora_request)
+
+    def has_pending_calls(self) -> bool:
+        """Whether a call sent with ``add_lora_async`` is still unanswered."""
+        return self.client.has_pending_calls()
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)

@@ -56,6 +56,7 @@ class RequestState:
         logprobs, cumulative_logprob: the per-token dicts and their running sum when
             ``SamplingParams.logprobs`` is set, None otherwise.
         finish_reason, stop_reason: set when it ended.
+        error: the core's error when it ended with ``"error"``, else None.
         arrival_time: when the front accepted it (``time.monotonic``, seconds).
         first_token_time, last_token_time: when its first and latest tokens were processed
             (``time.monotonic``, seconds).
@@ -88,6 +89,7 @@ class RequestState:
         self.num_sent_chars = 0
         self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
         self.first_token_time: float | None = None
+        self.error: Exception | None = None
         self.answered = False
         self.last_token_time = 0.0
 
@@ -110,7 +112,7 @@ class RequestState:
         completion = CompletionOutput(0, text, tokens, self.finish_reason, self.stop_reason,
                                       self.lora_request, self.cumulative_logprob, logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished, self.lora_request)
+                             finished, self.lora_request, self.error)
 
 
 class OutputProcessor:
@@ -202,6 +204,8 @@ class OutputProcessor:
             elif out.finish_reason is not None:
                 state.finish_reason = out.finish_reason.value
                 state.stop_reason = out.stop_reason
+                if out.error is not None:
+                    state.error = out.error.to_exception()
                 if state.detokenizer is not None:
                     state.text += state.detokenizer.flush()
             output = state.make_output()

@@ -35,7 +35,8 @@ class CompletionOutput:
         text: the detokenized output so far (stop string removed unless asked to keep it).
         token_ids: every generated token id.
         finish_reason: None while running, else ``"stop"`` (EOS, stop string or stop token),
-            ``"length"`` (max_tokens or the context) or ``"abort"``.
+            ``"length"`` (max_tokens or the context), ``"abort"`` or ``"error"`` (the engine
+            could not serve it: ``RequestOutput.error``).
         stop_reason: the stop string or token id that ended it, None for EOS or length.
         cumulative_logprob: the sum of the sampled tokens' ``Logprob.logprob`` (natural
             log of the sequence's probability under the raw model distribution), None
@@ -62,7 +63,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step (or at the end of ``generate``)."""
+    """The state of one request after a step (or at the end of ``generate``).
+
+    Attributes:
+        error: why the engine could not serve the request, when it ended with
+            ``finish_reason`` ``"error"`` (an adapter whose read failed:
+            ``LoRAAdapterError`` naming the adapter and the problem, ``FileNotFoundError``,
+            ...); None otherwise. ``LLM`` reports it per request; ``AsyncLLM.generate``
+            raises it.
+    """
 
     request_id: str
     prompt: str | None
@@ -70,3 +79,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     lora_request: LoRARequest | None = None
+    error: Exception | None = None

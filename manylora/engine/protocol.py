@@ -38,7 +38,8 @@ class FinishReason(enum.Enum):
 
     STOP = "stop"          # EOS or a stop token id (the front adds stop strings)
     LENGTH = "length"      # max_tokens or the context length
-    ABORT = "abort"        # aborted, or its adapter could not be reloaded
+    ABORT = "abort"        # aborted by the caller (or the front)
+    ERROR = "error"        # the core could not serve it: ``EngineCoreOutput.error`` says why
 
 
 @dataclass
@@ -73,12 +74,16 @@ class EngineCoreOutput:
     Attributes:
         request_id: the request.
         new_token_ids: the tokens sampled for it this step, in order (empty when the
-            request was ended without a token, e.g. an adapter that failed to reload).
+            request was ended without a token, e.g. an adapter that failed to load).
         new_logprobs: one ``TokenLogprobs`` per new token when the request's
             ``SamplingParams.logprobs`` is set, else None.
         finish_reason: None while the core keeps running the request.
         stop_reason: the stop token id that ended it (``FinishReason.STOP`` on a stop token
             id), else None.
+        error: with ``FinishReason.ERROR``, why the core could not serve the request (its
+            adapter's read failed: ``LoRAAdapterError`` for bad weights,
+            ``FileNotFoundError`` for files gone, ...), raised again by the front as that
+            class; else None.
     """
 
     request_id: str
@@ -86,6 +91,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
+    error: ErrorInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +159,8 @@ class AbortRequests:
 @dataclass
 class UtilityCall:
     """Call ``EngineCore.<method>(*args)``; the answer comes as a ``UtilityResult`` with
-    the same ``call_id``."""
+    the same ``call_id``: at once, or, for the methods in ``DEFERRED_UTILITY_METHODS``,
+    when the work it started ends (steps go on meanwhile; answers may come out of order)."""
 
     call_id: int
     method: str
@@ -202,3 +209,7 @@ UTILITY_METHODS: dict[str, tuple[tuple[type, ...], type]] = {
     "lora_cache_stats": ((), LoRACacheStats),
     "scheduler_stats": ((), SchedulerStats),
 }
+
+#: Utility methods answered when their work ends, not when called: the core calls
+#: ``EngineCore.<name>`` (which returns a ``concurrent.futures.Future``) and keeps stepping.
+DEFERRED_UTILITY_METHODS: dict[str, str] = {"add_lora": "add_lora_async"}

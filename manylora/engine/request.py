@@ -45,6 +45,9 @@ class Request:
         num_output_placeholders: tokens scheduled steps will sample for the request that
             have not reached the host yet (async scheduling: at most 2 between a step's
             launch and the previous step's outputs, else 0 or 1).
+        adapter_pending: its adapter's first read is in flight: ``lora_digest`` is not
+            known yet, so the request is neither scheduled nor hashed into the prefix cache
+            until the engine sets both (``EngineCore._poll_adapters``).
     """
 
     request_id: str
@@ -63,6 +66,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     eos_token_ids: frozenset[int] = frozenset()
     num_output_placeholders: int = 0
+    adapter_pending: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

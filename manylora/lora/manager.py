@@ -1,13 +1,15 @@
 """Adapter residency: disk → host tier → device slot, both LRU (vLLM, S-LoRA, TensorRT-LLM).
 
 The host tier keeps loaded adapters packed (``PackedAdapter``: one pinned buffer in slot
-order, built once on the thread that read the adapter), bounded by count
+order, built once on the loader thread that read the adapter), bounded by count
 (``max_cpu_loras``) and bytes (``max_cpu_lora_bytes``); the device has ``max_loras`` slots
 whose buffers were allocated once, up front. A slot load is one host → device copy of that
 buffer into a staging buffer (plus its small descriptor table) and one scatter kernel
-(``SlotLayout.load``), whatever the number of layers and modules. Adapters named by a
-path are read on first sight (so a bad one is refused at once) and, after an eviction,
-re-read by background threads ahead of the requests that need them (``prefetch``), so a
+(``SlotLayout.load``), whatever the number of layers and modules. An adapter named by a
+path is read on loader threads: on first sight (``add`` checks only what its config says,
+so the engine's thread never waits on a read, a digest or a pin; its requests wait in the
+scheduler's queue until ``poll`` takes the read in) and, after an eviction, ahead of the
+requests that need it (``prefetch``), so a
 step never waits on disk. Slot copies run on a
 side CUDA stream; the compute stream waits only for the copies of the slots it uses. An
 adapter in use is never evicted from a slot; one whose only copy is in the host tier (given
@@ -18,18 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from manylora.config import LoRAConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
-from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
+from manylora.lora.formats.loader import (
+    adapter_from_request,
+    check_adapter_dir,
+    load_adapter_dir,
+)
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
 from manylora.lora.request import LoRARequest
@@ -40,16 +48,39 @@ from manylora.model.hub import resolve_adapter_path
 logger = logging.getLogger(__name__)
 
 
-class AdapterReloadError(RuntimeError):
-    """An adapter that was loaded once could not be loaded again (its files changed or went).
+class AdapterLoadError(RuntimeError):
+    """An adapter could not be read into the host tier: its first read on a loader thread
+    failed (bad weights, files gone, the host tier full of adapters in use), or a re-read
+    did (``AdapterReloadError``).
 
     Attributes:
         lora_int_id: the adapter that failed; only its requests need to end.
+        cause: the reader's exception (``LoRAAdapterError``, ``FileNotFoundError``,
+            ``ValueError``, ...), None when the failure was described by a message only.
     """
 
     def __init__(self, lora_int_id: int, cause: Exception | str) -> None:
         super().__init__(str(cause))
         self.lora_int_id = lora_int_id
+        self.cause = cause if isinstance(cause, Exception) else None
+
+
+class AdapterReloadError(AdapterLoadError):
+    """An adapter that was loaded once could not be loaded again (its files changed or went)."""
+
+
+@dataclass
+class AdapterEvents:
+    """What ``LoRAManager.poll`` took in.
+
+    Attributes:
+        ready: ``{lora_int_id: digest}`` of adapters whose first read finished: they are in
+            the host tier, and their waiting requests may be scheduled.
+        failed: adapters whose (first or repeated) read failed; their requests must end.
+    """
+
+    ready: dict[int, str] = field(default_factory=dict)
+    failed: list[AdapterLoadError] = field(default_factory=list)
 
 
 @dataclass
@@ -60,8 +91,15 @@ class LoRACacheStats:
         host_hits / host_misses: adapters needed for a slot (or prefetched) that were / were
             not in the host tier; each miss is one disk read.
         host_evictions: adapters dropped from the host tier.
-        host_load_seconds: wall time of all disk reads (parse, validate, pin), seconds.
+        host_load_seconds: wall time of all disk reads (parse, validate, digest, pin),
+            seconds.
+        host_load_bytes: bytes of adapter tensors read into the host tier.
+        host_load_failures: disk reads that failed (their requests ended with the error).
         sync_disk_loads: disk reads a step had to wait for (staging came too late).
+        adapter_waits: requests that waited in the queue because their adapter was on
+            disk only when they arrived (a first read, or a re-read after an eviction).
+        adapter_wait_seconds: how long those requests waited until their adapter was in
+            host memory, seconds (summed).
         device_hits: adapters a step used that were already in a slot.
         device_misses: host → device copies into a slot, on demand or staged ahead.
         device_evictions: adapters evicted from a slot.
@@ -73,7 +111,11 @@ class LoRACacheStats:
     host_misses: int = 0
     host_evictions: int = 0
     host_load_seconds: float = 0.0
+    host_load_bytes: int = 0
+    host_load_failures: int = 0
     sync_disk_loads: int = 0
+    adapter_waits: int = 0
+    adapter_wait_seconds: float = 0.0
     device_hits: int = 0
     device_misses: int = 0
     device_evictions: int = 0
@@ -85,9 +127,9 @@ def _check_unchanged(adapter: PackedAdapter, known: _Known) -> None:
     """Raises ``AdapterReloadError`` when a re-read adapter's weights differ from the first
     read (its files changed on disk)."""
     if adapter.digest != known.digest:
-        raise AdapterReloadError(
-            adapter.lora_int_id, f"adapter {adapter.name!r} changed on disk since it was "
-            f"first loaded (digest {known.digest[:12]} → {adapter.digest[:12]})")
+        raise AdapterReloadError(adapter.lora_int_id, LoRAAdapterError(
+            f"adapter {adapter.name!r} changed on disk since it was first loaded (digest "
+            f"{known.digest[:12]} → {adapter.digest[:12]})"))
 
 
 @dataclass
@@ -95,6 +137,17 @@ class _Known:
     request: LoRARequest      # how to read it again ("" path: only the host copy exists)
     digest: str
     has_dora: bool = False
+
+
+@dataclass
+class _FirstRead:
+    request: LoRARequest      # the path being read for the first time
+    future: Future            # → LoRAAdapter, pinned
+
+
+def _is_local_path(path: str) -> bool:
+    """Whether ``path`` can only name a local directory (not a hub repo id)."""
+    return os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1
 
 
 class LoRAManager:
@@ -115,9 +168,12 @@ class LoRAManager:
             (pinned memory; shared memory under tensor parallelism, set before any ``add``).
         on_write_slot: called with ``(slot, packed)`` before a packed adapter is written into
             a slot (tensor parallelism tells the other ranks to load it there).
-        background_dora_reads: whether evicted DoRA adapters are re-read on the loader
-            threads; False under tensor parallelism, where DoRA's norms are a collective
-            that only the engine's thread may start: ``prefetch`` then reads them itself.
+        background_dora_reads: whether DoRA adapters are read on the loader threads;
+            False under tensor parallelism, where DoRA's norms are a collective that only
+            the engine's thread may start: ``add`` and ``prefetch`` then read them on the
+            calling thread.
+        notify: called (from a loader thread) when a read finishes, so an engine loop
+            waiting for it wakes to ``poll`` it in.
     """
 
     def __init__(self, lora_config: LoRAConfig, target: AdapterTarget,
@@ -133,6 +189,8 @@ class LoRAManager:
         self._device: OrderedDict[int, int] = OrderedDict()   # lora_int_id → slot, LRU order
         self.slot_to_id: list[int | None] = [None] * lora_config.max_loras
         self._loading: dict[int, Future] = {}
+        self._first: dict[int, _FirstRead] = {}
+        self.notify: Callable[[], None] | None = None
         self._failures: list[AdapterReloadError] = []
         self._wanted: set[int] = set()
         self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="lora-loader")
@@ -153,23 +211,35 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ requests come and go
 
-    def add(self, request: LoRARequest) -> str:
-        """Register one more request for the adapter; returns the adapter's digest.
+    def add(self, request: LoRARequest) -> str | None:
+        """Register one more request for the adapter; the adapter's digest, or None while
+        its first read is in flight (``poll`` reports the digest when it is done).
 
-        A path seen for the first time is read now (errors name the problem at once); a
-        request carrying ``weights``/``config`` is validated and cached in the host tier; a
-        bare id must name an adapter the cache knows.
+        A path seen for the first time gets the checks that read no tensor now (the
+        directory, its config) and is read, validated, digested and pinned on a loader
+        thread (under tensor parallelism a DoRA adapter is read here: its norms are a
+        collective); further requests for it join that read. A request carrying
+        ``weights``/``config`` is validated and cached in the host tier; a bare id must
+        name an adapter the cache knows.
 
         Raises:
-            LoRAAdapterError: the adapter cannot be served (format errors, NaN/Inf, ranks,
-                modules, layers; see the format readers).
-            FileNotFoundError: the path is neither a directory nor a cached hub repo.
+            LoRAAdapterError: the adapter cannot be served (a config that is not PEFT LoRA
+                or names modules the model lacks, no weights file, not a directory; the
+                weights themselves are checked by the read, see ``poll``).
+            FileNotFoundError: a local path that does not exist (a hub repo id is resolved
+                by the read).
             ValueError: the id already names another path or other weights (without
                 ``replace``, or while requests use them), the id is not cached, or the host
                 tier is full of adapters that requests still need.
         """
         lid = request.lora_int_id
         known = self._known.get(lid)
+        first = self._first.get(lid)
+        if first is not None and first.request.lora_path != request.lora_path:
+            raise ValueError(
+                f"lora_int_id {lid} already names adapter {first.request.lora_name!r} "
+                f"({first.request.lora_path}, being read), not "
+                f"{request.lora_path or 'tensors'}")
         if request.has_tensors:
             adapter = adapter_from_request(request, self.target)
             if known is not None and known.digest != adapter.digest:
@@ -186,18 +256,55 @@ class LoRAManager:
                     f"lora_int_id {lid} already names adapter {known.request.lora_name!r} "
                     f"({known.request.lora_path or 'given as tensors'}), not "
                     f"{request.lora_path}")
-            if known is None:
-                adapter = self._read(request)
-                self._insert_host(adapter, must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest, adapter.has_dora)
-            else:
+            if known is None and first is None:
+                self._start_first_read(request)
+                known = self._known.get(lid)          # read here (DoRA under TP)
+            elif known is not None:
                 self._touch_host(lid)
         elif known is None:
             raise ValueError(
                 f"LoRA task_id {lid} ({request.lora_name}) is not cached: it was never seen or "
                 "was evicted; send its weights and config (or a lora_path) again")
         self._refs[lid] += 1
-        return known.digest
+        return None if known is None else known.digest
+
+    def _start_first_read(self, request: LoRARequest) -> None:
+        """The cheap checks of a new path, then its read on a loader thread (or here, for
+        DoRA under tensor parallelism)."""
+        local = Path(request.lora_path).expanduser()
+        use_dora = None                      # unknown for a hub repo until it is fetched
+        if local.exists() or _is_local_path(request.lora_path):
+            if not local.exists():
+                raise FileNotFoundError(
+                    f"adapter {request.lora_name!r}: {request.lora_path} does not exist")
+            use_dora = check_adapter_dir(request, local, self.target)
+        if not self.background_dora_reads and use_dora is not False:
+            adapter = self._read(request)
+            self._insert_host(adapter, must_fit=True)
+            self._known[request.lora_int_id] = _Known(request, adapter.digest,
+                                                      adapter.has_dora)
+            return
+        future = self._executor.submit(self._read, request)
+        self._first[request.lora_int_id] = _FirstRead(request, future)
+        self._notify_when_done(future)
+
+    def _notify_when_done(self, future: Future) -> None:
+        notify = self.notify
+        if notify is not None:
+            future.add_done_callback(lambda _: notify())
+
+    @property
+    def has_pending_reads(self) -> bool:
+        """Whether a first read is in flight (``poll`` will report it)."""
+        return bool(self._first)
+
+    def wait_first_read(self, lora_int_id: int) -> None:
+        """Block until the adapter's first read (if one is in flight) has finished; ``poll``
+        then takes it in."""
+        first = self._first.get(lora_int_id)
+        if first is not None:
+            with contextlib.suppress(Exception):
+                first.future.result()
 
     def release(self, lora_int_id: int) -> None:
         """One request for the adapter has finished."""
@@ -214,6 +321,9 @@ class LoRAManager:
         future = self._loading.pop(lora_int_id, None)
         if future is not None:
             future.cancel()
+        first = self._first.pop(lora_int_id, None)
+        if first is not None:
+            first.future.cancel()         # one already running finishes unseen
         self._wanted.discard(lora_int_id)
         self._forget(lora_int_id)
         return True
@@ -258,6 +368,7 @@ class LoRAManager:
         adapter = self._pack(adapter)
         with self._stats_lock:
             self.stats.host_load_seconds += time.perf_counter() - start
+            self.stats.host_load_bytes += adapter.nbytes
             self.stats.host_misses += 1
         return adapter
 
@@ -316,6 +427,18 @@ class LoRAManager:
     def is_resident(self, lora_int_id: int) -> bool:
         return lora_int_id in self._device
 
+    def is_loading(self, lora_int_id: int) -> bool:
+        """Whether a loader thread is still reading the adapter (first read or re-read;
+        a read that ended is not, even before ``poll`` takes it in)."""
+        first = self._first.get(lora_int_id)
+        future = first.future if first is not None else self._loading.get(lora_int_id)
+        return future is not None and not future.done()
+
+    def has_finished_reads(self) -> bool:
+        """Whether a read has ended that ``poll`` has not taken in yet."""
+        return (any(f.future.done() for f in self._first.values())
+                or any(f.done() for f in self._loading.values()))
+
     # ------------------------------------------------------------------ staging ahead
 
     def prefetch(self, wanted: Iterable[LoRARequest], in_use: Iterable[int]) -> None:
@@ -342,7 +465,8 @@ class LoRAManager:
                 continue
             if len(self._loading) >= self._max_in_flight:
                 break
-            self._loading[lid] = self._executor.submit(self._read, known.request)
+            self._loading[lid] = future = self._executor.submit(self._read, known.request)
+            self._notify_when_done(future)
         for request in wanted:
             lid = request.lora_int_id
             if lid in self._device or lid not in self._host:
@@ -372,9 +496,25 @@ class LoRAManager:
     def _wanted_resident(self) -> set[int]:
         return {lid for lid in self._wanted if lid in self._device}
 
-    def poll(self) -> list[AdapterReloadError]:
-        """Take in finished background reads and copy timings; the adapters whose re-read
-        failed (their files changed or went), whose requests must end."""
+    def poll(self) -> AdapterEvents:
+        """Take in finished background reads and copy timings: the adapters whose first
+        read finished (now in the host tier, with their digests), and those whose read
+        failed (a bad adapter, files changed or gone), whose requests must end."""
+        events = AdapterEvents()
+        for lid, first in list(self._first.items()):
+            if not first.future.done():
+                continue
+            del self._first[lid]
+            try:
+                adapter = first.future.result()
+                self._insert_host(adapter, must_fit=True)
+            except Exception as e:             # whatever the reader met ends its requests
+                logger.warning("adapter %r (%s) failed to load: %s", first.request.lora_name,
+                               first.request.lora_path, e)
+                self._failures.append(AdapterLoadError(lid, e))
+                continue
+            self._known[lid] = _Known(first.request, adapter.digest, adapter.has_dora)
+            events.ready[lid] = adapter.digest
         for lid, future in list(self._loading.items()):
             if not future.done():
                 continue
@@ -397,7 +537,15 @@ class LoRAManager:
         failures, self._failures = self._failures, []
         for f in failures:
             self._known.pop(f.lora_int_id, None)
-        return failures
+        self.stats.host_load_failures += len(failures)
+        events.failed = failures
+        return events
+
+    def record_wait(self, num_requests: int, seconds: float) -> None:
+        """Count requests that waited in the queue for their adapter to be read
+        (``adapter_waits``, ``adapter_wait_seconds``)."""
+        self.stats.adapter_waits += num_requests
+        self.stats.adapter_wait_seconds += seconds
 
     def _collect_timings(self) -> None:
         pending = []
@@ -514,4 +662,5 @@ class LoRAManager:
 
     def shutdown(self) -> None:
         """Stop the loader threads (pending reads are dropped)."""
+        self._first.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)

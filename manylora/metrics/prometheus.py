@@ -48,16 +48,27 @@ name                                        type       labels (+ model_name)   u
 ``manylora:lora_load_seconds``              counter    tier (host|device)      seconds
 ``manylora:lora_sync_disk_loads``           counter                            adapters
 ``manylora:lora_device_load_bytes``         counter                            bytes
+``manylora:lora_host_load_bytes``           counter                            bytes
+``manylora:lora_load_failures``             counter                            adapters
+``manylora:lora_adapter_waits``             counter                            requests
+``manylora:lora_adapter_wait_seconds``      counter                            seconds
 ==========================================  =========  ======================  ============
 
 Notes: ``request_success`` counts every finished request, aborted ones included
-(``finished_reason="abort"``), and the three per-request histograms likewise observe every
-finished request. ``lora_loads`` is disk reads for the host tier (= host misses) and
-host → device copies for the device tier (= device misses). ``prefix_cache_hit_rate`` is
-hits / queries since start, 0 before any query; ``kv_cache_usage_perc`` is used / total
-device blocks, 0 when there are none. ``lora_requests_info`` has one sample, valued at the
-scrape's unix time, with the adapter names comma-joined (empty string when none), present
-whether or not LoRA is on (``max_lora="0"`` when off).
+(``finished_reason="abort"``), and the three per-request histograms likewise observe
+every finished request. ``lora_loads`` is disk reads for the host tier (= host misses)
+and host → device copies into a slot for the device tier (= device misses, slot loads);
+``lora_load_seconds`` is the disk reads' wall time (read, validate, digest, pin; on
+loader threads) for the host tier and the copies' GPU time (CUDA events on the copy
+stream; host time on the CPU) for the device tier. ``lora_adapter_waits`` counts
+requests that arrived while their adapter was on disk only (a first read, or a re-read
+after an eviction) and ``lora_adapter_wait_seconds`` the time they waited for it to
+reach host memory (counted when it does); ``lora_sync_disk_loads`` counts the reads a
+step itself waited for. ``prefix_cache_hit_rate`` is hits / queries since start, 0
+before any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there
+are none. ``lora_requests_info`` has one sample, valued at the scrape's unix time, with
+the adapter names comma-joined (empty string when none), present whether or not LoRA is
+on (``max_lora="0"`` when off).
 """
 
 from __future__ import annotations
@@ -104,9 +115,13 @@ LORA_EVICTIONS = PREFIX + "lora_evictions"
 LORA_LOAD_SECONDS = PREFIX + "lora_load_seconds"
 LORA_SYNC_DISK_LOADS = PREFIX + "lora_sync_disk_loads"
 LORA_DEVICE_LOAD_BYTES = PREFIX + "lora_device_load_bytes"
+LORA_HOST_LOAD_BYTES = PREFIX + "lora_host_load_bytes"
+LORA_LOAD_FAILURES = PREFIX + "lora_load_failures"
+LORA_ADAPTER_WAITS = PREFIX + "lora_adapter_waits"
+LORA_ADAPTER_WAIT_SECONDS = PREFIX + "lora_adapter_wait_seconds"
 
 # Finish reasons whose request_success series exist (at 0) from the start.
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # Histogram bucket upper bounds, seconds: vLLM v1's, with finer low buckets for inter-token
 # latency (small models decode in a few milliseconds).
@@ -211,6 +226,14 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
                "Adapter disk reads an engine step had to wait for."),
     MetricSpec(LORA_DEVICE_LOAD_BYTES, "counter", _M, "bytes",
                "Bytes of completed host to device adapter copies."),
+    MetricSpec(LORA_HOST_LOAD_BYTES, "counter", _M, "bytes",
+               "Bytes of adapter tensors read from disk into the host tier."),
+    MetricSpec(LORA_LOAD_FAILURES, "counter", _M, "adapters",
+               "Adapter disk reads that failed (their requests ended with the error)."),
+    MetricSpec(LORA_ADAPTER_WAITS, "counter", _M, "requests",
+               "Requests that waited in the queue for their adapter's disk read."),
+    MetricSpec(LORA_ADAPTER_WAIT_SECONDS, "counter", _M, "seconds",
+               "Seconds requests waited in the queue for their adapter's disk read."),
 )}
 
 
@@ -394,4 +417,8 @@ class _SnapshotCollector(Collector):
             families[name].add_metric(m + ["device"], device)
         families[LORA_SYNC_DISK_LOADS].add_metric(m, lora.sync_disk_loads)
         families[LORA_DEVICE_LOAD_BYTES].add_metric(m, lora.device_load_bytes)
+        families[LORA_HOST_LOAD_BYTES].add_metric(m, lora.host_load_bytes)
+        families[LORA_LOAD_FAILURES].add_metric(m, lora.host_load_failures)
+        families[LORA_ADAPTER_WAITS].add_metric(m, lora.adapter_waits)
+        families[LORA_ADAPTER_WAIT_SECONDS].add_metric(m, lora.adapter_wait_seconds)
         return list(families.values())

@@ -82,6 +82,18 @@ def engine(llm):
     assert kv.num_free_blocks == kv.num_blocks
 
 
+def assert_read_fails(engine, request: LoRARequest, kind: type[Exception], pattern: str,
+                      prompt: str = "hello") -> None:
+    """The adapter passes the checks made when its request arrives (config only), and its
+    read on a loader thread fails: the request ends with finish_reason "error", no token,
+    and an error of ``kind`` whose message matches ``pattern``."""
+    rid = engine.add_request(None, prompt, GREEDY8, request)
+    out = run_to_completion(engine)[rid]
+    assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    assert isinstance(out.error, kind), out.error
+    assert re.search(pattern, str(out.error)), str(out.error)
+
+
 def copy_adapter(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -149,8 +161,7 @@ def test_max_model_len_beyond_the_model(base_dir):
 
 def test_rank_above_max_lora_rank(engine, base_dir, root):
     big = make_peft_adapter(base_dir, root / "r32", r=32, lora_alpha=32, seed=2)
-    with pytest.raises(LoRAAdapterError, match=r"rank 32 .*max_lora_rank=16"):
-        engine.add_request(None, "hello", GREEDY8, lora(big))
+    assert_read_fails(engine, lora(big), LoRAAdapterError, r"rank 32 .*max_lora_rank=16")
 
 
 @pytest.mark.parametrize("config_targets", [["fc1"], r".*\.fc1"], ids=["list", "regex"])
@@ -163,17 +174,19 @@ def test_adapter_targets_module_the_model_lacks(engine, good_adapter, tmp_path,
                if ".q_proj." in k}
     assert renamed
     save_file(renamed, bad / "adapter_model.safetensors")
-    with pytest.raises(LoRAAdapterError, match="fc1"):
-        engine.add_request(None, "hello", GREEDY8, lora(bad))
+    if isinstance(config_targets, list):      # named in the config: refused on arrival
+        with pytest.raises(LoRAAdapterError, match="fc1"):
+            engine.add_request(None, "hello", GREEDY8, lora(bad))
+    else:                                     # a pattern: the weights show it
+        assert_read_fails(engine, lora(bad), LoRAAdapterError, "fc1")
 
 
 def test_adapter_for_another_base(engine, root):
     other_base = make_checkpoint(root / "other_base", "llama", seed=5,
                                  **{**TINY, "hidden_size": 48})
     other = make_peft_adapter(other_base, root / "other_adapter", r=4, seed=3)
-    with pytest.raises(LoRAAdapterError,
-                       match=r"lora_A \(4, 48\).*base projection needs \[r, 32\]"):
-        engine.add_request(None, "hello", GREEDY8, lora(other))
+    assert_read_fails(engine, lora(other), LoRAAdapterError,
+                      r"lora_A \(4, 48\).*base projection needs \[r, 32\]")
 
 
 def test_adapter_dir_missing(engine, tmp_path):
@@ -200,8 +213,7 @@ def test_adapter_weights_corrupt(engine, good_adapter, tmp_path):
     bad = copy_adapter(good_adapter, tmp_path / "corrupt")
     weights = bad / "adapter_model.safetensors"
     weights.write_bytes(b"\xffnot safetensors at all" * 8)
-    with pytest.raises(LoRAAdapterError, match=re.escape(str(weights))):
-        engine.add_request(None, "hello", GREEDY8, lora(bad))
+    assert_read_fails(engine, lora(bad), LoRAAdapterError, re.escape(str(weights)))
 
 
 def test_adapter_config_corrupt(engine, good_adapter, tmp_path):
@@ -218,8 +230,7 @@ def test_dora_adapter_without_magnitudes(engine, base_dir, root):
     tensors = load_file(dora / "adapter_model.safetensors")
     save_file({k: v for k, v in tensors.items() if "magnitude" not in k},
               dora / "adapter_model.safetensors")
-    with pytest.raises(LoRAAdapterError, match="no lora_magnitude_vector.*DoRA"):
-        engine.add_request(None, "hello", GREEDY8, lora(dora))
+    assert_read_fails(engine, lora(dora), LoRAAdapterError, "no lora_magnitude_vector.*DoRA")
 
 
 def test_lora_target_modules_restriction(base_dir, root):
@@ -227,8 +238,7 @@ def test_lora_target_modules_restriction(base_dir, root):
     eng = llm_qv.llm_engine
     qo = make_peft_adapter(base_dir, root / "q_and_o", r=4, target_modules=["q_proj", "o_proj"],
                            seed=9)
-    with pytest.raises(LoRAAdapterError, match=r"targets o_proj.*lora_target_modules"):
-        eng.add_request(None, "hello", GREEDY8, lora(qo))
+    assert_read_fails(eng, lora(qo), LoRAAdapterError, r"targets o_proj.*lora_target_modules")
     assert not eng.has_unfinished_requests()
     qv = make_peft_adapter(base_dir, root / "qv_only", r=4, target_modules=["q_proj", "v_proj"],
                            seed=6)
@@ -395,27 +405,33 @@ def test_failing_generate_leaves_nothing_queued(llm, engine, good_lora, tmp_path
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
 
 
-def test_deleted_adapter_evicted_from_host_tier_aborts_only_its_requests(base_dir, root):
+def test_deleted_adapter_evicted_from_host_tier_fails_only_its_requests(base_dir, root):
     """An adapter that loaded fine, then left the host tier and lost its files: its requests
-    end with finish_reason "abort" when the engine fails to reload it; the others complete."""
+    end with finish_reason "error" and the error when the engine fails to reload it; the
+    others complete."""
     doomed_dir = make_peft_adapter(base_dir, root / "doomed", r=4, seed=7)
     other_dir = make_peft_adapter(base_dir, root / "survivor", r=4, seed=8)
     llm_small = LLM(str(base_dir), **{**ENGINE, "max_loras": 1, "max_cpu_loras": 1})
     eng = llm_small.llm_engine
     doomed, survivor = lora(doomed_dir), lora(other_dir)
 
+    eng.add_lora(doomed)                   # read once (the reads end before add_lora returns)
+    eng.add_lora(survivor)                 # evicts doomed from the one-adapter host tier
+    manager = eng.engine_core.lora_manager
+    assert not manager.is_ready(doomed.lora_int_id) and manager.is_ready(survivor.lora_int_id)
     eng.add_request("doomed-1", PROMPTS[0], GREEDY8, doomed)
     eng.add_request("base", PROMPTS[1], GREEDY8)
-    eng.add_request("survivor", PROMPTS[2], GREEDY8, survivor)  # evicts doomed from host tier
-    eng.add_request("doomed-2", PROMPTS[1], GREEDY8, doomed)    # reloaded: evicts survivor
-    eng.add_request("survivor-2", PROMPTS[0], GREEDY8, survivor)  # evicts doomed again
-    assert eng.engine_core.lora_manager.slot_of(doomed.lora_int_id) is None
+    eng.add_request("survivor", PROMPTS[2], GREEDY8, survivor)
+    eng.add_request("doomed-2", PROMPTS[1], GREEDY8, doomed)
+    eng.add_request("survivor-2", PROMPTS[0], GREEDY8, survivor)
     shutil.rmtree(doomed_dir)
 
     finished = run_to_completion(eng)
     assert set(finished) == {"doomed-1", "doomed-2", "base", "survivor", "survivor-2"}
     for rid in ("doomed-1", "doomed-2"):
-        assert finished[rid].outputs[0].finish_reason == "abort"
+        assert finished[rid].outputs[0].finish_reason == "error"
+        assert isinstance(finished[rid].error, FileNotFoundError)
+        assert str(doomed_dir) in str(finished[rid].error)
     for rid in ("base", "survivor", "survivor-2"):
         comp = finished[rid].outputs[0]
         assert comp.finish_reason == "length" and len(comp.token_ids) == 8

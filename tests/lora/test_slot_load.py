@@ -171,7 +171,9 @@ def test_a_slot_load_is_three_device_operations_whatever_the_model(layers, tmp_p
                            config.target_modules, cfg.dtype)
     manager = LoRAManager(config, target, model.create_lora_slots(config))
     request = LoRARequest("qkvo", 1, str(path))
-    manager.add(request)
+    manager.add(request)                       # read on a loader thread
+    manager.wait_first_read(request.lora_int_id)
+    assert manager.poll().ready.keys() == {1}
     with _CountOps() as counted:
         assert manager.activate([request]) == {1: 0}
     manager.shutdown()

@@ -24,7 +24,9 @@ KV = KVCacheStats(num_blocks=40, used_blocks=10, cached_blocks=12, free_blocks=1
                   evicted_sessions=2)
 LORA = LoRACacheStats(host_hits=11, host_misses=5, host_evictions=2, host_load_seconds=1.5,
                       sync_disk_loads=1, device_hits=30, device_misses=7, device_evictions=4,
-                      device_load_seconds=0.25, device_load_bytes=123456)
+                      device_load_seconds=0.25, device_load_bytes=123456,
+                      host_load_bytes=654321, host_load_failures=2, adapter_waits=6,
+                      adapter_wait_seconds=0.75)
 SNAP = EngineSnapshot(num_running=3, num_waiting=5, max_loras=4,
                       running_lora_adapters=("alpha", "beta"), waiting_lora_adapters=("gamma",),
                       kv=KV, lora=LORA)
@@ -82,7 +84,7 @@ def test_record_counters_and_histograms():
     assert s[(pm.GENERATION_TOKENS + "_total", m)] == 10
     success = {dict(k[1])["finished_reason"]: v for k, v in s.items()
                if k[0] == pm.REQUEST_SUCCESS + "_total"}
-    assert success == {"stop": 2, "length": 1, "abort": 1}
+    assert success == {"stop": 2, "length": 1, "abort": 1, "error": 0}
 
     ttft = pm.TIME_TO_FIRST_TOKEN
     assert s[(ttft + "_count", m)] == 2
@@ -131,15 +133,15 @@ def test_series_exist_before_any_request():
     s = scrape(registry)
     assert s[(pm.PROMPT_TOKENS + "_total", labels())] == 0
     assert s[(pm.E2E_REQUEST_LATENCY + "_count", labels())] == 0
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "error"):
         assert s[(pm.REQUEST_SUCCESS + "_total", labels(finished_reason=reason))] == 0
 
 
 def test_unknown_finish_reason_gets_its_own_series():
     registry, logger, _ = make_logger()
-    logger.record(IterationStats(finished=[FinishedRequestStats("error", 1.0, 1, 1)] * 2))
+    logger.record(IterationStats(finished=[FinishedRequestStats("timeout", 1.0, 1, 1)] * 2))
     s = scrape(registry)
-    assert s[(pm.REQUEST_SUCCESS + "_total", labels(finished_reason="error"))] == 2
+    assert s[(pm.REQUEST_SUCCESS + "_total", labels(finished_reason="timeout"))] == 2
 
 
 def test_snapshot_metrics():
@@ -170,6 +172,10 @@ def test_snapshot_metrics():
         assert all(dict(k[1])["model_name"] == MODEL for k in s if k[0] == name + "_total")
     assert s[(pm.LORA_SYNC_DISK_LOADS + "_total", m)] == 1
     assert s[(pm.LORA_DEVICE_LOAD_BYTES + "_total", m)] == 123456
+    assert s[(pm.LORA_HOST_LOAD_BYTES + "_total", m)] == 654321
+    assert s[(pm.LORA_LOAD_FAILURES + "_total", m)] == 2
+    assert s[(pm.LORA_ADAPTER_WAITS + "_total", m)] == 6
+    assert s[(pm.LORA_ADAPTER_WAIT_SECONDS + "_total", m)] == 0.75
 
 
 def test_lora_requests_info_matches_vllm_label_set():

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
-from manylora.lora.formats.peft import AdapterTarget, load_peft_adapter
+from manylora.lora.formats.peft import AdapterTarget, check_peft_config, load_peft_adapter
 from manylora.lora.formats.trtllm import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -22,6 +22,32 @@ def is_trtllm_dir(path: str | os.PathLike) -> bool:
     ``model.lora_config.npy`` (then it is read in that format, not as PEFT)."""
     path = Path(path)
     return (path / WEIGHTS_FILE).is_file() or (path / CONFIG_FILE).is_file()
+
+
+def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
+                      target: AdapterTarget) -> bool:
+    """The checks of an adapter directory that read no tensor (its config only, a few
+    hundred bytes), so a request can be refused at once while the weights are read later,
+    on a loader thread; whether the adapter is DoRA (``use_dora``).
+
+    Raises:
+        LoRAAdapterError: ``path`` is not a directory; a TensorRT-LLM directory without
+            one of its two ``.npy`` files; a PEFT directory whose ``adapter_config.json`` is
+            missing or bad (``check_peft_config``) or that has no weights file.
+    """
+    name, path = request.lora_name, Path(path)
+    if not path.is_dir():
+        raise LoRAAdapterError(f"adapter {name!r}: {path} is not a directory")
+    if is_trtllm_dir(path):
+        for file in (WEIGHTS_FILE, CONFIG_FILE):
+            if not (path / file).is_file():
+                raise LoRAAdapterError(f"adapter {name!r}: {path / file} is missing")
+        return False
+    cfg = check_peft_config(path, name, target)
+    if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise LoRAAdapterError(
+            f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path}")
+    return bool(cfg.get("use_dora"))
 
 
 def load_adapter_dir(request: LoRARequest, path: str | os.PathLike,

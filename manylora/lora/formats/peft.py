@@ -139,6 +139,22 @@ def read_peft_tensors(path: str | os.PathLike, name: str) -> dict[str, torch.Ten
         f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path}")
 
 
+def check_peft_config(path: str | os.PathLike, name: str, target: AdapterTarget) -> dict:
+    """``read_peft_config`` and the checks a config alone allows (named target modules the
+    model has): a few hundred bytes read, no tensor.
+
+    Returns:
+        The config dict.
+
+    Raises:
+        LoRAAdapterError: as ``read_peft_config``, or a named target module the base model
+            lacks.
+    """
+    cfg = read_peft_config(path, name)
+    _check_target_names(cfg, name, target)
+    return cfg
+
+
 def _check_target_names(cfg: dict, name: str, target: AdapterTarget) -> None:
     targets = cfg.get("target_modules")
     if not isinstance(targets, list):
@@ -306,8 +322,7 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             with no ``target.dora_norm`` to normalize it.
     """
     name, path = request.lora_name, Path(path)
-    cfg = read_peft_config(path, name)
-    _check_target_names(cfg, name, target)
+    cfg = check_peft_config(path, name, target)
     base = cfg.get("base_model_name_or_path")
     if base and target.base_model_names and not _same_model(base, target.base_model_names):
         logger.warning("adapter %r was trained for base model %r, not %s", name, base,
