@@ -356,3 +356,34 @@ def test_no_block_hash_without_the_adapter_digest(engine, adapters):
                   adapter_pending=True)
     with pytest.raises(RuntimeError, match="digest is not known yet"):
         kv.lookup(req)
+
+
+@pytest.mark.gpu
+def test_streams_run_while_a_new_adapter_is_read_on_cuda(base_dir, adapters, monkeypatch):
+    """The same on a GPU (pinned host copies, the copy stream, CUDA graphs): the other
+    stream advances every step while the read waits, and the waiting requests' tokens match
+    transformers + peft on the GPU (near-ties forgiven)."""
+    from manylora.testing.reference import compare_greedy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm_gpu = LLM(str(base_dir), **{**ENGINE, "device": "cuda"})
+    engine = llm_gpu.llm_engine
+    reader = SlowReader(monkeypatch)
+    new = lora(adapters["b"])
+    engine.add_request("base", {"prompt_token_ids": PROMPTS[0]}, LONG)
+    engine.add_request("new", {"prompt_token_ids": PROMPTS[1]}, LONG, new)
+    seen: dict[str, list[int]] = {}
+    for _ in range(8):
+        for out in engine.step():
+            seen[out.request_id] = list(out.outputs[0].token_ids)
+    assert len(seen.get("base", [])) >= 6 and "new" not in seen
+    reader.release()
+    finished = run_until_done(engine)
+    refs = hf_greedy_reference(base_dir, {"b": str(adapters["b"])}, [PROMPTS[1], PROMPTS[0]],
+                               ["b", None], LONG.max_tokens, device="cuda")
+    for rid, ref in (("new", refs[0]), ("base", refs[1])):
+        ok, where = compare_greedy(finished[rid].outputs[0].token_ids, ref)
+        assert ok, (rid, where)
+    assert engine.lora_cache_stats().device_load_bytes > 0
+    engine.shutdown()
