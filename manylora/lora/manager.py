@@ -93,7 +93,8 @@ class LoRACacheStats:
         host_evictions: adapters dropped from the host tier.
         host_load_seconds: wall time of all disk reads (parse, validate, digest, pin),
             seconds.
-        host_load_bytes: bytes of adapter tensors read into the host tier.
+        host_load_bytes: bytes the reads put in the host tier (packed adapters: tensors,
+            alignment and slot-load descriptors; what ``max_cpu_lora_bytes`` counts).
         host_load_failures: disk reads that failed (their requests ended with the error).
         sync_disk_loads: disk reads a step had to wait for (staging came too late).
         adapter_waits: requests that waited in the queue because their adapter was on
