@@ -74,8 +74,9 @@ class AdapterEvents:
     """What ``LoRAManager.poll`` took in.
 
     Attributes:
-        ready: ``{lora_int_id: digest}`` of adapters whose first read finished: they are in
-            the host tier, and their waiting requests may be scheduled.
+        ready: ``{lora_int_id: digest}`` of adapters whose first read finished: their
+            digest is known and they are in the host tier (unless it is full of adapters
+            that waiting requests need: then they are read again when their turn comes).
         failed: adapters whose (first or repeated) read failed; their requests must end.
     """
 
@@ -508,7 +509,6 @@ class LoRAManager:
             del self._first[lid]
             try:
                 adapter = first.future.result()
-                self._insert_host(adapter, must_fit=True)
             except Exception as e:             # whatever the reader met ends its requests
                 logger.warning("adapter %r (%s) failed to load: %s", first.request.lora_name,
                                first.request.lora_path, e)
@@ -516,6 +516,9 @@ class LoRAManager:
                 continue
             self._known[lid] = _Known(first.request, adapter.digest, adapter.has_dora)
             events.ready[lid] = adapter.digest
+            # a host tier full of adapters that waiting requests need: dropped for now, read
+            # again (prefetch) when its turn comes, as an evicted adapter is
+            self._insert_host(adapter, must_fit=False)
         for lid, future in list(self._loading.items()):
             if not future.done():
                 continue
