@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import gpu_name, record
+from benchmarks.common import gpu_name, pinned_h2d_bandwidth, record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, write_config, write_peft_adapters
 from manylora import LLM, LoRARequest, SamplingParams
 
@@ -80,21 +80,6 @@ def time_to_first_token(llm: LLM, lora: LoRARequest, vocab: int) -> float:
     while True:
         if any(o.request_id == rid and o.outputs[0].token_ids for o in engine.step()):
             return time.perf_counter() - t0
-
-
-def pinned_h2d_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Median bytes/s of pinned host → device copies of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(10):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times)
 
 
 def run_variant(model_dir: Path, device: str, quick: bool, max_loras: int, max_cpu_loras: int,

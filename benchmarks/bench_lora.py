@@ -75,6 +75,7 @@ from benchmarks.common import (
     command_line,
     gpu_name,
     measure_copy_bandwidth,
+    pinned_h2d_bandwidth,
     prefix_hit_tokens,
     record,
 )
@@ -169,23 +170,6 @@ def adapter_bytes(config: dict, rank: int, targets: Sequence[str], itemsize: int
     dims = module_dims(config)
     return config["num_hidden_layers"] * sum((dims[m][0] + dims[m][1]) * rank * itemsize
                                              for m in targets)
-
-
-def pinned_h2d_bandwidth(nbytes: int) -> float:
-    """Median bytes/s of pinned host → device copies of ``nbytes`` (CUDA events, 10 copies
-    after one warm-up)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    times = []
-    for _ in range(10):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times)
 
 
 # ---------------------------------------------------------------------------------------------

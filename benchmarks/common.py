@@ -176,6 +176,23 @@ def _cuda_device(device: torch.device | str | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def pinned_h2d_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Median bytes/s of pinned host → device copies of ``nbytes`` (CUDA events, 10 copies
+    after one warm-up copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(10):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times)
+
+
 def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, bytes/s: ``2 * nbytes`` / median time of ``dst.copy_(src)``.
 
