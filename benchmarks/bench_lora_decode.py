@@ -80,10 +80,10 @@ def _step(projections, mapping, schedule: str, copy: int) -> None:
 
 def measure(batch: int, schedule: str, device: torch.device, projections) -> float:
     """Median GPU seconds of one layer's LoRA launches at ``batch`` rows under ``schedule``."""
-    from manylora.lora.punica import build_lora_mapping
+    from manylora.lora.punica import build_lora_kernel_meta
 
     slots = [r % ADAPTERS for r in range(batch)]
-    mapping = build_lora_mapping(slots, ADAPTERS, device, pad_to=batch, schedule=schedule)
+    mapping = build_lora_kernel_meta(slots, ADAPTERS, device, pad_to=batch, schedule=schedule)
     return time_graph_calls(lambda i: _step(projections, mapping, schedule, i), CALLS, REPLAYS)
 
 

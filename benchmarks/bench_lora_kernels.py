@@ -82,7 +82,7 @@ class Case:
     tokens: int
     adapters: int
     rank: int
-    schedule: str | None = None             # None: the one build_lora_mapping picks
+    schedule: str | None = None             # None: the one build_lora_kernel_meta picks
 
 
 class Weights(NamedTuple):
@@ -260,10 +260,10 @@ class Bench:
         y0 = torch.randn(case.tokens, sum(outs), generator=gen, device=self.device,
                          dtype=DTYPE) * 0.1
         token_slots = [t % case.adapters for t in range(case.tokens)]
-        mapping = self.ops["build_lora_mapping"](token_slots, MAX_LORAS, self.device,
+        mapping = self.ops["build_lora_kernel_meta"](token_slots, MAX_LORAS, self.device,
                                                  schedule=case.schedule)
         if case.schedule is not None and mapping.schedule != case.schedule:
-            raise RuntimeError(f"{case}: build_lora_mapping(schedule={case.schedule!r}) gave "
+            raise RuntimeError(f"{case}: build_lora_kernel_meta(schedule={case.schedule!r}) gave "
                                f"schedule {mapping.schedule!r}")
         idx = torch.tensor(token_slots, dtype=torch.long, device=self.device)
         shrink, expand = self.ops["lora_shrink"], self.ops["lora_expand"]
@@ -346,11 +346,11 @@ def schedule_rows(results: Sequence[Result], bandwidth: float,
 
 def load_ops() -> dict[str, Any]:
     """The engine's public LoRA ops (imported late, after TRITON_INTERPRET is settled)."""
-    from manylora.lora.punica import build_lora_mapping
+    from manylora.lora.punica import build_lora_kernel_meta
     from manylora.ops.lora_expand import lora_expand
     from manylora.ops.lora_shrink import lora_shrink
 
-    return dict(build_lora_mapping=build_lora_mapping, lora_shrink=lora_shrink,
+    return dict(build_lora_kernel_meta=build_lora_kernel_meta, lora_shrink=lora_shrink,
                 lora_expand=lora_expand)
 
 
@@ -410,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def default_pick(case: Case) -> str:
         slots = [t % case.adapters for t in range(case.tokens)]
-        return ops["build_lora_mapping"](slots, MAX_LORAS, device).schedule
+        return ops["build_lora_kernel_meta"](slots, MAX_LORAS, device).schedule
 
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_lora_kernels")
@@ -436,7 +436,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "x ~ N(0, 1), A ~ N(0, 1/in), B ~ N(0, 1/rank), y ~ N(0, 0.01).")
     record(f"LoRA shrink + expand ({gpu}): {shape} qkv and down, rank {SWEEP_RANK}, bf16",
            command, RESULT_COLUMNS, [result_row(r, bandwidth) for r in main_results],
-           notes=floor_note + " schedule = the one `build_lora_mapping` picks by default.",
+           notes=floor_note + " schedule = the one `build_lora_kernel_meta` picks by default.",
            write=write, device=device)
     record(f"LoRA shrink + expand ({gpu}): {shape}, rank sweep, T = {r0.tokens}, "
            f"{r0.adapters} adapters, bf16",
@@ -446,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     record(f"LoRA shrink + expand ({gpu}): {shape}, SGMV vs BGMV schedule, rank {SWEEP_RANK}, "
            "bf16",
            command, SCHEDULE_COLUMNS, schedule_rows(sched_results, bandwidth, default_pick),
-           notes=("Both schedules forced through `build_lora_mapping(..., schedule=...)`, "
+           notes=("Both schedules forced through `build_lora_kernel_meta(..., schedule=...)`, "
                   "timed as above; bgmv / sgmv > 1 means SGMV is faster. The default pick is "
                   "the schedule of least modelled time (`default_schedule` in "
                   "manylora/lora/punica.py, ops/lora_cost_model.py; it may be `tiled`, "

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.ops import lora_kernels, triton_lora
 
 _SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor ranks, Tensor token_lora_indices, "
@@ -53,7 +53,7 @@ def main() -> None:
                         help="call outside torch.inference_mode (the engine runs inside)")
     args = parser.parse_args()
 
-    mapping = build_lora_mapping([0, 1, -1, 1], 2, torch.device("cpu"), schedule="bgmv")
+    mapping = build_lora_kernel_meta([0, 1, -1, 1], 2, torch.device("cpu"), schedule="bgmv")
     x = torch.randn(4, 64)
     a = [torch.randn(2, 8, 64) for _ in range(3)]
     ranks = torch.full((2, 3), 8, dtype=torch.int32)

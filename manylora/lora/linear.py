@@ -55,7 +55,7 @@ from torch import nn
 
 from manylora.distributed.parallel_state import PARALLEL_MODES, TPGroup
 from manylora.lora.dora import dora_row_norm_tp
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 from manylora.lora.slots import LoRASlots, SlotSharding
 from manylora.model.weight_loader import TPSlice
 from manylora.ops.triton_skinny import base_linear
@@ -83,7 +83,7 @@ class LoRALinear(nn.Module):
     local rows for column-parallel, whole for row-parallel). Under tensor parallelism each
     carries ``tp_dim`` and ``tp_slices`` (``TPSlice`` per module) so that the weight loader
     reads only the rank's rows (column) or columns (row) of each checkpoint tensor.
-    Forward: ``x [T, local in]`` and the step's ``LoRAMapping`` (None: no adapters) →
+    Forward: ``x [T, local in]`` and the step's ``LoRAKernelMeta`` (None: no adapters) →
     ``[T, local out]`` (column) or ``[T, out]`` summed over ranks (row). Every rank of the
     group must run the forward of a row-parallel or fully sharded layer together. An eager
     step whose slots none targets this projection (``LoRASlots.used``: the rank table's
@@ -231,7 +231,7 @@ class LoRALinear(nn.Module):
         return dora_row_norm_tp(self.module_weight(module), a, b, self.tp, self.parallel,
                                 out_range=self.output_ranges[i], in_range=self.in_range)
 
-    def forward(self, x: torch.Tensor, mapping: LoRAMapping | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mapping: LoRAKernelMeta | None) -> torch.Tensor:
         lora = self.lora if mapping is not None and mapping.has_lora else None
         if lora is not None and not lora.used(mapping):
             lora = None               # an eager step none of whose slots targets this layer

@@ -1,4 +1,5 @@
-"""The per-step token → slot map that every LoRA-aware layer reads (Punica's indices).
+"""The per-step LoRA kernel metadata every LoRA-aware layer reads (Punica's indices; vLLM
+calls it ``LoRAKernelMeta``): which adapter slot each token row uses.
 
 Built once per step by the model runner (vLLM's ``token_lora_mapping``) and passed,
 unchanged, to every LoRA-aware linear of the forward pass. It carries both views the
@@ -48,14 +49,14 @@ class SlotSegment(NamedTuple):
     Attributes:
         slot: device slot index in ``[0, max_loras)``.
         rows: int32 ``[n]`` indices into the flat token batch, on the model's device (a view
-            of ``LoRAMapping.sorted_rows``).
+            of ``LoRAKernelMeta.sorted_rows``).
     """
 
     slot: int
     rows: torch.Tensor
 
 
-class LoRAMapping(NamedTuple):
+class LoRAKernelMeta(NamedTuple):
     """Which adapter slot each token row uses in this step.
 
     Attributes:
@@ -98,8 +99,8 @@ class LoRAMapping(NamedTuple):
     used_columns: tuple[bool, ...] | None = None
 
 
-class LoRAMappingArrays(NamedTuple):
-    """The host (numpy) index arrays of a ``LoRAMapping`` (see its fields), before they are
+class LoRAKernelMetaArrays(NamedTuple):
+    """The host (numpy) index arrays of a ``LoRAKernelMeta`` (see its fields), before they are
     copied to the device.
 
     Attributes:
@@ -121,8 +122,8 @@ class LoRAMappingArrays(NamedTuple):
     num_lora_rows: int
 
 
-def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
-                        total: int | None = None) -> LoRAMappingArrays:
+def lora_kernel_meta_arrays(token_slots: np.ndarray, max_loras: int,
+                        total: int | None = None) -> LoRAKernelMetaArrays:
     """Group a step's rows by adapter slot with numpy vector ops (a stable ``argsort`` and
     a ``bincount``; no per-row Python), as Punica's SGMV segments.
 
@@ -132,7 +133,7 @@ def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
         total: pad to this many rows (padding rows are base rows); None: ``T``.
 
     Returns:
-        The ``LoRAMappingArrays``.
+        The ``LoRAKernelMetaArrays``.
 
     Raises:
         IndexError: a slot outside ``[-1, max_loras)``.
@@ -161,7 +162,7 @@ def lora_mapping_arrays(token_slots: np.ndarray, max_loras: int,
     if num_active > 1:
         np.cumsum(seg_len[:num_active - 1], out=seg_start[1:num_active])
     num_lora_rows = int(seg_len.sum())
-    return LoRAMappingArrays(indices, sorted_rows, active_slots, seg_start, seg_len,
+    return LoRAKernelMetaArrays(indices, sorted_rows, active_slots, seg_start, seg_len,
                              int(seg_len.max()) if max_loras else 0, num_lora_rows)
 
 
@@ -187,18 +188,18 @@ def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | 
 
 
 def lora_segment_size(total: int, max_loras: int, num_tiles: int) -> int:
-    """int32 elements of a mapping's device buffer (``lora_mapping_from_buffer``'s layout)."""
+    """int32 elements of a mapping's device buffer (``lora_kernel_meta_from_buffer``'s layout)."""
     return 2 * total + 3 * max_loras + 3 * num_tiles
 
 
-def fill_lora_segment(out: np.ndarray, arrays: LoRAMappingArrays, block_m: int,
+def fill_lora_segment(out: np.ndarray, arrays: LoRAKernelMetaArrays, block_m: int,
                       num_tiles: int | None = None) -> int:
-    """Write a mapping's host buffer (``lora_mapping_from_buffer``'s layout) into ``out``,
+    """Write a mapping's host buffer (``lora_kernel_meta_from_buffer``'s layout) into ``out``,
     numpy vector ops only; returns the tile count written.
 
     Args:
         out: int32 ``[>= lora_segment_size(...)]``, written from 0.
-        arrays: the step's ``LoRAMappingArrays``.
+        arrays: the step's ``LoRAKernelMetaArrays``.
         block_m: the tile height, 0: no tiles (BGMV / SGMV).
         num_tiles: pad the tile arrays to this many (a graph step: ``max_row_tiles``); None:
             the exact count.
@@ -225,7 +226,7 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
     Args:
         ranks_host: int ``[max_loras, E]``, ``SlotTable.ranks_host``.
         active_slots: int ``[max_loras]``, the step's slots then -1
-            (``LoRAMappingArrays.active_slots``).
+            (``LoRAKernelMetaArrays.active_slots``).
 
     Returns:
         ``E`` bools.
@@ -234,11 +235,11 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
     return tuple((ranks_host[active] != 0).any(axis=0).tolist())
 
 
-def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
+def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
                        pad_to: int | None = None, schedule: str | None = None,
                        ranks_host: np.ndarray | None = None, block_m: int | None = None,
-                       model: LoRAScheduleModel | None = None) -> LoRAMapping:
-    """Build the step's mapping from the per-token slots (``lora_mapping_arrays``).
+                       model: LoRAScheduleModel | None = None) -> LoRAKernelMeta:
+    """Build the step's mapping from the per-token slots (``lora_kernel_meta_arrays``).
 
     Args:
         token_slots: length ``T``, the slot of every token row (-1 = base model).
@@ -256,7 +257,7 @@ def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch
         model: what ``default_schedule`` models; None: its default.
 
     Returns:
-        The ``LoRAMapping``; its int32 tensors come from one host → device copy (pinned and
+        The ``LoRAKernelMeta``; its int32 tensors come from one host → device copy (pinned and
         non-blocking on CUDA).
 
     Raises:
@@ -269,7 +270,7 @@ def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch
                          f"{LORA_SCHEDULES}")
     if ranks_host is not None and ranks_host.shape[0] != max_loras:
         raise ValueError(f"a rank table of {ranks_host.shape[0]} slots for {max_loras}")
-    arrays = lora_mapping_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
+    arrays = lora_kernel_meta_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
     if schedule is None:
         schedule, chosen = default_schedule(arrays.seg_len, max_loras, padded_rows=pad_to,
@@ -288,18 +289,18 @@ def build_lora_mapping(token_slots: Sequence[int], max_loras: int, device: torch
     written = fill_lora_segment(host.numpy(), arrays, block_m,
                                 bound if pad_to is not None else None)
     host = host[:lora_segment_size(total, max_loras, written)]
-    return lora_mapping_from_buffer(host.to(device, non_blocking=True), total, max_loras,
+    return lora_kernel_meta_from_buffer(host.to(device, non_blocking=True), total, max_loras,
                                     arrays.max_seg_len, schedule, padded=pad_to is not None,
                                     ranks_host=ranks_host, host=host.numpy(),
                                     num_tiles=written, block_m=block_m)
 
 
-def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
+def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
                              schedule: str, *, padded: bool,
                              ranks_host: np.ndarray | None = None,
                              host: np.ndarray | None = None, num_tiles: int = 0,
-                             block_m: int = 0) -> LoRAMapping:
-    """A ``LoRAMapping`` whose int32 tensors are views of ``buf``, laid out as
+                             block_m: int = 0) -> LoRAKernelMeta:
+    """A ``LoRAKernelMeta`` whose int32 tensors are views of ``buf``, laid out as
     ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
     seg_len L | tile_slot NT | tile_start NT | tile_len NT]`` (``L = max_loras``,
     ``NT = num_tiles``), as ``fill_lora_segment`` fills it.
@@ -308,7 +309,7 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
         buf: int32 ``[lora_segment_size(total, max_loras, num_tiles)]`` on the device.
         total: rows, padding included.
         max_loras: slots.
-        max_seg_len: the most rows of one slot (``LoRAMappingArrays.max_seg_len``).
+        max_seg_len: the most rows of one slot (``LoRAKernelMetaArrays.max_seg_len``).
         schedule: one of ``LORA_SCHEDULES``.
         padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
             segments, no ``used_columns``.
@@ -327,7 +328,7 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
         (total, total, max_loras, max_loras, max_loras, nt, nt, nt))
     tiles = (t_slot, t_start, t_len, block_m)
     if padded:
-        return LoRAMapping(indices, srows, act, start, length, total, schedule, True, (),
+        return LoRAKernelMeta(indices, srows, act, start, length, total, schedule, True, (),
                            *tiles)
     used = None
     if ranks_host is not None and host is not None:
@@ -339,5 +340,5 @@ def lora_mapping_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_
             SlotSegment(s, srows[b: b + n])
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
-    return LoRAMapping(indices, srows, act, start, length, max_seg_len, schedule,
+    return LoRAKernelMeta(indices, srows, act, start, length, max_seg_len, schedule,
                        max_seg_len > 0, segments, *tiles, used)

@@ -1,7 +1,7 @@
 """Row tiles of the tiled LoRA schedule: each slot's rows cut into tiles of at most BLOCK_M.
 
 The host half of ``ops/triton_lora_tiled.py``: a step's LoRA rows, grouped by slot as
-Punica's SGMV segments (``lora.punica.lora_mapping_arrays``), are cut into tiles of at most
+Punica's SGMV segments (``lora.punica.lora_kernel_meta_arrays``), are cut into tiles of at most
 ``block_m`` consecutive rows of one slot, with numpy vector ops (``repeat`` / ``cumsum``; no
 per-row or per-slot Python). A kernel program then owns one tile and reads its adapter's
 tiles once for all of the tile's rows.
@@ -58,7 +58,7 @@ def row_tiles(active_slots: np.ndarray, seg_start: np.ndarray, seg_len: np.ndarr
 
     Args:
         active_slots, seg_start, seg_len: int ``[max_loras]`` each, as
-            ``LoRAMappingArrays`` holds them (active slots first, then -1 / 0).
+            ``LoRAKernelMetaArrays`` holds them (active slots first, then -1 / 0).
         block_m: the most rows of a tile.
         pad_to: pad the arrays to this many tiles (slot -1, start 0, length 0); None: the
             exact count.

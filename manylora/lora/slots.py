@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 from manylora.lora.slot_table import SlotTable
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink
@@ -185,26 +185,26 @@ class LoRASlots(nn.Module):
             self.dora_scale_stacked[s][slot].copy_(dora_scale, non_blocking=True)
         self.table.set(slot, col, r, dora_scale is not None)
 
-    def used(self, mapping: LoRAMapping) -> bool:
+    def used(self, mapping: LoRAKernelMeta) -> bool:
         """Whether the step's slots need this projection: some slot of the step has a
         nonzero rank in one of its columns (from the table's host mirror,
         ``mapping.used_columns``), or the mapping does not say (CUDA-graph steps)."""
         cols = mapping.used_columns
         return cols is None or any(cols[self.rank_col: self.rank_col + len(self.module_names)])
 
-    def shrink(self, x: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, mapping: LoRAKernelMeta) -> torch.Tensor:
         """``x [T, in] → float32 [T, S, R_a]``: every row through its slot's A (``R_a`` is
         this rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``)."""
         return lora_shrink(x, self.lora_a_stacked, self.ranks, mapping,
                            rank_start=self.rank_start)
 
-    def expand(self, y: torch.Tensor, buffer: torch.Tensor, mapping: LoRAMapping) -> None:
+    def expand(self, y: torch.Tensor, buffer: torch.Tensor, mapping: LoRAKernelMeta) -> None:
         """``y += expand(buffer)`` in place, DoRA-rescaled for the (slot, slice)s the table
         flags; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]``."""
         lora_expand(y, buffer, self.lora_b_stacked, self.ranks, mapping, self.output_slices,
                     self.dora, self.dora_scale_stacked, self.bias)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAMapping) -> None:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAKernelMeta) -> None:
         """``y += expand(shrink(x))`` for every enabled slice, DoRA-rescaled where the table
         flags it; ``x [T, in]``, ``y [T, out]`` (bias included). Slots with
         ``rank_sharded`` need the buffer all-gathered in between: use ``shrink`` and

@@ -22,7 +22,7 @@ from torch import nn
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
 from manylora.model.layers.activation import silu_and_mul
@@ -91,7 +91,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = LoRALinear(inter, (cfg.hidden_size,), ("down_proj",),
                                     cfg.mlp_bias, cfg.dtype, device, "row", tp)
 
-    def forward(self, x: torch.Tensor, lora: LoRAMapping | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAKernelMeta | None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
@@ -106,7 +106,7 @@ class LlamaDecoderLayer(nn.Module):
                                                 device)
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
-                      lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+                      lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x, residual) → (qkv [T, q + 2 kv], residual)``: the input norm (the residual
         add fused into it; the first layer has no residual yet: ``residual = x``), then
         ``qkv_proj`` (+ LoRA).
@@ -121,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.qkv_proj(x, lora), residual
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
-                       lora: LoRAMapping | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(attention output [T, q_size], residual) → (mlp output, residual stream before
         it)``: ``o_proj`` (+ LoRA; all-reduced), the post-attention norm with the residual
         add fused, the MLP (+ LoRA); the next norm adds the two."""
@@ -252,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn: AttentionMetadata,
-                lora: LoRAMapping | None) -> torch.Tensor:
+                lora: LoRAKernelMeta | None) -> torch.Tensor:
         """The layers in order: per layer ``pre_attention`` → ``rotate`` → ``attend`` →
         ``post_attention``, then ``final_norm``; the piecewise CUDA graphs
         (``worker/piecewise_graphs.py``) run the same methods, captured between the

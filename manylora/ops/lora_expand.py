@@ -25,11 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 
 
 def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[torch.Tensor],
-                ranks: torch.Tensor, mapping: LoRAMapping,
+                ranks: torch.Tensor, mapping: LoRAKernelMeta,
                 output_slices: Sequence[tuple[int, int]], dora: torch.Tensor | None = None,
                 dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                 bias: torch.Tensor | None = None) -> None:
@@ -73,7 +73,7 @@ def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[
 
 def lora_expand_reference(y: torch.Tensor, buffer: torch.Tensor,
                           lora_b_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                          mapping: LoRAMapping, output_slices: Sequence[tuple[int, int]],
+                          mapping: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
                           dora: torch.Tensor | None = None,
                           dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                           bias: torch.Tensor | None = None) -> None:

@@ -3,7 +3,7 @@
 Follows Punica (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving") and vLLM's punica
 Triton kernels: one launch applies every adapter of the step to every row, for all slices of
 a packed projection (q/k/v, gate/up) at once. Two schedules over the same
-:class:`~manylora.lora.punica.LoRAMapping`:
+:class:`~manylora.lora.punica.LoRAKernelMeta`:
 
 * SGMV (segmented gather matrix-vector, for prefill and popular adapters): a program owns a
   tile of ``BLOCK_M`` rows of one slot, gathered through ``sorted_rows``, and runs
@@ -38,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The per-step LoRAMapping tensors are views at offsets of one buffer that move with the row
+# The per-step LoRAKernelMeta tensors are views at offsets of one buffer that move with the row
 # count, the table's views start at each projection's column, and N_TILES varies with the
 # batch: Triton would otherwise compile one kernel per pointer alignment (16 bytes or not)
 # and per int that happens to be 1 or a multiple of 16.

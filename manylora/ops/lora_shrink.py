@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 import torch
 
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 
 
 def lora_shrink(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                mapping: LoRAMapping, *, rank_start: int = 0) -> torch.Tensor:
+                mapping: LoRAKernelMeta, *, rank_start: int = 0) -> torch.Tensor:
     """Shrink ``x`` through each row's adapter, all slices and adapters in one call.
 
     CUDA tensors go to the Triton kernels (``triton_lora.lora_shrink_triton``, one launch,
@@ -54,7 +54,7 @@ def lora_shrink(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor], ranks: 
 
 
 def lora_shrink_reference(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
-                          ranks: torch.Tensor, mapping: LoRAMapping, *,
+                          ranks: torch.Tensor, mapping: LoRAKernelMeta, *,
                           rank_start: int = 0) -> torch.Tensor:
     """PyTorch reference of ``lora_shrink``: a gather and a matmul per slot and slice.
 

@@ -1,7 +1,7 @@
 """Triton kernels of the tiled LoRA schedule: each adapter read once per row tile, not per row.
 
 The decode counterpart of Punica's SGMV (Chen et al. 2023): the step's LoRA rows, grouped by
-slot (``LoRAMapping.sorted_rows``), are cut on the host into tiles of at most ``BLOCK_M`` rows
+slot (``LoRAKernelMeta.sorted_rows``), are cut on the host into tiles of at most ``BLOCK_M`` rows
 of one slot (``lora.row_tiles``). A program owns one tile, so A's and B's tiles are read once
 for up to ``BLOCK_M`` rows, and runs ``tl.dot`` on them (rows past the tile's length are
 masked: no memory traffic, only idle tensor-core lanes). The grid is the tile count; programs

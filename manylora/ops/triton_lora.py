@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 from manylora.ops import lora_kernels, triton_lora_tiled
 from manylora.ops.lora_plans import MAX_SLICES, expand_plan, interpreted_bf16, shrink_plan
 from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
@@ -82,7 +82,7 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: t
             past each (slot, slice)'s rank are never read.
         ranks: int32 ``[max_loras, S]``, the projection's columns of the ``SlotTable``.
         token_lora_indices, sorted_rows, active_slots, seg_start, seg_len, max_seg_len,
-            schedule: the fields of the step's ``LoRAMapping``.
+            schedule: the fields of the step's ``LoRAKernelMeta``.
         rank_start: the first rank row A holds (fully sharded column parallelism; else 0).
 
     Returns:
@@ -203,7 +203,7 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
             of ``y``; rows past each (slot, slice)'s rank are never read.
         ranks: int32 ``[max_loras, S]``, the projection's columns of the ``SlotTable``.
         token_lora_indices, sorted_rows, active_slots, seg_start, seg_len, max_seg_len,
-            schedule: the fields of the step's ``LoRAMapping``.
+            schedule: the fields of the step's ``LoRAKernelMeta``.
         slice_offsets: ``S`` column offsets ``off_s`` into ``y``; the slices must not overlap.
         dora: int32 ``[max_loras, S]``, the table's DoRA flags; needed with DoRA scales.
         dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]``, the DoRA scales
@@ -309,11 +309,11 @@ _register("lora_expand_tiled", triton_lora_tiled.LORA_EXPAND_TILED_SCHEMA, lora_
 
 
 # ---------------------------------------------------------------------------------------------
-# entry points taking a LoRAMapping
+# entry points taking a LoRAKernelMeta
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
-                       ranks: torch.Tensor, mapping: LoRAMapping, *,
+                       ranks: torch.Tensor, mapping: LoRAKernelMeta, *,
                        rank_start: int = 0) -> torch.Tensor:
     """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` for every slice, up to each (slot,
     slice)'s rank, in one launch of Punica's SGMV or BGMV shrink or the tiled shrink
@@ -355,7 +355,7 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
 
 def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                        lora_b_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                       mapping: LoRAMapping, output_slices: Sequence[tuple[int, int]],
+                       mapping: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
                        dora: torch.Tensor | None = None,
                        dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                        bias: torch.Tensor | None = None) -> None:
@@ -407,7 +407,7 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
        mapping.schedule, offsets, flags, scales, bias)
 
 
-def _row_tiles(mapping: LoRAMapping) -> tuple:
+def _row_tiles(mapping: LoRAKernelMeta) -> tuple:
     """The tiled ops' mapping arguments: ``sorted_rows``, the tile arrays, ``block_m``."""
     return (mapping.sorted_rows, mapping.tile_slot, mapping.tile_start, mapping.tile_len,
             mapping.block_m)

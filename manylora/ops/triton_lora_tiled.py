@@ -62,7 +62,7 @@ def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
             past a (slot, slice)'s rank are never read.
         ranks: int32 ``[max_loras, S]`` (unit column stride): the projection's columns of
             the ``SlotTable``.
-        sorted_rows, tile_slot, tile_start, tile_len, block_m: the step's ``LoRAMapping``
+        sorted_rows, tile_slot, tile_start, tile_len, block_m: the step's ``LoRAKernelMeta``
             fields (int32 ``[T]``, int32 ``[NT]`` each, host int).
         rank_start: the first rank row A holds (fully sharded column parallelism; else 0).
 

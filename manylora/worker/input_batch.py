@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from manylora.core.scheduler import NewRequestData, SchedulerOutput
-from manylora.lora.punica import default_schedule, fill_lora_segment, lora_mapping_arrays
+from manylora.lora.punica import default_schedule, fill_lora_segment, lora_kernel_meta_arrays
 from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
 from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
@@ -381,7 +381,7 @@ class InputBatch:
         max_seg_len = padded or 0
         schedule = block_m = num_tiles = 0
         if token_slots is not None:
-            lora = lora_mapping_arrays(token_slots, self.max_loras, pad_tokens)
+            lora = lora_kernel_meta_arrays(token_slots, self.max_loras, pad_tokens)
             if not max_seg_len:
                 max_seg_len = lora.max_seg_len
             if pieces is not None:          # piece graphs are captured with tiles only

@@ -28,10 +28,10 @@ import torch
 from manylora.core.scheduler import SchedulerOutput
 from manylora.lora.linear import LoRALinear
 from manylora.lora.punica import (
-    LoRAMapping,
+    LoRAKernelMeta,
     fill_lora_segment,
-    lora_mapping_arrays,
-    lora_mapping_from_buffer,
+    lora_kernel_meta_arrays,
+    lora_kernel_meta_from_buffer,
 )
 from manylora.lora.row_tiles import max_row_tiles
 from manylora.model.llama import LlamaForCausalLM
@@ -272,8 +272,8 @@ class ModelRunner:
                                self._attention_metadata(views, layout), self.kv_caches)
 
     def _lora_mapping(self, views: dict, layout: StepLayout,
-                      host: np.ndarray | None = None) -> LoRAMapping | None:
-        """The step's ``LoRAMapping`` over its device buffer (None without a LoRA row).
+                      host: np.ndarray | None = None) -> LoRAKernelMeta | None:
+        """The step's ``LoRAKernelMeta`` over its device buffer (None without a LoRA row).
         Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
         host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket). An
         unpadded step with ``host`` (its packed host buffer) carries ``used_columns`` from
@@ -287,7 +287,7 @@ class ModelRunner:
         lora_host = None
         if host is not None and table is not None and not padded:
             lora_host = split_segments(host, layout, self.max_loras)["lora"]
-        return lora_mapping_from_buffer(buf, layout.num_tokens, self.max_loras,
+        return lora_kernel_meta_from_buffer(buf, layout.num_tokens, self.max_loras,
                                         layout.max_seg_len, SCHEDULES[layout.schedule],
                                         padded=padded,
                                         ranks_host=None if table is None else table.ranks_host,
@@ -440,8 +440,8 @@ def _no_bucket(num_rows: int) -> None:
 
 def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int,
                        layout: StepLayout) -> None:
-    """Fill a LoRA segment (``lora_mapping_from_buffer``'s layout) with the mapping of
+    """Fill a LoRA segment (``lora_kernel_meta_from_buffer``'s layout) with the mapping of
     ``size`` base rows: no row on an adapter, no active slot, only padding tiles."""
-    arrays = lora_mapping_arrays(np.full(size, -1), max_loras)
+    arrays = lora_kernel_meta_arrays(np.full(size, -1), max_loras)
     fill_lora_segment(lora, arrays, layout.lora_block_m,
                       layout.lora_tiles if layout.lora_block_m else None)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from manylora.lora.punica import LoRAMapping
+from manylora.lora.punica import LoRAKernelMeta
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops.attention import AttentionMetadata, KVCache
 
@@ -98,7 +98,7 @@ class PiecewiseGraphs:
         return key in self._graphs
 
     def _piece(self, i: int, tb: int, ids: torch.Tensor, positions: torch.Tensor,
-               lora: LoRAMapping | None) -> None:
+               lora: LoRAKernelMeta | None) -> None:
         """Piece ``i`` over the first ``tb`` rows: reads ``ids`` / ``positions`` (int32
         ``[tb]``, device views of the step buffer) and the static ``o`` and ``residual``,
         writes the static ``qkv`` (RoPE applied) and ``residual``, or ``hidden`` (last
@@ -132,7 +132,7 @@ class PiecewiseGraphs:
         self.model.model.layers[i].self_attn.attend(q, k, v, kv_cache, attn, out=o)
 
     def run(self, key: PieceKey, ids: torch.Tensor, positions: torch.Tensor,
-            lora: LoRAMapping | None, attn: AttentionMetadata,
+            lora: LoRAKernelMeta | None, attn: AttentionMetadata,
             kv_caches: Sequence[KVCache]) -> torch.Tensor:
         """One step: piece 0, then per layer its eager attention and the next piece; each
         piece a graph replay when ``key`` was captured, else run eagerly.
@@ -162,7 +162,7 @@ class PiecewiseGraphs:
         return self.hidden[:tb]
 
     def capture(self, key: PieceKey, ids: torch.Tensor, positions: torch.Tensor,
-                lora: LoRAMapping | None) -> None:
+                lora: LoRAKernelMeta | None) -> None:
         """Capture the ``L + 1`` pieces of ``key`` on these inputs (views of the persistent
         step buffer, at the offsets the bucket fixes; ``lora`` a padded mapping over them),
         each after one eager warm-up run on a side stream (JIT, allocator), into the shared

@@ -22,7 +22,7 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
-LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_mapping_from_buffer``'s layout
+LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_kernel_meta_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)
@@ -65,7 +65,7 @@ class StepLayout(NamedTuple):
         num_tiles: attention tiles; num_decode_tiles: the leading decode tiles.
         table_width: W, columns of the step's gathered block table.
         schedule: index into ``SCHEDULES`` (0: no LoRA row, no LoRA segment).
-        max_seg_len: the LoRA kernels' grid bound (``LoRAMapping.max_seg_len``).
+        max_seg_len: the LoRA kernels' grid bound (``LoRAKernelMeta.max_seg_len``).
         num_table_updates: U, block-table writes this step.
         num_sampled: N, rows sampled.
         sample_prefix: 1 when the sampled rows are exactly ``0..N-1`` (a decode step).

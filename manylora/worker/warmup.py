@@ -49,7 +49,7 @@ import torch
 import triton
 
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import (
@@ -240,7 +240,7 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         for schedule, n, s in cases.values():
             # A table of rank 0 everywhere: the launches compile, the programs read nothing
             # and return (the model's table may already hold adapters).
-            mapping = build_lora_mapping([0] * s + [-1] * (n - s), max_loras, device,
+            mapping = build_lora_kernel_meta([0] * s + [-1] * (n - s), max_loras, device,
                                          schedule=schedule)
             x = torch.zeros(n, m.in_features, dtype=dtype, device=device)
             triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
@@ -276,7 +276,7 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
                          (num_tiles, block_m))
     launches = 0
     for num_tiles, block_m in cases.values():
-        mapping = build_lora_mapping([-1], max_loras, device, schedule="tiled",
+        mapping = build_lora_kernel_meta([-1], max_loras, device, schedule="tiled",
                                      block_m=block_m)
         ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
         mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,

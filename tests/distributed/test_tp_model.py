@@ -35,7 +35,7 @@ from manylora.config import LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.formats.loader import load_adapter_dir
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.lora.request import LoRARequest
 from manylora.model.loader import load_model
 from manylora.ops.attention import build_attention_metadata
@@ -104,7 +104,7 @@ def _two_steps(model, slot_of_seq, device) -> torch.Tensor:
         if slot_of_seq is not None:
             tokens = [slot for seq, slot in zip(new, slot_of_seq) for _ in seq]
             table = model.slot_table
-            lora = build_lora_mapping(tokens, table.max_loras, device,
+            lora = build_lora_kernel_meta(tokens, table.max_loras, device,
                                       ranks_host=table.ranks_host)
         hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv,
                        attn, lora)
@@ -337,7 +337,7 @@ def test_fully_sharded_column_slots_keep_their_rank_rows():
     slots.lora_a_stacked[0][0, 2:] = float("nan")        # past rank 6: never read
     slots.lora_a_stacked[0][1] = float("nan")            # rank 3 holds none of rows 4..8
     x = torch.randn(3, 16)
-    buffer = slots.shrink(x, build_lora_mapping([0, 1, -1], 2, torch.device("cpu")))
+    buffer = slots.shrink(x, build_lora_kernel_meta([0, 1, -1], 2, torch.device("cpu")))
     want = torch.zeros(3, 2, 4)
     want[0, 0, :2] = x[0] @ a[4:6].T
     assert torch.allclose(buffer, want, atol=1e-6)

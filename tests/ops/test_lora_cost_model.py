@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.ops.lora_cost_model import (
     H100_SXM,
     LoRAScheduleModel,
@@ -81,7 +81,7 @@ def test_graph_steps_pay_for_their_padded_grid():
     (8, 8, "tiled", 16),            # one row each: tiles and BGMV read the same (tie: tiles)
 ])
 def test_eager_choice(rows, slots, schedule, block_m):
-    mapping = build_lora_mapping([r % slots for r in range(rows)], 64, torch.device("cpu"),
+    mapping = build_lora_kernel_meta([r % slots for r in range(rows)], 64, torch.device("cpu"),
                                  model=LoRAScheduleModel.default())
     assert (mapping.schedule, mapping.block_m) == (schedule, block_m)
 

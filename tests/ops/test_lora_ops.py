@@ -22,7 +22,7 @@ import torch
 
 from manylora.lora.dora import dora_row_norm
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.ops.lora_expand import lora_expand
 from manylora.ops.lora_shrink import lora_shrink
 
@@ -141,7 +141,7 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
     y0 = torch.randn(num_rows, out_total, generator=gen).to(dtype)
     table = rank_table(ranks, len(slices))
     a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
-    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
+    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
     assert mapping.has_lora == any(s >= 0 for s in token_slots)
     assert mapping.token_lora_indices.tolist() == token_slots
 
@@ -183,35 +183,35 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
 
 
 def test_expand_rejects_mismatched_slices():
-    mapping = build_lora_mapping([0], 1, torch.device("cpu"))
+    mapping = build_lora_kernel_meta([0], 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="output slices"):
         lora_expand(torch.zeros(1, 8), torch.zeros(1, 1, 4), [torch.zeros(1, 4, 8)] * 2,
                     table_tensor([[4, 4]]), mapping, [(0, 8)])
 
 
-def test_build_lora_mapping_segments_and_bad_slot():
-    mapping = build_lora_mapping([2, -1, 0, 2, 2, -1], 3, torch.device("cpu"))
+def test_build_lora_kernel_meta_segments_and_bad_slot():
+    mapping = build_lora_kernel_meta([2, -1, 0, 2, 2, -1], 3, torch.device("cpu"))
     assert [(s.slot, s.rows.tolist()) for s in mapping.segments] == [(0, [2]), (2, [0, 3, 4])]
     assert mapping.used_columns is None
-    assert not build_lora_mapping([-1, -1], 1, torch.device("cpu")).has_lora
+    assert not build_lora_kernel_meta([-1, -1], 1, torch.device("cpu")).has_lora
     with pytest.raises(IndexError, match="slot 3"):
-        build_lora_mapping([0, 3], 3, torch.device("cpu"))
+        build_lora_kernel_meta([0, 3], 3, torch.device("cpu"))
 
 
-def test_build_lora_mapping_one_copy_and_used_columns():
+def test_build_lora_kernel_meta_one_copy_and_used_columns():
     """Five int32 tensors from one host copy; ``used_columns`` is the OR over the step's
     slots of their nonzero table entries (slot 1, in the table but not in the step, adds
     nothing), and absent from a padded (CUDA-graph) mapping."""
     cpu = torch.device("cpu")
     ranks_host = np.array([[4, 0, 0, 0], [0, 8, 8, 0], [0, 0, 2, 0]], np.int32)
-    mapping = build_lora_mapping([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
+    mapping = build_lora_kernel_meta([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
     storages = {t.untyped_storage().data_ptr() for t in mapping if isinstance(t, torch.Tensor)}
     assert len(storages) == 1, "every index tensor must come from one host → device copy"
     assert mapping.used_columns == (True, False, True, False)
-    padded = build_lora_mapping([2, 0], 3, cpu, pad_to=4, ranks_host=ranks_host)
+    padded = build_lora_kernel_meta([2, 0], 3, cpu, pad_to=4, ranks_host=ranks_host)
     assert padded.used_columns is None and padded.segments == ()
     with pytest.raises(ValueError, match="rank table of 2 slots"):
-        build_lora_mapping([0], 3, cpu, ranks_host=ranks_host[:2])
+        build_lora_kernel_meta([0], 3, cpu, ranks_host=ranks_host[:2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +262,7 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
 
     token_slots = [0, -1, 1, 1, 2, -1, 0, 2, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"),
+    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"),
                                  ranks_host=slots.table.ranks_host)
     with torch.no_grad():
         got = layer(x, mapping)
@@ -289,7 +289,7 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
         assert rel_err(got - base_only, want - base_only.double()) < 1e-5
     # an all-base mapping gives the base output exactly
     with torch.no_grad():
-        all_base = layer(x, build_lora_mapping([-1] * len(token_slots), MAX_LORAS,
+        all_base = layer(x, build_lora_kernel_meta([-1] * len(token_slots), MAX_LORAS,
                                                torch.device("cpu")))
     assert torch.equal(all_base, base_only)
 
@@ -318,13 +318,13 @@ def test_lora_linear_skips_projections_no_slot_of_the_step_targets(monkeypatch):
     for token_slots, launches in (([0, 2, -1], 0), ([0, 1, 2], 2), ([-1, 1, 1], 2)):
         calls.clear()
         with torch.no_grad():
-            got = layer(x, build_lora_mapping(token_slots, MAX_LORAS, cpu, ranks_host=host))
+            got = layer(x, build_lora_kernel_meta(token_slots, MAX_LORAS, cpu, ranks_host=host))
             base = layer(x, None)
         assert len(calls) == launches, (token_slots, calls)
         assert torch.equal(got, base) == (launches == 0)
     calls.clear()
     with torch.no_grad():
-        layer(x, build_lora_mapping([0, 2, -1], MAX_LORAS, cpu))      # no used_columns
+        layer(x, build_lora_kernel_meta([0, 2, -1], MAX_LORAS, cpu))      # no used_columns
     assert calls == ["shrink", "expand"]
 
 
@@ -353,7 +353,7 @@ def test_dora_expand_reference(dtype, shift):
     a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
     scales = [1 + 0.2 * torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices]
     bias = torch.randn(out_total, generator=gen).to(dtype) if shift else None
-    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
+    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
     ranks, flags = table_tensor(table), table_tensor(DORA_FLAGS)
     buffer = lora_shrink(x, a_stacked, ranks, mapping)
 
@@ -378,7 +378,7 @@ def test_dora_expand_reference(dtype, shift):
 
 
 def test_dora_expand_rejects_bad_stacks():
-    mapping = build_lora_mapping([0], 1, torch.device("cpu"))
+    mapping = build_lora_kernel_meta([0], 1, torch.device("cpu"))
     y, buffer, b = torch.zeros(1, 8), torch.zeros(1, 1, 4), torch.zeros(1, 4, 8)
     ranks, flags = table_tensor([[4]]), table_tensor([[1]])
     with pytest.raises(ValueError, match="without DoRA scales"):
@@ -434,7 +434,7 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
 
     token_slots = [0, -1, 1, 2, 3, 3, 0, -1, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_mapping(token_slots, MAX_LORAS, torch.device("cpu"))
+    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
     with torch.no_grad():
         got = layer(x, mapping)
         base_only = layer(x, None)

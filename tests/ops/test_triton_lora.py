@@ -29,7 +29,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.ops import lora_kernels
 from manylora.ops.triton_lora import lora_expand_triton, lora_shrink_triton
 
@@ -138,7 +138,7 @@ def make_stacks(case: Case, table: list[list[int]], dtype: torch.dtype,
 
 def make_mapping(case: Case, token_slots: list[int], schedule: str):
     pad_to = len(token_slots) + case.pad_to_extra if case.pad_to_extra else None
-    return build_lora_mapping(token_slots, len(case.ranks), DEVICE, pad_to=pad_to,
+    return build_lora_kernel_meta(token_slots, len(case.ranks), DEVICE, pad_to=pad_to,
                               schedule=schedule)
 
 
@@ -245,7 +245,7 @@ def test_rank_zero_reads_and_writes_nothing(schedule):
     b[1][0, :5] = torch.randn(5, n, generator=gen)
     x = torch.randn(len(token_slots), k, generator=gen)
     x[[1, 4]] = float("nan")                                 # the rows of slot 1
-    mapping = build_lora_mapping(token_slots, 2, DEVICE, schedule=schedule)
+    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule=schedule)
     buffer = lora_shrink_triton(x.to(DEVICE), [t.to(DEVICE) for t in a], ranks, mapping).cpu()
     assert not buffer.isnan().any()
     want = reference_shrink(x.nan_to_num(), token_slots, a, table, max_rank)
@@ -277,7 +277,7 @@ def test_ranks_are_read_as_data():
     b = torch.randn(2, max_rank, n, generator=gen).to(DEVICE)
     x = torch.randn(4, k, generator=gen).to(DEVICE)
     ranks = table_view([[8], [3]])
-    mapping = build_lora_mapping(token_slots, 2, DEVICE, schedule="bgmv")
+    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule="bgmv")
     for table in ([[8], [3]], [[0], [6]], [[2], [0]]):
         ranks.copy_(torch.tensor(table, dtype=torch.int32))
         buffer = lora_shrink_triton(x, [a], ranks, mapping)
@@ -298,7 +298,7 @@ def test_rank_sharded_shrink_clamps_to_its_rows(schedule):
     local[0, 2:] = float("nan")
     local[1] = float("nan")
     x = torch.randn(4, k, generator=gen)
-    mapping = build_lora_mapping(token_slots, 2, DEVICE, schedule=schedule)
+    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule=schedule)
     buffer = lora_shrink_triton(x.to(DEVICE), [local.to(DEVICE)], table_view([[6], [3]]),
                                 mapping, rank_start=4).cpu()
     want = torch.zeros(4, 1, 4)
@@ -320,7 +320,7 @@ def test_no_lora_row_launches_nothing(monkeypatch):
     a, b = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 4, 8, device=DEVICE)
     ranks = table_view([[4], [4]])
     for schedule in ("sgmv", "bgmv"):
-        mapping = build_lora_mapping([-1, -1, -1], 2, DEVICE, schedule=schedule)
+        mapping = build_lora_kernel_meta([-1, -1, -1], 2, DEVICE, schedule=schedule)
         buffer = lora_shrink_triton(x, [a], ranks, mapping)
         assert buffer.shape == (3, 1, 4) and torch.all(buffer == 0)
         y0 = y.clone()
@@ -329,7 +329,7 @@ def test_no_lora_row_launches_nothing(monkeypatch):
 
 
 def test_bad_arguments_raise():
-    mapping = build_lora_mapping([0, -1], 1, DEVICE)
+    mapping = build_lora_kernel_meta([0, -1], 1, DEVICE)
     x = torch.randn(2, 16, device=DEVICE)
     a = torch.randn(1, 4, 16, device=DEVICE)
     ranks = table_view([[4]])
@@ -367,7 +367,7 @@ def test_custom_ops_registered_with_fake_impls():
 
     assert hasattr(torch.ops.manylora, "lora_shrink")
     assert hasattr(torch.ops.manylora, "lora_expand")
-    mapping = build_lora_mapping([0, 1, -1], 2, torch.device("cpu"), schedule="sgmv")
+    mapping = build_lora_kernel_meta([0, 1, -1], 2, torch.device("cpu"), schedule="sgmv")
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(3, 16, dtype=torch.bfloat16))
         a = [mode.from_tensor(torch.randn(2, 8, 16, dtype=torch.bfloat16)) for _ in range(3)]
@@ -386,7 +386,7 @@ def test_custom_ops_pass_opcheck():
     """Every opcheck test (schema with the mutation of ``y``, fake kernels, autograd
     registration, AOT dispatch) on the directly registered ops."""
     gen = torch.Generator().manual_seed(3)
-    mapping = build_lora_mapping([1, 0, -1, 1], 2, DEVICE, schedule="bgmv")
+    mapping = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, schedule="bgmv")
     x = torch.randn(4, 16, generator=gen).to(DEVICE)
     a = [torch.randn(2, 8, 16, generator=gen).to(DEVICE) for _ in range(2)]
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
@@ -405,7 +405,7 @@ def test_entry_points_compile_to_the_registered_ops(schedule):
     """Under ``torch.compile(fullgraph=True)`` the entry points trace to
     ``torch.ops.manylora.*`` (no graph break) and compute what the eager calls compute."""
     gen = torch.Generator().manual_seed(4)
-    mapping = build_lora_mapping([1, 0, -1, 1, 1], 2, DEVICE, schedule=schedule)
+    mapping = build_lora_kernel_meta([1, 0, -1, 1, 1], 2, DEVICE, schedule=schedule)
     x = torch.randn(5, 16, generator=gen).to(DEVICE)
     a = [torch.randn(2, 8, 16, generator=gen).to(DEVICE) for _ in range(2)]
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
@@ -475,7 +475,7 @@ def _dora_inputs(schedule: str, dtype: torch.dtype, pad: int, seed: int):
     _, b_stacked = make_stacks(case, DORA_TABLE, dtype, gen)
     buffer = torch.randn(len(rows_slots), len(DORA_SLICES), DORA_MAX_RANK, generator=gen)
     y0 = torch.randn(len(rows_slots), DORA_OUT, generator=gen).to(dtype)
-    mapping = build_lora_mapping(token_slots, len(DORA_TABLE), DEVICE,
+    mapping = build_lora_kernel_meta(token_slots, len(DORA_TABLE), DEVICE,
                                  pad_to=len(rows_slots) if pad else None, schedule=schedule)
     return gen, rows_slots, b_stacked, buffer, y0, mapping
 
@@ -534,7 +534,7 @@ def test_dora_flag_is_read_as_data(schedule):
 
 
 def test_dora_bad_arguments_raise():
-    mapping = build_lora_mapping([0, -1], 1, DEVICE)
+    mapping = build_lora_kernel_meta([0, -1], 1, DEVICE)
     y, buffer = torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 1, 4, device=DEVICE)
     b = torch.zeros(1, 4, 8, device=DEVICE)
     ranks, flags = table_view([[4]]), table_view([[1]])
@@ -560,7 +560,7 @@ def test_dora_bad_arguments_raise():
 
 def test_dora_custom_op_passes_opcheck():
     gen = torch.Generator().manual_seed(5)
-    mapping = build_lora_mapping([1, 0, -1, 1], 2, DEVICE, schedule="sgmv")
+    mapping = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, schedule="sgmv")
     buffer = torch.randn(4, 2, 8, generator=gen).to(DEVICE)
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
     scales = [torch.rand(2, n, generator=gen).to(DEVICE) for n in (16, 8)]
@@ -644,7 +644,7 @@ def test_decode_shapes_on_gpu(schedule, max_rank):
     table = rank_table(case)
     a_stacked, b_stacked = make_stacks(case, table, torch.bfloat16, gen)
     x = torch.randn(num_rows, k, generator=gen).to(torch.bfloat16).cuda()
-    mapping = build_lora_mapping(token_slots, max_loras, DEVICE, schedule=schedule)
+    mapping = build_lora_kernel_meta(token_slots, max_loras, DEVICE, schedule=schedule)
     buffer = lora_shrink(x, a_stacked, table_view(table), mapping)
     want = reference_shrink(x, token_slots, a_stacked, table, max_rank)
     lora_rows = torch.tensor([s >= 0 for s in token_slots])
@@ -675,7 +675,7 @@ def test_cuda_graph_replay_follows_the_mapping_and_table(schedule):
     ranks = table_view(first_ranks)
 
     def mapping_for(slots):
-        return build_lora_mapping(slots, max_loras, DEVICE, pad_to=num_rows, schedule=schedule)
+        return build_lora_kernel_meta(slots, max_loras, DEVICE, pad_to=num_rows, schedule=schedule)
 
     first = torch.randint(-1, max_loras, (num_rows - 3,), generator=gen).tolist()
     static = mapping_for(first)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from manylora.lora.punica import build_lora_mapping, lora_mapping_arrays
+from manylora.lora.punica import build_lora_kernel_meta, lora_kernel_meta_arrays
 from manylora.lora.row_tiles import max_row_tiles, row_tiles
 from manylora.ops.lora_cost_model import graph_block_m
 from manylora.ops.lora_tiled_plans import tiled_expand_plan, tiled_shrink_plan
@@ -35,7 +35,7 @@ def make_tiles(token_slots: list[int], max_loras: int, block_m: int,
                pad_rows: int = 0, padded: bool = False) -> tuple:
     """The tiled ops' mapping arguments (sorted rows, tile arrays on the device, block_m):
     padded (a graph mapping) to ``max_row_tiles``."""
-    arrays = lora_mapping_arrays(np.asarray(token_slots), max_loras,
+    arrays = lora_kernel_meta_arrays(np.asarray(token_slots), max_loras,
                                  len(token_slots) + pad_rows)
     total = arrays.token_lora_indices.size
     tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, block_m,
@@ -198,7 +198,7 @@ def test_row_tiles_cut_each_slot_into_block_m_rows():
     gen = torch.Generator().manual_seed(7)
     counts = {0: 1, 3: 16, 4: 17, 6: 40}
     token_slots = rows_per_slot(counts, 5, gen)
-    arrays = lora_mapping_arrays(np.asarray(token_slots), 8)
+    arrays = lora_kernel_meta_arrays(np.asarray(token_slots), 8)
     tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, 16)
     assert tiles.num_real == 1 + 1 + 2 + 3
     sorted_rows = arrays.sorted_rows
@@ -222,7 +222,7 @@ def test_max_row_tiles_bounds_every_split_of_the_rows(block_m):
             gen = np.random.default_rng(num_rows * 131 + max_loras)
             for _ in range(20):
                 slots = gen.integers(0, max_loras, num_rows)
-                arrays = lora_mapping_arrays(slots, max_loras)
+                arrays = lora_kernel_meta_arrays(slots, max_loras)
                 tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len,
                                   block_m, bound)
                 assert tiles.num_real <= bound
@@ -237,13 +237,13 @@ def test_max_row_tiles_bounds_every_split_of_the_rows(block_m):
                 rest -= add
             worst[0] += rest
             slots = np.repeat(np.arange(max_loras), worst)
-            arrays = lora_mapping_arrays(slots, max_loras)
+            arrays = lora_kernel_meta_arrays(slots, max_loras)
             assert row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len,
                              block_m).num_real == bound
 
 
 def test_graph_grid_depends_only_on_the_row_count():
-    """Padded mappings (``build_lora_mapping(pad_to=...)``, as the engine's graph steps build
+    """Padded mappings (``build_lora_kernel_meta(pad_to=...)``, as the engine's graph steps build
     them) of the same row count give the same launches whatever the split of the rows over
     slots (a captured graph replays them all); the tile count is the bound."""
     max_loras, total = 8, 48
@@ -254,7 +254,7 @@ def test_graph_grid_depends_only_on_the_row_count():
     for lora_rows in (1, 5, 20, 48):
         for _ in range(5):
             slots = gen.integers(0, max_loras, lora_rows).tolist()
-            mapping = build_lora_mapping(slots, max_loras, torch.device("cpu"),
+            mapping = build_lora_kernel_meta(slots, max_loras, torch.device("cpu"),
                                          pad_to=total, schedule="tiled")
             n = mapping.tile_slot.shape[0]
             assert (n, mapping.block_m, mapping.sorted_rows.shape[0]) == (bound, block_m, total)

@@ -29,7 +29,7 @@ from manylora.core.scheduler import (
     SchedulerOutput,
 )
 from manylora.engine.request import Request, RequestStatus
-from manylora.lora.punica import lora_mapping_arrays
+from manylora.lora.punica import lora_kernel_meta_arrays
 from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import slot_mapping_from_block_table
 from manylora.ops.lora_cost_model import graph_block_m
@@ -197,7 +197,7 @@ class Harness:
             assert layout.schedule == 0 and "lora" not in dict(segment_sizes(layout, 0))
             return
         assert SCHEDULES[layout.schedule] == "tiled" and layout.max_seg_len == tb
-        ref = lora_mapping_arrays(np.asarray(slots), self.max_loras, tb)
+        ref = lora_kernel_meta_arrays(np.asarray(slots), self.max_loras, tb)
         m = self.max_loras
         lora = host["lora"]
         assert lora[:tb].tolist() == ref.token_lora_indices.tolist()
@@ -412,7 +412,7 @@ def test_lora_mapping_matches_a_python_reference():
         max_loras = rng.randint(1, 6)
         slots = [rng.randint(-1, max_loras - 1) for _ in range(rng.randint(0, 40))]
         total = len(slots) + rng.randint(0, 5)
-        m = lora_mapping_arrays(np.asarray(slots), max_loras, total)
+        m = lora_kernel_meta_arrays(np.asarray(slots), max_loras, total)
         active = sorted({s for s in slots if s >= 0})
         rows_of = {s: [i for i, x in enumerate(slots) if x == s] for s in active}
         base = [i for i, x in enumerate(slots) if x < 0]
@@ -427,7 +427,7 @@ def test_lora_mapping_matches_a_python_reference():
         assert m.max_seg_len == max(lens, default=0)
         assert m.num_lora_rows == sum(lens)
     with pytest.raises(IndexError, match="slot 3"):
-        lora_mapping_arrays(np.asarray([0, 3]), 3)
+        lora_kernel_meta_arrays(np.asarray([0, 3]), 3)
 
 
 def test_lora_slots_follow_the_rows_and_a_missing_adapter_is_named():

@@ -2,7 +2,7 @@
 bucket) against the eager forward pass of the same step unpadded.
 
 The engine runs with piece buckets; every step it pads is also repacked without padding
-(its LoRA mapping rebuilt by ``lora_mapping_arrays`` over the real rows, the default
+(its LoRA mapping rebuilt by ``lora_kernel_meta_arrays`` over the real rows, the default
 schedule) and run through the plain eager forward on the same KV cache first; the hidden
 states of the real rows must match (float32). On the CPU the pieces run eagerly over the
 padded static buffers (the composition and the padded layout are what is checked); on a GPU
@@ -25,7 +25,7 @@ from manylora.engine.core import _piece_sizes
 from manylora.lora.punica import (
     default_schedule,
     fill_lora_segment,
-    lora_mapping_arrays,
+    lora_kernel_meta_arrays,
     lora_segment_size,
 )
 from manylora.testing import (
@@ -70,7 +70,7 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
     schedule, max_seg_len, lora, block_m, num_tiles = 0, 0, None, 0, 0
     if layout.schedule:
         buf = host["lora"]
-        arrays = lora_mapping_arrays(buf[:t].astype(np.int64), m)
+        arrays = lora_kernel_meta_arrays(buf[:t].astype(np.int64), m)
         name, block_m = default_schedule(arrays.seg_len, m)
         schedule = SCHEDULES.index(name)
         max_seg_len = arrays.max_seg_len

@@ -24,7 +24,7 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
-from manylora.lora.punica import build_lora_mapping
+from manylora.lora.punica import build_lora_kernel_meta
 from manylora.lora.row_tiles import max_row_tiles
 from manylora.model import llama
 from manylora.model.layers.norm import RMSNorm
@@ -159,7 +159,7 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     lora = None
     if rng.random() < 0.8 and (graph or any(s >= 0 for s in token_slots)):
         schedule = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
-        lora = build_lora_mapping(token_slots, MAX_LORAS, dev, pad_to=pad, schedule=schedule)
+        lora = build_lora_kernel_meta(token_slots, MAX_LORAS, dev, pad_to=pad, schedule=schedule)
     ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64)
     positions = torch.tensor([c - q + j for q, c in zip(q_lens, c_lens) for j in range(q)]
                              + [0] * (rows - sum(q_lens)), dtype=torch.int64)
