@@ -460,7 +460,7 @@ def run_idle(model_dir: Path, adapters: list[Path], steps: int, quick: bool) -> 
                                             for _ in range(prompt_len)]}, params,
                 LoRARequest(f"a{i % len(adapters)}", i % len(adapters) + 1,
                             str(adapters[i % len(adapters)])) if lora else None)
-                for i in range(batch)]
+                   for i in range(batch)]
             seen: set[str] = set()
             while len(seen) < batch:                       # prefill: every request decodes
                 seen.update(o.request_id for o in engine.step())
@@ -502,7 +502,7 @@ def idle_table(results: list[dict], adapters: int) -> tuple[list[str], list[list
                      _ms(idle), _ms(r["wall"] - r["busy"]), _ms(r["launched"]),
                      _ms(r["after"]), f"{r['kernels']:.0f}",
                      "n/a" if math.isnan(idle) else ("yes" if idle < IDLE_TARGET_MS else
-                                                    f"no (+{idle - IDLE_TARGET_MS:.2f} ms)")])
+                                                     f"no (+{idle - IDLE_TARGET_MS:.2f} ms)")])
     return columns, rows
 
 

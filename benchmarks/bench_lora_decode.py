@@ -121,7 +121,7 @@ def main() -> None:
                                       block_m=graph_block_m(batch, ADAPTERS),
                                       padded_rows=batch)
             rows.append([batch, batch // ADAPTERS, schedule + (" (model's pick)" if
-                                                              schedule == pick else ""),
+                                                               schedule == pick else ""),
                          f"{seconds * 1e6:,.1f}", f"{predicted * 1e6:,.1f}",
                          f"{floor * 1e6:,.1f}", f"{seconds / floor:.2f}x",
                          f"{seconds * LAYERS * 1e3:,.2f}"])

@@ -261,7 +261,7 @@ class Bench:
                          dtype=DTYPE) * 0.1
         token_slots = [t % case.adapters for t in range(case.tokens)]
         mapping = self.ops["build_lora_kernel_meta"](token_slots, MAX_LORAS, self.device,
-                                                 schedule=case.schedule)
+                                                     schedule=case.schedule)
         if case.schedule is not None and mapping.schedule != case.schedule:
             raise RuntimeError(f"{case}: build_lora_kernel_meta(schedule={case.schedule!r}) gave "
                                f"schedule {mapping.schedule!r}")

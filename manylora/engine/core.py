@@ -115,7 +115,7 @@ class EngineCore:
         self.cache_config = CacheConfig(
             args.block_size, num_blocks, args.kv_cache_dtype, args.enable_prefix_caching,
             int(args.swap_space * 2**30 // block_bytes(rank_cfg, args.block_size,
-                                                      args.kv_cache_dtype)))
+                                                       args.kv_cache_dtype)))
         self.max_model_len = min(cfg.max_model_len, num_blocks * args.block_size)
         if self.max_model_len < cfg.max_model_len:
             logger.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no "

@@ -102,7 +102,7 @@ class PackedAdapter:
                 for row in self.plan.tolist()}
 
     def tensors(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                         torch.Tensor | None]:
+                                                        torch.Tensor | None]:
         """Views into ``buf`` of one module: A ``[r, in]``, B^T ``[r, out]`` (model dtype)
         and the DoRA scale float32 ``[out]`` or None.
 

@@ -123,7 +123,7 @@ class LoRAKernelMetaArrays(NamedTuple):
 
 
 def lora_kernel_meta_arrays(token_slots: np.ndarray, max_loras: int,
-                        total: int | None = None) -> LoRAKernelMetaArrays:
+                            total: int | None = None) -> LoRAKernelMetaArrays:
     """Group a step's rows by adapter slot with numpy vector ops (a stable ``argsort`` and
     a ``bincount``; no per-row Python), as Punica's SGMV segments.
 
@@ -163,7 +163,7 @@ def lora_kernel_meta_arrays(token_slots: np.ndarray, max_loras: int,
         np.cumsum(seg_len[:num_active - 1], out=seg_start[1:num_active])
     num_lora_rows = int(seg_len.sum())
     return LoRAKernelMetaArrays(indices, sorted_rows, active_slots, seg_start, seg_len,
-                             int(seg_len.max()) if max_loras else 0, num_lora_rows)
+                                int(seg_len.max()) if max_loras else 0, num_lora_rows)
 
 
 def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
@@ -236,9 +236,9 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
 
 
 def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
-                       pad_to: int | None = None, schedule: str | None = None,
-                       ranks_host: np.ndarray | None = None, block_m: int | None = None,
-                       model: LoRAScheduleModel | None = None) -> LoRAKernelMeta:
+                           pad_to: int | None = None, schedule: str | None = None,
+                           ranks_host: np.ndarray | None = None, block_m: int | None = None,
+                           model: LoRAScheduleModel | None = None) -> LoRAKernelMeta:
     """Build the step's mapping from the per-token slots (``lora_kernel_meta_arrays``).
 
     Args:
@@ -290,16 +290,16 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
                                 bound if pad_to is not None else None)
     host = host[:lora_segment_size(total, max_loras, written)]
     return lora_kernel_meta_from_buffer(host.to(device, non_blocking=True), total, max_loras,
-                                    arrays.max_seg_len, schedule, padded=pad_to is not None,
-                                    ranks_host=ranks_host, host=host.numpy(),
-                                    num_tiles=written, block_m=block_m)
+                                        arrays.max_seg_len, schedule, padded=pad_to is not None,
+                                        ranks_host=ranks_host, host=host.numpy(),
+                                        num_tiles=written, block_m=block_m)
 
 
 def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
-                             schedule: str, *, padded: bool,
-                             ranks_host: np.ndarray | None = None,
-                             host: np.ndarray | None = None, num_tiles: int = 0,
-                             block_m: int = 0) -> LoRAKernelMeta:
+                                 schedule: str, *, padded: bool,
+                                 ranks_host: np.ndarray | None = None,
+                                 host: np.ndarray | None = None, num_tiles: int = 0,
+                                 block_m: int = 0) -> LoRAKernelMeta:
     """A ``LoRAKernelMeta`` whose int32 tensors are views of ``buf``, laid out as
     ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
     seg_len L | tile_slot NT | tile_start NT | tile_len NT]`` (``L = max_loras``,
@@ -329,7 +329,7 @@ def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, 
     tiles = (t_slot, t_start, t_len, block_m)
     if padded:
         return LoRAKernelMeta(indices, srows, act, start, length, total, schedule, True, (),
-                           *tiles)
+                              *tiles)
     used = None
     if ranks_host is not None and host is not None:
         used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
@@ -341,4 +341,4 @@ def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, 
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
     return LoRAKernelMeta(indices, srows, act, start, length, max_seg_len, schedule,
-                       max_seg_len > 0, segments, *tiles, used)
+                          max_seg_len > 0, segments, *tiles, used)

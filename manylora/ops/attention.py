@@ -536,8 +536,8 @@ def _host_seqs(meta: AttentionMetadata) -> tuple[SeqAttention, ...]:
     if meta.seqs or meta.query_start.numel() == 0:
         return meta.seqs
     return tuple(SeqAttention(*row) for row in zip(meta.query_start.tolist(),
-                                                    meta.query_lens.tolist(),
-                                                    meta.context_lens.tolist()))
+                                                   meta.query_lens.tolist(),
+                                                   meta.context_lens.tolist()))
 
 
 def _gather_kv(flat: torch.Tensor, flat_scale: torch.Tensor | None,

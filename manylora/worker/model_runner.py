@@ -288,11 +288,11 @@ class ModelRunner:
         if host is not None and table is not None and not padded:
             lora_host = split_segments(host, layout, self.max_loras)["lora"]
         return lora_kernel_meta_from_buffer(buf, layout.num_tokens, self.max_loras,
-                                        layout.max_seg_len, SCHEDULES[layout.schedule],
-                                        padded=padded,
-                                        ranks_host=None if table is None else table.ranks_host,
-                                        host=lora_host, num_tiles=layout.lora_tiles,
-                                        block_m=layout.lora_block_m)
+                                            layout.max_seg_len, SCHEDULES[layout.schedule],
+                                            padded=padded,
+                                            ranks_host=None if table is None else table.ranks_host,
+                                            host=lora_host, num_tiles=layout.lora_tiles,
+                                            block_m=layout.lora_block_m)
 
     def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
         """The step's ``AttentionMetadata``: the slot mapping of every token row (-1 on

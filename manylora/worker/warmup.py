@@ -231,9 +231,9 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         cases: dict[tuple, tuple[str, int, int]] = {}
         for schedule, n, s in lora_plans.lora_row_cases(max_rows):
             sp = lora_plans.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
-                                         a[0].element_size(), dot_fp32)
+                                        a[0].element_size(), dot_fp32)
             ep = lora_plans.expand_plan(schedule, n, s, max_loras, max_n, rank_b, len(b),
-                                         True, shift, dot_fp32)
+                                        True, shift, dot_fp32)
             key = (sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
                    tuple(ep.constexprs.items()))
             cases.setdefault(key, (schedule, n, s))
@@ -241,7 +241,7 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
             # A table of rank 0 everywhere: the launches compile, the programs read nothing
             # and return (the model's table may already hold adapters).
             mapping = build_lora_kernel_meta([0] * s + [-1] * (n - s), max_loras, device,
-                                         schedule=schedule)
+                                             schedule=schedule)
             x = torch.zeros(n, m.in_features, dtype=dtype, device=device)
             triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
             buffer = torch.zeros(n, len(b), rank_b, dtype=torch.float32, device=device)
@@ -269,15 +269,15 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
     cases: dict[tuple, tuple[int, int]] = {}
     for num_tiles, block_m in lora_tiled_plans.tiled_row_cases(max_rows, max_loras):
         sp = lora_tiled_plans.tiled_shrink_plan(num_tiles, block_m, k, rank_a, len(a),
-                                                 a[0].element_size(), dot_fp32)
+                                                a[0].element_size(), dot_fp32)
         ep = lora_tiled_plans.tiled_expand_plan(num_tiles, block_m, max_n, rank_b, len(b),
-                                                 True, shift, dot_fp32)
+                                                True, shift, dot_fp32)
         cases.setdefault((tuple(sp.constexprs.items()), tuple(ep.constexprs.items())),
                          (num_tiles, block_m))
     launches = 0
     for num_tiles, block_m in cases.values():
         mapping = build_lora_kernel_meta([-1], max_loras, device, schedule="tiled",
-                                     block_m=block_m)
+                                         block_m=block_m)
         ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
         mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
                                    has_lora=True)

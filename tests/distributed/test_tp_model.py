@@ -105,7 +105,7 @@ def _two_steps(model, slot_of_seq, device) -> torch.Tensor:
             tokens = [slot for seq, slot in zip(new, slot_of_seq) for _ in seq]
             table = model.slot_table
             lora = build_lora_kernel_meta(tokens, table.max_loras, device,
-                                      ranks_host=table.ranks_host)
+                                          ranks_host=table.ranks_host)
         hidden = model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv,
                        attn, lora)
         outs.append(model.compute_logits(hidden).cpu())

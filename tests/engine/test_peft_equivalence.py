@@ -94,7 +94,7 @@ def test_mixed_batch_matches_peft(demo_set, prompts, reference):
 
 
 def test_mixed_batch_through_the_triton_kernels_matches_peft(demo_set, prompts, reference,
-                                                            monkeypatch):
+                                                             monkeypatch):
     """The LoRA layers forced onto the Triton entry points (CPU: Triton's interpreter), each
     step on the schedule the cost model picks: the tiled kernels run, and the outputs still
     match peft's."""

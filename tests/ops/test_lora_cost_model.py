@@ -82,7 +82,7 @@ def test_graph_steps_pay_for_their_padded_grid():
 ])
 def test_eager_choice(rows, slots, schedule, block_m):
     mapping = build_lora_kernel_meta([r % slots for r in range(rows)], 64, torch.device("cpu"),
-                                 model=LoRAScheduleModel.default())
+                                     model=LoRAScheduleModel.default())
     assert (mapping.schedule, mapping.block_m) == (schedule, block_m)
 
 

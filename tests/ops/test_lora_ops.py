@@ -263,7 +263,7 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
     token_slots = [0, -1, 1, 1, 2, -1, 0, 2, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
     mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"),
-                                 ranks_host=slots.table.ranks_host)
+                                     ranks_host=slots.table.ranks_host)
     with torch.no_grad():
         got = layer(x, mapping)
         base_only = layer(x, None)
@@ -290,7 +290,7 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
     # an all-base mapping gives the base output exactly
     with torch.no_grad():
         all_base = layer(x, build_lora_kernel_meta([-1] * len(token_slots), MAX_LORAS,
-                                               torch.device("cpu")))
+                                                   torch.device("cpu")))
     assert torch.equal(all_base, base_only)
 
 

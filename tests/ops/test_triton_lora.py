@@ -139,7 +139,7 @@ def make_stacks(case: Case, table: list[list[int]], dtype: torch.dtype,
 def make_mapping(case: Case, token_slots: list[int], schedule: str):
     pad_to = len(token_slots) + case.pad_to_extra if case.pad_to_extra else None
     return build_lora_kernel_meta(token_slots, len(case.ranks), DEVICE, pad_to=pad_to,
-                              schedule=schedule)
+                                  schedule=schedule)
 
 
 def reference_shrink(x, token_slots, a_stacked, table, max_rank) -> torch.Tensor:
@@ -476,7 +476,7 @@ def _dora_inputs(schedule: str, dtype: torch.dtype, pad: int, seed: int):
     buffer = torch.randn(len(rows_slots), len(DORA_SLICES), DORA_MAX_RANK, generator=gen)
     y0 = torch.randn(len(rows_slots), DORA_OUT, generator=gen).to(dtype)
     mapping = build_lora_kernel_meta(token_slots, len(DORA_TABLE), DEVICE,
-                                 pad_to=len(rows_slots) if pad else None, schedule=schedule)
+                                     pad_to=len(rows_slots) if pad else None, schedule=schedule)
     return gen, rows_slots, b_stacked, buffer, y0, mapping
 
 

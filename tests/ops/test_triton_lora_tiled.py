@@ -36,7 +36,7 @@ def make_tiles(token_slots: list[int], max_loras: int, block_m: int,
     """The tiled ops' mapping arguments (sorted rows, tile arrays on the device, block_m):
     padded (a graph mapping) to ``max_row_tiles``."""
     arrays = lora_kernel_meta_arrays(np.asarray(token_slots), max_loras,
-                                 len(token_slots) + pad_rows)
+                                     len(token_slots) + pad_rows)
     total = arrays.token_lora_indices.size
     tiles = row_tiles(arrays.active_slots, arrays.seg_start, arrays.seg_len, block_m,
                       max_row_tiles(total, max_loras, block_m) if padded else None)
@@ -255,7 +255,7 @@ def test_graph_grid_depends_only_on_the_row_count():
         for _ in range(5):
             slots = gen.integers(0, max_loras, lora_rows).tolist()
             mapping = build_lora_kernel_meta(slots, max_loras, torch.device("cpu"),
-                                         pad_to=total, schedule="tiled")
+                                             pad_to=total, schedule="tiled")
             n = mapping.tile_slot.shape[0]
             assert (n, mapping.block_m, mapping.sorted_rows.shape[0]) == (bound, block_m, total)
             assert int((mapping.tile_slot >= 0).sum()) <= bound

@@ -132,7 +132,7 @@ def _workload(adapters, n: int = 10):
 
 @pytest.mark.parametrize("enable_lora", [True, False])
 def test_padded_piecewise_steps_equal_the_unpadded_eager_step(base_dir, adapters,
-                                                               enable_lora):
+                                                              enable_lora):
     """Prefill chunks, mixed prefill + decode and decode steps padded to a bucket give,
     on the real rows, the hidden states of the same step unpadded and eager (float32),
     with LoRA rows of three adapters and base rows in one step, and without LoRA."""

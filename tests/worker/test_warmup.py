@@ -239,7 +239,7 @@ def test_tiled_row_cases_cover_every_plan():
     def plans(cases, k, slices, max_n, rank):
         return {(repr(lora_tiled_plans.tiled_shrink_plan(n, bm, k, rank, slices, 2)),
                  repr(lora_tiled_plans.tiled_expand_plan(n, bm, max_n, rank, slices, True,
-                                                          False)))
+                                                         False)))
                 for n, bm in cases}
 
     max_rows, max_loras = 1100, 64
@@ -255,7 +255,7 @@ def test_tiled_row_cases_cover_every_plan():
 @pytest.mark.parametrize("num_kv_heads, max_blocks, window", [
     (8, 300, None), (1, 200, None), (2, 300, 700), (4, 40, 30)])
 def test_decode_split_choices_are_every_split_the_heuristic_picks(monkeypatch, num_kv_heads,
-                                                                   max_blocks, window):
+                                                                  max_blocks, window):
     """Against ``paged_attention_triton``'s heuristic at every (decode sequences, table
     width) a step can have, on a 132-SM GPU."""
     monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 132)
