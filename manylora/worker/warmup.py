@@ -49,7 +49,7 @@ import torch
 import triton
 
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import build_lora_kernel_meta
+from manylora.lora.punica import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import (
@@ -216,6 +216,23 @@ def _expand_width(m: LoRALinear) -> int:
     return m.weight.shape[0]
 
 
+def _launch_pair(m: LoRALinear, mapping: LoRAKernelMeta, rows: int,
+                 zeros: torch.Tensor) -> int:
+    """One shrink and one expand of ``m``'s slots over ``rows`` zero rows through the entry
+    points the model calls, with ``zeros`` (int32 ``[max_loras, S]``) as the rank and DoRA
+    tables; the number of launches (2)."""
+    slots = m.lora
+    a, b = slots.lora_a_stacked, slots.lora_b_stacked
+    dtype, device = a[0].dtype, a[0].device
+    x = torch.zeros(rows, m.in_features, dtype=dtype, device=device)
+    triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
+    buffer = torch.zeros(rows, len(b), b[0].shape[1], dtype=torch.float32, device=device)
+    y = torch.zeros(rows, _expand_width(m), dtype=dtype, device=device)
+    triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
+                                   zeros, slots.dora_scale_stacked, slots.bias)
+    return 2
+
+
 def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
     launches = 0
     for m in _lora_targets(model).values():
@@ -224,7 +241,7 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         max_loras, rank_a, k = a[0].shape
         rank_b = b[0].shape[1]
         max_n = max(size for _, size in slots.output_slices)
-        dtype, device = a[0].dtype, a[0].device
+        device = a[0].device
         dot_fp32 = lora_plans.interpreted_bf16(a[0])
         shift = slots.bias is not None
         zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
@@ -242,13 +259,7 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
             # and return (the model's table may already hold adapters).
             mapping = build_lora_kernel_meta([0] * s + [-1] * (n - s), max_loras, device,
                                              schedule=schedule)
-            x = torch.zeros(n, m.in_features, dtype=dtype, device=device)
-            triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
-            buffer = torch.zeros(n, len(b), rank_b, dtype=torch.float32, device=device)
-            y = torch.zeros(n, _expand_width(m), dtype=dtype, device=device)
-            triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
-                                           zeros, slots.dora_scale_stacked, slots.bias)
-            launches += 2
+            launches += _launch_pair(m, mapping, n, zeros)
         launches += _warm_tiled(m, max_rows, max_loras)
     return launches
 
@@ -262,7 +273,7 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
     _, rank_a, k = a[0].shape
     rank_b = b[0].shape[1]
     max_n = max(size for _, size in slots.output_slices)
-    dtype, device = a[0].dtype, a[0].device
+    device = a[0].device
     dot_fp32 = lora_plans.interpreted_bf16(a[0])
     shift = slots.bias is not None
     zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
@@ -281,13 +292,7 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
         ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
         mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
                                    has_lora=True)
-        x = torch.zeros(1, m.in_features, dtype=dtype, device=device)
-        triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
-        buffer = torch.zeros(1, len(b), rank_b, dtype=torch.float32, device=device)
-        y = torch.zeros(1, _expand_width(m), dtype=dtype, device=device)
-        triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
-                                       zeros, slots.dora_scale_stacked, slots.bias)
-        launches += 2
+        launches += _launch_pair(m, mapping, 1, zeros)
     return launches
 
 
