@@ -15,37 +15,15 @@ from collections.abc import Sequence
 import torch
 
 from manylora.ops import lora_tiled_kernels
+from manylora.ops.lora_checks import LORA_DTYPES, check_stacks, check_table
 from manylora.ops.lora_plans import MAX_SLICES, interpreted_bf16
 from manylora.ops.lora_tiled_plans import tiled_expand_plan, tiled_shrink_plan
-
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_table(name: str, what: str, t: torch.Tensor, max_loras: int, num_slices: int,
-                 device: torch.device) -> None:
-    """Raise ValueError unless ``t`` is an int32 ``[max_loras, S]`` table view on ``device``
-    whose slices are adjacent (unit column stride)."""
-    if (t.dtype != torch.int32 or tuple(t.shape) != (max_loras, num_slices)
-            or t.device != device or (num_slices > 1 and t.stride(1) != 1)):
-        raise ValueError(f"{name}: {what} must be an int32 [{max_loras}, {num_slices}] view of "
-                         f"the slot table on {device} (unit column stride), got "
-                         f"{tuple(t.shape)} {t.dtype} on {t.device}, strides {t.stride()}")
 
 
 def _check_rows(num_rows: int, sorted_rows: torch.Tensor) -> None:
     if sorted_rows.shape[0] != num_rows:
         raise ValueError(f"the mapping has {sorted_rows.shape[0]} rows, the activations "
                          f"{num_rows}")
-
-
-def _check_stacks(name: str, stacks: Sequence[torch.Tensor], dtype: torch.dtype,
-                  device: torch.device) -> None:
-    if not 1 <= len(stacks) <= MAX_SLICES:
-        raise ValueError(f"{name}: {len(stacks)} slices, the kernels take 1 to {MAX_SLICES}")
-    for t in stacks:
-        if t.dim() != 3 or t.dtype != dtype or t.device != device:
-            raise ValueError(f"{name}: expected 3-d {dtype} tensors on {device}, got "
-                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
 
 
 def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
@@ -76,16 +54,16 @@ def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
             unsupported dtype, a ``ranks`` that is not an int32 ``[max_loras, S]`` table
             view, tiles of another row count, or a ``block_m`` the kernels do not take.
     """
-    if x.dtype not in _DTYPES or x.dim() != 2:
+    if x.dtype not in LORA_DTYPES or x.dim() != 2:
         raise ValueError(f"lora_shrink: x must be 2-d float32/bf16/fp16, got {x.dtype}")
-    _check_stacks("lora_shrink", lora_a_stacked, x.dtype, x.device)
+    check_stacks("lora_shrink", lora_a_stacked, x.dtype, x.device)
     stacks = [a.contiguous() for a in lora_a_stacked]
     max_loras, max_rank, k = stacks[0].shape
     if any(a.shape != stacks[0].shape for a in stacks) or k != x.shape[1]:
         raise ValueError(f"lora_shrink: A slices {[tuple(a.shape) for a in stacks]} do not all "
                          f"match [max_loras, max_lora_rank, {x.shape[1]}]")
     num_rows, num_slices = x.shape[0], len(stacks)
-    _check_table("lora_shrink", "ranks", ranks, max_loras, num_slices, x.device)
+    check_table("lora_shrink", "ranks", ranks, max_loras, num_slices, x.device)
     _check_rows(num_rows, sorted_rows)
     out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
     num_tiles = tile_slot.shape[0]
@@ -139,9 +117,9 @@ def lora_expand_tiled(y: torch.Tensor, buffer: torch.Tensor,
             view, scales of another shape, a bias without scales or not ``[out_total]`` of
             ``y``'s dtype, or a ``block_m`` the kernels do not take.
     """
-    if y.dtype not in _DTYPES or y.dim() != 2:
+    if y.dtype not in LORA_DTYPES or y.dim() != 2:
         raise ValueError(f"lora_expand: y must be 2-d float32/bf16/fp16, got {y.dtype}")
-    _check_stacks("lora_expand", lora_b_stacked, y.dtype, y.device)
+    check_stacks("lora_expand", lora_b_stacked, y.dtype, y.device)
     stacks = [b.contiguous() for b in lora_b_stacked]
     num_rows, num_slices = y.shape[0], len(stacks)
     max_loras, max_rank, _ = stacks[0].shape
@@ -156,13 +134,13 @@ def lora_expand_tiled(y: torch.Tensor, buffer: torch.Tensor,
             or any(o1 + n1 > o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))):
         raise ValueError(f"lora_expand: B slices {[tuple(b.shape) for b in stacks]} at offsets "
                          f"{list(slice_offsets)} do not fit y's {y.shape[1]} columns")
-    _check_table("lora_expand", "ranks", ranks, max_loras, num_slices, y.device)
+    check_table("lora_expand", "ranks", ranks, max_loras, num_slices, y.device)
     _check_rows(num_rows, sorted_rows)
     has_dora = dora_scale_stacked is not None
     if has_dora:
         if dora is None:
             raise ValueError("lora_expand: DoRA scales need the table's dora flags")
-        _check_table("lora_expand", "dora", dora, max_loras, num_slices, y.device)
+        check_table("lora_expand", "dora", dora, max_loras, num_slices, y.device)
         want = [(max_loras, n) for n in sizes]
         if ([tuple(t.shape) for t in dora_scale_stacked] != want
                 or any(t.dtype != torch.float32 or t.device != y.device
