@@ -224,7 +224,7 @@ def sgmv_expand_kernel(
     b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[:, None] * n_out
               + offs_n[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in tl.static_range(0, R, BLOCK_R):
         r_mask = r0 + offs_r < rank
         vt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
@@ -277,7 +277,7 @@ def bgmv_expand_kernel(
     b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[None, :] * n_out
               + offs_n[:, None])
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in tl.static_range(0, R, BLOCK_R):
         r_mask = r0 + offs_r < rank
         v = tl.load(buf_ptrs, mask=r_mask, other=0.0)
         bt = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)

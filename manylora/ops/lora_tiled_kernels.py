@@ -51,8 +51,8 @@ def _pick(s, v0, v1, v2):
 def tiled_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, ranks_ptr,
         sorted_rows_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-        K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
-        R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+        K, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
+        K_PER_SPLIT: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr):
     """Grid ``(num_tiles * r_tiles, split_k, NUM_SLICES)``. A holds rank rows
     ``[rank_start, rank_start + R)``: a program reduces ``clamp(rank - rank_start, 0, R)``
@@ -141,7 +141,7 @@ def tiled_expand_kernel(
     b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[:, None].to(tl.int64) * n_out
               + offs_n[None, :])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
+    for r0 in tl.static_range(0, R, BLOCK_R):
         r_mask = r0 + offs_r < rank
         vt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         bt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)

@@ -60,8 +60,9 @@ def tiled_shrink_plan(num_tiles: int, block_m: int, k: int, max_rank: int, num_s
     r_tiles = cdiv(max_rank, block_r)
     split, k_per_split = _split_k(k, block_k, max(num_tiles, 1) * r_tiles * num_slices)
     return TiledPlan((num_tiles * r_tiles, split, num_slices),
-                     dict(R=max_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                          ATOMIC=split > 1, DOT_FP32=dot_fp32, num_warps=4), k_per_split)
+                     dict(K_PER_SPLIT=k_per_split, R=max_rank, BLOCK_M=block_m, BLOCK_R=block_r,
+                          BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=dot_fp32, num_warps=4),
+                     k_per_split)
 
 
 def tiled_expand_plan(num_tiles: int, block_m: int, max_n: int, max_rank: int,

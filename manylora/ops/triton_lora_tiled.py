@@ -74,7 +74,7 @@ def lora_shrink_tiled(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
     a0, a1, a2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
     lora_tiled_kernels.tiled_shrink_kernel[plan.grid](
         x, a0, a1, a2, out, ranks, sorted_rows, tile_slot, tile_start, tile_len, k,
-        plan.k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         ranks.stride(0), rank_start, **plan.constexprs)
     return out
 
