@@ -17,6 +17,11 @@ from manylora.lora.formats.trtllm import (
 )
 from manylora.lora.request import LoRARequest
 
+#: Every file an adapter directory is read from (PEFT, then TensorRT-LLM's); nothing else
+#: under it is opened.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+                 WEIGHTS_FILE, CONFIG_FILE)
+
 
 def is_trtllm_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds TensorRT-LLM's ``model.lora_weights.npy`` or
