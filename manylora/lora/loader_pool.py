@@ -164,7 +164,9 @@ class LoaderPool:
         if job.future.done():
             return
         worker = next((t for t, j in self._running.items() if j is job), None)
-        if worker is not None:
+        if worker is None:
+            self._queue.remove(job)
+        else:
             del self._running[worker]
             self._stuck.add(worker)
             if len(self._replaced) < self.max_abandoned:
