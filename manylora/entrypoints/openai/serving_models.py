@@ -74,6 +74,9 @@ def check_under_roots(path: str, roots: list[Path]) -> Path:
                           "directory is allowed", param="lora_path")
     try:
         return _check_under_roots(path, roots)
+    except FileNotFoundError:
+        raise not_found(f"lora_path {path!r}: no such adapter directory",
+                        param="lora_path") from None
     except (OSError, ValueError, RuntimeError) as e:
         raise bad_request(f"lora_path {path!r}: {_fs_problem(e)}", param="lora_path") from None
 
@@ -91,11 +94,13 @@ def _fs_problem(e: Exception) -> str:
 
 
 def _check_under_roots(path: str, roots: list[Path]) -> Path:
+    if "\x00" in path:
+        raise ValueError("embedded null byte")
     raw = Path(path)
     if ".." in raw.parts:
         raise OpenAIError(403, f"lora_path {path!r}: '..' is not allowed", param="lora_path")
     candidates = [raw] if raw.is_absolute() else [root / raw for root in roots]
-    existing = [c for c in candidates if c.exists()]
+    existing = [c for c in candidates if c.exists() or c.is_symlink()]
     if not existing:
         raise not_found(f"lora_path {path!r}: no such adapter directory", param="lora_path")
     target = existing[0].resolve(strict=True)
