@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -106,6 +108,8 @@ CONFIG_CASES = [
     ("alpha_value_nan", dict(alpha_pattern={"q_proj": float("nan")}),
      r"alpha_pattern\['q_proj'\] = nan is not a finite number"),
     ("key_too_long", dict(alpha_pattern={"q" * 600: 4}), r"600 characters long"),
+    ("regex_keys_too_long", dict(rank_pattern={f"(q|k){i}" + "x?" * 200: 4 for i in range(12)}),
+     r"the regex keys of rank_pattern hold more than 4096 characters"),
 ]
 
 TENSOR_CASES = [
@@ -189,12 +193,36 @@ def test_patterns_match_as_peft_does():
     the first that matches wins; the reference is peft's ``get_pattern_key``."""
     patterns = {"layers.1.self_attn.v_proj": 2, r"layers\.[01]\.mlp\.(up|down)_proj": 3,
                 "q_proj": 5, "model.layers.0.mlp.gate_proj": 6, "layers.1.self_attn.k.proj": 7,
-                "o_proj|gate_proj": 9, "proj": 11}
+                "o_proj|gate_proj": 9, "proj": 11, "ayers.0.self_attn.k_proj": 12,
+                "0.self_attn.k_proj": 13}
     table = PatternTable("rank_pattern", patterns, "adapter 'p'", MatchBudget())
     for module in MODULES:
         key = get_pattern_key(list(patterns), module)
         expected = patterns.get(key, -1)
         assert table.value(module, -1) == expected, module
+
+
+def test_literal_keys_match_as_the_regex_does():
+    r"""Keys of word characters and dots skip the regex engine; on random suffixes of module
+    names, some characters turned into ``.`` wildcards, they match exactly as peft's regex
+    ``(.*\.)?(key)$`` does under ``re``."""
+    gen = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        source = gen.choice(MODULES)
+        key = list(source[gen.randrange(len(source)):])
+        for i in range(len(key)):
+            if gen.random() < 0.15:
+                key[i] = "."
+        key = "".join(key)
+        if not key or not re.fullmatch(r"[\w.]+", key):
+            continue
+        table = PatternTable("rank_pattern", {key: 1}, "adapter 'p'", MatchBudget())
+        for module in MODULES:
+            expected = 1 if re.match(rf"(.*\.)?({key})$", module) else 0
+            assert table.value(module, 0) == expected, (key, module)
+            checked += 1
+    assert checked > 1000
 
 
 def test_pathological_pattern_is_bounded(good, tmp_path, adapter_target):

@@ -7,14 +7,18 @@ default (``r`` / ``lora_alpha``). A key is a Python regex written by whoever mad
 adapter: one such as ``(.?)*(.?)*X`` backtracks exponentially, and CPython's ``re`` holds
 the GIL while it does (it would stall every thread of the engine). So here:
 
-* a key made of word characters only (``q_proj``) is matched without a regex: ``module ==
-  key`` or ``module`` ends with ``"." + key``, which is what the regex means for it;
+* a key made of word characters and dots only (``q_proj``,
+  ``model.layers.3.self_attn.v_proj``) is matched without a regex, by what the regex means
+  for it: the last ``len(key)`` characters of ``module`` equal the key, a ``.`` of the key
+  matching any character, and ``module`` is that long or has a ``.`` just before them;
 * any other key must compile under ``re`` (PEFT's engine, so an invalid key is refused
   as PEFT would fail on it) and is matched with the ``regex`` package (same syntax and
   semantics for ``re``'s patterns), which releases the GIL while matching
   (``concurrent=True``) and stops at a deadline (``timeout``);
-* all matching of one adapter shares one time budget (``MATCH_BUDGET_S``); a key longer
-  than ``MAX_KEY_CHARS`` or more than ``MAX_KEYS`` keys are refused outright.
+* all matching of one adapter shares one time budget (``MATCH_BUDGET_S``); compiling holds
+  the GIL (some 30 us per character), so the keys that need a regex may hold
+  ``MAX_REGEX_CHARS`` characters in all; a key longer than ``MAX_KEY_CHARS`` or more than
+  ``MAX_KEYS`` keys are refused outright.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ from manylora.lora.adapter import LoRAAdapterError
 MAX_KEY_CHARS = 512
 #: The most keys one ``rank_pattern`` or ``alpha_pattern`` may hold.
 MAX_KEYS = 4096
+#: Characters the keys of one table that need a regex may hold in all.
+MAX_REGEX_CHARS = 4096
 #: Seconds all pattern matching of one adapter may take.
 MATCH_BUDGET_S = 1.0
 
-_PLAIN = re.compile(r"\w+", re.ASCII)
+_LITERAL = re.compile(r"[\w.]+")
 
 
 class PatternTable:
@@ -57,6 +63,7 @@ class PatternTable:
     def __init__(self, field: str, patterns: object, what: str, budget: MatchBudget) -> None:
         self.field, self.what, self.budget = field, what, budget
         self._keys: list[tuple[str, regex.Pattern | None, float]] = []
+        self._regex_chars = 0
         if patterns is None:
             return
         if not isinstance(patterns, Mapping):
@@ -75,8 +82,12 @@ class PatternTable:
         if len(key) > MAX_KEY_CHARS:
             raise LoRAAdapterError(f"{self.what}: {self.field} key {key[:40]!r}... is "
                                    f"{len(key)} characters long, more than {MAX_KEY_CHARS}")
-        if _PLAIN.fullmatch(key):
+        if _LITERAL.fullmatch(key):
             return None
+        self._regex_chars += len(key)
+        if self._regex_chars > MAX_REGEX_CHARS:
+            raise LoRAAdapterError(f"{self.what}: the regex keys of {self.field} hold more "
+                                   f"than {MAX_REGEX_CHARS} characters in all")
         full = rf"(.*\.)?({key})$"
         try:
             re.compile(full)
@@ -106,7 +117,7 @@ class PatternTable:
         """
         for key, pattern, value in self._keys:
             if pattern is None:
-                if module == key or module.endswith("." + key):
+                if _literal_match(key, module):
                     return value
                 continue
             try:
@@ -119,6 +130,15 @@ class PatternTable:
             if hit:
                 return value
         return default
+
+
+def _literal_match(key: str, module: str) -> bool:
+    """``re.match(rf"(.*\\.)?({key})$", module)`` for a key of word characters and dots
+    (``.`` any character) and a module name without newlines."""
+    n = len(key)
+    if len(module) < n or (len(module) > n and module[-n - 1] != "."):
+        return False
+    return all(k == "." or k == m for k, m in zip(key, module[-n:]))
 
 
 class MatchBudget:
