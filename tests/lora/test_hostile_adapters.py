@@ -6,6 +6,7 @@ work; weights too large to compute with are refused while trained-size ones load
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import random
@@ -177,6 +178,22 @@ def test_symlink_loop_is_refused(good, tmp_path, adapter_target):
     (bad / "adapter_config.json").symlink_to(bad / "adapter_config.json")
     with pytest.raises(LoRAAdapterError, match="adapter_config.json is a symlink loop"):
         _load(bad, adapter_target)
+
+
+def test_pickle_with_objects_is_refused_plainly(good, tmp_path, adapter_target):
+    bad = _copy(good, tmp_path)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    (bad / "adapter_model.safetensors").unlink()
+    torch.save({**tensors, "extra": datetime.date(2020, 1, 1)}, bad / "adapter_model.bin")
+    with pytest.raises(LoRAAdapterError) as info:
+        _load(bad, adapter_target)
+    message = str(info.value)
+    assert message == (f"adapter {NAME!r}: cannot read adapter_model.bin: it holds Python "
+                       "objects other than tensors, which are never unpickled (weights_only)")
+    bad.joinpath("adapter_model.bin").write_bytes(b"\x80\x04not a pickle at all")
+    with pytest.raises(LoRAAdapterError, match="cannot read adapter_model.bin: ") as info:
+        _load(bad, adapter_target)
+    assert "\x1b" not in str(info.value) and "\n" not in str(info.value)
 
 
 def test_oversized_config_is_refused(good, tmp_path, adapter_target):

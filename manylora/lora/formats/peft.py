@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -198,6 +199,10 @@ def read_peft_tensors(path: str | os.PathLike, name: str) -> dict[str, torch.Ten
                     from safetensors.torch import load
                     return load(f.read())
                 return torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                raise LoRAAdapterError(f"{what}: cannot read {file}: it holds Python objects "
+                                       "other than tensors, which are never unpickled "
+                                       "(weights_only)") from None
             except Exception as e:  # safetensors and pickle raise many types for a corrupt file
                 raise LoRAAdapterError(f"{what}: cannot read {file}: "
                                        f"{_first_line(e)}") from None
