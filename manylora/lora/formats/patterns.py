@@ -37,7 +37,7 @@ MAX_KEY_CHARS = 512
 #: The most keys one ``rank_pattern`` or ``alpha_pattern`` may hold.
 MAX_KEYS = 4096
 #: Characters the keys of one table that need a regex may hold in all.
-MAX_REGEX_CHARS = 4096
+MAX_REGEX_CHARS = 2048
 #: Seconds all pattern matching of one adapter may take.
 MATCH_BUDGET_S = 1.0
 
