@@ -370,6 +370,10 @@ class LoRAConfig:
             the cost of one more collective per column-parallel projection (an all-gather)
             and two more per row-parallel one (an all-reduce, an all-gather). No effect on
             one rank.
+        load_timeout: seconds one adapter read (disk to host memory: parse, validate,
+            digest, pin; from its start, time waiting for a loader thread included) may
+            take; one that takes longer fails alone (``LoRALoadTimeoutError``). None: no
+            bound.
     """
 
     max_loras: int = 8
@@ -378,8 +382,11 @@ class LoRAConfig:
     target_modules: tuple[str, ...] = LORA_TARGET_MODULES
     max_cpu_lora_bytes: int | None = None
     fully_sharded_loras: bool = False
+    load_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
+        if self.load_timeout is not None and not self.load_timeout > 0:
+            raise ValueError(f"lora load_timeout must be > 0 seconds, got {self.load_timeout}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be ≥ 1, got {self.max_loras}")
         if self.max_lora_rank < 1:

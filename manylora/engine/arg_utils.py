@@ -75,6 +75,10 @@ class EngineArgs:
             sampled tokens on the device, so the host's planning and output handling overlap
             the GPU. Greedy and seeded outputs are the same on and off; a request that stops
             (EOS, stop id) computes one more token, which is discarded.
+        lora_load_timeout: seconds one adapter read from disk may take (parse, validate,
+            digest, pin; waiting for a loader thread included); a read that takes longer
+            fails alone (its requests end with the error, a run-time load answers 504) and
+            its loader thread is replaced. None: no bound.
     """
 
     model: str
@@ -108,6 +112,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     fully_sharded_loras: bool = False
     async_scheduling: bool = True
+    lora_load_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -124,6 +129,9 @@ class EngineArgs:
             if any(n < 1 for n in self.piecewise_cuda_graph_sizes):
                 raise ValueError("piecewise_cuda_graph_sizes must be positive token counts, "
                                  f"got {self.piecewise_cuda_graph_sizes}")
+        if self.lora_load_timeout is not None and not self.lora_load_timeout > 0:
+            raise ValueError(f"lora_load_timeout must be > 0 seconds, got "
+                             f"{self.lora_load_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

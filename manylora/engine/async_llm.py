@@ -100,6 +100,7 @@ class AsyncLLM:
         self._snapshot = EngineSnapshot(max_loras=self.max_loras)
         self._ids = itertools.count()
         self._error: BaseException | None = None
+        self._commands_ran = False        # a command ran since the last publish
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="manylora-engine", daemon=True)
         self._thread.start()
@@ -242,6 +243,11 @@ class AsyncLLM:
                             and not self.engine.has_pending_calls())
                     if not self._take_commands(idle):
                         break
+                    if in_process and self._commands_ran:
+                        # the step may now wait for an adapter read: publish what the
+                        # commands changed (a read pending) first
+                        self._commands_ran = False
+                        self._publish()
                     stats = IterationStats()
                     outputs = self.engine.step(stats)
                     self._settle_adds()
@@ -272,6 +278,7 @@ class AsyncLLM:
                     return True
 
     def _execute(self, cmd: _Command) -> None:
+        self._commands_ran = True
         result: Any = None
         error: BaseException | None = None
         try:

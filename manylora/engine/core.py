@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import gc
 import logging
 import time
@@ -401,7 +400,7 @@ class EngineCore:
         """A copy of the adapter cache's counters (hits, misses, evictions, load times)."""
         if self.lora_manager is None:
             return LoRACacheStats()
-        return dataclasses.replace(self.lora_manager.stats)
+        return self.lora_manager.snapshot()
 
     def scheduler_stats(self) -> SchedulerStats:
         """The core's state now: running and waiting requests and their adapters, the KV
@@ -647,7 +646,7 @@ def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:
     if args.lora_device_cache_percent is not None:
         max_cpu_loras = max(max_cpu_loras, max_loras)
     return LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras, args.lora_target_modules,
-                      args.max_cpu_lora_bytes, args.fully_sharded_loras)
+                      args.max_cpu_lora_bytes, args.fully_sharded_loras, args.lora_load_timeout)
 
 
 def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:

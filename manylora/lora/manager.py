@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from manylora.lora.formats.loader import (
     load_adapter_dir,
 )
 from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.loader_pool import LoaderPool
 from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
 from manylora.lora.request import LoRARequest
 from manylora.lora.slot_layout import SlotLayout
@@ -107,6 +108,10 @@ class LoRACacheStats:
         device_evictions: adapters evicted from a slot.
         device_load_seconds: GPU time of completed host → device copies, seconds.
         device_load_bytes: bytes of completed host → device copies.
+        pending_loads: disk reads queued or running now (first reads and re-reads).
+        oldest_pending_load_since: unix time (seconds) the oldest of them was started;
+            None when there is none.
+        stuck_loader_threads: loader threads still inside a read that timed out.
     """
 
     host_hits: int = 0
@@ -123,6 +128,9 @@ class LoRACacheStats:
     device_evictions: int = 0
     device_load_seconds: float = 0.0
     device_load_bytes: int = 0
+    pending_loads: int = 0
+    oldest_pending_load_since: float | None = None
+    stuck_loader_threads: int = 0
 
 
 def _check_unchanged(adapter: PackedAdapter, known: _Known) -> None:
@@ -159,7 +167,9 @@ class LoRAManager:
         lora_config: slot count, host-tier bounds, padded rank, target modules.
         target: what an adapter must fit (shapes, layers, dtype, DoRA norms).
         slots: ``{(layer, module): LoRASlots}``, the model's slot buffers.
-        loader_threads: background threads that read adapters from disk.
+        loader_threads: background threads that read adapters from disk (a ``LoaderPool``:
+            each read bounded by ``lora_config.load_timeout``; one that exceeds it fails
+            with ``LoRALoadTimeoutError`` and its thread is replaced).
 
     Attributes:
         slot_to_id: length ``max_loras``; the ``lora_int_id`` in each slot or None.
@@ -195,7 +205,7 @@ class LoRAManager:
         self.notify: Callable[[], None] | None = None
         self._failures: list[AdapterReloadError] = []
         self._wanted: set[int] = set()
-        self._executor = ThreadPoolExecutor(loader_threads, thread_name_prefix="lora-loader")
+        self._pool = LoaderPool(loader_threads, lora_config.load_timeout)
         self._max_in_flight = 2 * loader_threads
         self._stats_lock = threading.Lock()
         self.layout = SlotLayout(self.slots, target.module_shapes,
@@ -286,7 +296,7 @@ class LoRAManager:
             self._known[request.lora_int_id] = _Known(request, adapter.digest,
                                                       adapter.has_dora)
             return
-        future = self._executor.submit(self._read, request)
+        future = self._pool.submit(self._read, request, what=f"adapter {request.lora_name!r}")
         self._first[request.lora_int_id] = _FirstRead(request, future)
         self._notify_when_done(future)
 
@@ -467,7 +477,8 @@ class LoRAManager:
                 continue
             if len(self._loading) >= self._max_in_flight:
                 break
-            self._loading[lid] = future = self._executor.submit(self._read, known.request)
+            self._loading[lid] = future = self._pool.submit(
+                self._read, known.request, what=f"adapter {known.request.lora_name!r}")
             self._notify_when_done(future)
         for request in wanted:
             lid = request.lora_int_id
@@ -544,6 +555,16 @@ class LoRAManager:
         self.stats.host_load_failures += len(failures)
         events.failed = failures
         return events
+
+    def snapshot(self) -> LoRACacheStats:
+        """A copy of ``stats`` with the reads pending now (``pending_loads``,
+        ``oldest_pending_load_since``, ``stuck_loader_threads``)."""
+        pending = self._pool.pending()
+        now_mono, now = time.monotonic(), time.time()
+        return replace(self.stats, pending_loads=len(pending),
+                       oldest_pending_load_since=now - (now_mono - min(pending))
+                       if pending else None,
+                       stuck_loader_threads=self._pool.stuck)
 
     def record_wait(self, num_requests: int, seconds: float) -> None:
         """Count requests that waited in the queue for their adapter to be read
@@ -667,4 +688,4 @@ class LoRAManager:
     def shutdown(self) -> None:
         """Stop the loader threads (pending reads are dropped)."""
         self._first.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()

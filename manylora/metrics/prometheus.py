@@ -15,44 +15,47 @@ prometheus_client's ``_created`` samples. Every metric has a ``model_name`` labe
 ``manylora:lora_requests_info``, whose label set is exactly vLLM's ``vllm:lora_requests_info``
 (read by the Gateway API inference extension's LoRA-affinity routing).
 
-==========================================  =========  ======================  ============
-name                                        type       labels (+ model_name)   unit
-==========================================  =========  ======================  ============
-``manylora:prompt_tokens``                  counter                            tokens
-``manylora:generation_tokens``              counter                            tokens
-``manylora:request_success``                counter    finished_reason         requests
-``manylora:time_to_first_token_seconds``    histogram                          seconds
-``manylora:inter_token_latency_seconds``    histogram                          seconds
-``manylora:e2e_request_latency_seconds``    histogram                          seconds
-``manylora:request_prompt_tokens``          histogram                          tokens
-``manylora:request_generation_tokens``      histogram                          tokens
-``manylora:num_requests_running``           gauge                              requests
-``manylora:num_requests_waiting``           gauge                              requests
-``manylora:kv_cache_usage_perc``            gauge                              fraction 0-1
-``manylora:kv_cache_blocks``                gauge      state (used|cached|free) blocks
-``manylora:prefix_cache_queries``           counter                            tokens
-``manylora:prefix_cache_hits``              counter                            tokens
-``manylora:prefix_cache_hit_rate``          gauge                              fraction 0-1
-``manylora:num_preemptions``                counter                            requests
-``manylora:kv_recomputed_tokens``           counter                            tokens
-``manylora:kv_swapped_blocks``              counter    direction (out|in)      blocks
-``manylora:kv_evicted_blocks``              counter                            blocks
-``manylora:lora_requests_info``             gauge      max_lora,               unix seconds
-                                                       running_lora_adapters,
-                                                       waiting_lora_adapters
-                                                       (no model_name)
-``manylora:lora_cache_hits``                counter    tier (host|device)      adapters
-``manylora:lora_cache_misses``              counter    tier (host|device)      adapters
-``manylora:lora_loads``                     counter    tier (host|device)      adapters
-``manylora:lora_evictions``                 counter    tier (host|device)      adapters
-``manylora:lora_load_seconds``              counter    tier (host|device)      seconds
-``manylora:lora_sync_disk_loads``           counter                            adapters
-``manylora:lora_device_load_bytes``         counter                            bytes
-``manylora:lora_host_load_bytes``           counter                            bytes
-``manylora:lora_load_failures``             counter                            adapters
-``manylora:lora_adapter_waits``             counter                            requests
-``manylora:lora_adapter_wait_seconds``      counter                            seconds
-==========================================  =========  ======================  ============
+===============================================  =========  ======================  ============
+name                                             type       labels (+ model_name)   unit
+===============================================  =========  ======================  ============
+``manylora:prompt_tokens``                       counter                            tokens
+``manylora:generation_tokens``                   counter                            tokens
+``manylora:request_success``                     counter    finished_reason         requests
+``manylora:time_to_first_token_seconds``         histogram                          seconds
+``manylora:inter_token_latency_seconds``         histogram                          seconds
+``manylora:e2e_request_latency_seconds``         histogram                          seconds
+``manylora:request_prompt_tokens``               histogram                          tokens
+``manylora:request_generation_tokens``           histogram                          tokens
+``manylora:num_requests_running``                gauge                              requests
+``manylora:num_requests_waiting``                gauge                              requests
+``manylora:kv_cache_usage_perc``                 gauge                              fraction 0-1
+``manylora:kv_cache_blocks``                     gauge      state (used|cached|free) blocks
+``manylora:prefix_cache_queries``                counter                            tokens
+``manylora:prefix_cache_hits``                   counter                            tokens
+``manylora:prefix_cache_hit_rate``               gauge                              fraction 0-1
+``manylora:num_preemptions``                     counter                            requests
+``manylora:kv_recomputed_tokens``                counter                            tokens
+``manylora:kv_swapped_blocks``                   counter    direction (out|in)      blocks
+``manylora:kv_evicted_blocks``                   counter                            blocks
+``manylora:lora_requests_info``                  gauge      max_lora,               unix seconds
+                                                            running_lora_adapters,
+                                                            waiting_lora_adapters
+                                                            (no model_name)
+``manylora:lora_cache_hits``                     counter    tier (host|device)      adapters
+``manylora:lora_cache_misses``                   counter    tier (host|device)      adapters
+``manylora:lora_loads``                          counter    tier (host|device)      adapters
+``manylora:lora_evictions``                      counter    tier (host|device)      adapters
+``manylora:lora_load_seconds``                   counter    tier (host|device)      seconds
+``manylora:lora_sync_disk_loads``                counter                            adapters
+``manylora:lora_device_load_bytes``              counter                            bytes
+``manylora:lora_host_load_bytes``                counter                            bytes
+``manylora:lora_load_failures``                  counter                            adapters
+``manylora:lora_adapter_waits``                  counter                            requests
+``manylora:lora_adapter_wait_seconds``           counter                            seconds
+``manylora:lora_pending_loads``                  gauge                              adapters
+``manylora:lora_oldest_pending_load_seconds``    gauge                              seconds
+``manylora:lora_stuck_loader_threads``           gauge                              threads
+===============================================  =========  ======================  ============
 
 Notes: ``request_success`` counts every finished request, aborted ones included
 (``finished_reason="abort"``), and the three per-request histograms likewise observe
@@ -64,7 +67,11 @@ stream; host time on the CPU) for the device tier. ``lora_adapter_waits`` counts
 requests that arrived while their adapter was on disk only (a first read, or a re-read
 after an eviction) and ``lora_adapter_wait_seconds`` the time they waited for it to
 reach host memory (counted when it does); ``lora_sync_disk_loads`` counts the reads a
-step itself waited for. ``prefix_cache_hit_rate`` is hits / queries since start, 0
+step itself waited for. ``lora_pending_loads`` is the disk reads queued or running as of
+the engine's last report (sent whenever a read starts or ends) and
+``lora_oldest_pending_load_seconds`` the age of the oldest at the scrape (0 when none);
+``lora_stuck_loader_threads`` counts loader threads still inside a read that exceeded
+``lora_load_timeout``. ``prefix_cache_hit_rate`` is hits / queries since start, 0
 before any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there
 are none. ``lora_requests_info`` has one sample, valued at the scrape's unix time, with
 the adapter names comma-joined (empty string when none), present whether or not LoRA is
@@ -119,6 +126,9 @@ LORA_HOST_LOAD_BYTES = PREFIX + "lora_host_load_bytes"
 LORA_LOAD_FAILURES = PREFIX + "lora_load_failures"
 LORA_ADAPTER_WAITS = PREFIX + "lora_adapter_waits"
 LORA_ADAPTER_WAIT_SECONDS = PREFIX + "lora_adapter_wait_seconds"
+LORA_PENDING_LOADS = PREFIX + "lora_pending_loads"
+LORA_OLDEST_PENDING_LOAD = PREFIX + "lora_oldest_pending_load_seconds"
+LORA_STUCK_LOADER_THREADS = PREFIX + "lora_stuck_loader_threads"
 
 # Finish reasons whose request_success series exist (at 0) from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -234,6 +244,12 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
                "Requests that waited in the queue for their adapter's disk read."),
     MetricSpec(LORA_ADAPTER_WAIT_SECONDS, "counter", _M, "seconds",
                "Seconds requests waited in the queue for their adapter's disk read."),
+    MetricSpec(LORA_PENDING_LOADS, "gauge", _M, "adapters",
+               "Adapter disk reads queued or running."),
+    MetricSpec(LORA_OLDEST_PENDING_LOAD, "gauge", _M, "seconds",
+               "Age of the oldest adapter disk read queued or running, 0 when none."),
+    MetricSpec(LORA_STUCK_LOADER_THREADS, "gauge", _M, "threads",
+               "Loader threads still inside an adapter read that exceeded its time bound."),
 )}
 
 
@@ -421,4 +437,9 @@ class _SnapshotCollector(Collector):
         families[LORA_LOAD_FAILURES].add_metric(m, lora.host_load_failures)
         families[LORA_ADAPTER_WAITS].add_metric(m, lora.adapter_waits)
         families[LORA_ADAPTER_WAIT_SECONDS].add_metric(m, lora.adapter_wait_seconds)
+        families[LORA_PENDING_LOADS].add_metric(m, lora.pending_loads)
+        since = lora.oldest_pending_load_since
+        families[LORA_OLDEST_PENDING_LOAD].add_metric(
+            m, 0.0 if since is None else max(self._clock() - since, 0.0))
+        families[LORA_STUCK_LOADER_THREADS].add_metric(m, lora.stuck_loader_threads)
         return list(families.values())

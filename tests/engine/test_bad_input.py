@@ -213,7 +213,8 @@ def test_adapter_weights_corrupt(engine, good_adapter, tmp_path):
     bad = copy_adapter(good_adapter, tmp_path / "corrupt")
     weights = bad / "adapter_model.safetensors"
     weights.write_bytes(b"\xffnot safetensors at all" * 8)
-    assert_read_fails(engine, lora(bad), LoRAAdapterError, re.escape(str(weights)))
+    assert_read_fails(engine, lora(bad), LoRAAdapterError,
+                      r"'corrupt': cannot read adapter_model\.safetensors: ")
 
 
 def test_adapter_config_corrupt(engine, good_adapter, tmp_path):

@@ -25,7 +25,7 @@ class OpenAIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
              404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
              429: "RateLimitError", 500: "InternalServerError",
-             503: "ServiceUnavailableError"}
+             503: "ServiceUnavailableError", 504: "TimeoutError"}
 
     def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: str | int | None = None) -> None:

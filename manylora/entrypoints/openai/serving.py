@@ -37,6 +37,7 @@ from manylora.entrypoints.openai.errors import (
 )
 from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
+from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
 
@@ -84,10 +85,13 @@ def token_text(token_id: int, decoded: str | None, as_token_id: bool = False) ->
 def to_openai_error(exc: BaseException) -> OpenAIError | None:
     """The HTTP error for an exception from a request's checks or from the engine: itself
     for an ``OpenAIError``, 400 for ``ValueError`` (bad prompt, parameters or adapter), 404
-    for a missing adapter file, 503 for ``EngineOverloadedError`` and ``EngineDeadError``;
-    None for anything else (a server bug, left to propagate)."""
+    for a missing adapter file, 503 for ``EngineOverloadedError`` and ``EngineDeadError``,
+    504 for an adapter read over ``lora_load_timeout``; None for anything else (a server
+    bug, left to propagate)."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, LoRALoadTimeoutError):
+        return OpenAIError(504, str(exc), param="model", code="adapter_load_timeout")
     if isinstance(exc, EngineOverloadedError):
         return overloaded(f"the server is overloaded: {exc}")
     if isinstance(exc, EngineDeadError):

@@ -10,6 +10,7 @@ and semantics, with one restriction of ours: a run-time load reads only from und
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import json
 import time
@@ -18,7 +19,8 @@ from pathlib import Path
 
 from manylora.engine.async_llm import AsyncLLM, EngineDeadError
 from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
-from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
+from manylora.lora.formats.loader import ADAPTER_FILES
 from manylora.lora.request import LoRARequest
 
 
@@ -56,32 +58,63 @@ def check_under_roots(path: str, roots: list[Path]) -> Path:
     """The adapter directory ``path`` resolved, if it lies under one of ``roots``.
 
     A relative path is taken relative to each root in turn. Refused: a ``..`` component,
-    a path (after following symlinks) outside every root, and a directory holding a
-    symlink that leads out of the root.
+    a path (after following symlinks) outside every root, and an adapter file
+    (``ADAPTER_FILES``, the only files a read opens) that is a symlink leading out of the
+    root. Bounded work: a handful of ``stat`` / ``resolve`` calls, no walk of the directory.
+    It touches the filesystem: call it off the event loop.
 
     Raises:
-        OpenAIError: 403 for any of the above; 404 when no such directory exists.
+        OpenAIError: 403 for any of the above; 404 when no such directory exists; 400 for
+            a path that is not a directory, too long, a symlink loop, holds a NUL
+            character or cannot be encoded for the filesystem. Messages name the path as
+            the caller gave it, never the server's absolute path.
     """
     if not roots:
         raise OpenAIError(403, "loading adapters at run time needs --lora-root: no "
                           "directory is allowed", param="lora_path")
+    try:
+        return _check_under_roots(path, roots)
+    except FileNotFoundError:
+        raise not_found(f"lora_path {path!r}: no such adapter directory",
+                        param="lora_path") from None
+    except (OSError, ValueError, RuntimeError) as e:
+        raise bad_request(f"lora_path {path!r}: {_fs_problem(e)}", param="lora_path") from None
+
+
+def _fs_problem(e: Exception) -> str:
+    if isinstance(e, RuntimeError) or getattr(e, "errno", None) == errno.ELOOP:
+        return "a symlink loop"                 # Path.resolve raises RuntimeError for one
+    if getattr(e, "errno", None) == errno.ENAMETOOLONG:
+        return "the path is too long"
+    if isinstance(e, UnicodeError):
+        return "not encodable as a file name"
+    if isinstance(e, ValueError):
+        return "not a valid file name (a NUL character?)"
+    return f"cannot be read ({e.strerror or type(e).__name__})"
+
+
+def _check_under_roots(path: str, roots: list[Path]) -> Path:
+    if "\x00" in path:
+        raise ValueError("embedded null byte")
     raw = Path(path)
     if ".." in raw.parts:
         raise OpenAIError(403, f"lora_path {path!r}: '..' is not allowed", param="lora_path")
     candidates = [raw] if raw.is_absolute() else [root / raw for root in roots]
-    existing = [c for c in candidates if c.exists()]
+    existing = [c for c in candidates if c.exists() or c.is_symlink()]
     if not existing:
         raise not_found(f"lora_path {path!r}: no such adapter directory", param="lora_path")
-    target = existing[0].resolve()
+    target = existing[0].resolve(strict=True)
     root = next((r.resolve() for r in roots if target.is_relative_to(r.resolve())), None)
     if root is None:
         raise OpenAIError(403, f"lora_path {path!r} is outside the --lora-root directories",
                           param="lora_path")
     if not target.is_dir():
         raise bad_request(f"lora_path {path!r} is not a directory", param="lora_path")
-    for entry in target.rglob("*"):
-        if not entry.resolve().is_relative_to(root):
-            raise OpenAIError(403, f"lora_path {path!r}: {entry.name} links outside the "
+    for name in ADAPTER_FILES:
+        entry = target / name
+        if (entry.is_symlink() or entry.exists()) and not entry.resolve(
+                strict=entry.exists()).is_relative_to(root):
+            raise OpenAIError(403, f"lora_path {path!r}: {name} links outside the "
                               "--lora-root directories", param="lora_path")
     return target
 
@@ -90,6 +123,7 @@ def check_under_roots(path: str, roots: list[Path]) -> Path:
 class _Served:
     request: LoRARequest
     created: int
+    shown_path: str          # the path as the caller gave it (``root`` in /v1/models)
 
 
 class OpenAIServingModels:
@@ -143,7 +177,7 @@ class OpenAIServingModels:
                 "owned_by": "manylora", "root": self.base_model_path, "parent": None,
                 "max_model_len": self.engine.max_model_len}
         loras = [{"id": name, "object": "model", "created": s.created, "owned_by": "manylora",
-                  "root": s.request.lora_path,
+                  "root": s.shown_path,
                   "parent": s.request.base_model_name or self.base_model_name}
                  for name, s in self.loras.items()]
         return {"object": "list", "data": [base, *loras]}
@@ -171,11 +205,14 @@ class OpenAIServingModels:
         if not lora_name or not lora_path:
             raise bad_request("both 'lora_name' and 'lora_path' must be given",
                               param="lora_name" if not lora_name else "lora_path")
-        path = check_under_roots(lora_path, self.lora_roots)
-        await self._load(lora_name, str(path), None)
+        path = await asyncio.to_thread(check_under_roots, lora_path, self.lora_roots)
+        await self._load(lora_name, str(path), None, shown_path=lora_path)
         return f"Success: LoRA adapter '{lora_name}' added successfully."
 
-    async def _load(self, name: str, path: str, base_model_name: str | None) -> None:
+    async def _load(self, name: str, path: str, base_model_name: str | None,
+                    shown_path: str | None = None) -> None:
+        """Register adapter ``name`` read from ``path``; errors name the path as
+        ``shown_path`` (what the caller gave) rather than ``path``."""
         async with self._lock:
             if name == self.base_model_name or name in self.loras:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.",
@@ -183,13 +220,11 @@ class OpenAIServingModels:
             request = LoRARequest(name, next(self._ids), path, base_model_name)
             try:
                 await self.engine.add_lora(request)
-            except FileNotFoundError as e:
-                raise not_found(f"adapter '{name}': {e}", param="lora_path") from None
-            except (LoRAAdapterError, ValueError) as e:
-                raise bad_request(f"adapter '{name}': {e}", param="lora_path") from None
             except EngineDeadError as e:
                 raise OpenAIError(503, str(e)) from None
-            self.loras[name] = _Served(request, int(time.time()))
+            except (LoRAAdapterError, ValueError, OSError) as e:
+                raise _load_error(e, name, path, shown_path or path) from None
+            self.loras[name] = _Served(request, int(time.time()), shown_path or path)
 
     async def unload_lora_adapter(self, lora_name: str) -> str:
         """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. New requests for
@@ -209,3 +244,17 @@ class OpenAIServingModels:
             except EngineDeadError as e:
                 raise OpenAIError(503, str(e)) from None
         return f"Success: LoRA adapter '{lora_name}' removed successfully."
+
+
+def _load_error(e: Exception, name: str, path: str, shown_path: str) -> OpenAIError:
+    """The HTTP error of a failed adapter load: 404 for files gone, 504 for a read over
+    ``lora_load_timeout``, else 400; the message says what is wrong once, names the
+    adapter, and shows the path as the caller gave it."""
+    message = str(e).replace(path, shown_path)
+    if f"adapter {name!r}" not in message:
+        message = f"adapter {name!r}: {message}"
+    if isinstance(e, LoRALoadTimeoutError):
+        return OpenAIError(504, message, param="lora_path", code="adapter_load_timeout")
+    if isinstance(e, FileNotFoundError):
+        return not_found(message, param="lora_path")
+    return bad_request(message, param="lora_path")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
+from manylora.lora.formats.files import is_present
 from manylora.lora.formats.peft import AdapterTarget, check_peft_config, load_peft_adapter
 from manylora.lora.formats.trtllm import (
     CONFIG_FILE,
@@ -16,19 +17,26 @@ from manylora.lora.formats.trtllm import (
 )
 from manylora.lora.request import LoRARequest
 
+#: Every file an adapter directory is read from (PEFT, then TensorRT-LLM's); nothing else
+#: under it is opened.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+                 WEIGHTS_FILE, CONFIG_FILE)
+
 
 def is_trtllm_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds TensorRT-LLM's ``model.lora_weights.npy`` or
-    ``model.lora_config.npy`` (then it is read in that format, not as PEFT)."""
+    ``model.lora_config.npy``, of any file type (then it is read in that format, not as
+    PEFT; the read refuses what is not a regular file)."""
     path = Path(path)
-    return (path / WEIGHTS_FILE).is_file() or (path / CONFIG_FILE).is_file()
+    return is_present(path / WEIGHTS_FILE) or is_present(path / CONFIG_FILE)
 
 
 def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
                       target: AdapterTarget) -> bool:
-    """The checks of an adapter directory that read no tensor (its config only, a few
-    hundred bytes), so a request can be refused at once while the weights are read later,
-    on a loader thread; whether the adapter is DoRA (``use_dora``).
+    """The checks of an adapter directory that read no tensor (its config only, at most
+    ``MAX_CONFIG_BYTES``, opened only if it is a regular file, so this never blocks on a
+    FIFO), so a request can be refused at once while the weights are read later, on a
+    loader thread; whether the adapter is DoRA (``use_dora``).
 
     Raises:
         LoRAAdapterError: ``path`` is not a directory; a TensorRT-LLM directory without
@@ -40,13 +48,13 @@ def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
         raise LoRAAdapterError(f"adapter {name!r}: {path} is not a directory")
     if is_trtllm_dir(path):
         for file in (WEIGHTS_FILE, CONFIG_FILE):
-            if not (path / file).is_file():
-                raise LoRAAdapterError(f"adapter {name!r}: {path / file} is missing")
+            if not is_present(path / file):
+                raise LoRAAdapterError(f"adapter {name!r}: {file} is missing")
         return False
     cfg = check_peft_config(path, name, target)
-    if not any((path / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+    if not any(is_present(path / f) for f in ("adapter_model.safetensors", "adapter_model.bin")):
         raise LoRAAdapterError(
-            f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path}")
+            f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin")
     return bool(cfg.get("use_dora"))
 
 

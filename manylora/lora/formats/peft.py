@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 
 from manylora.config import LORA_TARGET_MODULES
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, check_delta
+from manylora.lora.formats.files import MAX_CONFIG_BYTES, is_present, open_regular, read_regular
+from manylora.lora.formats.patterns import MatchBudget, PatternTable
 from manylora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -80,78 +83,154 @@ def component_modules(module: str) -> tuple[str, ...]:
     return FUSED_PEFT_MODULES.get(module, (module,))
 
 
-def _pattern_value(patterns: dict, module: str, default: float) -> float:
-    for key, value in patterns.items():
-        if re.match(rf"(.*\.)?({key})$", module):
-            return value
-    return default
+def _check_config_types(cfg: dict, what: str) -> None:
+    """The types PEFT's ``LoraConfig`` gives its fields: ``r`` a positive integer,
+    ``lora_alpha`` a finite number, ``use_rslora`` / ``use_dora`` booleans,
+    ``target_modules`` a list of strings, a string (a regex) or null."""
+    r = cfg.get("r", 8)
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise LoRAAdapterError(f"{what}: r = {r!r} is not a positive integer")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha):
+        raise LoRAAdapterError(f"{what}: lora_alpha = {alpha!r} is not a finite number")
+    for key in ("use_rslora", "use_dora"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise LoRAAdapterError(f"{what}: {key} = {cfg[key]!r} is not true or false")
+    targets = cfg.get("target_modules")
+    if not (targets is None or isinstance(targets, str)
+            or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise LoRAAdapterError(f"{what}: target_modules = {targets!r} is neither a list of "
+                               "module names nor a regex string")
+
+
+class PeftScaling:
+    """peft's LoRA scaling of each module of one adapter: ``alpha / r``, or
+    ``alpha / sqrt(r)`` with ``use_rslora``; alpha from ``alpha_pattern`` (else
+    ``lora_alpha``), the expected rank from ``rank_pattern`` (else ``r``), matched as peft's
+    ``get_pattern_key`` does with bounded work (``PatternTable``).
+
+    Args:
+        cfg: the adapter's config (``read_peft_config``: its types already checked).
+        name: the adapter's name, for messages.
+
+    Raises:
+        LoRAAdapterError: a bad ``rank_pattern`` / ``alpha_pattern`` (see ``PatternTable``).
+    """
+
+    def __init__(self, cfg: dict, name: str) -> None:
+        what = f"adapter {name!r}"
+        budget = MatchBudget()
+        self.name = name
+        self.alpha = cfg.get("lora_alpha", 8)
+        self.r = cfg.get("r", 8)
+        self.rslora = bool(cfg.get("use_rslora"))
+        self.alphas = PatternTable("alpha_pattern", cfg.get("alpha_pattern"), what, budget)
+        self.ranks = PatternTable("rank_pattern", cfg.get("rank_pattern"), what, budget)
+
+    def __call__(self, module_key: str, r: int) -> float:
+        """The scaling of module ``module_key`` (e.g. ``model.layers.0.self_attn.q_proj``)
+        whose stored rank is ``r`` (≥ 1); a rank that disagrees with the config's is logged
+        and used.
+
+        Raises:
+            LoRAAdapterError: the pattern matching budget ran out.
+        """
+        alpha = self.alphas.value(module_key, self.alpha)
+        expected_r = self.ranks.value(module_key, self.r)
+        if int(expected_r) != r:
+            logger.warning("adapter %r: %s has rank %d, its config says %d; using %d",
+                           self.name, module_key, r, expected_r, r)
+        return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
 def read_peft_config(path: str | os.PathLike, name: str) -> dict:
-    """Read and check a PEFT adapter's ``adapter_config.json``.
+    """Read and check a PEFT adapter's ``adapter_config.json`` (a regular file of at most
+    ``MAX_CONFIG_BYTES``; a FIFO or device is refused without blocking).
 
     Returns:
         The config dict.
 
     Raises:
-        LoRAAdapterError: a missing or unreadable file, a config that is not PEFT LoRA,
+        LoRAAdapterError: a missing, unreadable or oversized file, one that is not a regular
+            file, a config that is not PEFT LoRA, fields of the wrong type (``r``,
+            ``lora_alpha``, ``use_rslora``, ``use_dora``, ``target_modules``),
             ``modules_to_save``, or a bias other than ``"none"`` (``name`` names the adapter).
     """
-    cfg_path = Path(path) / "adapter_config.json"
+    what = f"adapter {name!r}"
     try:
-        cfg = json.loads(cfg_path.read_text())
+        text = read_regular(Path(path) / "adapter_config.json", f"{what}: adapter_config.json",
+                            MAX_CONFIG_BYTES)
     except FileNotFoundError as e:
-        raise LoRAAdapterError(f"adapter {name!r}: {cfg_path} is missing") from e
-    except (OSError, json.JSONDecodeError) as e:
-        raise LoRAAdapterError(f"adapter {name!r}: cannot read {cfg_path}: {e}") from e
+        raise LoRAAdapterError(str(e)) from None
+    try:
+        cfg = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise LoRAAdapterError(f"{what}: cannot read adapter_config.json: {e}") from None
     if not isinstance(cfg, dict) or cfg.get("peft_type", "LORA") != "LORA":
-        raise LoRAAdapterError(f"adapter {name!r}: {cfg_path} is not a PEFT LoRA config")
+        raise LoRAAdapterError(f"{what}: adapter_config.json is not a PEFT LoRA config")
     for key, why in _UNSUPPORTED_CONFIG.items():
         if cfg.get(key):
-            raise LoRAAdapterError(f"adapter {name!r}: {why}")
+            raise LoRAAdapterError(f"{what}: {why}")
     if cfg.get("bias", "none") != "none":
-        raise LoRAAdapterError(f"adapter {name!r}: bias={cfg['bias']!r} is not supported "
+        raise LoRAAdapterError(f"{what}: bias={cfg['bias']!r} is not supported "
                                "(only bias='none')")
+    _check_config_types(cfg, what)
     return cfg
 
 
 def read_peft_tensors(path: str | os.PathLike, name: str) -> dict[str, torch.Tensor]:
-    """Read ``adapter_model.safetensors`` (or ``adapter_model.bin``) of a PEFT adapter.
+    """Read ``adapter_model.safetensors`` (or ``adapter_model.bin``, with
+    ``weights_only``) of a PEFT adapter; only a regular file is opened.
 
     Returns:
         ``{key: tensor}`` as stored, on the CPU.
 
     Raises:
-        LoRAAdapterError: neither file exists, or the file is corrupt.
+        LoRAAdapterError: neither file exists, the file is not a regular file, or it is
+            corrupt.
     """
-    path = Path(path)
-    st, pt = path / "adapter_model.safetensors", path / "adapter_model.bin"
-    try:
-        if st.is_file():
-            from safetensors.torch import load_file
-            return load_file(st)
-        if pt.is_file():
-            return torch.load(pt, map_location="cpu", weights_only=True)
-    except Exception as e:  # safetensors and pickle raise many types for a corrupt file
-        raise LoRAAdapterError(f"adapter {name!r}: cannot read {st if st.is_file() else pt}: "
-                               f"{e}") from e
-    raise LoRAAdapterError(
-        f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin in {path}")
+    path, what = Path(path), f"adapter {name!r}"
+    for file in ("adapter_model.safetensors", "adapter_model.bin"):
+        if not is_present(path / file):
+            continue
+        with open_regular(path / file, f"{what}: {file}") as f:
+            try:
+                if file.endswith(".safetensors"):
+                    from safetensors.torch import load
+                    return load(f.read())
+                return torch.load(f, map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError:
+                raise LoRAAdapterError(f"{what}: cannot read {file}: it holds Python objects "
+                                       "other than tensors, which are never unpickled "
+                                       "(weights_only)") from None
+            except Exception as e:  # safetensors and pickle raise many types for a corrupt file
+                raise LoRAAdapterError(f"{what}: cannot read {file}: "
+                                       f"{_first_line(e)}") from None
+    raise LoRAAdapterError(f"{what}: no adapter_model.safetensors or adapter_model.bin")
+
+
+def _first_line(e: Exception) -> str:
+    """An exception's message without torch's multi-line, ANSI-coloured hints."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def check_peft_config(path: str | os.PathLike, name: str, target: AdapterTarget) -> dict:
     """``read_peft_config`` and the checks a config alone allows (named target modules the
-    model has): a few hundred bytes read, no tensor.
+    model has, ``rank_pattern`` / ``alpha_pattern`` keys that compile): at most
+    ``MAX_CONFIG_BYTES`` read, no tensor.
 
     Returns:
         The config dict.
 
     Raises:
-        LoRAAdapterError: as ``read_peft_config``, or a named target module the base model
-            lacks.
+        LoRAAdapterError: as ``read_peft_config``, a named target module the base model
+            lacks, or as ``PatternTable`` (a pattern key that does not compile, a value of
+            the wrong type).
     """
     cfg = read_peft_config(path, name)
     _check_target_names(cfg, name, target)
+    PeftScaling(cfg, name)               # its patterns checked and compiled
     return cfg
 
 
@@ -196,7 +275,8 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
 def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
                     use_dora: bool) -> None:
     """Check that one module has both A and B, a magnitude exactly when the adapter is DoRA,
-    2-D A/B of one rank, and only finite values.
+    floating-point tensors, 2-D A ``[r, in]`` and B ``[out, r]`` with ``r ≥ 1``, and only
+    finite values.
 
     Raises:
         LoRAAdapterError: naming the adapter, the module and the problem.
@@ -205,28 +285,33 @@ def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
         raise LoRAAdapterError(
             f"adapter {name!r}: {module_key} has lora_{''.join(sorted(ab))} but not both "
             "A and B")
+    for label, t in ab.items():
+        if not t.is_floating_point():
+            raise LoRAAdapterError(
+                f"adapter {name!r}: {module_key} has {_tensor_name(label)} of dtype "
+                f"{t.dtype}, not a floating-point dtype")
+    a, b = ab["A"], ab["B"]
+    if a.dim() != 2 or b.dim() != 2:
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}, not 2-D [r, in] and [out, r]")
+    if a.shape[0] < 1 or b.shape[1] != a.shape[0]:
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}: their rank must agree and be at least 1")
     if use_dora != ("M" in ab):
         raise LoRAAdapterError(
             f"adapter {name!r}: {module_key} " + (
                 "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
                 if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
     for label, t in ab.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if not torch.isfinite(t).all():
             raise LoRAAdapterError(
-                f"adapter {name!r}: {module_key} has NaN or Inf in "
-                f"{'lora_magnitude_vector' if label == 'M' else 'lora_' + label}")
+                f"adapter {name!r}: {module_key} has NaN or Inf in {_tensor_name(label)}")
 
 
-def peft_scaling(cfg: dict, module_key: str, r: int, name: str) -> float:
-    """peft's LoRA scaling of one module: ``alpha / r``, or ``alpha / sqrt(r)`` with
-    ``use_rslora``; alpha from ``alpha_pattern`` (else ``lora_alpha``). ``r`` is the stored
-    rank; one that disagrees with ``rank_pattern`` / ``r`` is logged and used."""
-    alpha = _pattern_value(cfg.get("alpha_pattern") or {}, module_key, cfg.get("lora_alpha", 8))
-    expected_r = _pattern_value(cfg.get("rank_pattern") or {}, module_key, cfg.get("r", 8))
-    if int(expected_r) != r:
-        logger.warning("adapter %r: %s has rank %d, its config says %d; using %d",
-                       name, module_key, r, expected_r, r)
-    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+def _tensor_name(label: str) -> str:
+    return "lora_magnitude_vector" if label == "M" else "lora_" + label
 
 
 def _check_against_target(name: str, pairs: PeftPairs, target: AdapterTarget) -> None:
@@ -258,7 +343,8 @@ def _split_rows(name: str, module_key: str, b: torch.Tensor, parts: tuple[str, .
 
 
 def _module_weights(name: str, layer: int, module_key: str, ab: dict[str, torch.Tensor],
-                    cfg: dict, target: AdapterTarget) -> dict[tuple[int, str], LoRAWeights]:
+                    scaling: PeftScaling, target: AdapterTarget,
+                    ) -> dict[tuple[int, str], LoRAWeights]:
     """One PEFT module (or fused module) → ``{(layer, module): LoRAWeights}``."""
     parts = component_modules(module_key.rsplit(".", 1)[-1])
     a, b = ab["A"], ab["B"]
@@ -274,9 +360,9 @@ def _module_weights(name: str, layer: int, module_key: str, ab: dict[str, torch.
         raise LoRAAdapterError(
             f"adapter {name!r}: rank {r} of {module_key} exceeds max_lora_rank="
             f"{target.max_lora_rank}")
-    scale = peft_scaling(cfg, module_key, r, name)
     a = a.to(target.dtype).contiguous()
-    b = (b.float() * scale).to(target.dtype)
+    b = (b.float() * scaling(module_key, r)).to(target.dtype)
+    check_delta(f"adapter {name!r}: {module_key}", a, b)
     magnitudes: tuple[torch.Tensor | None, ...] = (None,) * len(parts)
     if "M" in ab:
         magnitude = ab["M"].reshape(-1).float()
@@ -317,9 +403,12 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             LoRA; a module the model lacks or ``lora_target_modules`` excludes; a layer index
             past the model; A/B shapes that do not fit the base projection (for a fused
             module: a B whose height is not the sum of its components' widths); a module
-            given both fused and on its own; a rank above ``max_lora_rank``; NaN or Inf in a
-            tensor; a DoRA adapter (``use_dora``) without a magnitude for every module, or
-            with no ``target.dora_norm`` to normalize it.
+            given both fused and on its own; a rank of 0 or above ``max_lora_rank``; NaN or
+            Inf in a tensor; a delta whose size ``check_delta`` refuses; bad
+            ``rank_pattern`` / ``alpha_pattern`` keys or values, or matching them over its
+            time budget (``PatternTable``); a file that is not a regular file; a DoRA
+            adapter (``use_dora``) without a magnitude for every module, or with no
+            ``target.dora_norm`` to normalize it.
     """
     name, path = request.lora_name, Path(path)
     cfg = check_peft_config(path, name, target)
@@ -334,17 +423,18 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
     if use_dora and target.dora_norm is None:
         raise LoRAAdapterError(f"adapter {name!r}: DoRA needs the base weights to normalize "
                                "its magnitudes, and none were given")
+    scaling = PeftScaling(cfg, name)
     weights: dict[tuple[int, str], LoRAWeights] = {}
     for (layer, module_key), ab in sorted(pairs.items()):
         check_peft_pair(name, module_key, ab, use_dora)
-        for key, w in _module_weights(name, layer, module_key, ab, cfg, target).items():
+        for key, w in _module_weights(name, layer, module_key, ab, scaling, target).items():
             if key in weights:
                 raise LoRAAdapterError(
                     f"adapter {name!r}: layer {layer} has weights for {key[1]} twice (on its "
                     "own and through a fused qkv_proj / gate_up_proj)")
             weights[key] = w
     if not weights:
-        raise LoRAAdapterError(f"adapter {name!r}: {path} holds no LoRA weights")
+        raise LoRAAdapterError(f"adapter {name!r} holds no LoRA weights")
     return LoRAAdapter(request.lora_int_id, name, weights)
 
 

@@ -29,14 +29,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, check_delta
+from manylora.lora.formats.files import open_regular
 from manylora.lora.formats.peft import (
     AdapterTarget,
+    PeftScaling,
     check_peft_pair,
     component_modules,
     dora_scale_from_magnitude,
     group_peft_tensors,
-    peft_scaling,
     read_peft_config,
     read_peft_tensors,
 )
@@ -218,6 +219,7 @@ def _row_weights(name: str, i: int, values: Sequence[int], row: torch.Tensor,
     # copies: the adapter must not alias (or keep alive) the caller's weights tensor
     a = row[: rank * hi].reshape(rank, hi).to(target.dtype, copy=True).contiguous()
     b = row[rank * hi: n_lora].reshape(ho, rank).to(target.dtype, copy=True)
+    check_delta(f"adapter {name!r}: row {i}", a, b)
     scales: Sequence[torch.Tensor | None] = [None] * len(parts)
     if is_dora:
         dora = row[n_lora: need].to(torch.float32, copy=True)
@@ -254,7 +256,8 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
             non-integer values, an unknown module id or one with no layer in this model
             (8..17), a module outside ``lora_target_modules``, a layer index out of range, D
             outside ``1..max_lora_rank``, a row narrower than ``D*Hi + Ho*D (+ Ho)``, the same
-            (module, layer) twice, NaN or Inf in the used part of a row.
+            (module, layer) twice, NaN or Inf in the used part of a row, a row whose delta
+            ``check_delta`` refuses (weights too large to compute with).
     """
     w, c = _check_weights(weights, name), _check_config(config, name)
     if w.shape[0] != c.shape[0]:
@@ -377,20 +380,24 @@ def read_trtllm_dir(path: str | os.PathLike,
         and ``[1, N, 3|4]``); ``'|V2'`` weights come back as bfloat16.
 
     Raises:
-        LoRAAdapterError: a missing or unreadable file, or an array of another dtype.
+        LoRAAdapterError: a missing or unreadable file, one that is not a regular file
+            (refused without blocking), or an array of another dtype.
     """
     path = Path(path)
     who = name if name is not None else str(path)
     out = []
     for fname in (WEIGHTS_FILE, CONFIG_FILE):
-        file = path / fname
-        if not file.is_file():
-            raise LoRAAdapterError(f"adapter {who!r}: {file} is missing (TensorRT-LLM's LoRA "
-                                   f"format needs {WEIGHTS_FILE} and {CONFIG_FILE})")
+        what = f"adapter {who!r}: {fname}"
         try:
-            array = np.load(file, allow_pickle=False)
+            with open_regular(path / fname, what) as f:
+                array = np.load(f, allow_pickle=False)
+        except FileNotFoundError:
+            raise LoRAAdapterError(f"{what} is missing (TensorRT-LLM's LoRA format needs "
+                                   f"{WEIGHTS_FILE} and {CONFIG_FILE})") from None
         except (OSError, ValueError, EOFError) as e:
-            raise LoRAAdapterError(f"adapter {who!r}: cannot read {file}: {e}") from e
+            if isinstance(e, LoRAAdapterError):
+                raise
+            raise LoRAAdapterError(f"adapter {who!r}: cannot read {fname}: {e}") from None
         out.append(_as_tensor(array, fname, who))
     return out[0], out[1]
 
@@ -426,16 +433,16 @@ class _BaseWeights:
         return torch.cat(parts)
 
 
-def _peft_row(name: str, layer: int, module_key: str, ab: dict[str, torch.Tensor], cfg: dict,
-              base: _BaseWeights | None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """One PEFT module → (A, scaled B in float32 as one flat row, rank, DoRA scales)."""
+def _peft_row(name: str, layer: int, module_key: str, ab: dict[str, torch.Tensor],
+              scaling: PeftScaling, base: _BaseWeights | None,
+              ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """One PEFT module (checked by ``check_peft_pair``) → (A, scaled B in float32 as one flat
+    row, rank, DoRA scales)."""
     a, b = ab["A"], ab["B"]
-    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
-        raise LoRAAdapterError(f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and "
-                               f"lora_B {tuple(b.shape)}, not [r, in] and [out, r]")
     rank = a.shape[0]
     a = a.float()
-    b = b.float() * peft_scaling(cfg, module_key, rank, name)
+    b = b.float() * scaling(module_key, rank)
+    check_delta(f"adapter {name!r}: {module_key}", a, b)
     scales = None
     if base is not None:
         scales = _peft_dora_scales(name, layer, module_key, ab["M"], a, b, base)
@@ -499,6 +506,7 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
                                "against the base model's weights; give the base model "
                                "(--base-model DIR)")
     base = _BaseWeights(base_model_dir) if use_dora else None
+    scaling = PeftScaling(cfg, name)
     rows: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
     seen: dict[tuple[int, str], str] = {}
     for (layer, module_key), ab in sorted(pairs.items()):
@@ -509,7 +517,7 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
                 raise LoRAAdapterError(f"adapter {name!r}: {part} of layer {layer} is given by "
                                        f"both {seen[(layer, part)]} and {module_key}")
             seen[(layer, part)] = module_key
-        flat, rank, scales = _peft_row(name, layer, module_key, ab, cfg, base)
+        flat, rank, scales = _peft_row(name, layer, module_key, ab, scaling, base)
         mtype = HF_TO_TRTLLM[module]
         row = flat if scales is None else torch.cat([flat, scales])
         rows[(layer, int(mtype))] = (row, [int(mtype), layer, rank] + ([1] if use_dora else []))

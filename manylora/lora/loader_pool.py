@@ -1,0 +1,178 @@
+"""Loader threads for adapter reads, with a time bound per read.
+
+A read stuck in the kernel (a hung network filesystem, a device) cannot be killed. So
+each read gets a deadline: a watchdog fails its future with ``LoRALoadTimeoutError`` when
+the deadline passes (its caller moves on at once), and the worker stuck in it is written
+off and replaced, so the pool keeps its full number of working threads. Workers are daemon
+threads (a stuck one never holds the process at exit); at most ``max_abandoned`` stuck
+workers are replaced at a time (beyond that, reads queue behind the stuck ones and time
+out themselves), which bounds the threads a hostile adapter store can leak. A replaced
+worker that comes back from its read drops the result and exits; one that was not
+replaced drops it and works on.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from manylora.lora.adapter import LoRALoadTimeoutError
+
+
+@dataclass(order=True)
+class _Job:
+    deadline: float
+    seq: int
+    future: Future = field(compare=False)
+    fn: Callable[..., Any] = field(compare=False)
+    args: tuple = field(compare=False)
+    what: str = field(compare=False)
+    started: float = field(compare=False)
+
+
+class LoaderPool:
+    """Worker threads that run reads, each bounded by ``timeout`` seconds from submission.
+
+    Args:
+        workers: working threads (``loader_threads``).
+        timeout: seconds a read may take from ``submit`` (its time in the queue included);
+            None: no bound.
+        max_abandoned: stuck workers replaced at most (see the module docstring).
+        name: the threads' name prefix.
+    """
+
+    def __init__(self, workers: int, timeout: float | None, max_abandoned: int = 16,
+                 name: str = "lora-loader") -> None:
+        self.timeout = timeout
+        self.max_abandoned = max_abandoned
+        self.name = name
+        self._lock = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._deadlines: list[_Job] = []          # heap of unfinished jobs by deadline
+        self._seq = itertools.count()
+        self._threads = itertools.count()
+        self._stuck: set[threading.Thread] = set()      # inside a read that timed out
+        self._replaced: set[threading.Thread] = set()   # of those, the ones replaced
+        self._running: dict[threading.Thread, _Job] = {}
+        self._stopped = False
+        for _ in range(workers):
+            self._start_worker()
+        if timeout is not None:
+            threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True).start()
+
+    # ------------------------------------------------------------------ the caller's side
+
+    def submit(self, fn: Callable[..., Any], *args: Any, what: str = "adapter read") -> Future:
+        """Run ``fn(*args)`` on a worker; its future, failed with ``LoRALoadTimeoutError``
+        (naming ``what`` and the bound) if it has not ended within ``timeout`` seconds.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        future: Future = Future()
+        now = time.monotonic()
+        deadline = now + self.timeout if self.timeout is not None else float("inf")
+        job = _Job(deadline, next(self._seq), future, fn, args, what, now)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the adapter loader threads were shut down")
+            self._queue.append(job)
+            if self.timeout is not None:
+                heapq.heappush(self._deadlines, job)
+            self._lock.notify_all()
+        return future
+
+    @property
+    def stuck(self) -> int:
+        """Workers written off while still inside a read that timed out."""
+        with self._lock:
+            return len(self._stuck)
+
+    def pending(self) -> list[float]:
+        """The submission times (``time.monotonic()``) of the reads not ended yet (neither
+        finished nor timed out)."""
+        with self._lock:
+            return [j.started for j in self._queue] + [j.started for j in self._running.values()]
+
+    def shutdown(self) -> None:
+        """Stop taking reads; queued ones are cancelled, running ones end on their own."""
+        with self._lock:
+            self._stopped = True
+            for job in self._queue:
+                job.future.cancel()
+            self._queue.clear()
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------ threads
+
+    def _start_worker(self) -> None:
+        threading.Thread(target=self._work, name=f"{self.name}_{next(self._threads)}",
+                         daemon=True).start()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                while not self._queue and not self._stopped:
+                    self._lock.wait()
+                if self._stopped:
+                    return
+                job = self._queue.popleft()
+                if job.future.done() or not job.future.set_running_or_notify_cancel():
+                    continue                   # timed out (or cancelled) while queued
+                self._running[me] = job
+            try:
+                result, error = job.fn(*job.args), None
+            except BaseException as e:     # the caller gets whatever the read raised
+                result, error = None, e
+            with self._lock:
+                self._running.pop(me, None)
+                self._stuck.discard(me)
+                if me in self._replaced:       # replaced already: drop the result, exit
+                    self._replaced.discard(me)
+                    return
+                if not job.future.done():
+                    if error is None:
+                        job.future.set_result(result)
+                    else:
+                        job.future.set_exception(error)
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                while self._deadlines and self._deadlines[0].future.done():
+                    heapq.heappop(self._deadlines)
+                if self._stopped and not self._running:
+                    return
+                wait = (self._deadlines[0].deadline - time.monotonic()
+                        if self._deadlines else None)
+                if wait is None or wait > 0:
+                    self._lock.wait(wait if wait is None else min(wait, 1.0))
+                    continue
+                job = heapq.heappop(self._deadlines)
+                self._expire(job)
+
+    def _expire(self, job: _Job) -> None:
+        """Fail a job past its deadline; write off and replace its worker (lock held)."""
+        if job.future.done():
+            return
+        worker = next((t for t, j in self._running.items() if j is job), None)
+        if worker is None:
+            self._queue.remove(job)
+        else:
+            del self._running[worker]
+            self._stuck.add(worker)
+            if len(self._replaced) < self.max_abandoned:
+                self._replaced.add(worker)
+                self._start_worker()
+        state = "its read" if worker is not None else "it waited for a loader thread and"
+        job.future.set_exception(LoRALoadTimeoutError(
+            f"{job.what}: {state} did not finish within {self.timeout:g} s "
+            "(lora_load_timeout)"))

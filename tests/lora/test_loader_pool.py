@@ -1,0 +1,74 @@
+"""``LoaderPool``: a read past its deadline fails alone with ``LoRALoadTimeoutError`` and
+its stuck worker is replaced, so later reads still run; reads queued behind stuck workers
+time out too; results of written-off reads are dropped. The stuck read is an event the
+test holds, so no assertion depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
+from manylora.lora.loader_pool import LoaderPool
+
+
+def _blocked(release: threading.Event, started: threading.Event | None = None) -> str:
+    if started is not None:
+        started.set()
+    release.wait()
+    return "late"
+
+
+def test_stuck_read_times_out_alone_and_its_worker_is_replaced():
+    pool = LoaderPool(1, timeout=0.3)
+    release, started = threading.Event(), threading.Event()
+    try:
+        stuck = pool.submit(_blocked, release, started, what="adapter 'slow'")
+        assert started.wait(30)
+        with pytest.raises(LoRALoadTimeoutError,
+                           match=r"adapter 'slow': its read did not finish within 0.3 s"):
+            stuck.result(timeout=60)
+        assert isinstance(stuck.exception(), LoRAAdapterError)
+        assert pool.stuck == 1
+        # the one worker is stuck, its replacement runs the next read
+        assert pool.submit(lambda: "ok").result(timeout=60) == "ok"
+    finally:
+        release.set()
+    assert pool.submit(lambda: "after").result(timeout=60) == "after"
+    assert stuck.exception() is not None         # the late result was dropped
+    pool.shutdown()
+
+
+def test_reads_queued_behind_stuck_workers_time_out_too():
+    pool = LoaderPool(1, timeout=0.3, max_abandoned=0)      # no replacement
+    release = threading.Event()
+    try:
+        first = pool.submit(_blocked, release, what="adapter 'a'")
+        queued = pool.submit(lambda: "never", what="adapter 'b'")
+        with pytest.raises(LoRALoadTimeoutError, match="adapter 'a': its read"):
+            first.result(timeout=60)
+        with pytest.raises(LoRALoadTimeoutError,
+                           match="adapter 'b': it waited for a loader thread"):
+            queued.result(timeout=60)
+        assert pool.pending() == []
+    finally:
+        release.set()
+    # the worker was not replaced: it came back and works on
+    assert pool.submit(lambda: "ok").result(timeout=60) == "ok"
+    assert pool.stuck == 0
+    pool.shutdown()
+
+
+def test_errors_and_results_pass_through_without_timeout():
+    pool = LoaderPool(2, timeout=None)
+
+    def fail():
+        raise LoRAAdapterError("adapter 'x': bad")
+
+    assert pool.submit(lambda: 7).result(timeout=60) == 7
+    with pytest.raises(LoRAAdapterError, match="bad"):
+        pool.submit(fail).result(timeout=60)
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(lambda: 1)
