@@ -14,6 +14,13 @@ its slots needs (``used_columns``), without reading the device.
 
 Each ``LoRASlots`` of ``S`` slices owns ``S`` consecutive columns from its ``rank_col`` and
 holds views of them (``LoRASlots.ranks`` / ``.dora``, int32 ``[max_loras, S]``).
+
+A CUDA-graph decode step cannot skip launches by looking at the host, so it is captured for
+a *projection mask*: one bit per projection kind (``q_proj``, ..., ``down_proj``, over all
+layers), set where some slot of the step has a nonzero rank in a column of that kind
+(``kind_mask``). A graph captured for mask ``M`` launches the LoRA kernels of the columns
+``mask_columns(M)`` only; it is valid for any step whose mask is a subset of ``M``, since
+every other column has rank 0 for all of the step's slots.
 """
 
 from __future__ import annotations
@@ -78,6 +85,44 @@ class SlotTable:
         self.dora_host = np.zeros((max_loras, len(keys)), np.int32)
         for lora, col in bind:
             lora.bind(self, col)
+        self.kinds = tuple(dict.fromkeys(module for _, module in keys))
+        kind_of = np.array([self.kinds.index(module) for _, module in keys], np.int64)
+        self._kind_onehot = np.zeros((len(keys), len(self.kinds)), bool)
+        self._kind_onehot[np.arange(len(keys)), kind_of] = True
+        self._kind_bits = (1 << np.arange(len(self.kinds), dtype=np.int64))
+        self._column_bits = self._kind_bits[kind_of]
+
+    @property
+    def full_mask(self) -> int:
+        """The projection mask of every kind (``(1 << len(kinds)) - 1``)."""
+        return (1 << len(self.kinds)) - 1
+
+    def kind_mask(self, active_slots: np.ndarray) -> int:
+        """The projection mask a step's slots need, from the host mirror: bit ``k`` set when
+        some slot has a nonzero rank in a column of kind ``kinds[k]`` (any layer).
+
+        Args:
+            active_slots: int ``[n]``, slot indices; negative entries (padding) ignored.
+
+        Returns:
+            An int in ``[0, full_mask]``.
+        """
+        slots = np.asarray(active_slots).reshape(-1)
+        used = (self.ranks_host[slots[slots >= 0]] != 0).any(axis=0)      # [E]
+        kinds = (used[:, None] & self._kind_onehot).any(axis=0)          # [K]
+        return int(self._kind_bits[kinds].sum())
+
+    def mask_columns(self, mask: int) -> tuple[bool, ...]:
+        """Per column, whether its kind is in ``mask`` (what ``LoRAKernelMeta.used_columns``
+        holds for a graph captured for ``mask``).
+
+        Raises:
+            ValueError: bits outside ``full_mask``.
+        """
+        if not 0 <= mask <= self.full_mask:
+            raise ValueError(f"projection mask {mask:#x} has bits outside the "
+                             f"{len(self.kinds)} kinds {self.kinds}")
+        return tuple(((self._column_bits & mask) != 0).tolist())
 
     @property
     def num_columns(self) -> int:
