@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from manylora.config import LORA_TARGET_MODULES
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, all_finite
 from manylora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,7 @@ def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
                 "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
                 if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
     for label, t in ab.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
+        if not all_finite(t):
             raise LoRAAdapterError(
                 f"adapter {name!r}: {module_key} has NaN or Inf in "
                 f"{'lora_magnitude_vector' if label == 'M' else 'lora_' + label}")
@@ -356,7 +356,7 @@ def dora_scale_from_magnitude(magnitude: torch.Tensor, norm: torch.Tensor,
         LoRAAdapterError: a zero norm or a non-finite result (``what`` names the module).
     """
     scale = magnitude.float().cpu() / norm.float().cpu()
-    if not torch.isfinite(scale).all():
+    if not all_finite(scale):
         raise LoRAAdapterError(f"{what}: the DoRA scale m / ||W + BA|| is not finite (a row "
                                "of the adapted weight has norm 0)")
     return scale.contiguous()
