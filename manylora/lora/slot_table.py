@@ -16,11 +16,14 @@ Each ``LoRASlots`` of ``S`` slices owns ``S`` consecutive columns from its ``ran
 holds views of them (``LoRASlots.ranks`` / ``.dora``, int32 ``[max_loras, S]``).
 
 A CUDA-graph decode step cannot skip launches by looking at the host, so it is captured for
-a *projection mask*: one bit per projection kind (``q_proj``, ..., ``down_proj``, over all
-layers), set where some slot of the step has a nonzero rank in a column of that kind
-(``kind_mask``). A graph captured for mask ``M`` launches the LoRA kernels of the columns
-``mask_columns(M)`` only; it is valid for any step whose mask is a subset of ``M``, since
-every other column has rank 0 for all of the step's slots.
+a *projection mask*: one bit per projection kind over all layers, set where some slot of the
+step has a nonzero rank in a column of that kind (``kind_mask``). A kind is what one launch
+covers: the modules of one ``LoRASlots`` (packed ``q_proj``/``k_proj``/``v_proj``,
+``o_proj``, packed ``gate_proj``/``up_proj``, ``down_proj`` in a Llama model), so masks
+that would launch the same kernels are one mask. A graph captured for mask ``M`` launches
+the LoRA kernels of the columns ``mask_columns(M)`` only; it is valid for any step whose
+mask is a subset of ``M``, since every other column has rank 0 for all of the step's
+slots.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ class SlotTable:
         dora: device int32 ``[max_loras, E]``, 1 where that (slot, module) has DoRA scales.
         ranks_host, dora_host: numpy int32 ``[max_loras, E]``, the host mirrors.
         keys: the ``(layer, module)`` of each column.
+        kinds: the projection kinds, in column order: each the ``module_names`` of a
+            ``LoRASlots`` (one launch), e.g. ``("q_proj", "k_proj", "v_proj")``.
 
     Raises:
         ValueError: a ``LoRASlots`` of another ``max_loras``, under keys of several layers or
@@ -85,8 +90,9 @@ class SlotTable:
         self.dora_host = np.zeros((max_loras, len(keys)), np.int32)
         for lora, col in bind:
             lora.bind(self, col)
-        self.kinds = tuple(dict.fromkeys(module for _, module in keys))
-        kind_of = np.array([self.kinds.index(module) for _, module in keys], np.int64)
+        self.kinds = tuple(dict.fromkeys(lora.module_names for lora, _ in bind))
+        kind_of = np.array([self.kinds.index(lora.module_names)
+                            for lora, _ in bind for _ in lora.module_names], np.int64)
         self._kind_onehot = np.zeros((len(keys), len(self.kinds)), bool)
         self._kind_onehot[np.arange(len(keys)), kind_of] = True
         self._kind_bits = (1 << np.arange(len(self.kinds), dtype=np.int64))

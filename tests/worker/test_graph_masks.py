@@ -19,7 +19,7 @@ from manylora.worker.cuda_graph import DecodeGraphs
 from manylora.worker.graph_masks import GraphMaskPolicy
 from manylora.worker.step_codec import decode_step, encode_step
 
-FULL = 0b1111111                       # seven kinds
+FULL = 0b1111111                       # seven kinds (any kinds: the policy sees bits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,16 +106,24 @@ def _slots(max_loras: int = 3) -> dict:
 
 
 def test_kind_mask_is_the_union_over_slots_and_layers():
+    """A kind is one launch (a packed projection); the mask ORs the step's slots over
+    every layer, from the host mirror."""
     table = SlotTable(_slots(), 3, torch.device("cpu"))
-    assert table.kinds == ("q_proj", "k_proj", "v_proj", "o_proj") and table.full_mask == 0xF
+    assert table.kinds == (("q_proj", "k_proj", "v_proj"), ("o_proj",))
+    assert table.full_mask == 0b11
     table.set(0, table.column(1, "v_proj"), 4, False)          # slot 0: v of layer 1
     table.set(2, table.column(0, "o_proj"), 2, False)          # slot 2: o of layer 0
     table.set(1, table.column(0, "q_proj"), 3, False)          # slot 1: not in the step
-    assert table.kind_mask(np.array([0, 2, -1])) == 0b1100
+    assert table.kind_mask(np.array([0, -1, -1])) == 0b01
+    assert table.kind_mask(np.array([2, -1, -1])) == 0b10
+    assert table.kind_mask(np.array([0, 2, -1])) == 0b11
     assert table.kind_mask(np.array([-1, -1, -1])) == 0
-    assert table.mask_columns(0b1100) == (False, False, True, True) * 2
+    table.clear(2)
+    assert table.kind_mask(np.array([0, 2, -1])) == 0b01
+    assert table.mask_columns(0b10) == (False, False, False, True) * 2
+    assert table.mask_columns(0b01) == (True, True, True, False) * 2
     with pytest.raises(ValueError, match="outside"):
-        table.mask_columns(0x10)
+        table.mask_columns(0b100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,9 +154,10 @@ class EagerGraphs(DecodeGraphs):
 
 def test_masked_graph_steps_match_peft_and_launch_only_their_kinds(demo_set, monkeypatch):
     """Decode steps through the graph path with slot buffers on all seven projections:
-    ``sql`` (q/v) and ``code`` (o/gate/up/down of layer 1) alone and together, and ``chat``
-    (all seven). Tokens equal transformers + peft; once a mask is admitted its steps replay
-    its graph, which launches the shrink and expand of its kinds' projections only."""
+    ``sql`` (q/v) twice, ``code`` (o/gate/up/down of layer 1), ``sql`` with ``math``
+    (q/k/v/o, ``rank_pattern``) and a base row, and ``chat`` (all seven) with ``sql``.
+    Tokens equal transformers + peft; once a mask is admitted its steps replay its graph,
+    which launches the shrink of its kinds' projections only."""
     calls: list[tuple] = []
     real_shrink = lora_slots.LoRASlots.shrink
 
@@ -169,11 +178,10 @@ def test_masked_graph_steps_match_peft_and_launch_only_their_kinds(demo_set, mon
              "def add(a, b):"]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     kinds = table.kinds
-    bits = {name: sum(1 << kinds.index(m) for m in mods) for name, mods in {
-        "sql": ("q_proj", "v_proj"),
-        "code": ("o_proj", "gate_proj", "up_proj", "down_proj"),
-        "chat": kinds}.items()}
-    for names in (["sql", "sql"], ["code"], ["sql", "code", None], ["chat", "sql"]):
+    assert kinds == (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
+                     ("down_proj",))
+    bits = {"sql": 0b0001, "math": 0b0011, "code": 0b1110, "chat": 0b1111}
+    for names in (["sql", "sql"], ["code"], ["sql", "math", None], ["chat", "sql"]):
         prompts = [tok(t).input_ids for t in texts[:len(names)]]
         loras = [None if n is None else LoRARequest(n, ids[n], str(demo_set.adapters[n]))
                  for n in names]
@@ -191,12 +199,8 @@ def test_masked_graph_steps_match_peft_and_launch_only_their_kinds(demo_set, mon
         lora_keys = [k for k in graphs.replayed if k[1] is not None]
         assert len(lora_keys) == 5, names                       # five decode steps
         assert {k[2] for k in lora_keys[1:]} == {want}, (names, lora_keys)
-        launched = {m for key, names_of in calls if key is not None and key[2] == want
-                    for m in names_of}
-        packs = {("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
-                 ("down_proj",)}
-        expect = {m for pack in packs if any(want >> kinds.index(m) & 1 for m in pack)
-                  for m in pack}
+        launched = {names_of for key, names_of in calls if key is not None and key[2] == want}
+        expect = {kind for k, kind in enumerate(kinds) if want >> k & 1}
         assert launched == expect, (names, launched)
 
 
