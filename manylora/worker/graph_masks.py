@@ -13,9 +13,12 @@ run as the engine with ``lora_target_modules`` q/k/v/o).
 At start-up nothing is known of the adapters, so masked graphs are made during serving:
 a mask is *admitted* once ``min_uses`` steps asked for it (a transient mix of adapters
 does not pay for captures), and its graphs are captured lazily, one per (bucket, schedule)
-on first use. At most ``max_masks`` masks are held; admitting another evicts the least
-recently used, whose graphs are then destroyed. A step whose mask is not held replays the
-smallest held superset of it, else the all-kinds graph.
+on first use. At most ``max_masks`` masks are held; when all places are taken, a mask is
+admitted only if it was asked for more often than the least recently used held mask, which
+it evicts (its graphs are destroyed): TinyLFU's admission, so masks taking turns cannot
+make every step capture. Counts are halved every ``AGING`` asks, so old popularity fades.
+A step whose mask is not held replays the smallest held superset of it, else the
+all-kinds graph.
 
 The policy is a deterministic function of the sequence of masks it is asked about: under
 tensor parallelism every rank runs it on the same masks (computed on rank 0 and sent with
@@ -26,6 +29,9 @@ graphs at the same steps (their captures run collectives in lock step).
 from __future__ import annotations
 
 from collections import OrderedDict
+
+#: Asks between two halvings of the masks' use counts.
+AGING = 4096
 
 
 class GraphMaskPolicy:
@@ -49,6 +55,7 @@ class GraphMaskPolicy:
         self.min_uses = min_uses
         self._held: OrderedDict[int, None] = OrderedDict()
         self._uses: dict[int, int] = {}
+        self._asks = 0
 
     @property
     def held(self) -> tuple[int, ...]:
@@ -64,8 +71,8 @@ class GraphMaskPolicy:
         Returns:
             ``(run, evicted)``: ``run`` is ``mask`` itself when held or admitted now, else
             the smallest held superset (fewest kinds; the most recently used of equals),
-            else ``full_mask``; ``run`` is always a superset of ``mask``. ``evicted``: masks
-            dropped to admit ``mask`` (their graphs must be destroyed).
+            else ``full_mask``; ``run`` is always a superset of ``mask``. ``evicted``: the
+            mask dropped to admit ``mask``, if any (its graphs must be destroyed).
 
         Raises:
             ValueError: bits outside ``full_mask``.
@@ -74,18 +81,23 @@ class GraphMaskPolicy:
             return self.full_mask, ()
         if mask & ~self.full_mask:
             raise ValueError(f"projection mask {mask:#x} has bits outside {self.full_mask:#x}")
+        self._uses[mask] = self._uses.get(mask, 0) + 1
+        self._asks += 1
+        if self._asks % AGING == 0:
+            self._uses = {m: n // 2 for m, n in self._uses.items() if n // 2}
+        uses = self._uses.get(mask, 0)
         if mask in self._held:
             self._held.move_to_end(mask)
             return mask, ()
-        uses = self._uses.get(mask, 0) + 1
         if self.max_masks and uses >= self.min_uses:
-            self._uses.pop(mask, None)
-            evicted = []
-            while len(self._held) >= self.max_masks:
-                evicted.append(self._held.popitem(last=False)[0])
-            self._held[mask] = None
-            return mask, tuple(evicted)
-        self._uses[mask] = uses
+            if len(self._held) < self.max_masks:
+                self._held[mask] = None
+                return mask, ()
+            victim = next(iter(self._held))
+            if uses > self._uses.get(victim, 0):
+                del self._held[victim]
+                self._held[mask] = None
+                return mask, (victim,)
         supersets = [m for m in reversed(self._held) if m & mask == mask]
         if not supersets:
             return self.full_mask, ()

@@ -16,7 +16,7 @@ from manylora.lora.linear import LoRALinear
 from manylora.lora.slot_table import SlotTable
 from manylora.testing import compare_greedy, hf_greedy_reference
 from manylora.worker.cuda_graph import DecodeGraphs
-from manylora.worker.graph_masks import GraphMaskPolicy
+from manylora.worker.graph_masks import AGING, GraphMaskPolicy
 from manylora.worker.step_codec import decode_step, encode_step
 
 FULL = 0b1111111                       # seven kinds (any kinds: the policy sees bits)
@@ -49,14 +49,38 @@ def test_unheld_masks_replay_the_smallest_held_superset():
         assert run & mask == mask
 
 
-def test_lru_bound_evicts_the_least_recently_used():
+def test_bound_evicts_the_lru_mask_for_a_more_used_one():
+    """With every place taken, a new mask evicts the least recently used one only once it
+    was asked for more often (TinyLFU admission): masks taking turns do not capture at
+    every step."""
     policy = GraphMaskPolicy(FULL, max_masks=2, min_uses=1)
     assert policy.choose(0b1) == (0b1, ())
     assert policy.choose(0b10) == (0b10, ())
-    assert policy.choose(0b1) == (0b1, ())                # 0b10 is now the oldest
-    assert policy.choose(0b100) == (0b100, (0b10,))
+    assert policy.choose(0b1) == (0b1, ())                # 0b10 (1 use) is now the oldest
+    assert policy.choose(0b100) == (FULL, ())             # 1 use, not more than 0b10's
+    assert policy.choose(0b100) == (0b100, (0b10,))       # 2 uses: admitted, 0b10 evicted
     assert policy.held == (0b1, 0b100)
+    for _ in range(3):                                    # four masks in turn, two places
+        captures = 0
+        for mask in (0b1000, 0b10000, 0b1, 0b100):
+            run, evicted = policy.choose(mask)
+            captures += bool(evicted)
+            assert run & mask == mask
+        assert captures <= 1
     assert GraphMaskPolicy(FULL, max_masks=0).choose(0b1) == (FULL, ())   # masks off
+
+
+def test_use_counts_age():
+    """Counts halve every ``AGING`` asks: a mask once popular is displaced by one asked for
+    more often than its halved count (without aging it would take ``AGING`` asks)."""
+    policy = GraphMaskPolicy(FULL, max_masks=1, min_uses=1)
+    for _ in range(AGING - 1):
+        policy.choose(0b1)                        # 4095 uses
+    policy.choose(0b10)                           # the AGING-th ask: 0b1 → 2047, 0b10 → 0
+    for _ in range(AGING // 2 - 1):
+        assert policy.choose(0b10) == (FULL, ())  # up to 2047 uses: not more than 0b1's
+    assert policy.held == (0b1,)
+    assert policy.choose(0b10) == (0b10, (0b1,))  # 2048 > 2047
 
 
 def test_policy_rejects_bad_input():
