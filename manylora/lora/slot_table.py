@@ -93,10 +93,7 @@ class SlotTable:
         self.kinds = tuple(dict.fromkeys(lora.module_names for lora, _ in bind))
         kind_of = np.array([self.kinds.index(lora.module_names)
                             for lora, _ in bind for _ in lora.module_names], np.int64)
-        self._kind_onehot = np.zeros((len(keys), len(self.kinds)), bool)
-        self._kind_onehot[np.arange(len(keys)), kind_of] = True
-        self._kind_bits = (1 << np.arange(len(self.kinds), dtype=np.int64))
-        self._column_bits = self._kind_bits[kind_of]
+        self._column_bits = np.left_shift(1, kind_of)          # int64 [E], its kind's bit
 
     @property
     def full_mask(self) -> int:
@@ -114,9 +111,8 @@ class SlotTable:
             An int in ``[0, full_mask]``.
         """
         slots = np.asarray(active_slots).reshape(-1)
-        used = (self.ranks_host[slots[slots >= 0]] != 0).any(axis=0)      # [E]
-        kinds = (used[:, None] & self._kind_onehot).any(axis=0)          # [K]
-        return int(self._kind_bits[kinds].sum())
+        used = self.ranks_host[slots[slots >= 0]].any(axis=0)             # [E]
+        return int(np.bitwise_or.reduce(self._column_bits[used], initial=0))
 
     def mask_columns(self, mask: int) -> tuple[bool, ...]:
         """Per column, whether its kind is in ``mask`` (what ``LoRAKernelMeta.used_columns``
