@@ -17,8 +17,12 @@ Parts (``--parts``, several allowed, run in this order; each engine in a fresh p
 * ``churn``: 1,024 requests (prompt 128, 64 new, greedy, ignore_eos) at once, adapters
   drawn Zipf(1.0) over 256 (``churn_workload``, seed 0), one ``LLM.generate`` call, with 16
   slots and a host tier of 256 (``max_loras=16, max_cpu_loras=256``) and with 256 slots
-  (all fit). A warm-up pass first (one request per adapter, other token ids, 8 new tokens):
-  every adapter is read from disk into the host tier before the timed pass. Reported: output
+  (all fit). Untimed first: every adapter is registered with ``add_lora_async`` at once, so
+  the engine's loader threads read them from disk into the host tier in parallel (the
+  wall time is printed); then a warm-up pass (256 requests on Zipf draws, other token ids,
+  request i stopping after ``4 + i`` tokens, so the decode batch drains through every
+  CUDA-graph batch size and each decode graph the timed pass replays, masked ones included,
+  is captured before it). Timed: the ``generate`` call alone. Reported: output
   tok/s, against vLLM 0.26's 3,136 (target >= 1.4x) and the all-fit run (target >= 90%);
   the adapter cache's counters over the timed pass (slot loads, evictions, disk reads, reads
   a step waited on); the mean slot-load time against the adapter's bytes over the pinned
@@ -41,11 +45,11 @@ Parts (``--parts``, several allowed, run in this order; each engine in a fresh p
   already in a slot.
 
 The engines with the core in the measuring process (``batch``, ``kernels``) say so in
-their table. Estimated durations on one H100 (start-ups and the 256 adapters' first reads
-included; not yet timed):
+their table. Estimated durations on one H100 (start-ups and the 256 adapters' reads
+included; not yet timed), each under one device call's 10 minutes:
 
-    python -m benchmarks.bench_lora --parts churn                  # ~3 min
-    python -m benchmarks.bench_lora --parts batch kernels ttft     # ~2.5 min
+    python -m benchmarks.bench_lora --parts churn                  # ~4 min, both rows
+    python -m benchmarks.bench_lora --parts batch kernels ttft     # ~3 min
     python -m benchmarks.bench_lora --quick                        # every part, tiny, CPU
 
 Each part prints and records (``common.record``: GPU, date, commit — ``$MANYLORA_COMMIT``
@@ -113,11 +117,12 @@ class Sizes:
     kernel_batches: tuple[int, ...]
     streams: int
     stream_adapters: int
-    stream_tokens: int
+    stream_tokens: int            # the most a ttft stream asks (it is restarted if it ends)
+    drain: int                    # requests of the churn warm-up (``drain_warm_up``)
 
 
-FULL = Sizes(1024, 256, 16, 128, 64, 64, (64, 256), 64, 16, 1200)
-QUICK = Sizes(48, 12, 4, 8, 4, 4, (4, 8), 4, 2, 1500)
+FULL = Sizes(1024, 256, 16, 128, 64, 64, (64, 256), 64, 16, 1900, 256)
+QUICK = Sizes(48, 12, 4, 8, 4, 4, (4, 8), 4, 2, 1500, 16)
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -178,10 +183,11 @@ def adapter_bytes(config: dict, rank: int, targets: Sequence[str], itemsize: int
 
 def run_churn(model_dir: Path, adapters: list[Path], slots: int, sizes: Sizes,
               quick: bool) -> dict:
-    """One engine with ``slots`` slots and a host tier of every adapter: a warm-up pass
-    (one request per adapter), then the timed Zipf pass; its tokens, seconds, the adapter
-    cache's counters over it, prefix hits, preemptions, and (CUDA) the pinned H2D
-    bandwidth for one adapter's bytes.
+    """One engine with ``slots`` slots and a host tier of every adapter: every adapter read
+    into the host tier (``preload``), a warm-up pass through every decode batch size
+    (``drain_warm_up``), then the timed Zipf pass; its tokens, seconds, the adapter cache's
+    counters over it, prefix hits, preemptions, the preload's seconds, and (CUDA) the
+    pinned H2D bandwidth for one adapter's bytes.
 
     Raises:
         RuntimeError: the pass generated another number of tokens than it asked for.
@@ -198,9 +204,10 @@ def run_churn(model_dir: Path, adapters: list[Path], slots: int, sizes: Sizes,
     loras = _loras(adapters)
     vocab = engine.vocab_size
     try:
-        warm = _prompts(len(loras), sizes.prompt, vocab, seed=101)
-        llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-                     loras, use_tqdm=False)
+        preload_s = preload(engine, loras)
+        print(f"churn ({slots} slots): {len(loras)} adapters read into the host tier in "
+              f"{preload_s:.1f} s (not timed)", flush=True)
+        drain_warm_up(llm, loras, sizes, vocab)
         picks = zipf_adapters(sizes.churn_requests, sizes.churn_adapters)
         prompts = _prompts(len(picks), sizes.prompt, vocab, seed=202)
         params = SamplingParams(temperature=0.0, max_tokens=sizes.new, ignore_eos=True)
@@ -218,11 +225,43 @@ def run_churn(model_dir: Path, adapters: list[Path], slots: int, sizes: Sizes,
                   "stats": _stats_delta(before, engine.lora_cache_stats()),
                   "prefix_hits": prefix_hit_tokens(llm) - hits,
                   "preemptions": engine.kv_cache_stats().preemptions - preempted,
-                  "adapter_bytes": one, "h2d": h2d, "distinct": len(set(picks))}
+                  "adapter_bytes": one, "h2d": h2d, "distinct": len(set(picks)),
+                  "preload_s": preload_s}
     finally:
         engine.shutdown()
     print(f"churn ({slots} slots): {result}", flush=True)
     return result
+
+
+def preload(engine, loras: Sequence) -> float:
+    """Register every adapter at once (``LLMEngine.add_lora_async``: the core reads them on
+    its loader threads, in parallel) and step until all are in the host tier; seconds.
+
+    Raises:
+        Exception: what a read raised.
+    """
+    t0 = time.perf_counter()
+    futures = [engine.add_lora_async(lora) for lora in loras]
+    while not all(f.done() for f in futures):
+        engine.step()
+    for f in futures:
+        f.result()
+    return time.perf_counter() - t0
+
+
+def drain_warm_up(llm, loras: Sequence, sizes: Sizes, vocab: int) -> None:
+    """An untimed pass of ``sizes.drain`` (``max_num_seqs``) requests on Zipf draws (token
+    ids of its own) where request i stops after ``4 + i`` tokens: the decode batch shrinks
+    by one per step through every size, so every (batch size, LoRA schedule, projection
+    mask) decode graph the timed pass needs is captured here, not in the timed window."""
+    from manylora import SamplingParams
+
+    count = sizes.drain
+    picks = zipf_adapters(count, len(loras), seed=7)
+    prompts = _prompts(count, sizes.prompt, vocab, seed=101)
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + i, ignore_eos=True)
+              for i in range(count)]
+    llm.generate(prompts, params, [loras[k] for k in picks], use_tqdm=False)
 
 
 def churn_table(results: list[dict]) -> tuple[list[str], list[list]]:
@@ -233,7 +272,7 @@ def churn_table(results: list[dict]) -> tuple[list[str], list[list]]:
                f">= {CHURN_VS_FIT:.0%} of all-fit", "slot loads", "slot evictions",
                "disk reads", "disk reads waited on", "other stall counters",
                "ms per slot load", "floor ms (bytes / pinned H2D)", "prefix-hit tokens",
-               "preemptions"]
+               "preemptions", "host-tier preload s (untimed)"]
     rows = []
     for r in results:
         s = r["stats"]
@@ -255,7 +294,7 @@ def churn_table(results: list[dict]) -> tuple[list[str], list[list]]:
             f"{s.get('host_misses', 0):,.0f}", f"{s.get('sync_disk_loads', 0):,.0f}",
             ", ".join(f"{k} {v:,.3g}" for k, v in stalls.items()) or "-",
             _fmt(per_load * 1e3, ".2f"), _fmt(floor * 1e3, ".2f"),
-            f"{r['prefix_hits']:,}", r["preemptions"]])
+            f"{r['prefix_hits']:,}", r["preemptions"], f"{r['preload_s']:.1f}"])
     return columns, rows
 
 
@@ -424,7 +463,9 @@ def run_ttft(model_dir: Path, adapters: list[Path], cold: list[Path], sizes: Siz
     once each has 32 tokens, for each path in ``cold`` (then once more for an adapter in a
     slot): the second before it, a request (prompt ``sizes.prompt``, 4 new tokens) for it,
     its time to first token, and the streams' inter-token gaps in the second before and
-    while it waited (seconds)."""
+    while it waited (seconds). A stream asks for ``sizes.stream_tokens`` tokens and, should
+    it end before the probes do, starts again on a new prompt (a gap never spans two of its
+    requests); the restarts inside a probe's window are counted with it."""
     from manylora import EngineArgs, SamplingParams
     from manylora.engine.async_llm import AsyncLLM
 
@@ -432,13 +473,21 @@ def run_ttft(model_dir: Path, adapters: list[Path], cold: list[Path], sizes: Siz
     loras = _loras(adapters[:sizes.stream_adapters])
     fresh = _loras(cold, first_id=10_000, prefix="cold")
     vocab = llm.engine.vocab_size
-    arrivals: list[list[float]] = [[] for _ in range(sizes.streams)]
+    # per stream, one list of output times per request it made
+    arrivals: list[list[list[float]]] = [[] for _ in range(sizes.streams)]
+    restarts: list[float] = []
 
     async def stream(i: int, prompt: dict) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=sizes.stream_tokens,
                                 ignore_eos=True)
-        async for _ in llm.generate(prompt, params, lora_request=loras[i % len(loras)]):
-            arrivals[i].append(time.monotonic())
+        for k in range(1_000):
+            if k:
+                restarts.append(time.monotonic())
+                prompt = _prompts(1, sizes.prompt, vocab, 10_000 * (k + 1) + i)[0]
+            times: list[float] = []
+            arrivals[i].append(times)
+            async for _ in llm.generate(prompt, params, lora_request=loras[i % len(loras)]):
+                times.append(time.monotonic())
 
     async def first_token(prompt: dict, lora) -> tuple[float, float, float]:
         params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -453,28 +502,35 @@ def run_ttft(model_dir: Path, adapters: list[Path], cold: list[Path], sizes: Siz
 
     def gaps(lo: float, hi: float) -> list[float]:
         out = []
-        for times in arrivals:
-            out += [b - a for a, b in zip(times, times[1:]) if lo <= b < hi]
+        for requests in arrivals:
+            for times in requests:
+                out += [b - a for a, b in zip(times, times[1:]) if lo <= b < hi]
         return out
 
     async def main() -> dict:
-        prompts = _prompts(sizes.streams + len(cold) + 1, sizes.prompt, vocab, 501)
+        prompts = _prompts(sizes.streams + len(cold) + 2, sizes.prompt, vocab, 501)
         tasks = [asyncio.create_task(stream(i, prompts[i])) for i in range(sizes.streams)]
         try:
-            while min(len(a) for a in arrivals) < 32:
+            while min(len(a[0]) if a else 0 for a in arrivals) < 32:
                 if any(t.done() for t in tasks):
                     [t.result() for t in tasks if t.done()]
                     raise RuntimeError("a stream ended before the measurement")
                 await asyncio.sleep(0.05)
+            # untimed: one whole request beside the streams, so the decode graphs of one
+            # row more than the streams are captured before any window
+            warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            async for _ in llm.generate(prompts[-1], warm, lora_request=loras[0]):
+                pass
             probes = []
             for k, lora in enumerate([*fresh, loras[0]]):
                 await asyncio.sleep(1.0)
                 sent, got, ttft = await first_token(prompts[sizes.streams + k], lora)
                 if any(t.done() for t in tasks):
-                    raise RuntimeError("a stream ended during the measurement: raise "
-                                       "stream_tokens")
+                    [t.result() for t in tasks if t.done()]
+                    raise RuntimeError("a stream task ended during the measurement")
                 probes.append({"cold": lora in fresh, "ttft": ttft,
-                               "before": gaps(sent - 1.0, sent), "during": gaps(sent, got)})
+                               "before": gaps(sent - 1.0, sent), "during": gaps(sent, got),
+                               "restarts": sum(sent - 1.0 <= t < got for t in restarts)})
                 print(f"ttft ({'cold' if lora in fresh else 'in a slot'}): {ttft * 1e3:.1f} "
                       f"ms, ITL before {_median(probes[-1]['before']) * 1e3:.2f} ms, during "
                       f"{_median(probes[-1]['during']) * 1e3:.2f} ms", flush=True)
@@ -493,7 +549,8 @@ def run_ttft(model_dir: Path, adapters: list[Path], cold: list[Path], sizes: Siz
 def ttft_table(result: dict, streams: int) -> tuple[list[str], list[list]]:
     columns = ["request's adapter", "requests", "TTFT ms (median)", "TTFT ms (max)",
                "streams' ITL ms before (median)", "streams' ITL ms during (median)",
-               "ITL rise", f"<= {ITL_RISE:.0%}", "streams' ITL ms during (max)"]
+               "ITL rise", f"<= {ITL_RISE:.0%}", "streams' ITL ms during (max)",
+               "stream restarts in the windows"]
     rows = []
     for cold in (True, False):
         probes = [p for p in result["probes"] if p["cold"] == cold]
@@ -507,7 +564,8 @@ def ttft_table(result: dict, streams: int) -> tuple[list[str], list[list]]:
                      _fmt(rise, "+.1%"),
                      "-" if not cold or rise != rise else _verdict(rise <= ITL_RISE,
                                                                    f"{rise:+.0%}"),
-                     _fmt(max(during) * 1e3 if during else float("nan"), ".2f")])
+                     _fmt(max(during) * 1e3 if during else float("nan"), ".2f"),
+                     sum(p.get("restarts", 0) for p in probes)])
     return columns, rows
 
 
@@ -557,9 +615,15 @@ def main() -> None:
                    notes=SETTING + f" Prompt {sizes.prompt} random token ids, {sizes.new} new "
                    "tokens, every request at once in one `LLM.generate` call (core in its own "
                    f"process); {results[0]['distinct']} distinct adapters drawn "
-                   "(`benchmarks/churn_workload.py`, seed 0). Warm-up pass first: one request "
-                   "per adapter (other token ids, 8 new tokens), so every adapter is in the "
-                   "host tier (max_cpu_loras = all). Counters: the adapter cache's "
+                   "(`benchmarks/churn_workload.py`, seed 0). Untimed first: every adapter "
+                   "registered at once with `add_lora_async` (read from disk into the host "
+                   "tier by the engine's loader threads; max_cpu_loras = all; wall time in "
+                   f"the last column), then a warm-up pass of {sizes.drain} requests on Zipf "
+                   "draws (other token ids) where request i stops after 4 + i tokens, so the "
+                   "decode batch drains through the CUDA-graph sizes and the decode graphs of "
+                   "the adapters' projections are captured before the timed pass. Timed: the "
+                   "one `generate` call. Counters: the adapter "
+                   "cache's "
                    "(`lora_cache_stats`) over the timed pass: slot loads = host → device "
                    "copies into a slot (on demand or staged ahead), disk reads = host-tier "
                    "misses, waited on = disk reads a step waited for; ms per slot load = "
@@ -609,7 +673,9 @@ def main() -> None:
             record(f"LoRA: first token of an adapter only on disk while {sizes.streams} "
                    f"streams decode ({gpu})", command, columns, rows,
                    notes=SETTING + f" `AsyncLLM` (core in its own process); {sizes.streams} "
-                   f"streams (prompt {sizes.prompt}, up to {sizes.stream_tokens} new tokens) "
+                   f"streams (prompt {sizes.prompt}, up to {sizes.stream_tokens} new tokens, "
+                   "started again on a new prompt if they end: the last column counts those "
+                   "restarts inside a request's windows, whose prefill then shares the steps) "
                    f"on {sizes.stream_adapters} adapters, already decoding; then, one after "
                    f"the other with 1 s between them, {args.cold} requests (prompt "
                    f"{sizes.prompt}, 4 new) on adapters never seen (PEFT files on disk, new "

@@ -6,7 +6,17 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+
+#: ``dtype → (integer dtype of its width, exponent mask)``: a value is NaN or Inf exactly when
+#: all its exponent bits are set (IEEE 754 binary16/32/64 and bfloat16).
+_EXPONENT_BITS = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
 
 
 class LoRAAdapterError(ValueError):
@@ -46,17 +56,18 @@ def check_delta(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
         LoRAAdapterError: naming the module and the rule it breaks.
     """
     for label, t in (("lora_A", a), ("lora_B", b)):
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise LoRAAdapterError(f"{what}: {label} overflows {t.dtype} (values beyond its "
                                    "range after the LoRA scaling)")
     probe = b.float() @ (a.float() @ torch.ones(a.shape[1], dtype=torch.float32))
     gain = float(torch.linalg.vector_norm(a, dtype=torch.float64)
                  * torch.linalg.vector_norm(b, dtype=torch.float64))
-    if not torch.isfinite(probe).all() or not gain <= MAX_DELTA_GAIN:
+    probe_finite = all_finite(probe)
+    if not probe_finite or not gain <= MAX_DELTA_GAIN:
         raise LoRAAdapterError(
             f"{what}: its weights are too large to compute with (||A||·||B|| = {gain:.3g}, "
             f"the bound is {MAX_DELTA_GAIN:.0e}; a probe input gives "
-            f"{'non-finite' if not torch.isfinite(probe).all() else 'finite'} outputs)")
+            f"{'finite' if probe_finite else 'non-finite'} outputs)")
 
 
 @dataclass(frozen=True)
@@ -90,6 +101,24 @@ class LoRAWeights:
         return (self.a, self.b) if self.dora_scale is None else (self.a, self.b, self.dora_scale)
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite (``torch.isfinite(t).all()``).
+
+    A CPU tensor of a float dtype is tested on its bits with numpy: NaN or Inf exactly when
+    every exponent bit is set (about 30x faster than ``torch.isfinite`` on bfloat16, which a
+    27 MB adapter read spent seconds in); other tensors go to ``torch.isfinite``. Integer
+    tensors are finite.
+    """
+    if not t.is_floating_point():
+        return True
+    spec = _EXPONENT_BITS.get(t.dtype)
+    if spec is None or t.device.type != "cpu":
+        return bool(torch.isfinite(t).all())
+    int_dtype, mask = spec
+    bits = t.detach().contiguous().view(int_dtype).numpy()
+    return not bool(np.any(np.bitwise_and(bits, mask) == mask))
+
+
 def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
     """A content digest (BLAKE2b, 128-bit hex) of an adapter's weights.
 
@@ -102,7 +131,8 @@ def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
         for t in w.tensors():
             t = t.detach().contiguous().cpu()
             h.update(f"{t.dtype}{tuple(t.shape)};".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                h.update(t.view(torch.uint8).numpy())          # the bytes, not a copy
     return h.hexdigest()
 
 

@@ -78,9 +78,11 @@ class LoRAKernelMeta(NamedTuple):
         tile_start: int32 ``[num_tiles]``, the tile's first index into ``sorted_rows``.
         tile_len: int32 ``[num_tiles]``, the tile's rows (0 for padding tiles).
         block_m: host int, the most rows of a tile (0 without tiles).
-        used_columns: host, per ``SlotTable`` column, whether any slot of the step has a
-            nonzero rank there (``used_columns``); None: unknown, every LoRA projection
-            launches (CUDA-graph steps, whose kernels exit early on rank 0).
+        used_columns: host, per ``SlotTable`` column, whether its LoRA kernels launch: on an
+            eager step, whether any slot of the step has a nonzero rank there
+            (``used_columns``); on a CUDA-graph step, whether the column's projection kind is
+            in the mask the graph is captured for (``SlotTable.mask_columns``). None: every
+            LoRA projection launches (its kernels exit early on rank 0).
     """
 
     token_lora_indices: torch.Tensor
@@ -238,7 +240,8 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
 def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
                            pad_to: int | None = None, schedule: str | None = None,
                            ranks_host: np.ndarray | None = None, block_m: int | None = None,
-                           model: LoRAScheduleModel | None = None) -> LoRAKernelMeta:
+                           model: LoRAScheduleModel | None = None,
+                           columns: tuple[bool, ...] | None = None) -> LoRAKernelMeta:
     """Build the step's mapping from the per-token slots (``lora_kernel_meta_arrays``).
 
     Args:
@@ -255,6 +258,8 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
         block_m: the tiled schedule's tile height; None: the modelled choice (eager) or
             ``graph_block_m(pad_to, max_loras)`` (padded).
         model: what ``default_schedule`` models; None: its default.
+        columns: with ``pad_to``, the ``used_columns`` of the mapping (a graph's projection
+            mask, ``SlotTable.mask_columns``); None: every column.
 
     Returns:
         The ``LoRAKernelMeta``; its int32 tensors come from one host → device copy (pinned and
@@ -292,14 +297,15 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
     return lora_kernel_meta_from_buffer(host.to(device, non_blocking=True), total, max_loras,
                                         arrays.max_seg_len, schedule, padded=pad_to is not None,
                                         ranks_host=ranks_host, host=host.numpy(),
-                                        num_tiles=written, block_m=block_m)
+                                        num_tiles=written, block_m=block_m, columns=columns)
 
 
 def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
                                  schedule: str, *, padded: bool,
                                  ranks_host: np.ndarray | None = None,
                                  host: np.ndarray | None = None, num_tiles: int = 0,
-                                 block_m: int = 0) -> LoRAKernelMeta:
+                                 block_m: int = 0,
+                                 columns: tuple[bool, ...] | None = None) -> LoRAKernelMeta:
     """A ``LoRAKernelMeta`` whose int32 tensors are views of ``buf``, laid out as
     ``[token_lora_indices total | sorted_rows total | active_slots L | seg_start L |
     seg_len L | tile_slot NT | tile_start NT | tile_len NT]`` (``L = max_loras``,
@@ -311,34 +317,36 @@ def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, 
         max_loras: slots.
         max_seg_len: the most rows of one slot (``LoRAKernelMetaArrays.max_seg_len``).
         schedule: one of ``LORA_SCHEDULES``.
-        padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, no
-            segments, no ``used_columns``.
+        padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, and
+            ``used_columns`` = ``columns``.
         ranks_host: ``SlotTable.ranks_host``; with ``host``, an unpadded mapping gets
             ``used_columns``.
         host: the host copy of ``buf`` (numpy int32, same layout).
         num_tiles: the tile arrays' length (0 without tiles).
         block_m: the tiles' height (0 without tiles).
+        columns: a padded mapping's ``used_columns`` (the columns of the projection mask
+            its graph is captured for, ``SlotTable.mask_columns``); None: every column.
 
     The host ``segments`` (read only by the PyTorch references) are built when ``buf`` is
-    on the CPU, from ``buf`` itself; a CUDA mapping has none (the Triton path reads the
-    tensors).
+    on the CPU, from ``buf`` itself, padded or not; a CUDA mapping has none (the Triton
+    path reads the tensors).
     """
     nt = num_tiles
     (indices, srows, act, start, length, t_slot, t_start, t_len) = buf.split(
         (total, total, max_loras, max_loras, max_loras, nt, nt, nt))
     tiles = (t_slot, t_start, t_len, block_m)
-    if padded:
-        return LoRAKernelMeta(indices, srows, act, start, length, total, schedule, True, (),
-                              *tiles)
-    used = None
-    if ranks_host is not None and host is not None:
-        used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
     segments = ()
-    if not buf.is_cuda and max_seg_len:
+    if not buf.is_cuda and (max_seg_len or padded):
         num_active = int((length > 0).sum())
         segments = tuple(
             SlotSegment(s, srows[b: b + n])
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
+    if padded:
+        return LoRAKernelMeta(indices, srows, act, start, length, total, schedule, True,
+                              segments, *tiles, columns)
+    used = None
+    if ranks_host is not None and host is not None:
+        used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
     return LoRAKernelMeta(indices, srows, act, start, length, max_seg_len, schedule,
                           max_seg_len > 0, segments, *tiles, used)

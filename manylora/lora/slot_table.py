@@ -14,6 +14,16 @@ its slots needs (``used_columns``), without reading the device.
 
 Each ``LoRASlots`` of ``S`` slices owns ``S`` consecutive columns from its ``rank_col`` and
 holds views of them (``LoRASlots.ranks`` / ``.dora``, int32 ``[max_loras, S]``).
+
+A CUDA-graph decode step cannot skip launches by looking at the host, so it is captured for
+a *projection mask*: one bit per projection kind over all layers, set where some slot of the
+step has a nonzero rank in a column of that kind (``kind_mask``). A kind is what one launch
+covers: the modules of one ``LoRASlots`` (packed ``q_proj``/``k_proj``/``v_proj``,
+``o_proj``, packed ``gate_proj``/``up_proj``, ``down_proj`` in a Llama model), so masks
+that would launch the same kernels are one mask. A graph captured for mask ``M`` launches
+the LoRA kernels of the columns ``mask_columns(M)`` only; it is valid for any step whose
+mask is a subset of ``M``, since every other column has rank 0 for all of the step's
+slots.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ class SlotTable:
         dora: device int32 ``[max_loras, E]``, 1 where that (slot, module) has DoRA scales.
         ranks_host, dora_host: numpy int32 ``[max_loras, E]``, the host mirrors.
         keys: the ``(layer, module)`` of each column.
+        kinds: the projection kinds, in column order: each the ``module_names`` of a
+            ``LoRASlots`` (one launch), e.g. ``("q_proj", "k_proj", "v_proj")``.
 
     Raises:
         ValueError: a ``LoRASlots`` of another ``max_loras``, under keys of several layers or
@@ -78,6 +90,41 @@ class SlotTable:
         self.dora_host = np.zeros((max_loras, len(keys)), np.int32)
         for lora, col in bind:
             lora.bind(self, col)
+        self.kinds = tuple(dict.fromkeys(lora.module_names for lora, _ in bind))
+        kind_of = np.array([self.kinds.index(lora.module_names)
+                            for lora, _ in bind for _ in lora.module_names], np.int64)
+        self._column_bits = np.left_shift(1, kind_of)          # int64 [E], its kind's bit
+
+    @property
+    def full_mask(self) -> int:
+        """The projection mask of every kind (``(1 << len(kinds)) - 1``)."""
+        return (1 << len(self.kinds)) - 1
+
+    def kind_mask(self, active_slots: np.ndarray) -> int:
+        """The projection mask a step's slots need, from the host mirror: bit ``k`` set when
+        some slot has a nonzero rank in a column of kind ``kinds[k]`` (any layer).
+
+        Args:
+            active_slots: int ``[n]``, slot indices; negative entries (padding) ignored.
+
+        Returns:
+            An int in ``[0, full_mask]``.
+        """
+        slots = np.asarray(active_slots).reshape(-1)
+        used = self.ranks_host[slots[slots >= 0]].any(axis=0)             # [E]
+        return int(np.bitwise_or.reduce(self._column_bits[used], initial=0))
+
+    def mask_columns(self, mask: int) -> tuple[bool, ...]:
+        """Per column, whether its kind is in ``mask`` (what ``LoRAKernelMeta.used_columns``
+        holds for a graph captured for ``mask``).
+
+        Raises:
+            ValueError: bits outside ``full_mask``.
+        """
+        if not 0 <= mask <= self.full_mask:
+            raise ValueError(f"projection mask {mask:#x} has bits outside the "
+                             f"{len(self.kinds)} kinds {self.kinds}")
+        return tuple(((self._column_bits & mask) != 0).tolist())
 
     @property
     def num_columns(self) -> int:

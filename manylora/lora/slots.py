@@ -186,9 +186,10 @@ class LoRASlots(nn.Module):
         self.table.set(slot, col, r, dora_scale is not None)
 
     def used(self, mapping: LoRAKernelMeta) -> bool:
-        """Whether the step's slots need this projection: some slot of the step has a
-        nonzero rank in one of its columns (from the table's host mirror,
-        ``mapping.used_columns``), or the mapping does not say (CUDA-graph steps)."""
+        """Whether this projection launches its LoRA kernels in the step: one of its columns
+        is in ``mapping.used_columns`` (an eager step: some slot of the step has a nonzero
+        rank there; a CUDA-graph step: its kind is in the graph's projection mask), or the
+        mapping does not say."""
         cols = mapping.used_columns
         return cols is None or any(cols[self.rank_col: self.rank_col + len(self.module_names)])
 

@@ -7,9 +7,11 @@ a row per request and packs each step with numpy into one pinned buffer
 (``worker/step_inputs.py``); one host → device copy moves it, block-table changes are one
 scatter into the persistent device block table, and the KV slot mapping is computed on the
 device. Decode steps (one token per request) replay a CUDA graph captured on those
-persistent buffers when graphs are on; other steps of up to the largest piece bucket are
-padded to a token bucket and replay the model's pieces between attention calls
-(``worker/piecewise_graphs.py``), attention running eagerly; larger steps run eagerly.
+persistent buffers when graphs are on (for a LoRA step, the graph of the projection kinds
+its slots target: ``StepLayout.lora_mask``, ``worker/graph_masks.py``); other steps of up
+to the largest piece bucket are padded to a token bucket and replay the model's pieces
+between attention calls (``worker/piecewise_graphs.py``), attention running eagerly; larger
+steps run eagerly.
 
 ``execute_async`` launches a step and returns at once with its tokens still on their way
 to the host (``AsyncSampledOutput``); ``get_output`` waits for them. Between the two the
@@ -99,6 +101,9 @@ class ModelRunner:
             piecewise CUDA graphs (``PiecewiseGraphs``); empty: those steps run eagerly.
             Graphs are captured by ``capture_graphs`` (CUDA only); until then, and on the
             CPU, such steps are still padded to their bucket and run the pieces eagerly.
+        graph_masks: projection masks (besides all projections) whose decode graphs are
+            kept (``GraphMaskPolicy.max_masks``; 0: LoRA decode graphs always launch every
+            projection).
 
     Raises:
         ValueError: a piece size below 1.
@@ -116,8 +121,8 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[KVCache],
                  block_size: int, max_loras: int, max_model_len: int,
-                 cuda_graph_sizes: Sequence[int] = (), piece_sizes: Sequence[int] = ()
-                 ) -> None:
+                 cuda_graph_sizes: Sequence[int] = (), piece_sizes: Sequence[int] = (),
+                 graph_masks: int = 4) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -130,7 +135,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
-        self.graphs = DecodeGraphs(cuda_graph_sizes) if cuda_graph_sizes else None
+        table = model.slot_table
+        self.graphs = DecodeGraphs(cuda_graph_sizes,
+                                   0 if table is None else table.full_mask,
+                                   max_masks=graph_masks) if cuda_graph_sizes else None
         largest = max(cuda_graph_sizes, default=0)
         self.pieces = PiecewiseGraphs(model, piece_sizes, self.device) if piece_sizes else None
         rows = largest or INITIAL_ROWS
@@ -190,6 +198,7 @@ class ModelRunner:
         bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
         pieces_of = self.pieces.bucket if self.pieces is not None else None
         inputs, info = batch.prepare(out, ids, lora_slots, bucket_of, self.buffers, pieces_of)
+        inputs = self._with_mask(inputs)
         if self.on_step is not None:
             self.on_step(inputs)
         hidden, views = self.forward_step(inputs, self._prev_sampled)
@@ -245,21 +254,34 @@ class ModelRunner:
             return self._forward_pieces(views, layout, inputs.data), views
         if layout.bucket < 0 or self.graphs is None:
             return self._forward(views, layout, inputs.data), views
-        key = (layout.bucket, SCHEDULES[layout.schedule])
+        key = self.graphs.select(layout.bucket, SCHEDULES[layout.schedule], layout.lora_mask)
         if not self.graphs.has(key):
             self.buffers.frozen = True
-            self.graphs.capture(key, lambda: self._forward(views, layout))
+            self.graphs.capture(key, lambda: self._forward(views, layout, mask=key[2]))
         return self.graphs.replay(key), views
 
+    def _with_mask(self, inputs: StepInputs) -> StepInputs:
+        """A decode graph step with LoRA rows gets its projection mask in its layout
+        (``SlotTable.kind_mask`` of its active slots, from the host mirror); other steps are
+        returned as they are."""
+        layout, table = inputs.layout, self.model.slot_table
+        if layout.bucket < 0 or not layout.schedule or table is None:
+            return inputs
+        lora = split_segments(inputs.data, layout, self.max_loras)["lora"]
+        start = 2 * layout.num_tokens
+        mask = table.kind_mask(lora[start: start + self.max_loras])
+        return StepInputs(layout._replace(lora_mask=mask), inputs.data)
+
     def _forward(self, views: dict, layout: StepLayout,
-                 host: np.ndarray | None = None) -> torch.Tensor:
+                 host: np.ndarray | None = None, mask: int | None = None) -> torch.Tensor:
         """The model over the step's device views: slot mapping and the step's block table
         from the persistent device block table, then the layers (captured whole in a
         graph). ``host``: the step's packed host buffer (an eager step's LoRA launch skip
-        reads its active slots)."""
+        reads its active slots); ``mask``: a graph step's projection mask (the LoRA
+        projections of other kinds launch nothing; None: all)."""
         return self.model(views["ids"].long(), views["positions"].long(), self.kv_caches,
                           self._attention_metadata(views, layout),
-                          self._lora_mapping(views, layout, host))
+                          self._lora_mapping(views, layout, host, mask))
 
     def _forward_pieces(self, views: dict, layout: StepLayout,
                         host: np.ndarray | None = None) -> torch.Tensor:
@@ -272,13 +294,16 @@ class ModelRunner:
                                self._attention_metadata(views, layout), self.kv_caches)
 
     def _lora_mapping(self, views: dict, layout: StepLayout,
-                      host: np.ndarray | None = None) -> LoRAKernelMeta | None:
+                      host: np.ndarray | None = None,
+                      mask: int | None = None) -> LoRAKernelMeta | None:
         """The step's ``LoRAKernelMeta`` over its device buffer (None without a LoRA row).
         Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
         host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket). An
         unpadded step with ``host`` (its packed host buffer) carries ``used_columns`` from
         the rank table's host mirror: its projections that none of its slots targets launch
-        nothing. Every tensor-parallel rank computes the same from its own table."""
+        nothing. Every tensor-parallel rank computes the same from its own table. A padded
+        mapping with a ``mask`` short of every kind launches only the projections of the
+        mask's kinds (``SlotTable.mask_columns``)."""
         if not layout.schedule:
             return None
         buf = views["lora"]
@@ -287,12 +312,15 @@ class ModelRunner:
         lora_host = None
         if host is not None and table is not None and not padded:
             lora_host = split_segments(host, layout, self.max_loras)["lora"]
+        columns = None
+        if padded and table is not None and mask is not None and mask != table.full_mask:
+            columns = table.mask_columns(mask)
         return lora_kernel_meta_from_buffer(buf, layout.num_tokens, self.max_loras,
                                             layout.max_seg_len, SCHEDULES[layout.schedule],
                                             padded=padded,
                                             ranks_host=None if table is None else table.ranks_host,
                                             host=lora_host, num_tiles=layout.lora_tiles,
-                                            block_m=layout.lora_block_m)
+                                            block_m=layout.lora_block_m, columns=columns)
 
     def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
         """The step's ``AttentionMetadata``: the slot mapping of every token row (-1 on
@@ -325,11 +353,13 @@ class ModelRunner:
 
         Decode graphs: one per batch size, without LoRA and with each LoRA kernel schedule a
         graph step may pick (BGMV and row tiles: a padded SGMV grid is ``max_loras`` times
-        the rows' tiles) when LoRA is on, on an all-padding step (nothing is written to the
-        cache). Then the piecewise graphs: ``L + 1`` pieces per token bucket, without LoRA
-        and with row tiles (a piecewise step with LoRA rows always runs them), largest
-        bucket first. Ranks and DoRA flags are the ``SlotTable``'s, read as data at replay.
-        Tensor-parallel ranks call this together (their collectives are captured in order).
+        the rows' tiles) when LoRA is on, for every projection, on an all-padding step
+        (nothing is written to the cache); the graphs of fewer projections are captured
+        while serving (``DecodeGraphs.select``). Then the piecewise graphs: ``L + 1`` pieces
+        per token bucket, without LoRA and with row tiles (a piecewise step with LoRA rows
+        always runs them), largest bucket first. Ranks and DoRA flags are the
+        ``SlotTable``'s, read as data at replay. Tensor-parallel ranks call this together
+        (their collectives are captured in order).
         """
         if self.device.type != "cuda":
             return
@@ -346,6 +376,8 @@ class ModelRunner:
                     views = self.buffers.upload(inputs, self.max_loras)
                     self.pieces.capture((size, schedule), views["ids"], views["positions"],
                                         self._lora_mapping(views, inputs.layout))
+        if self.graphs is not None:
+            self.graphs.end_startup()
 
     def _padding_step(self, size: int, schedule: int) -> StepInputs:
         """A decode step of ``size`` padding rows (the layout graphs are captured with)."""

@@ -78,6 +78,9 @@ class StepLayout(NamedTuple):
         lora_block_m: the tiled schedule's tile height (0: no tiles).
         lora_tiles: NT, entries of the LoRA mapping's tile arrays (``max_row_tiles`` of the
             padded rows on a graph step; 0: no tiles).
+        lora_mask: a decode graph step's projection mask (``SlotTable.kind_mask`` of its
+            slots, computed on rank 0 so every tensor-parallel rank picks the same graph);
+            -1: every projection (eager and piecewise steps, and steps without LoRA).
     """
 
     num_tokens: int
@@ -96,6 +99,7 @@ class StepLayout(NamedTuple):
     pieces: int = -1
     lora_block_m: int = 0
     lora_tiles: int = 0
+    lora_mask: int = -1
 
 
 class StepInputs(NamedTuple):

@@ -201,7 +201,8 @@ def test_build_lora_kernel_meta_segments_and_bad_slot():
 def test_build_lora_kernel_meta_one_copy_and_used_columns():
     """Five int32 tensors from one host copy; ``used_columns`` is the OR over the step's
     slots of their nonzero table entries (slot 1, in the table but not in the step, adds
-    nothing), and absent from a padded (CUDA-graph) mapping."""
+    nothing); a padded (CUDA-graph) mapping carries the ``columns`` of its graph's mask
+    instead (None: all), and on the CPU the segments of its real rows."""
     cpu = torch.device("cpu")
     ranks_host = np.array([[4, 0, 0, 0], [0, 8, 8, 0], [0, 0, 2, 0]], np.int32)
     mapping = build_lora_kernel_meta([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
@@ -209,7 +210,10 @@ def test_build_lora_kernel_meta_one_copy_and_used_columns():
     assert len(storages) == 1, "every index tensor must come from one host → device copy"
     assert mapping.used_columns == (True, False, True, False)
     padded = build_lora_kernel_meta([2, 0], 3, cpu, pad_to=4, ranks_host=ranks_host)
-    assert padded.used_columns is None and padded.segments == ()
+    assert padded.used_columns is None and padded.max_seg_len == 4
+    assert [(s.slot, s.rows.tolist()) for s in padded.segments] == [(0, [1]), (2, [0])]
+    masked = build_lora_kernel_meta([2, 0], 3, cpu, pad_to=4, columns=(True, False) * 2)
+    assert masked.used_columns == (True, False, True, False)
     with pytest.raises(ValueError, match="rank table of 2 slots"):
         build_lora_kernel_meta([0], 3, cpu, ranks_host=ranks_host[:2])
 

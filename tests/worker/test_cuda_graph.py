@@ -21,7 +21,8 @@ def _ids(demo_set):
 @pytest.mark.gpu
 def test_graphs_equal_eager_and_survive_adapter_churn(demo_set):
     """Decode through graphs gives the eager path's tokens, bit for bit (float32), while two
-    slots cycle four adapters; no step captures a new graph after start-up."""
+    slots cycle four adapters; no step captures a new all-projection graph after start-up
+    (graphs of fewer projections, ``worker/graph_masks.py``, may be)."""
     names = list(demo_set.adapters) * 3 + [None] * 3
     ids = _ids(demo_set)
     loras = [None if n is None else LoRARequest(n, ids[n], str(demo_set.adapters[n]))
@@ -38,7 +39,8 @@ def test_graphs_equal_eager_and_survive_adapter_churn(demo_set):
                        for o in llm.generate(prompts, params, loras, use_tqdm=False)]
         if not eager:
             assert captured == 3 * len(runner.graphs.capture_sizes)
-            assert runner.graphs.num_graphs == captured
+            full = runner.graphs.policy.full_mask
+            assert sum(k[2] == full for k in runner.graphs.keys) == captured
             # four adapters through two slots: adapters were evicted and loaded between steps
             assert llm.llm_engine.lora_cache_stats().device_misses >= len(demo_set.adapters)
         del llm

@@ -25,7 +25,13 @@ from pathlib import Path
 import torch
 
 from manylora.config import LORA_TARGET_MODULES
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, check_delta
+from manylora.lora.adapter import (
+    LoRAAdapter,
+    LoRAAdapterError,
+    LoRAWeights,
+    all_finite,
+    check_delta,
+)
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, is_present, open_regular, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable
 from manylora.lora.request import LoRARequest
@@ -305,7 +311,7 @@ def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
                 "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
                 if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
     for label, t in ab.items():
-        if not torch.isfinite(t).all():
+        if not all_finite(t):
             raise LoRAAdapterError(
                 f"adapter {name!r}: {module_key} has NaN or Inf in {_tensor_name(label)}")
 
@@ -446,7 +452,7 @@ def dora_scale_from_magnitude(magnitude: torch.Tensor, norm: torch.Tensor,
         LoRAAdapterError: a zero norm or a non-finite result (``what`` names the module).
     """
     scale = magnitude.float().cpu() / norm.float().cpu()
-    if not torch.isfinite(scale).all():
+    if not all_finite(scale):
         raise LoRAAdapterError(f"{what}: the DoRA scale m / ||W + BA|| is not finite (a row "
                                "of the adapted weight has norm 0)")
     return scale.contiguous()

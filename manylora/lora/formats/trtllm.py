@@ -29,7 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, check_delta
+from manylora.lora.adapter import (
+    LoRAAdapter,
+    LoRAAdapterError,
+    LoRAWeights,
+    all_finite,
+    check_delta,
+)
 from manylora.lora.formats.files import open_regular
 from manylora.lora.formats.peft import (
     AdapterTarget,
@@ -214,7 +220,7 @@ def _row_weights(name: str, i: int, values: Sequence[int], row: torch.Tensor,
     if row.shape[0] < need:
         raise _row_error(name, i, values, f"the row holds {row.shape[0]} values, but D x Hi + "
                          f"Ho x D{' + Ho' if is_dora else ''} = {need} (Hi={hi}, Ho={ho})")
-    if not torch.isfinite(row[:n_lora]).all():
+    if not all_finite(row[:n_lora]):
         raise _row_error(name, i, values, "NaN or Inf in its in/out weights")
     # copies: the adapter must not alias (or keep alive) the caller's weights tensor
     a = row[: rank * hi].reshape(rank, hi).to(target.dtype, copy=True).contiguous()
@@ -223,7 +229,7 @@ def _row_weights(name: str, i: int, values: Sequence[int], row: torch.Tensor,
     scales: Sequence[torch.Tensor | None] = [None] * len(parts)
     if is_dora:
         dora = row[n_lora: need].to(torch.float32, copy=True)
-        if not torch.isfinite(dora).all():
+        if not all_finite(dora):
             raise _row_error(name, i, values, "its DoRA scales are not all finite")
         scales = dora.split(widths)
     return {p: LoRAWeights(a, bp.contiguous(), None if s is None else s.contiguous())
