@@ -161,7 +161,14 @@ def test_dora_through_fewer_slots_than_adapters(llama, monkeypatch):
         original(self, slot, packed, load)
 
     monkeypatch.setattr(SlotLayout, "load", recording)
-    _, outs = _generate(base, adapters, prompts, NAMES, max_loras=1, max_lora_rank=8)
+    # One request at a time, in NAMES' order: the slot loads follow that order, whatever
+    # order the loader threads finish their first reads in.
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    llm = LLM(str(base), device="cpu", dtype="float32", num_kv_blocks=128, block_size=4,
+              max_loras=1, max_lora_rank=8)
+    outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False, lora_request=[
+        None if n is None else LoRARequest(n, ids[n], str(adapters[n]))])[0]
+        for p, n in zip(prompts, NAMES)]
     _assert_matches(outs, refs, NAMES)
     switches = sum(k1 != k2 for k1, k2 in zip(kinds, kinds[1:]))
     assert switches >= 2, f"slot 0 was not swapped between DoRA and plain adapters: {kinds}"
