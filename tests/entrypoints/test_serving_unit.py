@@ -266,11 +266,14 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.seen_params = []
+        self.groups: dict[str, str | None] = {}
 
-    async def generate(self, prompt, sampling_params, request_id=None, lora_request=None):
+    async def generate(self, prompt, sampling_params, request_id=None, lora_request=None,
+                       client_group=None):
         if self.fail is not None:
             raise self.fail
         self.seen_params.append(sampling_params)
+        self.groups[request_id] = client_group
         self.running.add(request_id)
         kind = sampling_params.output_kind
         try:
