@@ -216,6 +216,10 @@ class Scheduler:
         kv: the block allocator.
         adapters: the adapter cache's residency answers; None: every adapter is ready and
             none resident (the scheduler alone, as in tests).
+
+    Attributes:
+        fairness_preemptions: requests preempted to share the batch between client groups
+            (also counted in ``kv.stats.preemptions``).
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
