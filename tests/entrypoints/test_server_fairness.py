@@ -1,8 +1,8 @@
 """Issue 18, finding 8 through the server: one client's ``n=32`` request holds the batch
 (``max_num_seqs=8``), another client's 2-token request arrives and finishes before any of
-the big request's children does. Race-free: the engine is held (``hold_steps``) until the
-second request waits in the scheduler, and the order is read from the scheduler's own
-finishing order, not from clocks."""
+the big request's children does. Race-free: the engine's steps are let through by count
+(``StepGate``): none until all 32 children wait, 3 while they run alone, none until the
+second request waits too; the order is the scheduler's own finishing order, not clocks."""
 
 from __future__ import annotations
 
@@ -11,10 +11,32 @@ import time
 
 import openai
 import pytest
-from server_helpers import BASE, hold_steps, running_server
+from server_helpers import BASE, running_server
+
+from manylora.engine.protocol import EngineCoreOutputs
 
 N = 32
 MAX_TOKENS = 24
+
+
+class StepGate:
+    """Lets an in-process ``EngineCore`` run only the steps ``allow`` grants; otherwise its
+    loop idles (10 ms, no progress, commands such as adds still taken)."""
+
+    def __init__(self, core) -> None:
+        self.left = 0
+        self._step = core.step
+        core.step = self._gated
+
+    def _gated(self):
+        if self.left > 0:
+            self.left -= 1
+            return self._step()
+        time.sleep(0.01)
+        return EngineCoreOutputs()
+
+    def allow(self, steps: int) -> None:
+        self.left = steps
 
 
 def _wait_for(server, condition) -> None:
@@ -39,7 +61,7 @@ def test_small_request_is_not_queued_behind_n32_children(base_dir, policy):
             finish(ids, status)
 
         sched.finish_requests = recording
-        release = hold_steps(core, after=3)
+        gate = StepGate(core)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=300)
         results: dict[str, object] = {}
 
@@ -55,10 +77,13 @@ def test_small_request_is_not_queued_behind_n32_children(base_dir, policy):
 
         threads = [threading.Thread(target=big), threading.Thread(target=small)]
         threads[0].start()
-        _wait_for(server, lambda s: s.num_running == 8 and s.num_waiting == N - 8)
+        _wait_for(server, lambda s: s.num_waiting == N)             # every child is in
+        gate.allow(3)
+        _wait_for(server, lambda s: gate.left == 0 and s.num_running == 8
+                  and s.num_waiting == N - 8)
         threads[1].start()
         _wait_for(server, lambda s: s.num_waiting == N - 8 + 1)     # queued behind them
-        release.set()
+        gate.allow(10**9)
         for t in threads:
             t.join(300)
         assert results["small"].choices[0].finish_reason == "length"
