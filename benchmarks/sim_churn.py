@@ -43,7 +43,7 @@ import datetime
 import itertools
 import os
 import subprocess
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,8 +272,9 @@ class Variant(Scheduler):
 
         def key(lid: int) -> tuple:
             queue = self._queues[lid]
-            order = self._order[queue[0].request_id]
-            return (0, 0, order) if self._aged(queue[0]) else (1, sign * len(queue), order)
+            head = queue.head()
+            order = self._order[head.request_id]
+            return (0, 0, order) if self._aged(head) else (1, sign * len(queue), order)
 
         return sorted((lid for lid, q in self._queues.items()
                        if lid and q and lid not in in_step), key=key)
@@ -299,14 +300,19 @@ class Variant(Scheduler):
         for lid, queue in list(self._queues.items()):
             room = max(0, self.cap - running[lid]) if lid else len(queue)
             if room < len(queue):
-                held[lid] = [queue.pop() for _ in range(len(queue) - room)][::-1]
+                newest = sorted(queue, key=lambda r: self._order[r.request_id])[room:]
+                for req in newest:
+                    queue.remove(req)
+                held[lid] = newest
                 if not queue:
                     del self._queues[lid]
         try:
             return super()._admit_waiting(scheduled, budget)
         finally:
             for lid, tail in held.items():
-                self._queues.setdefault(lid, deque()).extend(tail)
+                queue = self._queue(lid)
+                for req in tail:
+                    queue.insert(req)
 
 
 def variant(**kw) -> Callable:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +314,10 @@ class CacheConfig:
             raise ValueError(f"num_host_blocks must be ≥ 0, got {self.num_host_blocks}")
 
 
+#: ``SchedulerConfig.scheduling_policy`` values.
+SCHEDULING_POLICIES = ("fair", "fcfs")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits.
@@ -329,6 +334,14 @@ class SchedulerConfig:
         lora_staging_slots: under the same condition, slots kept free of running adapters
             so the next adapters' copies run ahead on the side stream instead of stalling a
             step; at most ``max_loras // 4`` of them.
+        scheduling_policy: ``"fair"``: waiting requests join least-running client group
+            first (first-come first-served within a group), and a group holding more than
+            ``max_group_share`` of ``max_num_seqs`` gives up its newest running requests
+            to other groups' waiting ones when no sequence slot is free; ``"fcfs"``: strict
+            arrival order, nothing preempted for fairness (vLLM's default policy).
+        max_group_share: under ``"fair"``, the share (0, 1] of ``max_num_seqs`` a client
+            group keeps while other groups wait (rounded up, at least one request); 1: no
+            preemption for fairness, only the least-running-first order.
     """
 
     max_num_seqs: int
@@ -337,6 +350,8 @@ class SchedulerConfig:
     lora_aging_steps: int = 64
     lora_new_adapters_per_step: int | None = 1
     lora_staging_slots: int = 1
+    scheduling_policy: str = "fair"
+    max_group_share: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras",
@@ -348,6 +363,17 @@ class SchedulerConfig:
                              f"{self.lora_new_adapters_per_step}")
         if self.lora_staging_slots < 0:
             raise ValueError(f"lora_staging_slots must be ≥ 0, got {self.lora_staging_slots}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}")
+        if not 0.0 < self.max_group_share <= 1.0:
+            raise ValueError(f"max_group_share must be in (0, 1], got {self.max_group_share}")
+
+    @property
+    def max_group_seqs(self) -> int:
+        """The running requests a client group keeps while others wait (``"fair"``):
+        ``ceil(max_group_share * max_num_seqs)``, at least 1."""
+        return max(1, math.ceil(self.max_group_share * self.max_num_seqs - 1e-9))
 
 
 @dataclass(frozen=True)

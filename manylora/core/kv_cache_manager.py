@@ -65,7 +65,8 @@ class KVCacheStats:
         free_blocks: blocks with no contents.
         prefix_queries: prompt tokens looked up in the prefix cache (tokens).
         prefix_hits: of those, tokens found, device or host (tokens).
-        preemptions: requests preempted under memory pressure.
+        preemptions: requests preempted, under memory pressure or to share the batch
+            between client groups (``Scheduler.fairness_preemptions`` of them).
         recomputed_tokens: tokens computed again because their blocks were lost (preempted
             requests, evicted sessions), after prefix hits and swap-ins.
         swapped_out_blocks, swapped_in_blocks: blocks copied device → host, host → device.

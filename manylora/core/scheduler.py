@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from manylora.config import SchedulerConfig
 from manylora.core.kv_cache_manager import KVCacheManager, SwapOp
 from manylora.core.sessions import Session, SessionTable
+from manylora.core.waiting_queue import AdapterQueue
 from manylora.engine.request import Request, RequestStatus
 from manylora.sampling_params import SamplingParams
 
@@ -150,9 +151,10 @@ class _EveryAdapterReady:
 class Scheduler:
     """Plans every step of the engine.
 
-    Waiting requests are kept in one FIFO queue per adapter (0 = the base model), ordered by
-    arrival. Each step, running requests go first; then waiting requests join in arrival
-    order, drawn from the queues of adapters the step may use:
+    Waiting requests are kept in one queue per adapter (0 = the base model), ordered by
+    arrival within each client group. Each step, running requests go first; then waiting
+    requests join (in arrival order under ``"fcfs"``, by group under ``"fair"``: below),
+    drawn from the queues of adapters the step may use:
 
     * the base model and adapters the running batch already uses (no slot needed);
     * while fewer than ``max_loras`` adapters are in the step, new adapters, preferring
@@ -180,12 +182,44 @@ class Scheduler:
     Neither rule starves a request: aged requests still take free slots in arrival order
     before any other adapter (and close the least busy running adapter when none is free).
 
+    Fairness between clients (``scheduling_policy="fair"``, the default). One client call
+    fans out to many requests (an HTTP request's prompts x n, sharing
+    ``Request.client_group``); under arrival order its children, admitted ahead of a later
+    client's request, could hold every sequence slot for their whole lifetime. So each
+    adapter's queue keeps one FIFO lane per group (``core/waiting_queue.py``), and:
+
+    * waiting requests join least-running group first (ties in arrival order), first come
+      first served within a group: a newcomer takes the next free slot ahead of the
+      children of any group already running (max-min fairness in sequence slots, the
+      running-count form of the Virtual Token Counter of Sheng et al., OSDI'24);
+    * a group alone may take the whole batch (work-conserving), but once another group's
+      request waits (in an adapter the step may admit) and no slot is free, the group
+      running the most gives up its newest requests down to ``max_group_seqs``
+      (``max_group_share`` of ``max_num_seqs``), one per such waiting request
+      (``_preempt_for_groups``). So a newcomer whose group is under its share joins within
+      one step when sequence slots bind; when budget or blocks bind it is the first to join
+      when they free, i.e. it waits at most until one running request finishes or the
+      blocks it needs free up, never behind the rest of another group's children.
+      ``max_group_share=1`` keeps only the order (a wait of one child's lifetime at most).
+
+    Preemption for fairness takes the same path as preemption for blocks: the request keeps
+    its tokens, its full blocks stay in the prefix cache (children of one prompt share
+    them, so their return mostly hits the cache), sessions are untouched (a session's turn
+    is a request like any other), and under async scheduling a preempted request's token in
+    flight is kept by ``update``. Only group counts and lane heads are read: no tensors,
+    O(lanes) per step, O(running) per preemption. ``scheduling_policy="fcfs"`` keeps
+    strict arrival order (vLLM's policy).
+
     Args:
         config: batch limits (max_num_seqs, max_num_batched_tokens, max_loras,
-            lora_aging_steps).
+            lora_aging_steps) and the policy between client groups.
         kv: the block allocator.
         adapters: the adapter cache's residency answers; None: every adapter is ready and
             none resident (the scheduler alone, as in tests).
+
+    Attributes:
+        fairness_preemptions: requests preempted to share the batch between client groups
+            (also counted in ``kv.stats.preemptions``).
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
@@ -194,8 +228,10 @@ class Scheduler:
         self.kv = kv
         self.adapters: AdapterResidency = adapters or _EveryAdapterReady()
         self._pace_loads = adapters is not None    # the cache copies: pace its slot loads
-        self._queues: dict[int, deque[Request]] = {}
+        self._queues: dict[int, AdapterQueue] = {}
         self.running: list[Request] = []
+        self._group_running: Counter = Counter()    # group key → its running requests
+        self.fairness_preemptions = 0
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._seq = itertools.count()
@@ -219,7 +255,7 @@ class Scheduler:
     def waiting_lora_requests(self) -> list:
         """The ``LoRARequest`` of each adapter with waiting requests (None for the base
         model), one per adapter queue; no sorting."""
-        return [q[0].lora_request for q in self._queues.values() if q]
+        return [q.any().lora_request for q in self._queues.values() if q]
 
     @property
     def num_waiting(self) -> int:
@@ -236,7 +272,13 @@ class Scheduler:
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)
         self._since[request.request_id] = self._step
-        self._queues.setdefault(request.lora_int_id, deque()).append(request)
+        self._queue(request.lora_int_id).append(request)
+
+    def _queue(self, lora_int_id: int) -> AdapterQueue:
+        queue = self._queues.get(lora_int_id)
+        if queue is None:
+            queue = self._queues[lora_int_id] = AdapterQueue(self._order)
+        return queue
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -250,7 +292,8 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        preempted = self._preempt_for_groups()
+        out_of_blocks = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -265,6 +308,7 @@ class Scheduler:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                out_of_blocks = True
                 if victim is req:
                     break
             else:
@@ -273,7 +317,7 @@ class Scheduler:
                 i += 1
                 continue
             break
-        if not preempted:
+        if not out_of_blocks:
             budget = self._admit_waiting(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
         new_reqs, cached = self._deltas(scheduled)
@@ -347,7 +391,7 @@ class Scheduler:
     def _new_adapter_order(self, in_step: set[int]) -> list[int]:
         """Adapters with waiting requests that are not in the step, best first."""
         def key(lid: int) -> tuple:
-            head = self._queues[lid][0]
+            head = self._queues[lid].head()
             order = self._order[head.request_id]
             if self._aged(head):
                 return (0, False, order)
@@ -361,7 +405,7 @@ class Scheduler:
         the running batch does not use, in the order they would get slots (for the adapter
         cache to stage ahead of time)."""
         order = self._new_adapter_order(self.running_adapters())[:limit]
-        return [self._queues[lid][0].lora_request for lid in order]
+        return [self._queues[lid].any().lora_request for lid in order]
 
     def _allowed_adapters(self) -> set[int]:
         """The adapters whose waiting requests may join this step (0 = base)."""
@@ -375,7 +419,7 @@ class Scheduler:
             admits = config.lora_new_adapters_per_step
             reserve = min(config.lora_staging_slots, config.max_loras // 4)
         for lid in order:
-            aged = self._aged(self._queues[lid][0])
+            aged = self._aged(self._queues[lid].head())
             if free - reserve <= 0 or admits == 0:
                 if aged and running and free - reserve <= 0:
                     counts = Counter(r.lora_int_id for r in self.running if r.lora_int_id)
@@ -391,29 +435,89 @@ class Scheduler:
         return allowed
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> int:
-        heads = [(self._order[q[0].request_id], lid)
-                 for lid in self._allowed_adapters() if (q := self._queues.get(lid))]
+        """Waiting requests join while sequence slots, budget and blocks last: under
+        ``"fair"`` the head of the lane (adapter, group) whose group runs the fewest
+        requests first, ties in arrival order; under ``"fcfs"`` in arrival order. A request
+        that finds no blocks stops the admission (no later one passes it). O((lanes +
+        admitted) log lanes) over the lanes of the adapters the step may use."""
+        config = self.config
+        if budget <= 0 or len(self.running) >= config.max_num_seqs:
+            return budget
+        fair = config.scheduling_policy == "fair"
+        held, order, queues = self._group_running, self._order, self._queues
+        heads = [(held[g] if fair else 0, order[lane[0].request_id], lid, g)
+                 for lid in self._allowed_adapters() if (q := queues.get(lid))
+                 for g, lane in q.lanes.items()]
         heapq.heapify(heads)
-        while heads and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            _, lid = heads[0]
-            queue = self._queues[lid]
-            req = queue[0]
+        while heads and budget > 0 and len(self.running) < config.max_num_seqs:
+            count, _, lid, g = heads[0]
+            if count != (held[g] if fair else 0):   # its group took a slot from another lane
+                heapq.heapreplace(heads, (held[g], *heads[0][1:]))
+                continue
+            queue = queues[lid]
+            req = queue.lanes[g][0]
             n = self._join(req, budget)
             while n is None and self._evict_idle_session():
                 n = self._join(req, budget)
             if n is None:
                 break
-            queue.popleft()
-            if queue:
-                heapq.heapreplace(heads, (self._order[queue[0].request_id], lid))
+            queue.popleft(g)
+            held[g] += 1
+            lane = queue.lanes.get(g)
+            if lane:
+                heapq.heapreplace(heads, (held[g] if fair else 0,
+                                          order[lane[0].request_id], lid, g))
             else:
                 heapq.heappop(heads)
-                del self._queues[lid]
+                if not queue:
+                    del queues[lid]
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.append(self._plan(req, n))
             budget -= n
         return budget
+
+    def _preempt_for_groups(self) -> list[str]:
+        """Under ``"fair"``, when no sequence slot is free, preempt the newest running
+        requests of groups over their share (``SchedulerConfig.max_group_seqs``), the
+        group running the most first, one for each waiting request (in the lanes the step
+        may admit) of a group under its share, never taking a group below its share; the
+        ids preempted. A group over its share is one that filled the batch while alone.
+
+        A preempted request keeps its tokens; its full blocks stay in the prefix cache (or
+        go to swap space) and it recomputes the rest when it returns (``_preempt``). The
+        roles never swap (the waiting group stays at or under its share, the preempted
+        one at or over it), so no two groups preempt each other in turn.
+        """
+        config = self.config
+        held = self._group_running
+        cap = config.max_group_seqs
+        if (config.scheduling_policy != "fair" or len(self.running) < config.max_num_seqs
+                or not held or max(held.values()) <= cap):
+            return []
+        wants: Counter = Counter()
+        for lid in self._allowed_adapters():
+            queue = self._queues.get(lid)
+            if queue:
+                for g, lane in queue.lanes.items():
+                    if held[g] < cap:
+                        wants[g] += len(lane)
+        need = sum(min(n, cap - held[g]) for g, n in wants.items())
+        over = [(-n, g) for g, n in held.items() if n > cap]
+        heapq.heapify(over)
+        preempted = []
+        while need > 0 and over:
+            _, g = heapq.heappop(over)
+            i = next(i for i in range(len(self.running) - 1, -1, -1)
+                     if self.running[i].group_key == g)
+            victim = self.running.pop(i)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            self.fairness_preemptions += 1
+            need -= 1
+            if held[g] > cap:
+                heapq.heappush(over, (-held[g], g))
+        return preempted
 
     def _join(self, req: Request, budget: int) -> int | None:
         """Give a waiting request its blocks: its session's KV, or the longest cached prefix
@@ -488,11 +592,14 @@ class Scheduler:
         req.num_preemptions += 1
         self.kv.stats.preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        queue = self._queues.setdefault(req.lora_int_id, deque())
-        order = self._order[req.request_id]
-        pos = next((i for i, r in enumerate(queue) if self._order[r.request_id] > order),
-                   len(queue))
-        queue.insert(pos, req)
+        self._release_group_slot(req)
+        self._queue(req.lora_int_id).insert(req)
+
+    def _release_group_slot(self, req: Request) -> None:
+        held = self._group_running
+        held[req.group_key] -= 1
+        if held[req.group_key] <= 0:
+            del held[req.group_key]
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Record a step's sampled tokens (its computed tokens were counted when it was
@@ -538,12 +645,11 @@ class Scheduler:
             req.status = status
             if req in self.running:
                 self.running.remove(req)
+                self._release_group_slot(req)
             else:
                 queue = self._queues.get(req.lora_int_id)
-                if queue is not None and req in queue:
-                    queue.remove(req)
-                    if not queue:
-                        del self._queues[req.lora_int_id]
+                if queue is not None and queue.remove(req) and not queue:
+                    del self._queues[req.lora_int_id]
             self._order.pop(rid, None)
             self._since.pop(rid, None)
             self._lost.pop(rid, None)

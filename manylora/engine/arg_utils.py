@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES
+from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, SCHEDULING_POLICIES
 
 
 @dataclass
@@ -79,6 +79,13 @@ class EngineArgs:
             digest, pin; waiting for a loader thread included); a read that takes longer
             fails alone (its requests end with the error, a run-time load answers 504) and
             its loader thread is replaced. None: no bound.
+        scheduling_policy: ``fair``: share the running batch between client groups (the
+            requests one HTTP request or one ``LLM.generate`` call fans out to): waiting
+            requests join least-running group first, and a group over ``max_group_share``
+            gives up its newest requests to other groups' waiting ones when the batch is
+            full; ``fcfs``: strict arrival order (vLLM's default).
+        max_group_share: the share (0, 1] of max_num_seqs one client group keeps while
+            other groups wait, under the fair policy; 1: never preempt for fairness.
     """
 
     model: str
@@ -113,6 +120,8 @@ class EngineArgs:
     fully_sharded_loras: bool = False
     async_scheduling: bool = True
     lora_load_timeout: float | None = 60.0
+    scheduling_policy: str = "fair"
+    max_group_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -134,6 +143,11 @@ class EngineArgs:
                              f"{self.lora_load_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}")
+        if not 0.0 < self.max_group_share <= 1.0:
+            raise ValueError(f"max_group_share must be in (0, 1], got {self.max_group_share}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

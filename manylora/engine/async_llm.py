@@ -136,7 +136,8 @@ class AsyncLLM:
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
                        request_id: str | None = None,
-                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+                       lora_request: LoRARequest | None = None,
+                       client_group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its ``RequestOutput`` after every step that gave it a
         token, the last one with ``finished`` True.
 
@@ -151,6 +152,9 @@ class AsyncLLM:
             sampling_params: how to sample; ``n`` must be 1 (fan out at the caller).
             request_id: unique among live requests; None picks one.
             lora_request: the adapter, None for the base model.
+            client_group: the client call the request is one of (the server's HTTP
+                request id, shared by its prompts x n children): the scheduler shares the
+                running batch between groups; None: a group of its own.
 
         Raises:
             ValueError: a bad prompt, parameters, id or adapter (``LLMEngine.add_request``),
@@ -176,7 +180,7 @@ class AsyncLLM:
         try:
             try:
                 await self._call("add", request_id, prompt, sampling_params, lora_request,
-                                 stream)
+                                 stream, client_group)
             except asyncio.CancelledError:
                 added = True         # the add may still run: abort whatever it added
                 raise
@@ -298,13 +302,13 @@ class AsyncLLM:
             _call_soon(cmd.loop, _settle, cmd.future, result, error)
 
     def _do_add(self, request_id: str, prompt, params, lora_request,
-                stream: _Stream) -> _Deferred:
+                stream: _Stream, client_group: str | None) -> _Deferred:
         with self._pending_lock:
             self._pending_adds -= 1
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.submit_request(request_id, prompt, params, lora_request,
-                                   arrival_time=stream.arrival)
+                                   arrival_time=stream.arrival, client_group=client_group)
         self._streams[request_id] = stream
         return _Deferred(request_id)
 

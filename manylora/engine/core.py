@@ -127,7 +127,8 @@ class EngineCore:
         max_loras = self.lora_config.max_loras if self.lora_config else 0
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
-                            args.lora_aging_steps),
+                            args.lora_aging_steps, scheduling_policy=args.scheduling_policy,
+                            max_group_share=args.max_group_share),
             kv_manager, self.lora_manager)
         graph_sizes = () if args.enforce_eager or self.device.type != "cuda" else tuple(
             n for n in DEFAULT_CAPTURE_SIZES if n < args.max_num_seqs) + (args.max_num_seqs,)
@@ -288,7 +289,8 @@ class EngineCore:
                       min(limit, self.max_model_len), arrival_time=request.arrival_time,
                       lora_digest=digest, session_id=session_id,
                       eos_token_ids=request.eos_token_ids,
-                      adapter_pending=lora_request is not None and digest is None)
+                      adapter_pending=lora_request is not None and digest is None,
+                      client_group=request.client_group)
         self.scheduler.add_request(req)
         if not ready:
             self._awaiting.setdefault(req.lora_int_id, {})[rid] = (req, time.monotonic())

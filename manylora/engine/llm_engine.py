@@ -51,6 +51,7 @@ class SubmittedRequest:
     lora_request: LoRARequest | None = None
     session_id: str | None = None
     arrival_time: float | None = None
+    client_group: str | None = None
 
 
 class LLMEngine:
@@ -151,7 +152,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | dict,
                     params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None,
-                    session_id: str | None = None, arrival_time: float | None = None) -> str:
+                    session_id: str | None = None, arrival_time: float | None = None,
+                    client_group: str | None = None) -> str:
         """Queue a request; its id.
 
         With ``session_id``, the request is the next turn of that multi-turn session
@@ -159,6 +161,9 @@ class LLMEngine:
         session supplies its history (see ``EngineCore.add_request``); the outputs'
         ``prompt_token_ids`` include that history. ``arrival_time`` (``time.monotonic``,
         seconds; default now) is when the caller received the request, for its latencies.
+        ``client_group`` names the client call the request is one of (the scheduler shares
+        the batch between groups, ``SchedulerConfig.scheduling_policy``); None: a group of
+        its own.
 
         Raises:
             ValueError: a bad prompt, a prompt (with its session's history) that leaves no
@@ -169,7 +174,7 @@ class LLMEngine:
             EngineDeadError: the core stopped.
         """
         rid = self.submit_request(request_id, prompt, params, lora_request, session_id,
-                                  arrival_time)
+                                  arrival_time, client_group)
         error = self.wait_added([rid])[rid]
         if error is not None:
             raise error
@@ -179,7 +184,8 @@ class LLMEngine:
                        params: SamplingParams | None = None,
                        lora_request: LoRARequest | None = None,
                        session_id: str | None = None,
-                       arrival_time: float | None = None) -> str:
+                       arrival_time: float | None = None,
+                       client_group: str | None = None) -> str:
         """``add_request`` without waiting for the core's answer: the front's checks raise
         here; the core's answer comes later (``wait_added``, ``take_added``).
 
@@ -188,7 +194,8 @@ class LLMEngine:
             EngineDeadError: the core stopped.
         """
         return self.submit_requests([SubmittedRequest(
-            request_id, prompt, params, lora_request, session_id, arrival_time)])[0]
+            request_id, prompt, params, lora_request, session_id, arrival_time,
+            client_group)])[0]
 
     def submit_requests(self, requests: Sequence[SubmittedRequest]) -> list[str]:
         """Several ``submit_request`` in one message to the core, which takes them all in
@@ -260,7 +267,7 @@ class LLMEngine:
         arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
         self.output_processor.add(request_id, text, ids, params, r.lora_request, arrival)
         return EngineCoreRequest(request_id, ids, params, r.lora_request, self.eos_token_ids,
-                                 r.session_id, arrival)
+                                 r.session_id, arrival, r.client_group)
 
     def wait_added(self, request_ids: Sequence[str]) -> dict[str, Exception | None]:
         """Wait for the core's answers to submitted requests: ``{id: None}`` for each

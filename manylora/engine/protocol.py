@@ -56,6 +56,10 @@ class EngineCoreRequest:
             config's and the tokenizer's EOS, gathered by the front).
         session_id: the multi-turn session the request is a turn of, or None.
         arrival_time: ``time.monotonic()`` when the front accepted it, seconds.
+        client_group: the fairness group the request belongs to: the id of the client
+            call that fanned out to it (the server's HTTP request id for its prompts x n
+            children, one ``LLM.generate`` call); None: a group of its own. The scheduler
+            shares the running batch between groups (``SchedulerConfig.scheduling_policy``).
     """
 
     request_id: str
@@ -65,6 +69,7 @@ class EngineCoreRequest:
     eos_token_ids: frozenset[int] = frozenset()
     session_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    client_group: str | None = None
 
 
 @dataclass

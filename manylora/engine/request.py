@@ -48,6 +48,11 @@ class Request:
         adapter_pending: its adapter's first read is in flight: ``lora_digest`` is not
             known yet, so the request is neither scheduled nor hashed into the prefix cache
             until the engine sets both (``EngineCore._poll_adapters``).
+        client_group: the fairness group: the requests one client call fanned out to (the
+            server: the HTTP request's id, shared by its prompts x n children; one
+            ``LLM.generate`` call); None: the request is a group of its own.
+        group_key: what the scheduler groups by (set from ``client_group``, or the request
+            id when it is None; a group name never merges with a lone request's id).
     """
 
     request_id: str
@@ -67,9 +72,13 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     num_output_placeholders: int = 0
     adapter_pending: bool = False
+    client_group: str | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+        self.group_key: tuple[bool, str] = (
+            (True, self.client_group) if self.client_group is not None
+            else (False, self.request_id))
 
     @property
     def lora_int_id(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -31,6 +32,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._calls = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -52,6 +54,9 @@ class LLM:
                 per call. The prompt holds only the new turn; see
                 ``LLMEngine.add_request``.
 
+        The call's requests form one client group for the scheduler's fair sharing
+        (``scheduling_policy``): alone, they may take the whole batch.
+
         Raises:
             ValueError: a list argument whose length differs from the prompts', or any bad
                 prompt, sampling parameter or adapter. Nothing of the call is left queued.
@@ -69,8 +74,9 @@ class LLM:
             if id(p) not in final:
                 final[id(p)] = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
         # one message: the core takes every request in before its first step
+        group = f"generate-{next(self._calls)}"
         ids = engine.submit_requests([
-            SubmittedRequest(None, prompt, final[id(p)], lora, sid)
+            SubmittedRequest(None, prompt, final[id(p)], lora, sid, client_group=group)
             for prompt, p, lora, sid in zip(prompts, params, loras, sessions)])
         try:
             errors = [e for e in engine.wait_added(ids).values() if e is not None]

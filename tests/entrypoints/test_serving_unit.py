@@ -266,11 +266,14 @@ class FakeEngine:
         self.running: set[str] = set()
         self.aborted: list[str] = []
         self.seen_params = []
+        self.groups: dict[str, str | None] = {}
 
-    async def generate(self, prompt, sampling_params, request_id=None, lora_request=None):
+    async def generate(self, prompt, sampling_params, request_id=None, lora_request=None,
+                       client_group=None):
         if self.fail is not None:
             raise self.fail
         self.seen_params.append(sampling_params)
+        self.groups[request_id] = client_group
         self.running.add(request_id)
         kind = sampling_params.output_kind
         try:
@@ -483,3 +486,28 @@ def test_merged_stream_keeps_each_child_in_order():
     assert [t for i, t in got if i == 0] == ["a0", "a1", "a2"]
     assert [t for i, t in got if i == 1] == ["b0", "b1"]
     assert aborted == []
+
+
+def test_children_of_one_http_request_share_one_client_group():
+    """The scheduler's fair sharing counts an HTTP request's prompts x n children as one
+    client group: the response's id, distinct between requests."""
+    async def run():
+        engine = FakeEngine(["a"])
+        completions = OpenAIServingCompletion(engine, FakeModels())
+        chat = OpenAIServingChat(engine, FakeModels())
+        ids = []
+        for _ in range(2):
+            resp = await completions.create_completion(CompletionRequest(
+                model="base", prompt=["hi", "yo!"], n=2))
+            ids.append(resp.id)
+        resp = await chat.create_chat_completion(ChatCompletionRequest(
+            model="base", messages=[{"role": "user", "content": "hi"}], n=3))
+        ids.append(resp.id)
+        return engine.groups, ids
+
+    groups, ids = asyncio.run(run())
+    assert len(groups) == 4 + 4 + 3 and len(set(ids)) == 3
+    for response_id, count in zip(ids, (4, 4, 3)):
+        children = [rid for rid, group in groups.items() if group == response_id]
+        assert len(children) == count
+        assert all(rid.startswith(response_id + "-") for rid in children)

@@ -227,16 +227,19 @@ class OpenAIServing:
             raise bad_request(f"the {param} could not be tokenized: {e}", param=param) from e
 
     async def start(self, children: list[ChildRequest],
-                    lora_request: LoRARequest | None) -> MergedStream:
+                    lora_request: LoRARequest | None,
+                    client_group: str | None = None) -> MergedStream:
         """Send the children to the engine and wait for each one's first output, so that
-        the engine's rejection surfaces here.
+        the engine's rejection surfaces here. ``client_group`` (the HTTP request's id) makes
+        the children one group for the scheduler's fair sharing of the batch.
 
         Raises:
             OpenAIError: 400 (``ValueError`` from the engine), 404 (missing adapter files),
                 503 (overloaded or stopped engine); every child already added is aborted.
         """
         gens = [self.engine.generate(c.engine_prompt(), c.params, request_id=c.request_id,
-                                     lora_request=lora_request) for c in children]
+                                     lora_request=lora_request, client_group=client_group)
+                for c in children]
         merged = MergedStream(self.engine, [c.request_id for c in children], gens)
         try:
             await merged.prime()

@@ -201,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
         n = request.n or 1
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
                     for i, child_params in enumerate(child_sampling_params(params, n))]
-        merged = await self.start(children, lora_request)
+        merged = await self.start(children, lora_request, client_group=base_id)
         if request.stream:
             return guard_stream(self._stream(request, base_id, model_name, children, merged),
                                 merged)

@@ -153,7 +153,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
                                              prompt.text, child_params))
         echoes = self._echo_texts(request, prompts)
-        merged = await self.start(children, lora_request)
+        merged = await self.start(children, lora_request, client_group=base_id)
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         if request.stream:
             stream = self._stream(request, base_id, model_name, children, echoes, merged,
