@@ -397,7 +397,7 @@ class LoRAConfig:
             and two more per row-parallel one (an all-reduce, an all-gather). No effect on
             one rank.
         load_timeout: seconds one adapter read (disk to host memory: parse, validate,
-            digest, pin; from its start, time waiting for a loader thread included) may
+            digest, pin; from the moment a loader thread starts it) may
             take; one that takes longer fails alone (``LoRALoadTimeoutError``). None: no
             bound.
     """

@@ -76,7 +76,7 @@ class EngineArgs:
             the GPU. Greedy and seeded outputs are the same on and off; a request that stops
             (EOS, stop id) computes one more token, which is discarded.
         lora_load_timeout: seconds one adapter read from disk may take (parse, validate,
-            digest, pin; waiting for a loader thread included); a read that takes longer
+            digest, pin; from the moment a loader thread starts it); a read that takes longer
             fails alone (its requests end with the error, a run-time load answers 504) and
             its loader thread is replaced. None: no bound.
         scheduling_policy: ``fair``: share the running batch between client groups (the

@@ -1,12 +1,14 @@
 """Loader threads for adapter reads, with a time bound per read.
 
 A read stuck in the kernel (a hung network filesystem, a device) cannot be killed. So
-each read gets a deadline: a watchdog fails its future with ``LoRALoadTimeoutError`` when
-the deadline passes (its caller moves on at once), and the worker stuck in it is written
-off and replaced, so the pool keeps its full number of working threads. Workers are daemon
-threads (a stuck one never holds the process at exit); at most ``max_abandoned`` stuck
-workers are replaced at a time (beyond that, reads queue behind the stuck ones and time
-out themselves), which bounds the threads a hostile adapter store can leak. A replaced
+each read gets a deadline when a worker starts it (time in the queue does not count: a
+burst of registrations, e.g. hundreds of ``--lora-modules``, waits its turn): a watchdog
+fails its future with ``LoRALoadTimeoutError`` when the deadline passes (its caller moves
+on at once), and the worker stuck in it is written off and replaced, so the pool keeps its
+full number of working threads. Workers are daemon threads (a stuck one never holds the
+process at exit); at most ``max_abandoned`` stuck workers are replaced at a time, which
+bounds the threads a hostile adapter store can leak. When every worker is stuck and none
+may be replaced, the queued reads fail at once instead of waiting behind them. A replaced
 worker that comes back from its read drops the result and exits; one that was not
 replaced drops it and works on.
 """
@@ -38,12 +40,11 @@ class _Job:
 
 
 class LoaderPool:
-    """Worker threads that run reads, each bounded by ``timeout`` seconds from submission.
+    """Worker threads that run reads, each bounded by ``timeout`` seconds from its start.
 
     Args:
         workers: working threads (``loader_threads``).
-        timeout: seconds a read may take from ``submit`` (its time in the queue included);
-            None: no bound.
+        timeout: seconds a read may take once a worker has started it; None: no bound.
         max_abandoned: stuck workers replaced at most (see the module docstring).
         name: the threads' name prefix.
     """
@@ -61,6 +62,7 @@ class LoaderPool:
         self._stuck: set[threading.Thread] = set()      # inside a read that timed out
         self._replaced: set[threading.Thread] = set()   # of those, the ones replaced
         self._running: dict[threading.Thread, _Job] = {}
+        self._alive: set[threading.Thread] = set()      # started, not exited
         self._stopped = False
         for _ in range(workers):
             self._start_worker()
@@ -71,21 +73,18 @@ class LoaderPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any, what: str = "adapter read") -> Future:
         """Run ``fn(*args)`` on a worker; its future, failed with ``LoRALoadTimeoutError``
-        (naming ``what`` and the bound) if it has not ended within ``timeout`` seconds.
+        (naming ``what`` and the bound) if it has not ended within ``timeout`` seconds of
+        its start, or if every worker is stuck and none may be replaced.
 
         Raises:
             RuntimeError: the pool was shut down.
         """
         future: Future = Future()
-        now = time.monotonic()
-        deadline = now + self.timeout if self.timeout is not None else float("inf")
-        job = _Job(deadline, next(self._seq), future, fn, args, what, now)
+        job = _Job(float("inf"), next(self._seq), future, fn, args, what, time.monotonic())
         with self._lock:
             if self._stopped:
                 raise RuntimeError("the adapter loader threads were shut down")
             self._queue.append(job)
-            if self.timeout is not None:
-                heapq.heappush(self._deadlines, job)
             self._lock.notify_all()
         return future
 
@@ -113,8 +112,10 @@ class LoaderPool:
     # ------------------------------------------------------------------ threads
 
     def _start_worker(self) -> None:
-        threading.Thread(target=self._work, name=f"{self.name}_{next(self._threads)}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._work, name=f"{self.name}_{next(self._threads)}",
+                                  daemon=True)
+        self._alive.add(thread)
+        thread.start()
 
     def _work(self) -> None:
         me = threading.current_thread()
@@ -123,11 +124,16 @@ class LoaderPool:
                 while not self._queue and not self._stopped:
                     self._lock.wait()
                 if self._stopped:
+                    self._alive.discard(me)
                     return
                 job = self._queue.popleft()
                 if job.future.done() or not job.future.set_running_or_notify_cancel():
-                    continue                   # timed out (or cancelled) while queued
+                    continue                   # failed (or cancelled) while queued
                 self._running[me] = job
+                if self.timeout is not None:
+                    job.deadline = time.monotonic() + self.timeout
+                    heapq.heappush(self._deadlines, job)
+                    self._lock.notify_all()
             try:
                 result, error = job.fn(*job.args), None
             except BaseException as e:     # the caller gets whatever the read raised
@@ -137,6 +143,7 @@ class LoaderPool:
                 self._stuck.discard(me)
                 if me in self._replaced:       # replaced already: drop the result, exit
                     self._replaced.discard(me)
+                    self._alive.discard(me)
                     return
                 if not job.future.done():
                     if error is None:
@@ -164,15 +171,19 @@ class LoaderPool:
         if job.future.done():
             return
         worker = next((t for t, j in self._running.items() if j is job), None)
-        if worker is None:
-            self._queue.remove(job)
-        else:
-            del self._running[worker]
-            self._stuck.add(worker)
-            if len(self._replaced) < self.max_abandoned:
-                self._replaced.add(worker)
-                self._start_worker()
-        state = "its read" if worker is not None else "it waited for a loader thread and"
+        if worker is None:                     # ended meanwhile
+            return
+        del self._running[worker]
+        self._stuck.add(worker)
+        if len(self._replaced) < self.max_abandoned:
+            self._replaced.add(worker)
+            self._start_worker()
         job.future.set_exception(LoRALoadTimeoutError(
-            f"{job.what}: {state} did not finish within {self.timeout:g} s "
+            f"{job.what}: its read did not finish within {self.timeout:g} s "
             "(lora_load_timeout)"))
+        if self._alive <= self._stuck:         # no worker left to run the queued reads
+            for queued in self._queue:
+                queued.future.set_exception(LoRALoadTimeoutError(
+                    f"{queued.what}: every adapter loader thread is stuck in a read that "
+                    f"did not finish within {self.timeout:g} s (lora_load_timeout)"))
+            self._queue.clear()

@@ -1,7 +1,9 @@
 """``LoaderPool``: a read past its deadline fails alone with ``LoRALoadTimeoutError`` and
-its stuck worker is replaced, so later reads still run; reads queued behind stuck workers
-time out too; results of written-off reads are dropped. The stuck read is an event the
-test holds, so no assertion depends on how fast the machine is."""
+its stuck worker is replaced, so later reads still run; the bound runs from a read's start
+(reads queued behind slow ones wait their turn); reads queued behind workers that are all
+stuck, with none to replace them, fail at once; results of written-off reads are dropped.
+The stuck read is an event the test holds, so no assertion depends on how fast the machine
+is."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def test_reads_queued_behind_stuck_workers_time_out_too():
         with pytest.raises(LoRALoadTimeoutError, match="adapter 'a': its read"):
             first.result(timeout=60)
         with pytest.raises(LoRALoadTimeoutError,
-                           match="adapter 'b': it waited for a loader thread"):
+                           match="adapter 'b': every adapter loader thread is stuck"):
             queued.result(timeout=60)
         assert pool.pending() == []
     finally:
@@ -57,6 +59,22 @@ def test_reads_queued_behind_stuck_workers_time_out_too():
     # the worker was not replaced: it came back and works on
     assert pool.submit(lambda: "ok").result(timeout=60) == "ok"
     assert pool.stuck == 0
+    pool.shutdown()
+
+
+def test_the_bound_runs_from_the_start_of_a_read_not_from_its_submission():
+    """A read queued behind a slow one (slower than the bound in total, each read within
+    it) still runs: the deadline starts when a worker takes it."""
+    pool = LoaderPool(1, timeout=30)
+    release, started = threading.Event(), threading.Event()
+    first = pool.submit(_blocked, release, started, what="adapter 'a'")
+    queued = pool.submit(lambda: "ran", what="adapter 'b'")
+    assert started.wait(30)
+    with pool._lock:                       # the queued read has no deadline yet
+        assert [j.future for j in pool._deadlines] == [first]
+    release.set()
+    assert first.result(timeout=60) == "late"
+    assert queued.result(timeout=60) == "ran"
     pool.shutdown()
 
 
