@@ -174,14 +174,35 @@ def test_prompts_are_tokenized_off_the_event_loop(served, counting, base_dir):
     assert counting.threads and all(t.startswith("manylora-tokenize") for t in counting.threads)
 
 
-def test_choices_flag(base_dir):
+def test_choices_flag_sets_the_bound(base_dir):
     with running_server(base_dir, "--max-choices-per-request", "3") as (_, url):
         _error(_post(f"{url}/v1/completions", {"model": BASE, "prompt": ["a", "b"], "n": 2,
                                                "max_tokens": 1}), 400, "n")
         ok = _post(f"{url}/v1/completions", {"model": BASE, "prompt": ["a", "b", "c"],
                                              "max_tokens": 1})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 3
-    args = serve_parser().parse_args(["--model", str(base_dir),
-                                      "--max-choices-per-request", "0"])
-    with pytest.raises(ValueError, match="--max-choices-per-request"):
+
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--max-choices-per-request", "0"], "--max-choices-per-request"),
+    (["--served-model-name", "tiny\nbase"], "--served-model-name .*control character"),
+    (["--lora-modules", "ad\udcff=/nowhere"], "--lora-modules .*surrogate"),  # argv bytes
+    (["--lora-modules", '{"name": "a", "path": "/x", "base_model_name": "b\\u0007"}'],
+     "--lora-modules .*control character"),
+])
+def test_bad_server_flags_are_refused_before_the_engine_starts(base_dir, flags, match):
+    args = serve_parser().parse_args(["--model", str(base_dir), *flags])
+    with pytest.raises(ValueError, match=match) as info:
         create_server(args)
+    str(info.value).encode("utf-8")
+
+
+@pytest.mark.parametrize("prompt", [[-2040, 7, 3], [7, 351272644670352], [[5], [-1]]])
+def test_echo_of_token_ids_outside_the_vocabulary_is_400(served, prompt):
+    r = _post(f"{served[1]}/v1/completions", {"model": BASE, "prompt": prompt, "echo": True,
+                                              "max_tokens": 2})
+    assert "vocabulary" in _error(r, 400)["message"]
+    ok = _post(f"{served[1]}/v1/completions", {"model": BASE, "prompt": [5, 6], "echo": True,
+                                               "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

@@ -26,6 +26,7 @@ from manylora.entrypoints.openai.api_server import (
 from manylora.entrypoints.openai.errors import OpenAIError
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -91,13 +92,25 @@ def create_server(args: argparse.Namespace) -> Server:
 
     Raises:
         ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
-            without ``--lora-root``, ``--max-choices-per-request`` below 1) or a
+            without ``--lora-root``, ``--max-choices-per-request`` below 1, a served or
+            adapter name that breaks the client-name rules of ``validation.py``) or a
             ``--lora-modules`` adapter that cannot be served.
     """
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
     modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
+    name = args.served_model_name or args.model
+    # names go into every /v1/models answer and metric label; argv may carry lone
+    # surrogates (undecodable bytes under surrogateescape)
+    for flag, value in [("--served-model-name", name),
+                        *(("--lora-modules", m.name) for m in modules),
+                        *(("--lora-modules", m.base_model_name) for m in modules
+                          if m.base_model_name is not None)]:
+        try:
+            check_name(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} {ascii(value)}: {e}") from None
     if args.enable_lora_runtime_updates and not args.lora_root:
         raise ValueError("--enable-lora-runtime-updates needs --lora-root: the directories "
                          "adapters may be loaded from")
@@ -108,7 +121,6 @@ def create_server(args: argparse.Namespace) -> Server:
     keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
                             if os.environ.get("MANYLORA_API_KEY") else [])
     engine_args = EngineArgs.from_cli_args(args)
-    name = args.served_model_name or args.model
     registry = CollectorRegistry()
     engine = AsyncLLM.from_engine_args(engine_args,
                                        max_waiting_requests=args.max_waiting_requests)

@@ -165,8 +165,14 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
                                              prompt.text, child_params))
-        echoes = self._echo_texts(request, prompts)
+        if request.echo and any(p.text is None for p in prompts):
+            self.require_tokenizer("echo of a token-id prompt", param="echo")
         merged = await self.start(children, lora_request)
+        try:                             # after the engine has checked the token ids
+            echoes = self._echo_texts(request, prompts)
+        except BaseException:
+            merged.close()
+            raise
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         if request.stream:
             stream = self._stream(request, base_id, model_name, children, echoes, merged,
@@ -199,7 +205,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _echo_texts(self, request: CompletionRequest,
                     prompts: list[_Prompt]) -> list[str | None]:
-        """Per prompt, the text ``echo`` puts before its choices (None without echo).
+        """Per prompt, the text ``echo`` puts before its choices (None without echo). Called
+        once the engine has accepted the prompts, so token ids are inside the vocabulary.
 
         Raises:
             OpenAIError: 400 when a token-id prompt must be echoed without a tokenizer.
