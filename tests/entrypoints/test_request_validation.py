@@ -5,6 +5,7 @@ names, and the 400 the server makes of pydantic's errors."""
 from __future__ import annotations
 
 import math
+import re
 import types
 import typing
 
@@ -23,6 +24,7 @@ from manylora.entrypoints.openai.protocol import (
 )
 from manylora.entrypoints.openai.validation import (
     MAX_NAME_CHARS,
+    NAME_PATTERN,
     check_name,
     first_unencodable,
     validation_error,
@@ -199,3 +201,17 @@ def test_validation_error_shape():
                                     "msg": "JSON decode error",
                                     "ctx": {"error": "Expecting value"}}])
     assert json_error.param is None and "not valid JSON" in json_error.message
+
+
+def test_published_name_pattern_is_the_enforced_rule():
+    pattern = re.compile(NAME_PATTERN)
+    for code in [*range(0x3000), *range(0xD7F0, 0xE010), *range(0xFFF0, 0x10000), 0x1F600]:
+        name = f"a{chr(code)}b"
+        try:
+            check_name(name)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert accepted == bool(pattern.match(name)), hex(code)
+    schema = CompletionRequest.model_json_schema()["properties"]["model"]["anyOf"][0]
+    assert schema == {"type": "string", "maxLength": MAX_NAME_CHARS, "pattern": NAME_PATTERN}

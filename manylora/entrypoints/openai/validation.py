@@ -25,12 +25,13 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, WithJsonSchema, field_validator
 
 from manylora.entrypoints.openai.errors import OpenAIError
 
 __all__ = [
     "MAX_NAME_CHARS",
+    "NAME_PATTERN",
     "ClientName",
     "RequestModel",
     "check_name",
@@ -97,8 +98,14 @@ def check_name(value: str) -> str:
     return value
 
 
+#: The rule of :func:`check_name` as a JSON-schema pattern (ECMA-262 and Python ``re``),
+#: published in ``openapi.json`` so that generated clients and fuzzers know it.
+NAME_PATTERN = ("^[^\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e"
+                "\\u2066-\\u2069\\ud800-\\udfff]*$")
+
 #: A name chosen by a client (see :func:`check_name`).
-ClientName = Annotated[str, AfterValidator(check_name)]
+ClientName = Annotated[str, AfterValidator(check_name), WithJsonSchema(
+    {"type": "string", "maxLength": MAX_NAME_CHARS, "pattern": NAME_PATTERN})]
 
 
 def _check_strings(value: Any, path: str) -> None:
