@@ -215,3 +215,9 @@ def test_published_name_pattern_is_the_enforced_rule():
         assert accepted == bool(pattern.match(name)), hex(code)
     schema = CompletionRequest.model_json_schema()["properties"]["model"]["anyOf"][0]
     assert schema == {"type": "string", "maxLength": MAX_NAME_CHARS, "pattern": NAME_PATTERN}
+
+
+def test_validation_error_of_dict_keys_and_no_errors():
+    error = _fails(CompletionRequest, {"prompt": "x", "logit_bias": {"a.b": "1"}})
+    assert error.param == "logit_bias.a.b" and "valid number" in error.message
+    assert validation_error([]).status == 400

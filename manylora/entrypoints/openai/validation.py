@@ -149,19 +149,21 @@ class RequestModel(BaseModel):
         return value
 
 
-def _param(loc: Sequence[Any]) -> str | None:
+def _param(loc: Sequence[Any]) -> tuple[str | None, int]:
     """OpenAI's form of a field's path (``messages[0].content``) from a pydantic location
-    without its source (``body``, ``path``, ``query``), stopping at a union member's tag."""
+    without its source (``body``, ``path``, ``query``), stopping at a union member's tag;
+    and how many parts of ``loc`` it took."""
     out = ""
+    taken = 0
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-            continue
-        part = str(part)
-        if part in _UNION_TAGS or _UNION_TAG_CHARS.intersection(part):
+        elif str(part) in _UNION_TAGS or _UNION_TAG_CHARS.intersection(str(part)):
             break
-        out += f".{part}" if out else part
-    return out or None
+        else:
+            out += f".{part}" if out else str(part)
+        taken += 1
+    return out or None, taken
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
@@ -174,35 +176,28 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
         errors: ``ValidationError.errors()`` / ``RequestValidationError.errors()``; each
             location starts with its source (``body``, ``path``, ``query``).
     """
-    lines: dict[str | None, list[Mapping[str, Any]]] = {}
+    lines: dict[str | None, list[tuple[Mapping[str, Any], int]]] = {}
     for error in errors:
-        loc = tuple(error.get("loc", ()))
         if error.get("type") == "json_invalid":
             return OpenAIError(400, "the request body is not valid JSON: "
                                f"{error.get('ctx', {}).get('error', error.get('msg'))}")
-        lines.setdefault(_param(loc[1:]), []).append(error)
+        param, taken = _param(tuple(error.get("loc", ()))[1:])
+        lines.setdefault(param, []).append((error, taken))
+    if not lines:
+        return OpenAIError(400, "the request is not valid")
     parts = []
     for param, group in lines.items():
         # a member of a union whose type matched but whose value failed says what is wrong
-        group = [e for e in group if e.get("type") == "value_error"][:1] or group
-        messages = list(dict.fromkeys(_message(e) for e in group))
-        tags = [str(e["loc"][len(_split(param)) + 1]) for e in group
-                if len(e.get("loc", ())) > len(_split(param)) + 1]
+        group = [g for g in group if g[0].get("type") == "value_error"][:1] or group
+        messages = list(dict.fromkeys(_message(e) for e, _ in group))
+        # the union member tag right after the field's own location parts
+        tags = [str(e["loc"][taken + 1]) for e, taken in group if len(e["loc"]) > taken + 1]
         if len(messages) > 1 and tags:
-            forms = ", ".join(dict.fromkeys(tags))
-            text = f"matches none of the accepted forms ({forms})"
+            text = f"matches none of the accepted forms ({', '.join(dict.fromkeys(tags))})"
         else:
             text = messages[0]
         parts.append(f"{param or 'body'}: {text}")
-    first = next(iter(lines))
-    return OpenAIError(400, "; ".join(parts), param=first)
-
-
-def _split(param: str | None) -> list[str]:
-    """The location parts a param stands for (its dotted names and indices)."""
-    if not param:
-        return []
-    return param.replace("[", ".[").strip(".").split(".")
+    return OpenAIError(400, "; ".join(parts), param=next(iter(lines)))
 
 
 def _message(error: Mapping[str, Any]) -> str:
