@@ -169,7 +169,8 @@ class OpenAIServingCompletion(OpenAIServing):
             self.require_tokenizer("echo of a token-id prompt", param="echo")
         merged = await self.start(children, lora_request)
         try:                             # after the engine has checked the token ids
-            echoes = self._echo_texts(request, prompts)
+            echoes = (await self.prompts.run(self._echo_texts, request, prompts)
+                      if request.echo else [None] * len(prompts))
         except BaseException:
             merged.close()
             raise
@@ -206,7 +207,8 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_texts(self, request: CompletionRequest,
                     prompts: list[_Prompt]) -> list[str | None]:
         """Per prompt, the text ``echo`` puts before its choices (None without echo). Called
-        once the engine has accepted the prompts, so token ids are inside the vocabulary.
+        once the engine has accepted the prompts, so token ids are inside the vocabulary;
+        blocking (token ids are decoded): run it on the tokenization worker.
 
         Raises:
             OpenAIError: 400 when a token-id prompt must be echoed without a tokenizer.
