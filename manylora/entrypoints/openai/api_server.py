@@ -28,9 +28,12 @@ import manylora
 from manylora.engine.async_llm import AsyncLLM
 from manylora.entrypoints.openai.errors import OpenAIError, too_large
 from manylora.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
 from manylora.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from manylora.entrypoints.openai.serving_models import OpenAIServingModels
+from manylora.entrypoints.openai.tokenization import PromptTokenizer
+from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
 
 logger = logging.getLogger(__name__)
 
@@ -47,25 +50,28 @@ class ServerConfig:
         enable_lora_runtime_updates: serve the load/unload adapter routes.
         chat_template: a Jinja chat template (text, or a file holding it) replacing the
             tokenizer's, or None.
+        max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
+            request may create; more get 400 before anything is tokenized.
     """
 
     api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     enable_lora_runtime_updates: bool = False
     chat_template: str | None = None
+    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     """Body of ``POST /v1/load_lora_adapter`` (vLLM's)."""
 
-    lora_name: str
+    lora_name: ClientName
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     """Body of ``POST /v1/unload_lora_adapter`` (vLLM's)."""
 
-    lora_name: str
+    lora_name: ClientName
     lora_int_id: int | None = None
 
 
@@ -180,12 +186,19 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     Args:
         engine: the running engine front.
         models: the base model and adapters it serves.
-        config: keys, body limit, runtime adapter updates, chat template.
+        config: keys, body limit, runtime adapter updates, chat template, choices bound.
         registry: the Prometheus registry ``GET /metrics`` renders.
+
+    The app's ``state.prompt_tokenizer`` is the tokenization worker both endpoints share.
     """
     app = FastAPI(title="manylora", version=manylora.__version__)
-    completions = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models, config.chat_template)
+    # one tokenization worker for both endpoints (a tokenizer is not used by two threads)
+    prompts = PromptTokenizer(engine.tokenizer)
+    app.state.prompt_tokenizer = prompts
+    completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
+                                          max_choices=config.max_choices_per_request)
+    chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
+                             max_choices=config.max_choices_per_request)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
@@ -193,12 +206,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}"
-            for e in exc.errors())
-        first = next(iter(exc.errors()), {})
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error_response(OpenAIError(400, f"invalid request: {problems}", param=param))
+        return _error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
@@ -221,7 +229,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         return models.list_models()
 
     @app.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str) -> dict:
+    async def retrieve_model(model_id: ClientName) -> dict:
         return models.retrieve(model_id)
 
     @app.post("/v1/completions")

@@ -24,7 +24,9 @@ from manylora.entrypoints.openai.api_server import (
     build_app,
 )
 from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-request-body-bytes", type=int,
                         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="larger request bodies get 413")
+    parser.add_argument("--max-choices-per-request", type=int,
+                        default=DEFAULT_MAX_CHOICES_PER_REQUEST,
+                        help="the most choices (prompts x n, one engine request each) one "
+                             "request may ask for; more get 400 before any tokenization")
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, replacing the "
                              "tokenizer's")
@@ -86,9 +92,25 @@ def create_server(args: argparse.Namespace) -> Server:
 
     Raises:
         ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
-            without ``--lora-root``) or a ``--lora-modules`` adapter that cannot be served.
+            without ``--lora-root``, ``--max-choices-per-request`` below 1, a served or
+            adapter name that breaks the client-name rules of ``validation.py``) or a
+            ``--lora-modules`` adapter that cannot be served.
     """
+    if args.max_choices_per_request < 1:
+        raise ValueError("--max-choices-per-request must be at least 1, got "
+                         f"{args.max_choices_per_request}")
     modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
+    name = args.served_model_name or args.model
+    # names go into every /v1/models answer and metric label; argv may carry lone
+    # surrogates (undecodable bytes under surrogateescape)
+    for flag, value in [("--served-model-name", name),
+                        *(("--lora-modules", m.name) for m in modules),
+                        *(("--lora-modules", m.base_model_name) for m in modules
+                          if m.base_model_name is not None)]:
+        try:
+            check_name(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} {ascii(value)}: {e}") from None
     if args.enable_lora_runtime_updates and not args.lora_root:
         raise ValueError("--enable-lora-runtime-updates needs --lora-root: the directories "
                          "adapters may be loaded from")
@@ -99,7 +121,6 @@ def create_server(args: argparse.Namespace) -> Server:
     keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
                             if os.environ.get("MANYLORA_API_KEY") else [])
     engine_args = EngineArgs.from_cli_args(args)
-    name = args.served_model_name or args.model
     registry = CollectorRegistry()
     engine = AsyncLLM.from_engine_args(engine_args,
                                        max_waiting_requests=args.max_waiting_requests)
@@ -112,7 +133,8 @@ def create_server(args: argparse.Namespace) -> Server:
         engine.shutdown()
         raise ValueError(f"--lora-modules: {e.message}") from None
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
-                          args.enable_lora_runtime_updates, args.chat_template)
+                          args.enable_lora_runtime_updates, args.chat_template,
+                          args.max_choices_per_request)
     return Server(engine, models, build_app(engine, models, config, registry), registry)
 
 

@@ -6,7 +6,9 @@ client parses every response) plus vLLM's sampling extras (``top_k``, ``min_p``,
 ``include_stop_str_in_output``, and for chat ``add_generation_prompt``,
 ``continue_final_message`` and ``chat_template_kwargs``). Unknown request fields are ignored.
 
-Pydantic checks the types; :meth:`CompletionRequest.check` and
+Pydantic checks the types, strictly as OpenAI does, every string's encoding and every
+client-chosen name (:mod:`~manylora.entrypoints.openai.validation`);
+:meth:`CompletionRequest.check` and
 :meth:`ChatCompletionRequest.check` then reject values this server does not support, with an
 :class:`~manylora.entrypoints.openai.errors.OpenAIError` (400) naming the parameter.
 """
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer
 
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.validation import ClientName, RequestModel
 from manylora.sampling_params import MAX_LOGPROBS
 
 # The most choices one request may ask for (``n``).
@@ -56,13 +59,7 @@ __all__ = [
 ]
 
 
-class _Request(BaseModel):
-    """Base of request bodies: unknown fields are ignored."""
-
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage (and
     ``"usage": null`` on every other chunk); ``continuous_usage_stats`` (vLLM) puts the usage
     so far on every chunk."""
@@ -97,14 +94,14 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(RequestModel):
     """Body of ``POST /v1/completions`` (OpenAI's legacy completions, with vLLM's extras).
 
     ``prompt`` is one text, a list of texts, one list of token ids, or a list of lists of
     token ids; every prompt gets ``n`` choices, choice index ``prompt_index * n + i``.
     """
 
-    model: str | None = None
+    model: ClientName | None = None
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
     echo: bool | None = False
@@ -121,7 +118,7 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    user: str | None = None
+    user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
     top_k: int | None = None
@@ -160,7 +157,7 @@ class CompletionRequest(_Request):
             raise bad_request("prompt must not be an empty list", param="prompt")
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     """One part of a message's ``content`` list; only ``{"type": "text", "text": ...}`` is
     supported (checked by :meth:`ChatCompletionRequest.check`)."""
 
@@ -168,13 +165,13 @@ class ContentPart(_Request):
     text: str | None = None
 
 
-class ChatCompletionMessageParam(_Request):
+class ChatCompletionMessageParam(RequestModel):
     """One message of a chat request."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    name: ClientName | None = None
+    tool_call_id: ClientName | None = None
 
     def text(self) -> str | None:
         """The content as one string: a part list's texts joined with newlines (as vLLM),
@@ -208,16 +205,16 @@ class ChatCompletionMessageParam(_Request):
         return message
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     """``response_format``; only ``{"type": "text"}`` is supported."""
 
     type: str
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(RequestModel):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
-    model: str | None = None
+    model: ClientName | None = None
     messages: list[ChatCompletionMessageParam]
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -237,7 +234,7 @@ class ChatCompletionRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    user: str | None = None
+    user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
     top_k: int | None = None

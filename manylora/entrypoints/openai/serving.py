@@ -1,9 +1,11 @@
 """What the completions and chat endpoints share.
 
 * :class:`OpenAIServing`: the base of both, holding the engine and the models registry:
-  model lookup, tokenization, the context-length checks, and starting the engine requests
-  of one HTTP request (``n`` choices per prompt, each its own engine request, as vLLM's
-  parallel sampling: child ``i`` gets ``n=1`` and ``seed + i``).
+  model lookup, the bound on the choices of one request (prompts x ``n``, checked before
+  anything is tokenized), tokenization off the event loop (``tokenization.py``) after a
+  length check that needs no tokenizer, the context-length checks, and starting the engine
+  requests of one HTTP request (``n`` choices per prompt, each its own engine request, as
+  vLLM's parallel sampling: child ``i`` gets ``n=1`` and ``seed + i``).
 * The child requests' output streams, merged (``streams.py``) and framed as server-sent
   events (``sse.py``).
 * The engine requests of a streamed HTTP request report ``DELTA`` outputs (only what is
@@ -37,6 +39,7 @@ from manylora.entrypoints.openai.errors import (
 )
 from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
+from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
@@ -44,6 +47,7 @@ from manylora.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_MAX_CHOICES_PER_REQUEST",
     "LOGPROB_FLOOR",
     "OpenAIServing",
     "check_context_length",
@@ -55,6 +59,11 @@ __all__ = [
     "to_openai_error",
     "token_text",
 ]
+
+#: The most choices (engine requests: prompts x ``n``) one HTTP request may ask for by
+#: default (``--max-choices-per-request``): room for an evaluation harness's batches, and a
+#: bound on what one request body can make the server do.
+DEFAULT_MAX_CHOICES_PER_REQUEST = 1024
 
 # JSON has no -inf: log-probabilities below this are sent as this (as vLLM).
 LOGPROB_FLOOR = -9999.0
@@ -174,16 +183,30 @@ class OpenAIServing:
         engine: an ``AsyncLLM`` (``tokenizer``, ``max_model_len``, ``generate``, ``abort``).
         models: has ``base_model_name`` and ``resolve(name) -> LoRARequest | None``
             (raising a 404 ``OpenAIError`` for an unknown name).
+        max_choices: the most engine requests (prompts x ``n``) one HTTP request may
+            create (``--max-choices-per-request``).
+        prompt_tokenizer: the tokenization worker to share with the other endpoint (one
+            thread per server); None: one of its own over ``engine.tokenizer``.
+
+    Raises:
+        ValueError: ``max_choices`` below 1.
     """
 
-    def __init__(self, engine: Any, models: Any) -> None:
+    def __init__(self, engine: Any, models: Any, *,
+                 max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
+                 prompt_tokenizer: PromptTokenizer | None = None) -> None:
+        if max_choices < 1:
+            raise ValueError(f"max_choices must be at least 1, got {max_choices}")
         self.engine = engine
         self.models = models
+        self.max_choices = max_choices
+        self.prompts = (prompt_tokenizer if prompt_tokenizer is not None
+                        else PromptTokenizer(getattr(engine, "tokenizer", None)))
 
     @property
     def tokenizer(self) -> Any:
-        """The engine's tokenizer, or None."""
-        return getattr(self.engine, "tokenizer", None)
+        """The tokenizer text prompts are encoded with, or None."""
+        return self.prompts.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -201,6 +224,22 @@ class OpenAIServing:
             return self.models.base_model_name, None
         return name, self.models.resolve(name)
 
+    def check_choices(self, num_prompts: int, n: int) -> None:
+        """Bound the engine requests of one HTTP request: ``num_prompts * n`` at most
+        ``max_choices``. Runs before anything is tokenized or sent to the engine.
+
+        Raises:
+            OpenAIError: 400 naming ``prompt`` (too many prompts even with ``n=1``) or
+                ``n``, with the numbers.
+        """
+        if num_prompts * n <= self.max_choices:
+            return
+        param = "prompt" if num_prompts > self.max_choices else "n"
+        raise bad_request(
+            f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
+            f"choices; the server allows at most {self.max_choices} per request "
+            "(--max-choices-per-request). Split it into several requests.", param=param)
+
     def require_tokenizer(self, what: str, param: str | None = None) -> Any:
         """The tokenizer, for ``what`` needs one.
 
@@ -213,18 +252,52 @@ class OpenAIServing:
                               "without one (skip_tokenizer_init)", param=param)
         return tokenizer
 
-    def tokenize(self, text: str, add_special_tokens: bool = True,
-                 param: str = "prompt") -> list[int]:
-        """The token ids of ``text``.
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """Refuse a text that is certainly longer than the context, without tokenizing it:
+        it has at least ``ceil(len(text) / L)`` tokens (``L``: the most characters a token
+        covers, :func:`~manylora.entrypoints.openai.tokenization.max_token_chars`).
 
         Raises:
-            OpenAIError: 400 without a tokenizer, or when the tokenizer fails on the text.
+            OpenAIError: 413 (``context_length_exceeded``, ``param``) when that bound
+                reaches ``max_model_len``.
         """
-        tokenizer = self.require_tokenizer("a text prompt", param=param)
+        at_least = self.prompts.min_tokens(len(text))
+        if at_least >= self.max_model_len:
+            raise too_large(
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"the {param} has at least {at_least} tokens ({len(text)} characters), "
+                "leaving no room to generate. Please reduce the length of the "
+                f"{param}.", param=param, code="context_length_exceeded")
+
+    def encode_now(self, texts: list[str], add_special_tokens: bool = True,
+                   param: str = "prompt") -> list[list[int]]:
+        """The token ids of each text, on the calling thread, after the length check of
+        each (run it on the tokenization worker: :meth:`tokenize`).
+
+        Raises:
+            OpenAIError: 400 without a tokenizer or when the tokenizer fails on a text;
+                413 from :meth:`check_text_length`.
+        """
+        self.require_tokenizer("a text prompt", param=param)
+        for text in texts:
+            self.check_text_length(text, param)
         try:
-            return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+            return self.prompts.encode_now(texts, add_special_tokens)
         except Exception as e:
             raise bad_request(f"the {param} could not be tokenized: {e}", param=param) from e
+
+    async def tokenize(self, texts: list[str], add_special_tokens: bool = True,
+                       param: str = "prompt") -> list[list[int]]:
+        """The token ids of each text, encoded on the tokenization worker thread (the
+        event loop stays free), after the length check of each on the loop.
+
+        Raises:
+            OpenAIError: as :meth:`encode_now`.
+        """
+        self.require_tokenizer("a text prompt", param=param)
+        for text in texts:
+            self.check_text_length(text, param)
+        return await self.prompts.run(self.encode_now, texts, add_special_tokens, param)
 
     async def start(self, children: list[ChildRequest],
                     lora_request: LoRARequest | None,

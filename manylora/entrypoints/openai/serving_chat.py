@@ -2,7 +2,8 @@
 
 The messages are rendered with the tokenizer's chat template (or the server's
 ``--chat-template``) to text, which is then tokenized without special tokens: the template
-carries the BOS, as in vLLM. The ``n`` choices are each one engine request.
+carries the BOS, as in vLLM. Rendering and encoding run on the tokenization worker thread,
+off the event loop. The ``n`` choices are each one engine request.
 """
 
 from __future__ import annotations
@@ -122,13 +123,15 @@ class OpenAIServingChat(OpenAIServing):
         models: the models registry (``base_model_name``, ``resolve(name)``).
         chat_template: a Jinja template (or a file holding one) used instead of the
             tokenizer's; None: the tokenizer's.
+        kwargs: ``max_choices`` and ``prompt_tokenizer`` of :class:`OpenAIServing`.
 
     Raises:
         OSError: ``chat_template`` names a file that cannot be read.
     """
 
-    def __init__(self, engine: Any, models: Any, chat_template: str | None = None) -> None:
-        super().__init__(engine, models)
+    def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(engine, models, **kwargs)
         self.chat_template = load_chat_template(chat_template)
 
     def render(self, request: ChatCompletionRequest) -> str:
@@ -157,6 +160,17 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("the chat template did not render to text", param="messages")
         return text
 
+    def render_and_encode(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids (no special tokens added: the template
+        carries them), with the length check on the rendered text before encoding it.
+        Blocking: run it on the tokenization worker.
+
+        Raises:
+            OpenAIError: as :meth:`render`, and :meth:`encode_now`'s 400 and 413.
+        """
+        text = self.render(request)
+        return text, self.encode_now([text], add_special_tokens=False, param="messages")[0]
+
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
         """Run a chat completion request.
@@ -171,16 +185,19 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: before anything is streamed: 400 for unsupported or invalid
-                parameters, a missing tokenizer or chat template, a failing template,
+                parameters, more choices (``n``) than ``max_choices``, a missing
+                tokenizer or chat template, a failing template,
                 ``max_tokens`` / ``max_completion_tokens`` past the context, or the
                 engine's ``ValueError``; 404 for an unknown model; 413
                 (``context_length_exceeded``) for messages filling the context; 503 when
                 the engine is overloaded or stopped.
         """
         request.check()
+        n = request.n or 1
+        self.check_choices(1, n)
         model_name, lora_request = self.resolve_model(request.model)
-        text = self.render(request)
-        token_ids = self.tokenize(text, add_special_tokens=False, param="messages")
+        self.require_tokenizer("chat", param="messages")
+        text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
         requested, param = request.max_tokens_param()
@@ -198,7 +215,6 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             output_kind=output_kind(bool(request.stream)))
         base_id = random_id("chatcmpl")
-        n = request.n or 1
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
                     for i, child_params in enumerate(child_sampling_params(params, n))]
         merged = await self.start(children, lora_request, client_group=base_id)

@@ -90,6 +90,16 @@ def _decoded(entries: dict[int, Logprob], token_id: int) -> str | None:
     return None if sampled is None else sampled.decoded_token
 
 
+def _prompt_items(raw: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a request's ``prompt``: one text, texts, one token-id list, or
+    token-id lists (no tokenization, so the count is known at once)."""
+    if isinstance(raw, str):
+        return [raw]
+    if raw and all(isinstance(t, int) for t in raw):
+        return [list(raw)]
+    return list(raw)
+
+
 @dataclass
 class _Prompt:
     token_ids: list[int]
@@ -123,15 +133,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
         Raises:
             OpenAIError: before anything is streamed: 400 for unsupported or invalid
-                parameters, an empty or untokenizable prompt, ``max_tokens`` past the
+                parameters, more choices (prompts x ``n``) than ``max_choices`` (checked
+                before tokenizing), an empty or untokenizable prompt, ``max_tokens`` past the
                 context, or the engine's ``ValueError``; 404 for an unknown model; 413
                 (``context_length_exceeded``) for a prompt filling the context; 503 when
                 the engine is overloaded or stopped.
         """
         request.check()
-        model_name, lora_request = self.resolve_model(request.model)
-        prompts = self._prompts(request)
         n = request.n or 1
+        items = _prompt_items(request.prompt)
+        self.check_choices(len(items), n)
+        model_name, lora_request = self.resolve_model(request.model)
+        prompts = await self._prompts(items)
         base_id = random_id("cmpl")
         children: list[ChildRequest] = []
         for p, prompt in enumerate(prompts):
@@ -152,8 +165,15 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
                                              prompt.text, child_params))
-        echoes = self._echo_texts(request, prompts)
+        if request.echo and any(p.text is None for p in prompts):
+            self.require_tokenizer("echo of a token-id prompt", param="echo")
         merged = await self.start(children, lora_request, client_group=base_id)
+        try:                             # after the engine has checked the token ids
+            echoes = (await self.prompts.run(self._echo_texts, request, prompts)
+                      if request.echo else [None] * len(prompts))
+        except BaseException:
+            merged.close()
+            raise
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
         if request.stream:
             stream = self._stream(request, base_id, model_name, children, echoes, merged,
@@ -163,25 +183,21 @@ class OpenAIServingCompletion(OpenAIServing):
         return self._response(request, base_id, model_name, children, echoes, finals,
                               num_prompt_tokens)
 
-    def _prompts(self, request: CompletionRequest) -> list[_Prompt]:
-        """The request's prompts, tokenized.
+    async def _prompts(self, items: list[str | list[int]]) -> list[_Prompt]:
+        """The prompts, the texts tokenized (on the tokenization worker).
 
         Raises:
-            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer.
+            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer; 413
+                for a text certainly longer than the context.
         """
-        raw = request.prompt
-        if isinstance(raw, str):
-            items: list = [raw]
-        elif raw and all(isinstance(t, int) for t in raw):
-            items = [list(raw)]
-        else:
-            items = list(raw)
+        texts = [item for item in items if isinstance(item, str)]
+        encoded = iter(await self.tokenize(texts, param="prompt") if texts else [])
         prompts = []
         for i, item in enumerate(items):
             if isinstance(item, str):
-                prompt = _Prompt(self.tokenize(item, param="prompt"), item)
+                prompt = _Prompt(next(encoded), item)
             else:
-                prompt = _Prompt([int(t) for t in item], None)
+                prompt = _Prompt(list(item), None)
             if not prompt.token_ids:
                 where = "" if len(items) == 1 else f" {i}"
                 raise bad_request(f"prompt{where} is empty", param="prompt")
@@ -190,7 +206,9 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _echo_texts(self, request: CompletionRequest,
                     prompts: list[_Prompt]) -> list[str | None]:
-        """Per prompt, the text ``echo`` puts before its choices (None without echo).
+        """Per prompt, the text ``echo`` puts before its choices (None without echo). Called
+        once the engine has accepted the prompts, so token ids are inside the vocabulary;
+        blocking (token ids are decoded): run it on the tokenization worker.
 
         Raises:
             OpenAIError: 400 when a token-id prompt must be echoed without a tokenizer.
