@@ -5,6 +5,11 @@ A request's ``model`` field names the base model (``--served-model-name``, by de
 with ``--enable-lora-runtime-updates``, from ``POST /v1/load_lora_adapter``; vLLM's names
 and semantics, with one restriction of ours: a run-time load reads only from under the
 ``--lora-root`` directories.
+
+``root`` in ``/v1/models`` is the path as the operator (``--model``, ``--lora-modules``) or
+the caller (``lora_path``) gave it, never the resolved absolute path of a run-time load:
+vLLM shows the path given, and the server's directory layout is not the client's business.
+Load errors likewise name the given path.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from manylora.engine.async_llm import AsyncLLM, EngineDeadError
-from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
+from manylora.entrypoints.openai.errors import OpenAIError, bad_request, clean_message, not_found
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.request import LoRARequest
 
@@ -86,10 +93,32 @@ def check_under_roots(path: str, roots: list[Path]) -> Path:
     return target
 
 
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models`` (OpenAI's model object, vLLM's extra fields):
+    ``root`` the path it was given as, ``parent`` the base model an adapter applies to,
+    ``max_model_len`` the context length in tokens (the base model's entry only)."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "manylora"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """The body of ``GET /v1/models``: the base model first, then every adapter."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
 @dataclass
 class _Served:
     request: LoRARequest
     created: int
+    given_path: str
 
 
 class OpenAIServingModels:
@@ -138,15 +167,14 @@ class OpenAIServingModels:
         return served.request
 
     def list_models(self) -> dict:
-        """``GET /v1/models``: the base model, then every adapter with its parent."""
-        base = {"id": self.base_model_name, "object": "model", "created": self.created,
-                "owned_by": "manylora", "root": self.base_model_path, "parent": None,
-                "max_model_len": self.engine.max_model_len}
-        loras = [{"id": name, "object": "model", "created": s.created, "owned_by": "manylora",
-                  "root": s.request.lora_path,
-                  "parent": s.request.base_model_name or self.base_model_name}
+        """``GET /v1/models``: the base model, then every adapter with its parent (a
+        :class:`ModelList` as a dict)."""
+        base = ModelCard(id=self.base_model_name, created=self.created,
+                         root=self.base_model_path, max_model_len=self.engine.max_model_len)
+        loras = [ModelCard(id=name, created=s.created, root=s.given_path,
+                           parent=s.request.base_model_name or self.base_model_name)
                  for name, s in self.loras.items()]
-        return {"object": "list", "data": [base, *loras]}
+        return ModelList(data=[base, *loras]).model_dump(mode="json")
 
     def retrieve(self, name: str) -> dict:
         """``GET /v1/models/{name}``: one entry of ``list_models``.
@@ -172,10 +200,12 @@ class OpenAIServingModels:
             raise bad_request("both 'lora_name' and 'lora_path' must be given",
                               param="lora_name" if not lora_name else "lora_path")
         path = check_under_roots(lora_path, self.lora_roots)
-        await self._load(lora_name, str(path), None)
+        await self._load(lora_name, str(path), None, given_path=lora_path)
         return f"Success: LoRA adapter '{lora_name}' added successfully."
 
-    async def _load(self, name: str, path: str, base_model_name: str | None) -> None:
+    async def _load(self, name: str, path: str, base_model_name: str | None,
+                    given_path: str | None = None) -> None:
+        given_path = path if given_path is None else given_path
         async with self._lock:
             if name == self.base_model_name or name in self.loras:
                 raise bad_request(f"The lora adapter '{name}' has already been loaded.",
@@ -184,12 +214,25 @@ class OpenAIServingModels:
             try:
                 await self.engine.add_lora(request)
             except FileNotFoundError as e:
-                raise not_found(f"adapter '{name}': {e}", param="lora_path") from None
+                raise not_found(self._load_error(name, e, path, given_path),
+                                param="lora_path") from None
             except (LoRAAdapterError, ValueError) as e:
-                raise bad_request(f"adapter '{name}': {e}", param="lora_path") from None
+                raise bad_request(self._load_error(name, e, path, given_path),
+                                  param="lora_path") from None
             except EngineDeadError as e:
                 raise OpenAIError(503, str(e)) from None
-            self.loras[name] = _Served(request, int(time.time()))
+            self.loras[name] = _Served(request, int(time.time()), given_path)
+
+    @staticmethod
+    def _load_error(name: str, error: Exception, path: str, given_path: str) -> str:
+        """The message of a failed load: the adapter named once (the loader's messages
+        already start with ``adapter 'name':``), the server's resolved path replaced by
+        the one given."""
+        prefix = f"adapter {name!r}: "
+        message = str(error)
+        if not message.startswith(prefix):
+            message = prefix + message
+        return clean_message(message, paths={path: given_path})
 
     async def unload_lora_adapter(self, lora_name: str) -> str:
         """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. New requests for
