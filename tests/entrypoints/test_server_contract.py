@@ -92,6 +92,20 @@ def test_models_stay_200_with_an_unencodable_adapter_name(contract):
     assert r.status_code == 404 and "nope-\u2603" in strict_json(r)["error"]["message"]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}'),
+    ("/v1/chat/completions", b'{"model": "x\\udcff", "messages": [{"role": "user", '
+                             b'"content": "hi"}]}'),
+    ("/v1/unload_lora_adapter", b'{"lora_name": "\\ud800"}'),
+])
+def test_a_lone_surrogate_in_a_request_is_a_4xx_never_a_500(contract, path, body):
+    _, http = contract
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code in (400, 404), r.text      # 400 once names are checked at the edge
+    assert strict_json(r)["error"]["message"]
+    assert http.get("/v1/models").status_code == 200
+
+
 def test_metrics_stay_200_and_parse_with_unencodable_names(base_dir):
     with running_server(base_dir, "--served-model-name", "base\ud800") as (_, url):
         r = httpx.get(f"{url}/metrics")
