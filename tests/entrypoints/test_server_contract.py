@@ -226,6 +226,22 @@ def test_401_is_openai_shaped_and_documented(contract):
     assert strict_json(r)["error"]["code"] == "invalid_api_key"
 
 
+def test_a_server_bug_is_a_500_in_openai_shape_without_internals(contract, monkeypatch):
+    server, http = contract
+
+    def broken():
+        raise RuntimeError("secret /srv/internal/state")
+
+    monkeypatch.setattr(server.models, "list_models", broken)
+    r = http.get("/v1/models")
+    assert r.status_code == 500
+    assert strict_json(r)["error"] == {"message": "internal server error",
+                                       "type": "InternalServerError", "param": None,
+                                       "code": "internal_error"}
+    monkeypatch.undo()
+    assert http.get("/v1/models").status_code == 200
+
+
 # ------------------------------------------------------------------------------ messages
 
 

@@ -240,8 +240,10 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     @app.exception_handler(Exception)
     async def server_bug(_: Request, exc: Exception):
-        # logged by Starlette's ServerErrorMiddleware, which re-raises after this answer
-        return _error_response(OpenAIError(500, "internal server error", code="internal_error"))
+        # Starlette's ServerErrorMiddleware re-raises after this answer, to be logged, and
+        # uvicorn then drops the connection: "close" keeps a client from reusing it
+        return _error_response(OpenAIError(500, "internal server error", code="internal_error"),
+                               headers={"Connection": "close"})
 
     @app.get("/health", response_class=Response, responses={
         200: {"description": "The engine is serving (empty body).", "content": None},
