@@ -234,8 +234,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
             message = f"{request.method} {request.url.path}: no such route"
         elif exc.status_code == 405:
             allowed = (exc.headers or {}).get("Allow", "")
-            message = f"{request.method} is not allowed on {request.url.path} (allowed: " \
-                      f"{allowed})"
+            message = (f"{request.method} is not allowed on {request.url.path} "
+                       f"(allowed: {allowed})")
         return _error_response(OpenAIError(exc.status_code, message), headers=exc.headers)
 
     @app.exception_handler(Exception)
