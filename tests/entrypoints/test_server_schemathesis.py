@@ -33,7 +33,9 @@ def run_schemathesis(url: str, report_dir: Path, *args: str) -> tuple[dict, str]
            "--workers", "1", "--no-color", "--output-sanitize", "false",
            "--request-timeout", "60", "--report", "json", "--report-dir", str(report_dir),
            *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    # run in report_dir: Schemathesis keeps a cache of past crashes (replayed first) and
+    # Hypothesis its own files under the working directory; each run starts clean
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=report_dir)
     reports = sorted(report_dir.glob("*.json"))
     assert reports, proc.stdout + proc.stderr
     return json.loads(reports[-1].read_text()), proc.stdout + proc.stderr
