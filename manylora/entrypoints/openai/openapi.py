@@ -38,7 +38,6 @@ _WHY = {
 }
 
 
-
 def sse_content(chunk: type[BaseModel]) -> dict[str, Any]:
     """The ``text/event-stream`` entry of a streaming route's 200: per event (OpenAPI 3.1
     has ``schema`` describe one event, as Schemathesis reads it), ``data`` is a ``chunk``
@@ -59,7 +58,11 @@ def sse_content(chunk: type[BaseModel]) -> dict[str, Any]:
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """FastAPI ``responses=`` entries for ``statuses``, each with OpenAI's error body and a
     description of when it is answered (401 is added by :func:`install_openapi` where API
-    keys are set, and 413 on every route: the body limit applies to all)."""
+    keys are set, and 413 on every route: the body limit applies to all).
+
+    Raises:
+        KeyError: a status this module has no description for (add one to ``_WHY``).
+    """
     return {status: {"model": ErrorResponse, "description": _WHY[status]}
             for status in sorted({*statuses, 413})}
 
