@@ -76,6 +76,11 @@ before any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when 
 are none. ``lora_requests_info`` has one sample, valued at the scrape's unix time, with
 the adapter names comma-joined (empty string when none), present whether or not LoRA is
 on (``max_lora="0"`` when off).
+
+Label values are written as :func:`label_value` makes them: a name holding a code point
+UTF-8 cannot encode (a lone surrogate) has it as escape text, so one such adapter or model
+name cannot make ``generate_latest`` (which encodes the whole exposition) fail every scrape.
+Quotes, backslashes and newlines are escaped by prometheus_client, as the text format says.
 """
 
 from __future__ import annotations
@@ -253,6 +258,16 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
 )}
 
 
+def label_value(text: str) -> str:
+    """``text`` as a label value the exposition can encode: each code point UTF-8 cannot
+    encode (a lone surrogate) replaced by its backslash escape (``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
     """Bucket bounds 1, 2, 5, 10, 20, 50, ... up to and including ``max_value`` when it falls
     on the ladder (every bound <= ``max_value``).
@@ -279,7 +294,7 @@ class PrometheusStatLogger:
     Args:
         registry: where every metric is registered; a second logger (or anything else
             exposing the same names) in the same registry raises ``ValueError``.
-        model_name: the ``model_name`` label value.
+        model_name: the ``model_name`` label value (as :func:`label_value` writes it).
         snapshot: returns the engine's latest state; called on every scrape, from the
             scraping thread, so it must be cheap and thread-safe (returning the last published
             ``EngineSnapshot`` is). An exception it raises propagates out of the scrape
@@ -290,7 +305,7 @@ class PrometheusStatLogger:
 
     Attributes:
         registry: the registry given.
-        model_name: the ``model_name`` label value given.
+        model_name: the ``model_name`` label value, as written.
 
     Raises:
         ValueError: a metric name is already registered in ``registry``, or
@@ -301,6 +316,7 @@ class PrometheusStatLogger:
                  snapshot: Callable[[], EngineSnapshot], *, max_model_len: int = 131072,
                  clock: Callable[[], float] = time.time) -> None:
         token_buckets = build_1_2_5_buckets(max_model_len)
+        model_name = label_value(model_name)
         self.model_name = model_name
         self.registry = registry
         self._collectors: list[Collector] = []
@@ -421,8 +437,8 @@ class _SnapshotCollector(Collector):
         families[KV_SWAPPED_BLOCKS].add_metric(m + ["in"], kv.swapped_in_blocks)
         families[KV_EVICTED_BLOCKS].add_metric(m, kv.evicted_blocks)
         families[LORA_REQUESTS_INFO].add_metric(
-            [str(snap.max_loras), ",".join(snap.running_lora_adapters),
-             ",".join(snap.waiting_lora_adapters)], self._clock())
+            [str(snap.max_loras), label_value(",".join(snap.running_lora_adapters)),
+             label_value(",".join(snap.waiting_lora_adapters))], self._clock())
         for name, host, device in (
                 (LORA_CACHE_HITS, lora.host_hits, lora.device_hits),
                 (LORA_CACHE_MISSES, lora.host_misses, lora.device_misses),

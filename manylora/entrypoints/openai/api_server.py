@@ -6,7 +6,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 ``--enable-lora-runtime-updates``), ``GET /health``, ``GET /version``, ``GET /metrics``.
 Every ``/v1`` route wants ``Authorization: Bearer <key>`` when API keys are set; ``/health``,
 ``/version`` and ``/metrics`` stay open. Errors have OpenAI's shape
-(``{"error": {"message", "type", "param", "code"}}``); bad input is never a 500.
+(``{"error": {"message", "type", "param", "code"}}``); bad input is never a 500. Every
+status a route answers is in ``GET /openapi.json`` (``openapi.py``); a method a path does
+not serve gets 405 with ``Allow``, an unknown path 404, both in OpenAI's shape. Bodies
+encode whatever a name holds (``encoding.py``).
 """
 
 from __future__ import annotations
@@ -19,19 +22,32 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import manylora
 from manylora.engine.async_llm import AsyncLLM
+from manylora.entrypoints.openai.encoding import SafeJSONResponse, safe_text
 from manylora.entrypoints.openai.errors import OpenAIError, too_large
-from manylora.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from manylora.entrypoints.openai.openapi import errors, install_openapi, sse_content
+from manylora.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
 from manylora.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from manylora.entrypoints.openai.serving_models import OpenAIServingModels
+from manylora.entrypoints.openai.serving_models import (
+    ModelCard,
+    ModelList,
+    OpenAIServingModels,
+)
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
 
@@ -62,21 +78,29 @@ class ServerConfig:
 
 
 class LoadLoRAAdapterRequest(RequestModel):
-    """Body of ``POST /v1/load_lora_adapter`` (vLLM's)."""
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's): both fields non-empty."""
 
     lora_name: ClientName
-    lora_path: str
+    lora_path: str = Field(min_length=1)
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
-    """Body of ``POST /v1/unload_lora_adapter`` (vLLM's)."""
+    """Body of ``POST /v1/unload_lora_adapter`` (vLLM's); ``lora_int_id`` is accepted and
+    ignored, as vLLM does."""
 
     lora_name: ClientName
     lora_int_id: int | None = None
 
 
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+class VersionInfo(BaseModel):
+    """Body of ``GET /version``."""
+
+    version: str
+
+
+def _error_response(error: OpenAIError, headers: dict[str, str] | None = None
+                    ) -> SafeJSONResponse:
+    return SafeJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class BodyLimitMiddleware:
@@ -175,8 +199,8 @@ def _respond(result) -> Response:
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump(mode="json"))
-    return JSONResponse(result)
+        return SafeJSONResponse(result.model_dump(mode="json"))
+    return SafeJSONResponse(result)
 
 
 def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfig,
@@ -191,7 +215,10 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     The app's ``state.prompt_tokenizer`` is the tokenization worker both endpoints share.
     """
-    app = FastAPI(title="manylora", version=manylora.__version__)
+    app = FastAPI(title="manylora", version=manylora.__version__,
+                  description="OpenAI-compatible completions and chat over one base model "
+                              "and many LoRA adapters.",
+                  default_response_class=SafeJSONResponse)
     # one tokenization worker for both endpoints (a tokenizer is not used by two threads)
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
@@ -209,50 +236,83 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         return _error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail)))
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"{request.method} {request.url.path}: no such route"
+        elif exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = (f"{request.method} is not allowed on {request.url.path} "
+                       f"(allowed: {allowed})")
+        return _error_response(OpenAIError(exc.status_code, message), headers=exc.headers)
 
-    @app.get("/health")
+    @app.exception_handler(Exception)
+    async def server_bug(_: Request, exc: Exception):
+        # Starlette's ServerErrorMiddleware re-raises after this answer, to be logged, and
+        # uvicorn then drops the connection: "close" keeps a client from reusing it
+        return _error_response(OpenAIError(500, "internal server error", code="internal_error"),
+                               headers={"Connection": "close"})
+
+    @app.get("/health", response_class=Response, responses={
+        200: {"description": "The engine is serving (empty body).", "content": None},
+        **errors(503)})
     async def health() -> Response:
         return Response(status_code=200 if engine.is_running else 503)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionInfo, responses=errors())
     async def version() -> dict:
         return {"version": manylora.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"description": "Prometheus text exposition format.",
+              "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **errors()})
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=errors())
     async def list_models() -> dict:
         return models.list_models()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
     async def retrieve_model(model_id: ClientName) -> dict:
         return models.retrieve(model_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses={
+        200: {"model": CompletionResponse, "content": sse_content(CompletionStreamResponse),
+              "description": "The completion; with \"stream\": true, server-sent events."},
+        **errors(400, 404, 503, 504)})
     async def create_completion(body: CompletionRequest, request: Request):
         result = await _with_cancellation(request, completions.create_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses={
+        200: {"model": ChatCompletionResponse,
+              "content": sse_content(ChatCompletionStreamResponse),
+              "description": "The chat completion; with \"stream\": true, server-sent "
+                             "events."},
+        **errors(400, 404, 503, 504)})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
     if config.enable_lora_runtime_updates:
-        @app.post("/v1/load_lora_adapter")
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                  responses={200: {"description": "The adapter is served."},
+                             **errors(400, 403, 404, 503, 504)})
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
-            return Response(await models.load_lora_adapter(body.lora_name, body.lora_path),
-                            media_type="text/plain")
+            return PlainTextResponse(safe_text(await models.load_lora_adapter(
+                body.lora_name, body.lora_path)))
 
-        @app.post("/v1/unload_lora_adapter")
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                  responses={200: {"description": "The adapter is no longer served."},
+                             **errors(400, 404, 503)})
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
-            return Response(await models.unload_lora_adapter(body.lora_name),
-                            media_type="text/plain")
+            return PlainTextResponse(safe_text(await models.unload_lora_adapter(
+                body.lora_name)))
 
+    install_openapi(app, api_keys=bool(config.api_keys),
+                    stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
     return app

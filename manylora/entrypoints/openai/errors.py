@@ -3,11 +3,64 @@
 The ``type`` strings are those vLLM and OpenAI use, so the official ``openai`` client maps
 each status to its exception class (400 ``BadRequestError``, 401 ``AuthenticationError``,
 403 ``PermissionDeniedError``, 404 ``NotFoundError``, 413 and 503 ``APIStatusError``).
+:class:`ErrorResponse` is that shape as a schema (the OpenAPI document's error component).
+
+Every message passes through :func:`clean_message`, the one place that makes an error
+readable: terminal colour codes (torch's hints carry them) removed, a prefix said twice
+(``adapter 'x': adapter 'x': ...``) said once, server paths the caller never gave replaced
+by the ones it did, and code points UTF-8 cannot encode written as escapes.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from http import HTTPStatus
+
+from pydantic import BaseModel
+
+from manylora.entrypoints.openai.encoding import safe_text
+
+# ECMA-48 control sequences (colours, cursor moves): ESC [ parameters intermediates final.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+# A "prefix: " said twice or more in a row, at the start or after another "...: ".
+_REPEATED_PREFIX = re.compile(r"(?:^|(?<=: ))([^:\n]{1,200}?: )\1+")
+
+
+def clean_message(message: str, paths: Mapping[str, str] | None = None) -> str:
+    """``message`` as an error should say it.
+
+    Args:
+        message: the text (an exception's ``str``, often).
+        paths: ``{server path: what the caller gave}``; each server path in the message is
+            replaced by the caller's (longest first), so resolved absolute paths do not leak.
+
+    Returns:
+        the message with ANSI escape sequences removed, a repeated ``prefix: prefix: ``
+        collapsed to one, the ``paths`` replaced, and lone surrogates escaped
+        (:func:`~manylora.entrypoints.openai.encoding.safe_text`).
+    """
+    text = _ANSI.sub("", str(message))
+    for server_path, given in sorted((paths or {}).items(), key=lambda kv: -len(kv[0])):
+        if server_path and server_path != given:
+            text = text.replace(server_path, given)
+    text = _REPEATED_PREFIX.sub(r"\1", text)
+    return safe_text(text)
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of an error response (OpenAI's)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """An error response body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo
 
 
 class OpenAIError(Exception):
@@ -15,7 +68,8 @@ class OpenAIError(Exception):
 
     Args:
         status: the HTTP status code (400, 401, 403, 404, 413, 503, ...).
-        message: what is wrong, naming the parameter or the resource.
+        message: what is wrong, naming the parameter or the resource; kept as
+            :func:`clean_message` makes it.
         type: OpenAI's error type; defaults from ``status``.
         param: the request parameter at fault, if one is.
         code: a machine-readable code (a string such as ``"context_length_exceeded"``);
@@ -23,12 +77,14 @@ class OpenAIError(Exception):
     """
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
-             404: "NotFoundError", 413: "RequestTooLargeError", 422: "BadRequestError",
+             404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
+             422: "BadRequestError",
              429: "RateLimitError", 500: "InternalServerError",
              503: "ServiceUnavailableError", 504: "TimeoutError"}
 
     def __init__(self, status: int, message: str, type: str | None = None,
                  param: str | None = None, code: str | int | None = None) -> None:
+        message = clean_message(message)
         super().__init__(message)
         self.status = int(status)
         self.message = message

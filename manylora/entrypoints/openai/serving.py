@@ -22,6 +22,7 @@ event before ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
+import os
 import dataclasses
 import logging
 import time
@@ -105,8 +106,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
         return overloaded(f"the server is overloaded: {exc}")
     if isinstance(exc, EngineDeadError):
         return overloaded(f"the engine is not serving: {exc}")
-    if isinstance(exc, FileNotFoundError):
-        return not_found(f"adapter files not found: {exc}", param="model")
+    if isinstance(exc, FileNotFoundError):       # the file's name, not the server's path
+        missing = os.path.basename(str(exc.filename)) if exc.filename else "adapter files"
+        return not_found(f"the adapter's {missing} is no longer on disk", param="model")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return None

@@ -5,6 +5,11 @@ A request's ``model`` field names the base model (``--served-model-name``, by de
 with ``--enable-lora-runtime-updates``, from ``POST /v1/load_lora_adapter``; vLLM's names
 and semantics, with one restriction of ours: a run-time load reads only from under the
 ``--lora-root`` directories.
+
+``root`` in ``/v1/models`` is the path as the operator (``--model``, ``--lora-modules``) or
+the caller (``lora_path``) gave it, never the resolved absolute path of a run-time load:
+vLLM shows the path given, and the server's directory layout is not the client's business.
+Load errors likewise name the given path.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import BaseModel
 
 from manylora.engine.async_llm import AsyncLLM, EngineDeadError
 from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
@@ -119,6 +126,27 @@ def _check_under_roots(path: str, roots: list[Path]) -> Path:
     return target
 
 
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models`` (OpenAI's model object, vLLM's extra fields):
+    ``root`` the path it was given as, ``parent`` the base model an adapter applies to,
+    ``max_model_len`` the context length in tokens (the base model's entry only)."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "manylora"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    """The body of ``GET /v1/models``: the base model first, then every adapter."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
 @dataclass
 class _Served:
     request: LoRARequest
@@ -172,15 +200,14 @@ class OpenAIServingModels:
         return served.request
 
     def list_models(self) -> dict:
-        """``GET /v1/models``: the base model, then every adapter with its parent."""
-        base = {"id": self.base_model_name, "object": "model", "created": self.created,
-                "owned_by": "manylora", "root": self.base_model_path, "parent": None,
-                "max_model_len": self.engine.max_model_len}
-        loras = [{"id": name, "object": "model", "created": s.created, "owned_by": "manylora",
-                  "root": s.shown_path,
-                  "parent": s.request.base_model_name or self.base_model_name}
+        """``GET /v1/models``: the base model, then every adapter with its parent (a
+        :class:`ModelList` as a dict)."""
+        base = ModelCard(id=self.base_model_name, created=self.created,
+                         root=self.base_model_path, max_model_len=self.engine.max_model_len)
+        loras = [ModelCard(id=name, created=s.created, root=s.shown_path,
+                           parent=s.request.base_model_name or self.base_model_name)
                  for name, s in self.loras.items()]
-        return {"object": "list", "data": [base, *loras]}
+        return ModelList(data=[base, *loras]).model_dump(mode="json")
 
     def retrieve(self, name: str) -> dict:
         """``GET /v1/models/{name}``: one entry of ``list_models``.

@@ -1,13 +1,13 @@
 """Server-sent events as OpenAI's streaming endpoints frame them: one ``data: <json>``
 event per chunk (usage as the stream options ask), an error event after streaming began,
-and ``data: [DONE]`` last."""
+and ``data: [DONE]`` last. Every event encodes as UTF-8 whatever its strings hold
+(:func:`~manylora.entrypoints.openai.encoding.json_text`)."""
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel
 
+from manylora.entrypoints.openai.encoding import json_text
 from manylora.entrypoints.openai.errors import OpenAIError
 from manylora.entrypoints.openai.protocol import StreamOptions, UsageInfo
 
@@ -17,9 +17,13 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def sse_event(payload: BaseModel | dict) -> str:
-    """One server-sent event, ``data: <json>\\n\\n``, of a pydantic model or a dict."""
+    """One server-sent event, ``data: <json>\\n\\n``, of a pydantic model or a dict.
+
+    Raises:
+        ValueError: a float in it is NaN or infinite (JSON has neither).
+    """
     data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {json_text(data)}\n\n"
 
 
 def sse_error(error: OpenAIError) -> str:
