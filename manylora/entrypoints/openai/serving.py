@@ -22,9 +22,9 @@ event before ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
-import os
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import Any
