@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import manylora
@@ -78,10 +78,10 @@ class ServerConfig:
 
 
 class LoadLoRAAdapterRequest(RequestModel):
-    """Body of ``POST /v1/load_lora_adapter`` (vLLM's): both fields non-empty."""
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's); an empty path is a 400 from the route."""
 
     lora_name: ClientName
-    lora_path: str = Field(min_length=1)
+    lora_path: str
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
@@ -274,7 +274,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     async def list_models() -> dict:
         return models.list_models()
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses=errors(400, 404))
     async def retrieve_model(model_id: ClientName) -> dict:
         return models.retrieve(model_id)
 

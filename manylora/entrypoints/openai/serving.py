@@ -107,8 +107,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
     if isinstance(exc, EngineDeadError):
         return overloaded(f"the engine is not serving: {exc}")
     if isinstance(exc, FileNotFoundError):       # the file's name, not the server's path
-        missing = os.path.basename(str(exc.filename)) if exc.filename else "adapter files"
-        return not_found(f"the adapter's {missing} is no longer on disk", param="model")
+        missing = (f"file {os.path.basename(str(exc.filename))} is" if exc.filename
+                   else "files are")
+        return not_found(f"the adapter's {missing} no longer on disk", param="model")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return None
