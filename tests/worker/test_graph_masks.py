@@ -209,6 +209,9 @@ def test_masked_graph_steps_match_peft_and_launch_only_their_kinds(demo_set, mon
         prompts = [tok(t).input_ids for t in texts[:len(names)]]
         loras = [None if n is None else LoRARequest(n, ids[n], str(demo_set.adapters[n]))
                  for n in names]
+        for lora in loras:        # read before the batch: every request joins the first step
+            if lora is not None:
+                llm.llm_engine.add_lora(lora)
         calls.clear()
         graphs.replayed.clear()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
