@@ -35,6 +35,9 @@ def _run(base_dir, adapter, policy: str) -> tuple[dict[str, list[int]], int]:
     llm = LLM(str(base_dir), **ENGINE, scheduling_policy=policy)
     engine = llm.llm_engine
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # read before it is asked for: a request whose adapter is still being read preempts
+    # no one, and how long the read takes is the machine's business, not the test's
+    engine.add_lora(adapter)
     for i in range(12):
         engine.add_request(f"big-{i}", {"prompt_token_ids": [5, 9, 13, 17, 21, 25, 29, 3 + i]},
                            greedy, client_group="big")
