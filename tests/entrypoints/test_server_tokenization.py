@@ -164,3 +164,15 @@ def test_openapi_documents_the_routes_with_their_key(server):
         operation = doc["paths"][path][method]
         assert set(operation["responses"]) == statuses, path
         assert operation["security"] == [{"bearer": []}]
+
+
+def test_without_a_tokenizer_the_routes_are_a_named_400(base_dir):
+    with running_server(base_dir, "--skip-tokenizer-init") as (_, url):
+        http = httpx.Client(base_url=url, timeout=60)
+        for method, route, body, param in [
+                ("POST", "/tokenize", {"prompt": "hi"}, "prompt"),
+                ("POST", "/tokenize", {"messages": MESSAGES}, "messages"),
+                ("POST", "/detokenize", {"tokens": [1]}, "tokens"),
+                ("GET", "/tokenizer_info", None, None)]:
+            error = _error(http.request(method, route, json=body), 400, param)
+            assert "without" in error["message"] and "tokenizer" in error["message"]
