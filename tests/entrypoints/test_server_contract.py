@@ -26,7 +26,8 @@ SURROGATE = "bad\udcffname"    # what an undecodable command-line byte becomes i
 ROUTES = {("get", "/health"), ("get", "/version"), ("get", "/metrics"),
           ("get", "/v1/models"), ("get", "/v1/models/{model_id}"),
           ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
-          ("post", "/v1/load_lora_adapter"), ("post", "/v1/unload_lora_adapter")}
+          ("post", "/v1/load_lora_adapter"), ("post", "/v1/unload_lora_adapter"),
+          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info")}
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +172,14 @@ def test_openapi_lists_the_real_statuses_and_content_types(contract):
     assert statuses[("post", "/v1/load_lora_adapter")] == {"200", "400", "403", "404",
                                                            "503", "504"} | v1
     assert statuses[("post", "/v1/unload_lora_adapter")] == {"200", "400", "404", "503"} | v1
+    for route in (("post", "/tokenize"), ("post", "/detokenize")):
+        assert statuses[route] == {"200", "400", "404"} | v1
+    assert statuses[("get", "/tokenizer_info")] == {"200", "400"} | v1
     assert set(ops[("get", "/metrics")]["responses"]["200"]["content"]) == {"text/plain"}
     assert "content" not in ops[("get", "/health")]["responses"]["200"]
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
     for route, op in ops.items():
-        assert ("security" in op) == route[1].startswith("/v1")
+        assert ("security" in op) == (route[1].startswith("/v1") or "token" in route[1])
         for status, response in op["responses"].items():
             if int(status) >= 400:
                 assert response["content"] == {"application/json": {"schema": error_ref}}

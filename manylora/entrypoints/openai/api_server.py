@@ -3,9 +3,11 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
 ``GET /v1/models/{id}``),
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (with
-``--enable-lora-runtime-updates``), ``GET /health``, ``GET /version``, ``GET /metrics``.
-Every ``/v1`` route wants ``Authorization: Bearer <key>`` when API keys are set; ``/health``,
-``/version`` and ``/metrics`` stay open. Errors have OpenAI's shape
+``--enable-lora-runtime-updates``), vLLM's tokenizer routes ``POST /tokenize``,
+``POST /detokenize`` and ``GET /tokenizer_info``, ``GET /health``, ``GET /version``,
+``GET /metrics``. Every ``/v1`` route and the tokenizer routes want ``Authorization: Bearer
+<key>`` when API keys are set (:func:`~manylora.entrypoints.openai.openapi.needs_key`);
+``/health``, ``/version`` and ``/metrics`` stay open. Errors have OpenAI's shape
 (``{"error": {"message", "type", "param", "code"}}``); bad input is never a 500. Every
 status a route answers is in ``GET /openapi.json`` (``openapi.py``); a method a path does
 not serve gets 405 with ``Allow``, an unknown path 404, both in OpenAI's shape. Bodies
@@ -31,7 +33,7 @@ import manylora
 from manylora.engine.async_llm import AsyncLLM
 from manylora.entrypoints.openai.encoding import SafeJSONResponse, safe_text
 from manylora.entrypoints.openai.errors import OpenAIError, too_large
-from manylora.entrypoints.openai.openapi import errors, install_openapi, sse_content
+from manylora.entrypoints.openai.openapi import errors, install_openapi, needs_key, sse_content
 from manylora.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,6 +41,13 @@ from manylora.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+)
+from manylora.entrypoints.openai.protocol_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenizerInfoResponse,
 )
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -48,6 +57,7 @@ from manylora.entrypoints.openai.serving_models import (
     ModelList,
     OpenAIServingModels,
 )
+from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
 
@@ -150,15 +160,16 @@ def _replay(first: dict, receive):
 
 
 class AuthMiddleware:
-    """ASGI middleware: with ``keys``, every ``/v1`` route wants ``Authorization: Bearer
-    <key>`` (compared in constant time) and answers 401 otherwise."""
+    """ASGI middleware: with ``keys``, every route :func:`needs_key` names (``/v1``, the
+    tokenizer routes) wants ``Authorization: Bearer <key>`` (compared in constant time) and
+    answers 401 otherwise."""
 
     def __init__(self, app, keys: tuple[str, ...]) -> None:
         self.app = app
         self.keys = tuple(k.encode() for k in keys)
 
     async def __call__(self, scope, receive, send) -> None:
-        if (self.keys and scope["type"] == "http" and scope["path"].startswith("/v1")
+        if (self.keys and scope["type"] == "http" and needs_key(scope["path"])
                 and not self._authorized(dict(scope.get("headers") or ()))):
             error = OpenAIError(401, "a valid API key is needed: 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key")
@@ -213,19 +224,20 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         config: keys, body limit, runtime adapter updates, chat template, choices bound.
         registry: the Prometheus registry ``GET /metrics`` renders.
 
-    The app's ``state.prompt_tokenizer`` is the tokenization worker both endpoints share.
+    The app's ``state.prompt_tokenizer`` is the tokenization worker every endpoint shares.
     """
     app = FastAPI(title="manylora", version=manylora.__version__,
                   description="OpenAI-compatible completions and chat over one base model "
                               "and many LoRA adapters.",
                   default_response_class=SafeJSONResponse)
-    # one tokenization worker for both endpoints (a tokenizer is not used by two threads)
+    # one tokenization worker for every endpoint (a tokenizer is not used by two threads)
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
     completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
                                           max_choices=config.max_choices_per_request)
     chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
                              max_choices=config.max_choices_per_request)
+    tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
@@ -296,6 +308,18 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=errors(400))
+    async def get_tokenizer_info() -> dict:
+        return tokenization.tokenizer_info()
 
     if config.enable_lora_runtime_updates:
         @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,

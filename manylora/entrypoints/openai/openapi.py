@@ -5,8 +5,8 @@ answers differently: request validation errors are 400 (as OpenAI's API and vLLM
 them), and the middlewares and handlers answer 401 (API key), 413 (body size), 403, 404 and
 503. This module holds, per route, the statuses the server really answers, every error body
 being :class:`~manylora.entrypoints.openai.errors.ErrorResponse`, and rewrites the document:
-no 422 anywhere (never answered), and with API keys a Bearer security scheme on the ``/v1``
-routes (401 documented there only then).
+no 422 anywhere (never answered), and with API keys a Bearer security scheme on the routes
+that want the key (:func:`needs_key`; 401 documented there only then).
 
 Statuses not documented, on purpose: 405 (answered for a method a path does not serve, with
 ``Allow``, to an operation the document does not list), 404 for an unknown path, and 499
@@ -24,7 +24,17 @@ from pydantic.json_schema import models_json_schema
 
 from manylora.entrypoints.openai.errors import ErrorResponse
 
-__all__ = ["errors", "install_openapi", "sse_content"]
+__all__ = ["KEYED_PATHS", "errors", "install_openapi", "needs_key", "sse_content"]
+
+#: Routes outside ``/v1`` that want the API key too: vLLM's tokenizer routes (they name
+#: the served adapters and do tokenizer work on request).
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
+
+def needs_key(path: str) -> bool:
+    """Whether the route at ``path`` wants ``Authorization: Bearer <key>`` when the server
+    has API keys: every ``/v1`` route and :data:`KEYED_PATHS`."""
+    return path.startswith("/v1") or path in KEYED_PATHS
 
 _WHY = {
     400: "Invalid request: a malformed body, a parameter of the wrong type or out of range, "
@@ -104,7 +114,7 @@ def _document(app: FastAPI, api_keys: bool,
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            if api_keys and path.startswith("/v1"):
+            if api_keys and needs_key(path):
                 operation["security"] = [{"bearer": []}]
                 responses["401"] = {"description": _WHY[401]}
             for status, response in responses.items():

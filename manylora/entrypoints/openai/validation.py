@@ -149,13 +149,29 @@ class RequestModel(BaseModel):
         return value
 
 
+def _model_tags() -> frozenset[str]:
+    """The names of every :class:`RequestModel` subclass: pydantic's tag for a model that
+    is a member of a union (a body that is one of several models, as ``/tokenize``'s)."""
+    names, pending = set(), [RequestModel]
+    while pending:
+        for sub in pending.pop().__subclasses__():
+            names.add(sub.__name__)
+            pending.append(sub)
+    return frozenset(names)
+
+
 def _param(loc: Sequence[Any]) -> tuple[str | None, int]:
     """OpenAI's form of a field's path (``messages[0].content``) from a pydantic location
-    without its source (``body``, ``path``, ``query``), stopping at a union member's tag;
-    and how many parts of ``loc`` it took."""
+    without its source (``body``, ``path``, ``query``), passing over a model's union tag
+    (its class name) and stopping at another union member's tag; and how many parts of
+    ``loc`` it took."""
     out = ""
     taken = 0
+    models = _model_tags()
     for part in loc:
+        if isinstance(part, str) and part in models:
+            taken += 1
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         elif str(part) in _UNION_TAGS or _UNION_TAG_CHARS.intersection(str(part)):
