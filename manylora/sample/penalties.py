@@ -116,10 +116,9 @@ def penalize_logits(logits: torch.Tensor, inputs: PenaltyInputs,
     sub = logits.index_select(0, index).to(torch.float32)
     rows = _to(inputs.allowed_rows, device)
     if rows.numel():
-        keep = torch.zeros(n_rows, vocab, dtype=torch.bool, device=device)
-        keep[rows] = True
+        keep = torch.ones(n_rows, vocab, dtype=torch.bool, device=device)
+        keep[rows] = False
         allowed = _to(inputs.allowed_index, device)
-        keep[allowed[:, 0]] = False
         keep[allowed[:, 0], allowed[:, 1]] = True
         sub.masked_fill_(~keep, float("-inf"))
     if inputs.bias_value.size:

@@ -94,6 +94,7 @@ CASES = {
     "repetition below 1": dict(rep=0.6),
     "logit_bias": dict(bias={3: 5.0, 7: -100.0, 49: 100.0}),
     "allowed": dict(allowed=[1, 4, 9, 16, 25]),
+    "allowed on some rows": dict(freq=0.3),
     "all together": dict(pres=0.5, freq=-0.4, rep=1.7, bias={4: 2.5, 0: -3.0},
                          allowed=[0, 4, 8, 12, 40]),
 }
@@ -105,6 +106,9 @@ def test_matches_float64_reference(name):
     logits = torch.randn(7, V, generator=gen) * 3
     raw = logits.clone()
     rows = _random_rows(gen, 7, **CASES[name])
+    if name == "allowed on some rows":
+        for i in list(rows)[::2]:
+            rows[i]["allowed"] = [2, 3, 5]
     got = penalize_logits(logits, _inputs(rows), None)
     assert torch.equal(logits, raw), "the raw logits (for log-probabilities) stay as they are"
     ref = _reference(raw, rows)
