@@ -162,3 +162,23 @@ def test_normalization_and_vocabulary_check():
         p.verify_token_ids(12)
     with pytest.raises(ValueError, match=r"allowed_token_ids holds token ids \[-1\]"):
         SamplingParams(allowed_token_ids=[-1, 2]).verify_token_ids(10)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_reference_with_in_flight_tokens():
+    """On CUDA (pinned host arrays, non-blocking copies) the processed logits equal the
+    float64 reference, with every processor and an in-flight output token."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(9, V, generator=gen) * 2
+    rows = _random_rows(gen, 9, **CASES["all together"])
+    for i in list(rows)[::2]:
+        rows[i]["allowed"] = None
+    for r in rows.values():
+        r["output"].append(13)
+    prev_rows = {i: 1 for i in rows}
+    got = penalize_logits(logits.cuda(), _inputs(rows, prev_rows),
+                          torch.tensor([0, 13], device="cuda"))
+    ref = _reference(logits, rows)
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(got.cpu()))
+    torch.testing.assert_close(got.cpu().double()[finite], ref[finite], rtol=1e-5, atol=1e-4)
