@@ -81,6 +81,24 @@ class SamplingParams:
             ``CompletionOutput.logprobs``.
         output_kind: which outputs the request reports while it runs
             (:class:`RequestOutputKind`; default ``CUMULATIVE``).
+        presence_penalty: subtracted from the logit of every token the request has
+            generated at least once (its output tokens, not the prompt). ``[-2, 2]``; 0 is
+            off.
+        frequency_penalty: subtracted from a token's logit once per time the request has
+            generated it. ``[-2, 2]``; 0 is off.
+        repetition_penalty: a token seen in the prompt or the output has its logit divided
+            by it when positive and multiplied by it otherwise (the CTRL paper's penalty,
+            Keskar et al. 2019, as vLLM applies it). ``> 0``; 1 is off.
+        logit_bias: ``{token_id: bias}`` added to those logits before the penalties; biases
+            in ``[-100, 100]``, ids in the vocabulary (checked by :meth:`verify_token_ids`).
+            Normalized to ``dict[int, float]``; None or ``{}`` is off.
+        allowed_token_ids: only these tokens may be sampled (every other logit is
+            ``-inf``); a non-empty list of ids in the vocabulary. None is off.
+
+    The penalties, ``logit_bias`` and ``allowed_token_ids`` change the logits the token is
+    sampled (or argmax-ed) from, as vLLM v1's sampler: ``allowed_token_ids`` mask, then
+    ``logit_bias``, then repetition, frequency and presence penalties, then temperature and
+    the filters. Log-probabilities stay those of the raw logits.
 
     Treat instances as values: do not mutate them after construction (validation only runs
     in ``__post_init__``).
@@ -105,6 +123,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -121,7 +144,10 @@ class SamplingParams:
                 string is empty or not a str; a stop token id is not an int; ``seed`` is not
                 None and not an int; ``logprobs`` is not None and not an int in
                 ``[0, MAX_LOGPROBS]``; ``output_kind`` is not a
-                ``RequestOutputKind``.
+                ``RequestOutputKind``; ``presence_penalty`` or ``frequency_penalty`` is not
+                in ``[-2, 2]``; ``repetition_penalty`` is not finite and ``> 0``;
+                ``logit_bias`` is not a mapping of int ids to biases in ``[-100, 100]``;
+                ``allowed_token_ids`` is empty or holds a non-int.
         """
         # n
         if not _is_int(self.n):
@@ -224,9 +250,77 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"output_kind={self.output_kind!r}.")
+        self._check_processors()
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+
+    def _check_processors(self) -> None:
+        """Normalize and validate the penalties, ``logit_bias`` and ``allowed_token_ids``
+        (ranges as vLLM's ``SamplingParams._verify_args``; see ``__post_init__``)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = self._as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {name}={value}.")
+            setattr(self, name, value)
+        rep = self._as_float("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(rep) and rep > 0.0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, "
+                             f"got repetition_penalty={rep}.")
+        self.repetition_penalty = rep
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                                 f"logit_bias={self.logit_bias!r}.")
+            bias: dict[int, float] = {}
+            for key, value in self.logit_bias.items():
+                tok = key
+                if isinstance(key, str) and key.lstrip("-").isdigit():
+                    tok = int(key)          # JSON object keys are strings
+                if not _is_int(tok):
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}.")
+                b = self._as_float(f"logit_bias[{key!r}]", value)
+                if not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got "
+                                     f"logit_bias[{key!r}]={b}.")
+                bias[int(tok)] = b
+            self.logit_bias = bias or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if _is_int(ids) or isinstance(ids, str | bytes | dict):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got "
+                                 f"allowed_token_ids={ids!r}.")
+            ids = list(ids)
+            if not ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every "
+                                 "token).")
+            bad = [t for t in ids if not _is_int(t)]
+            if bad:
+                raise ValueError(f"allowed_token_ids must be ints, got {bad[:5]!r}.")
+            self.allowed_token_ids = [int(t) for t in ids]
+
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """Check that ``logit_bias`` and ``allowed_token_ids`` name tokens of a vocabulary
+        of ``vocab_size`` (vLLM checks them in its input processor, where the vocabulary is
+        known; the engine core calls this when a request is added).
+
+        Raises:
+            ValueError: naming the field and the ids outside ``[0, vocab_size)``.
+        """
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"{name} holds token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab_size}).")
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """True when a penalty, ``logit_bias`` or ``allowed_token_ids`` changes the logits
+        (the sampler's penalty path runs only for such rows)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
 
     @staticmethod
     def _as_float(name: str, value: object) -> float:

@@ -66,6 +66,8 @@ class NewRequestData(NamedTuple):
         num_computed_tokens: tokens whose K/V the cache holds before this step.
         lora_int_id: the adapter's id, 0 for the base model.
         sampling_params: the request's ``SamplingParams``.
+        num_prompt_tokens: how many of ``all_token_ids`` are the prompt (the rest were
+            generated; the penalties count those); -1: all of them.
     """
 
     req_id: str
@@ -74,6 +76,7 @@ class NewRequestData(NamedTuple):
     num_computed_tokens: int
     lora_int_id: int
     sampling_params: SamplingParams
+    num_prompt_tokens: int = -1
 
 
 class CachedRequestData(NamedTuple):
@@ -377,7 +380,8 @@ class Scheduler:
             sent = sent_blocks.get(rid)
             if sent is None:
                 new_reqs.append(NewRequestData(rid, req.token_ids, list(table), s.start,
-                                               req.lora_int_id, req.sampling_params))
+                                               req.lora_int_id, req.sampling_params,
+                                               req.num_prompt_tokens))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(table[sent:] if len(table) > sent else [])

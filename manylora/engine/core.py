@@ -244,7 +244,8 @@ class EngineCore:
         the new one. ``end_session`` frees what the session holds.
 
         Raises:
-            ValueError: an empty prompt, ids outside the vocabulary, a prompt (with its
+            ValueError: an empty prompt, ids outside the vocabulary (prompt, logit_bias,
+                allowed_token_ids), a prompt (with its
                 session's history) that leaves no room to generate within max_model_len, a
                 duplicate id, a session with a turn still in flight, a LoRA request while
                 LoRA is off, or an adapter that cannot be served as far as its config shows
@@ -266,6 +267,8 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab]
             raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {vocab})")
+        if params is not None:
+            params.verify_token_ids(vocab)
         history: list[int] = []
         if session_id is not None:
             if not isinstance(session_id, str) or not session_id:

@@ -31,6 +31,7 @@ from manylora.lora.punica import default_schedule, fill_lora_segment, lora_kerne
 from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
 from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
+from manylora.sample.penalties import PenaltyInputs
 from manylora.sampling_params import SamplingParams
 from manylora.worker.block_table import BlockTable
 from manylora.worker.step_inputs import (
@@ -55,6 +56,7 @@ class CachedRequestState:
         token_ids: its tokens while it holds no row (int32 numpy), None while it does.
         uid: a number no other state of this batch has (a request id can come back, as a
             new request, while a step sampled for the old one is in flight).
+        num_prompt_tokens: how many of its tokens are the prompt.
     """
 
     req_id: str
@@ -63,6 +65,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     token_ids: np.ndarray | None = None
     uid: int = 0
+    num_prompt_tokens: int = 0
 
 
 @dataclass
@@ -77,6 +80,8 @@ class SampleInfo:
         all_greedy, all_random, do_top_k, do_top_p, do_min_p: ``SamplingTensors`` flags.
         seeded: indices (into the sampled rows) of seeded random rows.
         logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
+        penalties: the logits processors' inputs of the sampled rows that use one
+            (``sample.penalties``); None when none does.
     """
 
     req_ids: list[str]
@@ -90,6 +95,7 @@ class SampleInfo:
     do_min_p: bool
     seeded: list[int]
     logprobs: list[tuple[int, int]]
+    penalties: PenaltyInputs | None = None
 
 
 class InputBatch:
@@ -113,7 +119,9 @@ class InputBatch:
         num_tokens: int64 ``[rows]``, tokens each row holds.
         lora_id: int64 ``[rows]``, each row's adapter id (0: base).
         temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
-            seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none).
+            seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none);
+            processed: bool ``[rows]``, the row uses a penalty, ``logit_bias`` or
+            ``allowed_token_ids``; num_prompt: int64 ``[rows]``, prompt tokens.
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
@@ -162,6 +170,8 @@ class InputBatch:
         self.greedy = grow(g("greedy"), bool, True)
         self.seeded = grow(g("seeded"), bool, False)
         self.logprobs = grow(g("logprobs"), np.int32, -1)
+        self.processed = grow(g("processed"), bool, False)
+        self.num_prompt = grow(g("num_prompt"), np.int64)
         self.block_table.grow(num_rows)
 
     @property
@@ -205,12 +215,17 @@ class InputBatch:
         self.min_p[row] = 0.0 if greedy else p.min_p
         self.seeded[row] = p.seed is not None and not greedy
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.processed[row] = p.uses_logits_processors
+        self.num_prompt[row] = state.num_prompt_tokens
         self.block_table.set_row(row, state.block_ids)
         self.row_of[state.req_id] = row
 
     def _add_new(self, new: NewRequestData) -> None:
+        n_prompt = new.num_prompt_tokens
         state = CachedRequestState(new.req_id, list(new.block_ids), new.lora_int_id,
-                                   new.sampling_params, uid=next(self._uids))
+                                   new.sampling_params, uid=next(self._uids),
+                                   num_prompt_tokens=(len(new.all_token_ids) if n_prompt < 0
+                                                      else n_prompt))
         self.requests[new.req_id] = state
         self.pending.pop(new.req_id, None)
         row = self.row_of.get(new.req_id)
@@ -439,8 +454,48 @@ class InputBatch:
             do_top_p=bool((self.top_p[rows][random] < 1.0).any()),
             do_min_p=bool((self.min_p[rows][random] > 0.0).any()),
             seeded=np.nonzero(self.seeded[rows])[0].tolist(),
-            logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]])
+            logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]],
+            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]))
         return StepInputs(layout, data), info
+
+    def _penalty_inputs(self, req_ids: list[str], rows: np.ndarray,
+                        prev: np.ndarray) -> PenaltyInputs | None:
+        """The ``PenaltyInputs`` of the sampled rows (``rows``, their ids, and ``prev``:
+        each one's index in the previous step's samples, -1 when its tokens are all on the
+        host) that use a logits processor; None, at the cost of one numpy ``any``, when
+        none does."""
+        which = np.nonzero(self.processed[rows])[0]
+        if not which.size:
+            return None
+        r = rows[which]
+        n_tok = self.num_tokens[r]
+        width = max(1, int(n_tok.max()))
+        tokens = self.token_ids[r, :width].astype(np.int64)
+        tokens[np.arange(width)[None, :] >= n_tok[:, None]] = self.vocab_size
+        presence = np.zeros(which.size, np.float32)
+        frequency = np.zeros(which.size, np.float32)
+        repetition = np.ones(which.size, np.float32)
+        bias_index: list[tuple[int, int]] = []
+        bias_value: list[float] = []
+        allowed_index: list[tuple[int, int]] = []
+        allowed_rows: list[int] = []
+        for j, i in enumerate(which.tolist()):
+            p = self.requests[req_ids[i]].sampling_params
+            presence[j], frequency[j] = p.presence_penalty, p.frequency_penalty
+            repetition[j] = p.repetition_penalty
+            if p.logit_bias:
+                bias_index.extend((j, t) for t in p.logit_bias)
+                bias_value.extend(p.logit_bias.values())
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(j)
+                allowed_index.extend((j, t) for t in p.allowed_token_ids)
+        return PenaltyInputs(
+            which.astype(np.int64), tokens, self.num_prompt[r].copy(), n_tok.copy(),
+            prev[which].astype(np.int64), presence, frequency, repetition,
+            np.asarray(bias_index, np.int64).reshape(-1, 2),
+            np.asarray(bias_value, np.float32),
+            np.asarray(allowed_index, np.int64).reshape(-1, 2),
+            np.asarray(allowed_rows, np.int64))
 
     def _token_slots(self, seq_rows: np.ndarray, query_lens: np.ndarray,
                      lora_slots: Mapping[int, int]) -> np.ndarray | None:

@@ -49,6 +49,7 @@ from manylora.ops.lora_cost_model import (
     gpu_model,
     graph_block_m,
 )
+from manylora.sample.penalties import penalize_logits
 from manylora.sample.sampler import (
     SampledTokens,
     Sampler,
@@ -210,7 +211,10 @@ class ModelRunner:
                                   info.all_greedy, info.all_random, info.do_top_k,
                                   info.do_top_p, info.do_min_p)
         generators = {i: self._generator(info.req_ids[i]) for i in info.seeded}
-        sampled = self.sampler.sample(logits, tensors, generators)
+        sample_logits = logits
+        if info.penalties is not None:
+            sample_logits = penalize_logits(logits, info.penalties, self._prev_sampled)
+        sampled = self.sampler.sample(sample_logits, tensors, generators)
         if self.on_sampled is not None:
             self.on_sampled(sampled)
         self._prev_sampled = sampled
