@@ -318,6 +318,19 @@ class CacheConfig:
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
+def check_fairness(scheduling_policy: str, max_group_share: float) -> None:
+    """Check the fair-sharing settings (``SchedulerConfig``'s, as ``EngineArgs`` takes them).
+
+    Raises:
+        ValueError: a policy not in ``SCHEDULING_POLICIES``, or a share outside (0, 1].
+    """
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                         f", got {scheduling_policy!r}")
+    if not 0.0 < max_group_share <= 1.0:
+        raise ValueError(f"max_group_share must be in (0, 1], got {max_group_share}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous-batching limits.
@@ -363,11 +376,7 @@ class SchedulerConfig:
                              f"{self.lora_new_adapters_per_step}")
         if self.lora_staging_slots < 0:
             raise ValueError(f"lora_staging_slots must be ≥ 0, got {self.lora_staging_slots}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
-                             f", got {self.scheduling_policy!r}")
-        if not 0.0 < self.max_group_share <= 1.0:
-            raise ValueError(f"max_group_share must be in (0, 1], got {self.max_group_share}")
+        check_fairness(self.scheduling_policy, self.max_group_share)
 
     @property
     def max_group_seqs(self) -> int:

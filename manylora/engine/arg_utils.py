@@ -9,7 +9,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, SCHEDULING_POLICIES
+from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, check_fairness
 
 
 @dataclass
@@ -143,11 +143,7 @@ class EngineArgs:
                              f"{self.lora_load_timeout}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
-                             f", got {self.scheduling_policy!r}")
-        if not 0.0 < self.max_group_share <= 1.0:
-            raise ValueError(f"max_group_share must be in (0, 1], got {self.max_group_share}")
+        check_fairness(self.scheduling_policy, self.max_group_share)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -26,14 +26,13 @@ class TiledPlan(NamedTuple):
     Attributes:
         grid: the launch grid.
         constexprs: the compile-time constants (with ``num_warps``): what selects a compiled
-            specialization, with the dtypes and the run-time ints' divisibility.
-        k_per_split: shrink only: the ``in`` columns each split-K program reduces.
+            specialization, with the dtypes and the run-time ints' divisibility; the
+            shrink's ``K_PER_SPLIT`` (the ``in`` columns each split-K program reduces).
         n_tiles: expand only: output tiles per row tile.
     """
 
     grid: tuple[int, ...]
     constexprs: dict
-    k_per_split: int = 0
     n_tiles: int = 0
 
 
@@ -61,8 +60,7 @@ def tiled_shrink_plan(num_tiles: int, block_m: int, k: int, max_rank: int, num_s
     split, k_per_split = _split_k(k, block_k, max(num_tiles, 1) * r_tiles * num_slices)
     return TiledPlan((num_tiles * r_tiles, split, num_slices),
                      dict(K_PER_SPLIT=k_per_split, R=max_rank, BLOCK_M=block_m, BLOCK_R=block_r,
-                          BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=dot_fp32, num_warps=4),
-                     k_per_split)
+                          BLOCK_K=block_k, ATOMIC=split > 1, DOT_FP32=dot_fp32, num_warps=4))
 
 
 def tiled_expand_plan(num_tiles: int, block_m: int, max_n: int, max_rank: int,
