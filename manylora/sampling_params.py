@@ -8,6 +8,8 @@ import math
 import operator
 from dataclasses import dataclass
 
+from manylora.structured_params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 # A temperature below this samples greedily (argmax), as in vLLM.
@@ -94,6 +96,9 @@ class SamplingParams:
             Normalized to ``dict[int, float]``; None or ``{}`` is off.
         allowed_token_ids: only these tokens may be sampled (every other logit is
             ``-inf``); a non-empty list of ids in the vocabulary. None is off.
+        structured_outputs: the constraint the output must satisfy
+            (:class:`~manylora.structured_params.StructuredOutputsParams`: a JSON schema,
+            regex, choice, grammar, any JSON object), or None.
 
     The penalties, ``logit_bias`` and ``allowed_token_ids`` change the logits the token is
     sampled (or argmax-ed) from, as vLLM v1's sampler: ``allowed_token_ids`` mask, then
@@ -128,6 +133,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -251,6 +257,10 @@ class SamplingParams:
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"output_kind={self.output_kind!r}.")
         self._check_processors()
+        if (self.structured_outputs is not None
+                and not isinstance(self.structured_outputs, StructuredOutputsParams)):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)

@@ -269,6 +269,8 @@ class EngineCore:
                              f"[0, {vocab})")
         if params is not None:
             params.verify_token_ids(vocab)
+            if params.structured_outputs is not None:
+                raise ValueError("structured_outputs is not supported by this engine yet")
         history: list[int] = []
         if session_id is not None:
             if not isinstance(session_id, str) or not session_id:
