@@ -81,6 +81,12 @@ class SamplingParams:
             model distribution ``log_softmax(logits)`` before temperature, top-k, top-p and
             min-p (vLLM v1's default ``logprobs_mode="raw_logprobs"``). See
             ``CompletionOutput.logprobs``.
+        prompt_logprobs: None (default) returns none; ``N`` in ``[0, 20]`` returns, for
+            every prompt token but the first, its log-probability given the tokens before
+            it (the raw ``log_softmax`` of the prefill's logits under the request's
+            adapter), its rank and the ``N`` most likely tokens at that position; the first
+            token's entry is None (``RequestOutput.prompt_logprobs``, vLLM's meaning).
+            vLLM's ``-1`` (the whole vocabulary) is refused.
         output_kind: which outputs the request reports while it runs
             (:class:`RequestOutputKind`; default ``CUMULATIVE``).
         presence_penalty: subtracted from the logit of every token the request has
@@ -127,6 +133,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -149,7 +156,8 @@ class SamplingParams:
                 and below 1; ``min_tokens`` is negative or above ``max_tokens``; a stop
                 string is empty or not a str; a stop token id is not an int; ``seed`` is not
                 None and not an int; ``logprobs`` is not None and not an int in
-                ``[0, MAX_LOGPROBS]``; ``output_kind`` is not a
+                ``[0, MAX_LOGPROBS]``; ``prompt_logprobs`` likewise (-1, vLLM's whole
+                vocabulary, is refused by name); ``output_kind`` is not a
                 ``RequestOutputKind``; ``presence_penalty`` or ``frequency_penalty`` is not
                 in ``[-2, 2]``; ``repetition_penalty`` is not finite and ``> 0``;
                 ``logit_bias`` is not a mapping of int ids to biases in ``[-100, 100]``;
@@ -253,6 +261,7 @@ class SamplingParams:
                     f"got logprobs={self.logprobs}."
                 )
 
+        self._check_prompt_logprobs()
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got "
                              f"output_kind={self.output_kind!r}.")
@@ -264,6 +273,23 @@ class SamplingParams:
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
+
+    def _check_prompt_logprobs(self) -> None:
+        """Validate ``prompt_logprobs`` (see ``__post_init__``)."""
+        value = self.prompt_logprobs
+        if value is None:
+            return
+        if not _is_int(value):
+            raise ValueError(f"prompt_logprobs must be an int or None, got "
+                             f"prompt_logprobs={value!r}.")
+        value = int(value)
+        if value == -1:
+            raise ValueError(f"prompt_logprobs=-1 (the whole vocabulary) is not supported; "
+                             f"ask for at most {MAX_LOGPROBS}.")
+        if not 0 <= value <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}] (or None), "
+                             f"got prompt_logprobs={value}.")
+        self.prompt_logprobs = value
 
     def _check_processors(self) -> None:
         """Normalize and validate the penalties, ``logit_bias`` and ``allowed_token_ids``

@@ -9,7 +9,8 @@ adapter gets a free slot prefers adapters already resident and ages the others (
 ``Scheduler``).
 
 A request joining the batch starts from the longest prefix the KV cache already holds
-under its adapter (prefix caching), or from the KV its session kept since its last turn.
+under its adapter (prefix caching), or from the KV its session kept since its last turn;
+a request that still owes prompt log-probabilities takes neither and computes its prompt.
 When blocks run out, idle sessions give theirs back first (least recently used), then the
 newest running request is preempted: it keeps its tokens and gives back its blocks, whose
 full ones stay in the prefix cache, or in swap space when copying them is cheaper than
@@ -28,7 +29,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from manylora.config import SchedulerConfig
-from manylora.core.kv_cache_manager import KVCacheManager, SwapOp
+from manylora.core.kv_cache_manager import KVCacheManager, PrefixHit, SwapOp
 from manylora.core.sessions import Session, SessionTable
 from manylora.core.waiting_queue import AdapterQueue
 from manylora.engine.request import Request, RequestStatus
@@ -270,8 +271,10 @@ class Scheduler:
             sess = self.sessions.begin(request)
             turn = sess.last_turn
             if turn is not None and (turn.lora_digest != request.lora_digest
-                                     or request.adapter_pending):     # (no digest yet)
-                self._release_session_kv(sess)    # KV of another adapter: recompute
+                                     or request.adapter_pending       # (no digest yet)
+                                     or request.needs_prompt_logprobs):
+                self._release_session_kv(sess)    # KV of another adapter, or prompt
+                #                                   log-probabilities to compute: recompute
         self.requests[request.request_id] = request
         self._order[request.request_id] = next(self._seq)
         self._since[request.request_id] = self._step
@@ -539,7 +542,9 @@ class Scheduler:
                 return None
             self.sessions.released(sess)
         else:
-            hit = kv.lookup(req)
+            # prompt log-probabilities still owed: compute the whole prompt (vLLM v1 skips
+            # the prefix-cache lookup for such requests too)
+            hit = PrefixHit([], []) if req.needs_prompt_logprobs else kv.lookup(req)
             computed = hit.num_blocks() * kv.block_size
             n = min(req.num_tokens - computed, budget)
             if not kv.allocate_with_prefix(rid, computed + n, hit):

@@ -520,6 +520,8 @@ class EngineCore:
         """Read a launched step's tokens, record them and apply the token-level stops."""
         sampled = self.runner.get_output(launched)
         got = self.scheduler.update(out, sampled.tokens)
+        prompt = self._new_prompt_logprobs(sampled.prompt_logprobs) \
+            if sampled.prompt_logprobs else {}
         outputs = []
         finished: dict[RequestStatus, list[str]] = {}
         for req in got:
@@ -532,10 +534,31 @@ class EngineCore:
                 reason = _FINISH[status]
             outputs.append(EngineCoreOutput(rid, [req.token_ids[-1]],
                                             None if lp is None else [lp], reason,
-                                            req.stop_reason))
+                                            req.stop_reason,
+                                            new_prompt_logprobs=prompt.pop(rid, None)))
+        outputs.extend(EngineCoreOutput(rid, [], new_prompt_logprobs=p)
+                       for rid, p in prompt.items())
         for status, ids in finished.items():
             self._finish(ids, status)
         return outputs
+
+    def _new_prompt_logprobs(self, computed: dict) -> dict:
+        """``{request_id: PromptLogprobs}`` of a step's prompt log-probabilities that are
+        new: those of requests still unfinished, cut to the positions not reported yet (a
+        preempted request computes its prompt again), each request's
+        ``prompt_logprobs_next`` advanced past them."""
+        new = {}
+        requests = self.scheduler.requests
+        for rid, chunk in computed.items():
+            req = requests.get(rid)
+            if req is None:
+                continue
+            chunk = chunk.drop_before(req.prompt_logprobs_next)
+            if chunk is None or chunk.start != req.prompt_logprobs_next:
+                continue
+            req.prompt_logprobs_next = chunk.start + len(chunk)
+            new[rid] = chunk
+        return new
 
     def _poll_adapters(self) -> list[EngineCoreOutput]:
         """Take in the loader threads' work: adapters whose first read finished give their

@@ -13,6 +13,9 @@ incomplete UTF-8 tail).
 With ``SamplingParams.logprobs`` set, each token's :class:`TokenLogprobs` becomes one
 ``{token_id: Logprob}`` dict (sampled token first, then the top N, as vLLM's
 ``LogprobsProcessor``), and the sampled log-probabilities add up in ``cumulative_logprob``.
+With ``SamplingParams.prompt_logprobs`` the core's prompt chunks (arrays) become the same
+dicts, the prompt token first, after a None for the first prompt token
+(``RequestOutput.prompt_logprobs``); a chunk without a new token reports nothing yet.
 
 Per step the work is O(new tokens) per request, except what the request's
 ``output_kind`` asks for: ``CUMULATIVE`` copies the whole output into each
@@ -31,6 +34,7 @@ from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from manylora.engine.protocol import EngineCoreOutput, FinishReason
 from manylora.engine.stats import FinishedRequestStats, IterationStats
 from manylora.lora.request import LoRARequest
+from manylora.sample.prompt_logprobs import PromptLogprobs
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import RequestOutputKind, SamplingParams
 
@@ -55,6 +59,9 @@ class RequestState:
         text: its text so far, as the user sees it (stop string cut off).
         logprobs, cumulative_logprob: the per-token dicts and their running sum when
             ``SamplingParams.logprobs`` is set, None otherwise.
+        prompt_logprobs: ``[None, {token_id: Logprob}, ...]`` so far when
+            ``SamplingParams.prompt_logprobs`` is set, None otherwise;
+            prompt_logprobs_sent: whether a ``DELTA`` output carried them already.
         finish_reason, stop_reason: set when it ended.
         error: the core's error when it ended with ``"error"``, else None.
         arrival_time: when the front accepted it (``time.monotonic``, seconds).
@@ -83,6 +90,9 @@ class RequestState:
         wants = params.logprobs is not None
         self.logprobs: list[dict[int, Logprob]] | None = [] if wants else None
         self.cumulative_logprob: float | None = 0.0 if wants else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if params.prompt_logprobs is None else [None])
+        self.prompt_logprobs_sent = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_sent_tokens = 0
@@ -109,10 +119,15 @@ class RequestState:
         else:
             tokens = list(tokens)
             logprobs = None if logprobs is None else list(logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if kind is RequestOutputKind.DELTA and prompt_logprobs is not None:
+            prompt_logprobs = None if self.prompt_logprobs_sent else prompt_logprobs
+            self.prompt_logprobs_sent = True
         completion = CompletionOutput(0, text, tokens, self.finish_reason, self.stop_reason,
                                       self.lora_request, self.cumulative_logprob, logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finished, self.lora_request, self.error)
+                             finished, self.lora_request, self.error,
+                             None if prompt_logprobs is None else list(prompt_logprobs))
 
 
 class OutputProcessor:
@@ -187,6 +202,10 @@ class OutputProcessor:
             if state.logprobs is not None and lps is None and out.new_token_ids:
                 raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
                                  f"{out.new_token_ids} came without them")
+            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+                self._append_prompt_logprobs(state, out.new_prompt_logprobs)
+                if not out.new_token_ids and out.finish_reason is None:
+                    continue                   # a prefill chunk: nothing to report yet
             hit = False
             last = len(out.new_token_ids) - 1
             core_stop = out.finish_reason is FinishReason.STOP
@@ -254,6 +273,36 @@ class OutputProcessor:
                 entries[tid] = Logprob(value, rank, self._decode(tid))
         state.logprobs.append(entries)
         state.cumulative_logprob += lp.logprob
+
+    def _append_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobs) -> None:
+        """Add a prompt chunk's positions as ``{token_id: Logprob}`` dicts: the prompt
+        token first (its rank from the core), then the top K in order (ranks as
+        :meth:`_append_logprobs`).
+
+        Raises:
+            ValueError: the chunk does not continue the positions received so far.
+        """
+        have = len(state.prompt_logprobs)
+        if chunk.start != have:
+            raise ValueError(f"request {state.request_id!r}: prompt log-probabilities of "
+                             f"position {chunk.start} came after {have} positions")
+        ids = state.prompt_token_ids[chunk.start:chunk.start + len(chunk)]
+        for token, value, rank, top_ids, top_lps in zip(
+                ids, chunk.logprobs.tolist(), chunk.ranks.tolist(), chunk.topk_ids.tolist(),
+                chunk.topk_logprobs.tolist()):
+            state.prompt_logprobs.append(self._entries(token, value, rank, top_ids, top_lps))
+
+    def _entries(self, token: int, value: float, token_rank: int, top_ids: list[int],
+                 top_lps: list[float]) -> dict[int, Logprob]:
+        """One position's ``{token_id: Logprob}``: ``token`` first, then the top K."""
+        entries = {token: Logprob(value, token_rank, self._decode(token))}
+        rank = 1
+        for i, (tid, lp) in enumerate(zip(top_ids, top_lps)):
+            if i and lp < top_lps[i - 1]:
+                rank = i + 1
+            if tid not in entries:
+                entries[tid] = Logprob(lp, rank, self._decode(tid))
+        return entries
 
     def _decode(self, token_id: int) -> str | None:
         """One token's text alone, cached per id; None without a tokenizer."""

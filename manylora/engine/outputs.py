@@ -71,6 +71,12 @@ class RequestOutput:
             ``LoRAAdapterError`` naming the adapter and the problem, ``FileNotFoundError``,
             ...); None otherwise. ``LLM`` reports it per request; ``AsyncLLM.generate``
             raises it.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` N, one entry per prompt
+            token (vLLM's ``PromptLogprobs``): None for the first, then
+            ``{token_id: Logprob}`` with the prompt token first (its log-probability given
+            the tokens before it, under the request's adapter, and its rank), then the N
+            most likely tokens at that position; None unless asked. A ``DELTA`` request
+            gets them in its first output only.
     """
 
     request_id: str
@@ -80,3 +86,4 @@ class RequestOutput:
     finished: bool
     lora_request: LoRARequest | None = None
     error: Exception | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -24,6 +24,7 @@ from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.serial import ErrorInfo
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora.request import LoRARequest
+from manylora.sample.prompt_logprobs import PromptLogprobs
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import SamplingParams
 
@@ -89,6 +90,11 @@ class EngineCoreOutput:
             adapter's read failed: ``LoRAAdapterError`` for bad weights,
             ``FileNotFoundError`` for files gone, ...), raised again by the front as that
             class; else None.
+        new_prompt_logprobs: with ``SamplingParams.prompt_logprobs``, the prompt
+            log-probabilities of the positions this step computed (numpy arrays,
+            ``sample.prompt_logprobs.PromptLogprobs``; in position order over the steps,
+            none twice), else None. A prefill chunk that samples nothing reports them with
+            ``new_token_ids`` empty.
     """
 
     request_id: str
@@ -97,6 +103,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     error: ErrorInfo | None = None
+    new_prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

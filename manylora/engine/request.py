@@ -51,6 +51,10 @@ class Request:
         client_group: the fairness group: the requests one client call fanned out to (the
             server: the HTTP request's id, shared by its prompts x n children; one
             ``LLM.generate`` call); None: the request is a group of its own.
+        prompt_logprobs_next: the next prompt position whose prompt log-probability the
+            core reports (``SamplingParams.prompt_logprobs``; starts at 1, the first
+            position has none): entries of positions below it, computed again after a
+            preemption, are dropped.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
     """
@@ -73,6 +77,7 @@ class Request:
     num_output_placeholders: int = 0
     adapter_pending: bool = False
     client_group: str | None = None
+    prompt_logprobs_next: int = 1
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -84,6 +89,13 @@ class Request:
     def lora_int_id(self) -> int:
         """The adapter's id, 0 for the base model."""
         return self.lora_request.lora_int_id if self.lora_request else 0
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions whose log-probabilities were not reported yet remain
+        (then its prompt must be computed, not taken from the prefix cache)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.prompt_logprobs_next < self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -363,10 +363,14 @@ class SampledTokens(NamedTuple):
         tokens: ``{request_id: token_id}`` for every request that sampled this step.
         logprobs: ``{request_id: TokenLogprobs}`` for those of them whose
             ``SamplingParams.logprobs`` is not None (empty when none asked).
+        prompt_logprobs: ``{request_id: PromptLogprobs}``
+            (``sample.prompt_logprobs``) of the requests whose prompt positions the step
+            computed with ``SamplingParams.prompt_logprobs`` set (sampled or not).
     """
 
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
+    prompt_logprobs: dict = {}
 
 
 def compute_logprobs(

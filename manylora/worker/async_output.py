@@ -14,6 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from manylora.sample.prompt_logprobs import (
+    PromptLogprobs,
+    PromptLogprobsPlan,
+    unpack_prompt_logprobs,
+)
 from manylora.sample.sampler import (
     TokenLogprobs,
     pack_tokens_and_logprobs,
@@ -31,14 +36,26 @@ class AsyncSampledOutput:
         lp_rows: indices in ``[0, N)`` of the rows that asked for log-probabilities.
         lp_counts: their counts (``SamplingParams.logprobs``).
         copy_stream: the side stream of the device-to-host copy; None on the CPU.
+        prompt: float64, the step's packed prompt log-probabilities
+            (``sample.prompt_logprobs.compute_prompt_logprobs``), or None; appended to the
+            same copy.
+        prompt_plan: the plan they follow (None with ``prompt`` None).
+        vocab_size: V (the prompt log-probabilities' K is clamped to it).
 
     Raises:
         ValueError: ``lp_rows`` and ``lp_counts`` differ in length.
     """
 
     def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, lp_rows: Sequence[int],
-                 lp_counts: Sequence[int], copy_stream: torch.cuda.Stream | None) -> None:
+                 lp_counts: Sequence[int], copy_stream: torch.cuda.Stream | None,
+                 prompt: torch.Tensor | None = None,
+                 prompt_plan: PromptLogprobsPlan | None = None, vocab_size: int = 0) -> None:
         packed, self._k = pack_tokens_and_logprobs(logits, tokens, lp_rows, lp_counts)
+        self._prompt_plan, self._vocab_size = prompt_plan, vocab_size
+        self._prompt_size = 0
+        if prompt is not None:
+            self._prompt_size = prompt.shape[0]
+            packed = torch.cat([packed.to(torch.float64), prompt])
         self.num_tokens = tokens.shape[0]
         self.lp_rows = list(lp_rows)
         self._counts = list(lp_counts)
@@ -55,10 +72,21 @@ class AsyncSampledOutput:
         packed.record_stream(copy_stream)         # the compute stream may not reuse it early
         self._host = host
 
-    def result(self) -> tuple[list[int], list[TokenLogprobs]]:
-        """Wait for the copy; ``(token_ids, logprobs)``: the N sampled ids, and one
-        ``TokenLogprobs`` per entry of ``lp_rows``, in that order."""
+    def result(self) -> tuple[list[int], list[TokenLogprobs], dict[str, PromptLogprobs]]:
+        """Wait for the copy; ``(token_ids, logprobs, prompt_logprobs)``: the N sampled
+        ids, one ``TokenLogprobs`` per entry of ``lp_rows`` in that order, and the
+        ``{request_id: PromptLogprobs}`` of the prompt plan (empty without one)."""
         if self._event is not None:
             self._event.synchronize()
-        return unpack_tokens_and_logprobs(self._host.tolist(), self.num_tokens, self._counts,
-                                          self._k)
+        host = self._host
+        prompt: dict[str, PromptLogprobs] = {}
+        if self._prompt_size:
+            cut = host.shape[0] - self._prompt_size
+            prompt = unpack_prompt_logprobs(host[cut:].numpy(), self._prompt_plan,
+                                            self._vocab_size)
+            host = host[:cut]
+        tokens, logprobs = unpack_tokens_and_logprobs(host.tolist(), self.num_tokens,
+                                                      self._counts, self._k)
+        if self._prompt_size and not self._counts:
+            tokens = [int(t) for t in tokens]
+        return tokens, logprobs, prompt

@@ -32,6 +32,7 @@ from manylora.lora.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
 from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
 from manylora.sample.penalties import PenaltyInputs
+from manylora.sample.prompt_logprobs import PromptLogprobsPlan
 from manylora.sampling_params import SamplingParams
 from manylora.worker.block_table import BlockTable
 from manylora.worker.step_inputs import (
@@ -82,6 +83,8 @@ class SampleInfo:
         logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
         penalties: the logits processors' inputs of the sampled rows that use one
             (``sample.penalties``); None when none does.
+        prompt: the step's prompt log-probability rows (``sample.prompt_logprobs``); None
+            when no row computes any.
     """
 
     req_ids: list[str]
@@ -96,6 +99,7 @@ class SampleInfo:
     seeded: list[int]
     logprobs: list[tuple[int, int]]
     penalties: PenaltyInputs | None = None
+    prompt: PromptLogprobsPlan | None = None
 
 
 class InputBatch:
@@ -121,7 +125,8 @@ class InputBatch:
         temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
             seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none);
             processed: bool ``[rows]``, the row uses a penalty, ``logit_bias`` or
-            ``allowed_token_ids``; num_prompt: int64 ``[rows]``, prompt tokens.
+            ``allowed_token_ids``; num_prompt: int64 ``[rows]``, prompt tokens;
+            prompt_lp: int32 ``[rows]``, ``SamplingParams.prompt_logprobs`` (-1: none).
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
@@ -172,6 +177,7 @@ class InputBatch:
         self.logprobs = grow(g("logprobs"), np.int32, -1)
         self.processed = grow(g("processed"), bool, False)
         self.num_prompt = grow(g("num_prompt"), np.int64)
+        self.prompt_lp = grow(g("prompt_lp"), np.int32, -1)
         self.block_table.grow(num_rows)
 
     @property
@@ -217,6 +223,7 @@ class InputBatch:
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.processed[row] = p.uses_logits_processors
         self.num_prompt[row] = state.num_prompt_tokens
+        self.prompt_lp[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.block_table.set_row(row, state.block_ids)
         self.row_of[state.req_id] = row
 
@@ -363,10 +370,13 @@ class InputBatch:
         bucket = bucket_of(num_seqs) if num_tokens == num_seqs else None
         pending = self.block_table.num_pending()
         token_slots = self._token_slots(seq_rows, query_lens, lora_slots)
+        plan, prompt_rows, prompt_targets = self._prompt_rows(ids, seq_rows, starts,
+                                                              query_lens, query_start)
+        num_prompt_lp = 0 if prompt_rows is None else int(prompt_rows.size)
         if bucket is not None:
             probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
                                0, pending, num_sampled, 0, bucket, 0, int(late.size),
-                               lora_tiles=bucket)
+                               lora_tiles=bucket, num_prompt_lp=num_prompt_lp)
             if total_size(probe, self.max_loras) > buffers.capacity:
                 bucket = None     # a graph reads the persistent buffer only: run eagerly
         pad_tokens = num_tokens if bucket is None else bucket
@@ -385,7 +395,8 @@ class InputBatch:
         if pieces is not None:
             probe = StepLayout(pieces, num_seqs, int(tile_seq.size), num_decode, width,
                                int(token_slots is not None), 0, pending, num_sampled, 0, -1,
-                               0, int(late.size), pieces, lora_tiles=pieces)
+                               0, int(late.size), pieces, lora_tiles=pieces,
+                               num_prompt_lp=num_prompt_lp)
             if total_size(probe, self.max_loras) > buffers.capacity:
                 pieces = None     # a graph reads the persistent buffer only: run eagerly
             else:
@@ -417,7 +428,7 @@ class InputBatch:
             bucket=-1 if bucket is None else bucket,
             table_rows=self.num_rows, num_prev=int(late.size),
             pieces=-1 if pieces is None else pieces, lora_block_m=block_m,
-            lora_tiles=num_tiles)
+            lora_tiles=num_tiles, num_prompt_lp=num_prompt_lp)
         data = buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         _put(v["ids"], self.token_ids[token_rows, positions], 0)
@@ -443,6 +454,9 @@ class InputBatch:
         v["top_k"][:] = self.top_k[rows]
         v["top_p"][:] = self.top_p[rows]
         v["min_p"][:] = self.min_p[rows]
+        if num_prompt_lp:
+            v["prompt_rows"][:] = prompt_rows
+            v["prompt_targets"][:] = prompt_targets
         lp = self.logprobs[rows]
         req_ids = [ids[i] for i in sampled.tolist()]
         self._step += 1
@@ -455,8 +469,35 @@ class InputBatch:
             do_min_p=bool((self.min_p[rows][random] > 0.0).any()),
             seeded=np.nonzero(self.seeded[rows])[0].tolist(),
             logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]],
-            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]))
+            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]), prompt=plan)
         return StepInputs(layout, data), info
+
+    def _prompt_rows(self, ids: list[str], seq_rows: np.ndarray, starts: np.ndarray,
+                     query_lens: np.ndarray, query_start: np.ndarray
+                     ) -> tuple[PromptLogprobsPlan | None, np.ndarray | None,
+                                np.ndarray | None]:
+        """The step's prompt log-probability rows (``sample.prompt_logprobs``): for each
+        sequence whose request asks, the token rows of its chunk ``[s, s + n)`` at prompt
+        positions ``<= P - 2`` (their logits predict prompt tokens ``s + 1 ..``), and those
+        tokens. ``(plan, rows int64 [M], targets int64 [M])``; ``(None, None, None)``, at
+        the cost of one numpy ``nonzero``, when no row asks."""
+        asks = np.nonzero(self.prompt_lp[seq_rows] >= 0)[0]
+        if not asks.size:
+            return None, None, None
+        rows = seq_rows[asks]
+        lo = starts[asks]
+        counts = np.minimum(lo + query_lens[asks], self.num_prompt[rows] - 1) - lo
+        keep = counts > 0
+        if not keep.any():
+            return None, None, None
+        asks, rows, lo, counts = asks[keep], rows[keep], lo[keep], counts[keep]
+        total = int(counts.sum())
+        offset = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        step_rows = np.repeat(query_start[asks], counts) + offset
+        targets = self.token_ids[np.repeat(rows, counts), np.repeat(lo, counts) + offset + 1]
+        plan = PromptLogprobsPlan([ids[i] for i in asks.tolist()], (lo + 1).tolist(),
+                                  counts.tolist(), self.prompt_lp[rows].tolist())
+        return plan, step_rows, targets.astype(np.int64)
 
     def _penalty_inputs(self, req_ids: list[str], rows: np.ndarray,
                         prev: np.ndarray) -> PenaltyInputs | None:

@@ -50,6 +50,7 @@ from manylora.ops.lora_cost_model import (
     graph_block_m,
 )
 from manylora.sample.penalties import penalize_logits
+from manylora.sample.prompt_logprobs import compute_prompt_logprobs
 from manylora.sample.sampler import (
     SampledTokens,
     Sampler,
@@ -204,7 +205,12 @@ class ModelRunner:
             self.on_step(inputs)
         hidden, views = self.forward_step(inputs, self._prev_sampled)
         if not info.req_ids:
-            return None
+            if info.prompt is None:
+                return None
+            prompt = self.prompt_logprobs(hidden, inputs.layout, views, info)
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return LaunchedStep(info, AsyncSampledOutput(
+                empty, empty, [], [], self._copy_stream, prompt, info.prompt, self.vocab_size))
         logits = self.logits(hidden, inputs.layout, views)
         top_k = views["top_k"] if info.all_greedy else views["top_k"].long()
         tensors = SamplingTensors(views["temperature"], top_k, views["top_p"], views["min_p"],
@@ -218,9 +224,23 @@ class ModelRunner:
         if self.on_sampled is not None:
             self.on_sampled(sampled)
         self._prev_sampled = sampled
+        prompt = None
+        if info.prompt is not None:
+            prompt = self.prompt_logprobs(hidden, inputs.layout, views, info)
         return LaunchedStep(info, AsyncSampledOutput(
             sampled, logits, [i for i, _ in info.logprobs], [k for _, k in info.logprobs],
-            self._copy_stream))
+            self._copy_stream, prompt, info.prompt, self.vocab_size))
+
+    def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
+                        info: SampleInfo | None = None) -> torch.Tensor:
+        """float64, the packed prompt log-probabilities of the step's prompt rows
+        (``sample.prompt_logprobs.compute_prompt_logprobs``; ``layout.num_prompt_lp``
+        rows, K the largest ``prompt_logprobs`` of ``info.prompt``). Tensor-parallel
+        workers call it with ``info`` None (K 0): their logits all-gathers line up with
+        rank 0's, and the result is dropped."""
+        k = 0 if info is None or info.prompt is None else max(info.prompt.num_logprobs)
+        return compute_prompt_logprobs(hidden, views["prompt_rows"], views["prompt_targets"],
+                                       k, self.model.compute_logits, self.vocab_size)
 
     def get_output(self, step: LaunchedStep | None) -> SampledTokens:
         """Wait for a launched step's tokens, append them to the input batch, and return
@@ -233,14 +253,18 @@ class ModelRunner:
             set: the raw ``log_softmax`` of the logits, before temperature and the filters
             (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
             one copy; a step where no request asks does no log-probability work.
+            ``prompt_logprobs`` is ``{request_id: PromptLogprobs}`` of the requests with
+            ``SamplingParams.prompt_logprobs`` whose step computed prompt positions (empty
+            when none did), in the same copy.
         """
         if step is None:
             return SampledTokens({}, {})
         info, output = step
-        tokens, logprobs = output.result()
+        tokens, logprobs, prompt = output.result()
         self.input_batch.append_sampled(info, tokens)
         return SampledTokens(dict(zip(info.req_ids, tokens)),
-                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)})
+                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)},
+                             prompt)
 
     def forward_step(self, inputs: StepInputs, prev_sampled: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:

@@ -38,6 +38,8 @@ LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_kernel_meta_from_buffer`
 ``top_k``             N              reads them)
 ``top_p``             N float32
 ``min_p``             N float32
+``prompt_rows``       P              token rows whose logits give prompt log-probabilities
+``prompt_targets``    P              the prompt token each of them predicts (rank 0 reads)
 ====================  =============  =================================================
 """
 
@@ -81,6 +83,9 @@ class StepLayout(NamedTuple):
         lora_mask: a decode graph step's projection mask (``SlotTable.kind_mask`` of its
             slots, computed on rank 0 so every tensor-parallel rank picks the same graph);
             -1: every projection (eager and piecewise steps, and steps without LoRA).
+        num_prompt_lp: P, token rows whose prompt log-probabilities the step computes
+            (``SamplingParams.prompt_logprobs``; every rank runs their logits, a
+            collective under tensor parallelism); 0: none.
     """
 
     num_tokens: int
@@ -100,6 +105,7 @@ class StepLayout(NamedTuple):
     lora_block_m: int = 0
     lora_tiles: int = 0
     lora_mask: int = -1
+    num_prompt_lp: int = 0
 
 
 class StepInputs(NamedTuple):
@@ -126,7 +132,8 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     k = layout.num_prev
     sizes += [("table_index", u), ("table_value", u), ("prev_dst", k), ("prev_src", k),
               ("sample_rows", n), ("temperature", n),
-              ("top_k", n), ("top_p", n), ("min_p", n)]
+              ("top_k", n), ("top_p", n), ("min_p", n),
+              ("prompt_rows", layout.num_prompt_lp), ("prompt_targets", layout.num_prompt_lp)]
     return sizes
 
 

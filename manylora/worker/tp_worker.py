@@ -177,6 +177,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                         prev_sampled = torch.empty(num_sampled, dtype=torch.int64,
                                                    device=device)
                         dist.broadcast(prev_sampled, src=0)
+                if inputs.layout.num_prompt_lp:   # rank 0's prompt logits all-gather
+                    runner.prompt_logprobs(hidden, inputs.layout, views)
             elif op == "slot":
                 load_slot_message(msg, layout, shared)
                 acks.values[rank] = int(msg["seq"])
