@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
+from manylora.entrypoints.openai.echo import PromptLogprobEntry, check_prompt_logprobs
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
 from manylora.sampling_params import MAX_LOGPROBS
@@ -129,6 +130,7 @@ class CompletionRequest(RequestModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
         """Reject values this server does not support.
@@ -137,8 +139,9 @@ class CompletionRequest(RequestModel):
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
                 penalties, ``logit_bias``, ``stream_options``), a ``best_of`` other than
                 None or ``n``, a non-null ``suffix``, ``logprobs`` outside
-                ``[0, MAX_LOGPROBS]``, ``echo`` with ``logprobs`` (prompt log-probabilities
-                are not supported), or an empty ``prompt`` list.
+                ``[0, MAX_LOGPROBS]``, ``prompt_logprobs`` as
+                :func:`~manylora.entrypoints.openai.echo.check_prompt_logprobs`, or an
+                empty ``prompt`` list.
         """
         _check_common(self)
         n = self.n or 1
@@ -150,9 +153,7 @@ class CompletionRequest(RequestModel):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got "
                               f"logprobs={self.logprobs}", param="logprobs")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt log-probabilities "
-                              "are not available)", param="echo")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("prompt must not be an empty list", param="prompt")
 
@@ -249,6 +250,8 @@ class ChatCompletionRequest(RequestModel):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+    echo: bool | None = False
 
     def max_tokens_param(self) -> tuple[int | None, str]:
         """The requested completion length and the parameter it came from:
@@ -290,6 +293,7 @@ class ChatCompletionRequest(RequestModel):
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both "
                               "be true", param="continue_final_message")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -315,13 +319,14 @@ class CompletionLogProbs(BaseModel):
 
 
 class CompletionResponseChoice(BaseModel):
-    """One choice of a completion."""
+    """One choice of a completion (``prompt_logprobs``: vLLM's, when computed)."""
 
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -394,7 +399,8 @@ class ChatCompletionResponseChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    """The body of a non-streamed chat completion."""
+    """The body of a non-streamed chat completion (``prompt_logprobs``: vLLM's, when
+    asked for)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -402,6 +408,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.entrypoints.openai.echo import chat_echo_text, prompt_logprobs_json
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -213,6 +214,7 @@ class OpenAIServingChat(OpenAIServing):
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            prompt_logprobs=request.prompt_logprobs,
             output_kind=output_kind(bool(request.stream)))
         base_id = random_id("chatcmpl")
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
@@ -228,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
                   finals: list[RequestOutput], num_prompt_tokens: int) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
+        echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
         for index, final in enumerate(finals):
             out = final.outputs[0]
             completion_tokens += len(out.token_ids)
@@ -236,12 +239,14 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                          bool(request.return_tokens_as_token_ids))
             choices.append(ChatCompletionResponseChoice(
-                index=index, message=ChatMessage(role="assistant", content=out.text),
+                index=index, message=ChatMessage(role="assistant", content=echo + out.text),
                 logprobs=logprobs, finish_reason=out.finish_reason,
                 stop_reason=out.stop_reason))
         return ChatCompletionResponse(id=base_id, created=self.now(), model=model_name,
                                       choices=choices,
-                                      usage=usage_info(num_prompt_tokens, completion_tokens))
+                                      usage=usage_info(num_prompt_tokens, completion_tokens),
+                                      prompt_logprobs=prompt_logprobs_json(
+                                          finals[0].prompt_logprobs, clamp_logprob))
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest],
@@ -250,6 +255,7 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_prompt_tokens = len(children[0].prompt_token_ids)
         states = [_ChoiceState() for _ in children]
+        echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -262,6 +268,12 @@ class OpenAIServingChat(OpenAIServing):
                         choices=[ChatCompletionStreamChoice(
                             index=index, delta=DeltaMessage(role="assistant", content=""))])
                     yield chunk_event(first, options, _usage())
+                    if echo:
+                        yield chunk_event(ChatCompletionStreamResponse(
+                            id=base_id, created=created, model=model_name,
+                            choices=[ChatCompletionStreamChoice(
+                                index=index, delta=DeltaMessage(content=echo))]),
+                            options, _usage())
                 async for index, output in merged:
                     event = self._chunk(request, base_id, created, model_name, index,
                                         states[index], output)

@@ -4,14 +4,22 @@ Every prompt gets ``n`` choices (choice index ``prompt_index * n + i``), each on
 request; they run concurrently and stream as they come. Log-probabilities follow vLLM:
 per generated token its text, its log-probability, a ``{token: logprob}`` map of the ``N``
 most likely tokens plus the sampled one, and its character offset in the generated text.
+``echo``, ``max_tokens: 0`` and ``prompt_logprobs`` as vLLM (``echo.py``): the echoed
+prompt's tokens lead the log-probabilities, the first one's null.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.entrypoints.openai.echo import (
+    echo_without_generation,
+    engine_max_tokens,
+    engine_prompt_logprobs,
+    prompt_logprobs_json,
+)
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import (
     CompletionLogProbs,
@@ -47,20 +55,27 @@ from manylora.entrypoints.openai.streams import (
 __all__ = ["OpenAIServingCompletion", "completion_logprobs"]
 
 
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
+def completion_logprobs(token_ids: Sequence[int],
+                        logprobs: Sequence[dict[int, Logprob] | None],
                         num_top: int, initial_offset: int = 0,
-                        as_token_ids: bool = False) -> CompletionLogProbs:
-    """The legacy ``logprobs`` object of some generated tokens.
+                        as_token_ids: bool = False,
+                        decode: Callable[[int], str | None] | None = None
+                        ) -> CompletionLogProbs:
+    """The legacy ``logprobs`` object of some tokens (generated ones, after the prompt's
+    when echoed).
 
     Args:
-        token_ids: the generated ids.
-        logprobs: their ``{token_id: Logprob}`` dicts (sampled token first, then the top
-            ``num_top``), as ``CompletionOutput.logprobs``.
-        num_top: the request's ``logprobs``; each ``top_logprobs`` map holds the sampled
-            token and the ``num_top`` most likely (``num_top + 1`` entries at most).
+        token_ids: the ids.
+        logprobs: their ``{token_id: Logprob}`` dicts (the token first, then the top
+            ``num_top``), as ``CompletionOutput.logprobs`` and
+            ``RequestOutput.prompt_logprobs``; None for a token without one (the prompt's
+            first): its ``token_logprobs`` and ``top_logprobs`` entries are null.
+        num_top: the request's ``logprobs``; each ``top_logprobs`` map holds the token and
+            the ``num_top`` most likely (``num_top + 1`` entries at most).
         initial_offset: ``text_offset`` of the first token (the characters before it).
         as_token_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)
             instead of by their text.
+        decode: the text of a token whose entry is None (None: ``token_id:<id>``).
 
     Returns:
         ``tokens`` (token texts), ``token_logprobs``, ``top_logprobs`` and ``text_offset``
@@ -69,6 +84,14 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, L
     out = CompletionLogProbs()
     offset = initial_offset
     for token_id, entries in zip(token_ids, logprobs):
+        if entries is None:
+            decoded = None if decode is None else decode(token_id)
+            out.tokens.append(token_text(token_id, decoded, as_token_ids))
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(token_text(token_id, decoded))
+            continue
         sampled = entries.get(token_id)
         decoded = _decoded(entries, token_id)
         out.tokens.append(token_text(token_id, decoded, as_token_ids))
@@ -85,8 +108,8 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, L
     return out
 
 
-def _decoded(entries: dict[int, Logprob], token_id: int) -> str | None:
-    sampled = entries.get(token_id)
+def _decoded(entries: dict[int, Logprob] | None, token_id: int) -> str | None:
+    sampled = None if entries is None else entries.get(token_id)
     return None if sampled is None else sampled.decoded_token
 
 
@@ -109,6 +132,7 @@ class _Prompt:
 @dataclass
 class _ChoiceState:
     echo: str | None
+    prompt_ids: list[int]
     num_tokens: int = 0
     offset: int = 0
 
@@ -148,8 +172,9 @@ class OpenAIServingCompletion(OpenAIServing):
         base_id = random_id("cmpl")
         children: list[ChildRequest] = []
         for p, prompt in enumerate(prompts):
-            max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens,
-                                              self.max_model_len)
+            max_tokens = check_context_length(
+                len(prompt.token_ids), engine_max_tokens(request.echo, request.max_tokens),
+                self.max_model_len)
             params = make_sampling_params(
                 temperature=1.0 if request.temperature is None else request.temperature,
                 top_p=1.0 if request.top_p is None else request.top_p,
@@ -161,6 +186,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
                 logprobs=request.logprobs,
+                prompt_logprobs=engine_prompt_logprobs(request.prompt_logprobs, request.echo,
+                                                       request.logprobs),
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
@@ -187,9 +214,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """The prompts, the texts tokenized (on the tokenization worker).
 
         Raises:
-            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer; 413
-                for a text certainly longer than the context.
+            OpenAIError: 400 (``prompt``) for an empty prompt, token ids outside the
+                model's vocabulary, a text prompt without a tokenizer; 413 for a text
+                certainly longer than the context.
         """
+        vocab = getattr(getattr(self.engine, "engine", None), "vocab_size", None)
         texts = [item for item in items if isinstance(item, str)]
         encoded = iter(await self.tokenize(texts, param="prompt") if texts else [])
         prompts = []
@@ -198,9 +227,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt = _Prompt(next(encoded), item)
             else:
                 prompt = _Prompt(list(item), None)
+            where = "" if len(items) == 1 else f" {i}"
             if not prompt.token_ids:
-                where = "" if len(items) == 1 else f" {i}"
                 raise bad_request(f"prompt{where} is empty", param="prompt")
+            bad = [t for t in prompt.token_ids if vocab is not None and not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"prompt{where} holds token ids {bad[:5]} outside the "
+                                  f"vocabulary [0, {vocab})", param="prompt")
             prompts.append(prompt)
         return prompts
 
@@ -224,23 +257,41 @@ class OpenAIServingCompletion(OpenAIServing):
                 texts.append(prompt.text)
         return texts
 
+    def _token_piece(self, token_id: int) -> str | None:
+        """A token's text alone (as ``Logprob.decoded_token``), for the prompt's first
+        token, which has no log-probability entry; None without a tokenizer."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        return "" if piece is None else tokenizer.convert_tokens_to_string([piece])
+
     def _response(self, request: CompletionRequest, base_id: str, model_name: str,
                   children: list[ChildRequest], echoes: list[str | None],
                   finals: list[RequestOutput], num_prompt_tokens: int) -> CompletionResponse:
         choices = []
         completion_tokens = 0
+        drop = echo_without_generation(request.echo, request.max_tokens)
         for index, (child, final) in enumerate(zip(children, finals)):
             out = final.outputs[0]
-            completion_tokens += len(out.token_ids)
+            token_ids, steps, text = ([], [], "") if drop else (
+                out.token_ids, out.logprobs, out.text)
+            completion_tokens += len(token_ids)
+            if request.echo and steps is not None and request.logprobs is not None:
+                token_ids = child.prompt_token_ids + token_ids
+                steps = [*(final.prompt_logprobs or [None] * len(child.prompt_token_ids)),
+                         *steps]
             logprobs = None
-            if request.logprobs is not None and out.logprobs is not None:
+            if request.logprobs is not None and steps is not None:
                 logprobs = completion_logprobs(
-                    out.token_ids, out.logprobs, request.logprobs,
-                    as_token_ids=bool(request.return_tokens_as_token_ids))
+                    token_ids, steps, request.logprobs,
+                    as_token_ids=bool(request.return_tokens_as_token_ids),
+                    decode=self._token_piece)
             echo = echoes[child.prompt_index] or ""
             choices.append(CompletionResponseChoice(
-                index=index, text=echo + out.text, logprobs=logprobs,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                index=index, text=echo + text, logprobs=logprobs,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, clamp_logprob)))
         return CompletionResponse(id=base_id, created=self.now(), model=model_name,
                                   choices=choices,
                                   usage=usage_info(num_prompt_tokens, completion_tokens))
@@ -250,7 +301,7 @@ class OpenAIServingCompletion(OpenAIServing):
                       merged: MergedStream, num_prompt_tokens: int) -> AsyncIterator[str]:
         created = self.now()
         options = request.stream_options
-        states = [_ChoiceState(echoes[c.prompt_index]) for c in children]
+        states = [_ChoiceState(echoes[c.prompt_index], c.prompt_token_ids) for c in children]
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -259,7 +310,7 @@ class OpenAIServingCompletion(OpenAIServing):
             try:
                 async for index, output in merged:
                     event = self._chunk(request, base_id, created, model_name, index,
-                                        states[index], output)
+                                        states[index], output, self._token_piece)
                     if event is not None:
                         yield chunk_event(event, options, _usage())
                 if options is not None and options.include_usage:
@@ -274,25 +325,34 @@ class OpenAIServingCompletion(OpenAIServing):
 
     @staticmethod
     def _chunk(request: CompletionRequest, base_id: str, created: int, model_name: str,
-               index: int, state: _ChoiceState,
-               output: RequestOutput) -> CompletionStreamResponse | None:
+               index: int, state: _ChoiceState, output: RequestOutput,
+               decode: Callable[[int], str | None] | None = None
+               ) -> CompletionStreamResponse | None:
         """The chunk for a choice's new output; None when it brings no new token (a chunk
         whose text is empty still marks a token's arrival, as vLLM's: held back for a stop
-        string, an incomplete UTF-8 character, or no tokenizer)."""
+        string, an incomplete UTF-8 character, or no tokenizer). The first chunk of an
+        echoed choice leads with the prompt (its tokens' log-probabilities too); with
+        ``max_tokens: 0`` the generated token is dropped."""
         out = output.outputs[0]          # a DELTA output: only what is new
         finished = out.finish_reason is not None
-        text = out.text
+        drop = echo_without_generation(request.echo, request.max_tokens)
+        text, new_ids, steps = ("", [], []) if drop else (
+            out.text, out.token_ids, out.logprobs)
+        count = len(new_ids)
         if state.echo is not None:
             text, state.echo = state.echo + text, None
-        new_ids = out.token_ids
+            if request.logprobs is not None and steps is not None:
+                prompt = output.prompt_logprobs or [None] * len(state.prompt_ids)
+                new_ids, steps = state.prompt_ids + new_ids, [*prompt, *steps]
         logprobs = None
-        if request.logprobs is not None and new_ids and out.logprobs is not None:
-            steps = out.logprobs
+        if request.logprobs is not None and new_ids and steps is not None:
             logprobs = completion_logprobs(new_ids, steps, request.logprobs, state.offset,
-                                           bool(request.return_tokens_as_token_ids))
-            state.offset += sum(len(token_text(t, _decoded(e, t)))
-                                for t, e in zip(new_ids, steps))
-        state.num_tokens += len(new_ids)
+                                           bool(request.return_tokens_as_token_ids), decode)
+            state.offset += sum(
+                len(token_text(t, _decoded(e, t) if e is not None or decode is None
+                               else decode(t)))
+                for t, e in zip(new_ids, steps))
+        state.num_tokens += count
         if not text and not new_ids and not finished:
             return None
         return CompletionStreamResponse(
