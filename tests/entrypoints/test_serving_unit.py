@@ -77,7 +77,9 @@ def test_completion_request_parses_prompt_forms_and_ignores_unknown_fields():
 @pytest.mark.parametrize("fields, param", [
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"best_of": 2}, "best_of"),
     ({"suffix": ""}, "suffix"), ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-    ({"echo": True, "logprobs": 1}, "echo"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"), ({"logit_bias": {"1": 2}}, "logit_bias"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": []}, "prompt"), ({"seed": 2**63}, "seed"), ({"seed": 2**63 - 1, "n": 2}, "seed"),
