@@ -47,12 +47,17 @@ def _json_safe(value: Any) -> Any:
 def tokenizer_info(tokenizer: Any, chat_template: str | None) -> dict[str, Any]:
     """vLLM's ``/tokenizer_info`` body: the tokenizer's ``init_kwargs`` made JSON-safe
     (without keys naming server files: ``*_file``, ``name_or_path``), ``tokenizer_class``
-    (the Python class's name) and ``chat_template`` (the server's ``--chat-template`` over
-    the tokenizer's; absent when neither exists)."""
+    (the Python class's name), the special tokens (``bos_token``, ``eos_token``,
+    ``pad_token``, ``unk_token``: from the tokenizer when ``init_kwargs`` lacks them, as
+    lm-eval's remote tokenizer needs ``eos_token``) and ``chat_template`` (the server's
+    ``--chat-template`` over the tokenizer's; absent when neither exists)."""
     info = {key: _json_safe(value)
             for key, value in (getattr(tokenizer, "init_kwargs", None) or {}).items()
             if key not in _PRIVATE_KEYS and not key.endswith("_file")}
     info["tokenizer_class"] = type(tokenizer).__name__
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):   # lm-eval reads these
+        if info.get(key) is None and getattr(tokenizer, key, None) is not None:
+            info[key] = _json_safe(getattr(tokenizer, key))
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if isinstance(template, str):
         info["chat_template"] = template
