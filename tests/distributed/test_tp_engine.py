@@ -226,3 +226,29 @@ def test_dora_under_tensor_parallelism(base_dir, loras, tmp_path_factory):
             llm.llm_engine.shutdown()
 
     assert run(tensor_parallel_size=2) == run()
+
+
+def test_prompt_logprobs_under_tensor_parallelism(base_dir, loras):
+    """Rank 0's prompt logits are all-gathered from every rank (the workers run the same
+    chunks of prompt rows), in chunked prefill steps with and without a sampled row: the
+    values equal one rank's."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+
+    def run(**kwargs):
+        llm = LLM(str(base_dir), **ENGINE, max_num_batched_tokens=8, **kwargs)
+        try:
+            outs = llm.generate(PROMPTS, params, [None, loras[0], loras[1], None, loras[2]],
+                                use_tqdm=False)
+            return [(o.prompt_logprobs, o.outputs[0].token_ids) for o in outs]
+        finally:
+            llm.llm_engine.shutdown()
+
+    two, one = run(tensor_parallel_size=2), run(async_scheduling=False)
+    for (lp2, ids2), (lp1, ids1) in zip(two, one):
+        assert ids2 == ids1 and len(lp2) == len(lp1) and lp2[0] is lp1[0] is None
+        for d2, d1 in zip(lp2[1:], lp1[1:]):
+            token = next(iter(d1))
+            assert next(iter(d2)) == token
+            assert d2[token].logprob == pytest.approx(d1[token].logprob, abs=1e-5)
+            assert sorted(v.logprob for v in d2.values()) == pytest.approx(
+                sorted(v.logprob for v in d1.values()), abs=1e-5)

@@ -161,3 +161,39 @@ def test_prompt_logprobs_validation():
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     assert SamplingParams(prompt_logprobs=20).prompt_logprobs == 20
+
+
+def test_prompt_logprobs_in_padded_piece_steps_in_process(demo_set, hf_models, monkeypatch):
+    """Steps padded to piece buckets (run eagerly on the CPU): prompt rows index the padded
+    hidden states; the core in this process (no IPC)."""
+    monkeypatch.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "0")
+    llm = LLM(str(demo_set.base_dir), **ENGINE, num_kv_blocks=128, max_num_batched_tokens=16,
+              piecewise_cuda_graph_sizes=(8, 16))
+    sql = _sql(demo_set)
+    loras = [sql, None, sql, None]
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=2,
+                                                prompt_logprobs=1),
+                        lora_request=loras, use_tqdm=False)
+    for out, lora in zip(outs, loras):
+        assert_prompt_logprobs(out, hf_models[None if lora is None else "sql"], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-3), ("bfloat16", 5e-2)])
+def test_prompt_logprobs_on_cuda_with_graphs(demo_set, hf_models, dtype, tol):
+    """On a GPU, with decode and piecewise CUDA graphs and async scheduling (the defaults):
+    prompt log-probabilities of base and adapter rows vs transformers + peft (float32
+    reference; bf16 within its rounding)."""
+    llm = LLM(str(demo_set.base_dir), device="cuda", dtype=dtype, max_loras=2,
+              max_lora_rank=32, max_num_batched_tokens=32)
+    sql = _sql(demo_set)
+    loras = [None, sql, None, sql]
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4,
+                                                prompt_logprobs=2),
+                        lora_request=loras, use_tqdm=False)
+    for out, lora in zip(outs, loras):
+        ref = _reference(hf_models[None if lora is None else "sql"], out.prompt_token_ids)
+        plp = out.prompt_logprobs
+        assert plp[0] is None and len(plp) == len(out.prompt_token_ids)
+        for j, token in enumerate(out.prompt_token_ids[1:], start=1):
+            assert plp[j][token].logprob == pytest.approx(float(ref[j - 1, token]), abs=tol)
