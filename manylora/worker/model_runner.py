@@ -50,7 +50,7 @@ from manylora.ops.lora_cost_model import (
     graph_block_m,
 )
 from manylora.sample.penalties import penalize_logits
-from manylora.sample.prompt_logprobs import compute_prompt_logprobs
+from manylora.sample.prompt_logprobs import compute_prompt_logprobs, prompt_logits_chunks
 from manylora.sample.sampler import (
     SampledTokens,
     Sampler,
@@ -232,15 +232,20 @@ class ModelRunner:
             self._copy_stream, prompt, info.prompt, self.vocab_size))
 
     def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
-                        info: SampleInfo | None = None) -> torch.Tensor:
+                        info: SampleInfo | None = None) -> torch.Tensor | None:
         """float64, the packed prompt log-probabilities of the step's prompt rows
         (``sample.prompt_logprobs.compute_prompt_logprobs``; ``layout.num_prompt_lp``
         rows, K the largest ``prompt_logprobs`` of ``info.prompt``). Tensor-parallel
-        workers call it with ``info`` None (K 0): their logits all-gathers line up with
-        rank 0's, and the result is dropped."""
-        k = 0 if info is None or info.prompt is None else max(info.prompt.num_logprobs)
-        return compute_prompt_logprobs(hidden, views["prompt_rows"], views["prompt_targets"],
-                                       k, self.model.compute_logits, self.vocab_size)
+        workers call it with ``info`` None: they only compute the same chunks of logits,
+        so that their all-gathers line up with rank 0's, and return None."""
+        rows = views["prompt_rows"]
+        if info is None:
+            for lo, hi in prompt_logits_chunks(rows.shape[0], self.vocab_size):
+                self.model.compute_logits(hidden.index_select(0, rows[lo:hi].long()))
+            return None
+        return compute_prompt_logprobs(hidden, rows, views["prompt_targets"],
+                                       max(info.prompt.num_logprobs),
+                                       self.model.compute_logits, self.vocab_size)
 
     def get_output(self, step: LaunchedStep | None) -> SampledTokens:
         """Wait for a launched step's tokens, append them to the input batch, and return
