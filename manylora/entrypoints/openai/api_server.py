@@ -327,12 +327,14 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
+    @app.post("/tokenize", response_model=TokenizeResponse,
+              responses=errors(400, 404, 503, 504))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         await models.resolve_lora(body.model)
         return await tokenization.tokenize(body)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=errors(400, 404, 503, 504))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         await models.resolve_lora(body.model)
         return await tokenization.detokenize(body)
