@@ -140,7 +140,7 @@ def create_server(args: argparse.Namespace) -> Server:
         raise ValueError("--enable-lora-runtime-updates needs --lora-root: the directories "
                          "adapters may be loaded from")
     frontend = frontend_config(args)
-    uvicorn_tls_options(args)
+    uvicorn_tls_options(args)          # bad --ssl-* flags refused before the engine starts
     roots = [Path(r) for r in lora_roots]
     missing = [r for r in roots if not r.is_dir()]
     if missing:
