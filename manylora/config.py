@@ -52,6 +52,34 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+#: ``lora_dtype`` values (vLLM's ``--lora-dtype``).
+LORA_DTYPE_NAMES = ("auto", "float16", "bfloat16", "float32")
+
+
+def resolve_lora_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the adapter slots, the host tier and the LoRA kernels' operands.
+
+    ``"auto"``: the model's. Otherwise the model's or float32: the kernels run the
+    activations in the slots' dtype, and float32 holds every float16 / bfloat16 activation
+    exactly (a delta computed in float32 is rounded once, to the model's dtype), where a
+    narrower slot dtype would round the base output of every row of the batch.
+
+    Raises:
+        ValueError: an unknown name, or a dtype other than the model's and float32.
+    """
+    if lora_dtype not in LORA_DTYPE_NAMES:
+        raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPE_NAMES)}, got "
+                         f"{lora_dtype!r}")
+    if lora_dtype == "auto":
+        return model_dtype
+    dtype = _DTYPES[lora_dtype]
+    if dtype not in (model_dtype, torch.float32):
+        raise ValueError(f"lora_dtype {lora_dtype} on a {str(model_dtype).removeprefix('torch.')} "
+                         "model: the LoRA slots must be in the model's dtype or float32 "
+                         "(use 'auto' or 'float32')")
+    return dtype
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: Any) -> torch.dtype:
     """The dtype weights and activations run in.
 
@@ -409,6 +437,8 @@ class LoRAConfig:
             digest, pin; from the moment a loader thread starts it) may
             take; one that takes longer fails alone (``LoRALoadTimeoutError``). None: no
             bound.
+        dtype: of the slot buffers and the adapters in the host tier (adapters are cast to
+            it when read; ``resolve_lora_dtype``); None: the model's.
     """
 
     max_loras: int = 8
@@ -418,6 +448,7 @@ class LoRAConfig:
     max_cpu_lora_bytes: int | None = None
     fully_sharded_loras: bool = False
     load_timeout: float | None = 60.0
+    dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.load_timeout is not None and not self.load_timeout > 0:

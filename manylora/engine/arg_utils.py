@@ -9,7 +9,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, check_fairness
+from manylora.config import (
+    KV_CACHE_DTYPES,
+    LORA_DTYPE_NAMES,
+    LORA_TARGET_MODULES,
+    check_fairness,
+)
 
 
 @dataclass
@@ -86,6 +91,10 @@ class EngineArgs:
             full; ``fcfs``: strict arrival order (vLLM's default).
         max_group_share: the share (0, 1] of max_num_seqs one client group keeps while
             other groups wait, under the fair policy; 1: never preempt for fairness.
+        lora_dtype: ``"auto"`` (the model's dtype), ``"float16"``, ``"bfloat16"`` or
+            ``"float32"``: the dtype of the adapter slots and of the LoRA shrink/expand
+            operands (vLLM's); the model's or float32 (the delta computed in float32 and
+            rounded once to the model's dtype).
     """
 
     model: str
@@ -122,6 +131,7 @@ class EngineArgs:
     lora_load_timeout: float | None = 60.0
     scheduling_policy: str = "fair"
     max_group_share: float = 0.5
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -144,6 +154,9 @@ class EngineArgs:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be ≥ 1, got {self.tensor_parallel_size}")
         check_fairness(self.scheduling_policy, self.max_group_share)
+        if self.lora_dtype not in LORA_DTYPE_NAMES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPE_NAMES)}, got "
+                             f"{self.lora_dtype!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

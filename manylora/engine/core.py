@@ -35,6 +35,7 @@ from manylora.config import (
     SchedulerConfig,
     resolve_device,
     resolve_dtype,
+    resolve_lora_dtype,
 )
 from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
 from manylora.core.scheduler import Scheduler, SchedulerOutput
@@ -172,7 +173,7 @@ class EngineCore:
             raise ValueError("lora_device_cache_percent is not supported with "
                              "tensor_parallel_size > 1 yet: set max_loras")
         self.model_config.shard(args.tensor_parallel_size)       # ValueError if it won't split
-        lora = _lora_config(args, args.max_loras) if args.enable_lora else None
+        lora = _lora_config(args, args.max_loras, dtype) if args.enable_lora else None
         spec = WorkerSpec(str(model_dir), dict(args.key_dict), args.load_format,
                           str(dtype).removeprefix("torch."), self.device.type,
                           self.model_config.max_model_len, args.trust_remote_code, lora,
@@ -197,7 +198,7 @@ class EngineCore:
 
     def _create_lora(self, args: EngineArgs, model_dir, max_loras: int) -> None:
         cfg = self.model_config
-        self.lora_config = _lora_config(args, max_loras)
+        self.lora_config = _lora_config(args, max_loras, cfg.dtype)
         slots = self.model.create_lora_slots(self.lora_config)
         model = self.model
 
@@ -211,7 +212,8 @@ class EngineCore:
 
         target = AdapterTarget(
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
-            self.lora_config.target_modules, cfg.dtype, (args.model, str(model_dir)),
+            self.lora_config.target_modules, self.lora_config.dtype,
+            (args.model, str(model_dir)),
             dora_norm=dora_norm)
         self.lora_manager = LoRAManager(self.lora_config, target, slots)
 
@@ -222,7 +224,8 @@ class EngineCore:
                              f"{self.device} set max_loras instead")
         cfg = self.model_config
         per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
-                              args.lora_target_modules, args.max_lora_rank, cfg.dtype)
+                              args.lora_target_modules, args.max_lora_rank,
+                              resolve_lora_dtype(args.lora_dtype, cfg.dtype))
         free, _ = torch.cuda.mem_get_info(self.device)
         # the slot loads' staging buffer holds one adapter at max_lora_rank: about a slot
         slots = slots_for_memory(free, args.lora_device_cache_percent, per_slot,
@@ -669,14 +672,16 @@ def _freeze_startup_heap() -> None:
 _unfreeze_at_exit = False
 
 
-def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:
+def _lora_config(args: EngineArgs, max_loras: int, model_dtype: torch.dtype) -> LoRAConfig:
     """The slots' config for ``max_loras`` slots (the host tier holds at least as many
-    adapters as there are slots when the slots are sized from memory)."""
+    adapters as there are slots when the slots are sized from memory), in
+    ``args.lora_dtype`` resolved against ``model_dtype``."""
     max_cpu_loras = args.max_cpu_loras
     if args.lora_device_cache_percent is not None:
         max_cpu_loras = max(max_cpu_loras, max_loras)
     return LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras, args.lora_target_modules,
-                      args.max_cpu_lora_bytes, args.fully_sharded_loras, args.lora_load_timeout)
+                      args.max_cpu_lora_bytes, args.fully_sharded_loras, args.lora_load_timeout,
+                      resolve_lora_dtype(args.lora_dtype, model_dtype))
 
 
 def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:

@@ -161,13 +161,15 @@ class LoRALinear(nn.Module):
             self.weight.tp_slices = (TPSlice(1, lo, hi, self.full_in_features, hi - lo),)
 
     def create_lora_slots(self, enabled: Sequence[str], max_loras: int, max_lora_rank: int,
-                          fully_sharded: bool = False) -> LoRASlots | None:
+                          fully_sharded: bool = False,
+                          dtype: torch.dtype | None = None) -> LoRASlots | None:
         """Allocate slot buffers for the modules in ``enabled`` (None if none is enabled);
         with a bias, the slots keep a view of it (as the expand's output sees it) for DoRA.
 
         Args:
             fully_sharded: also split the replicated half of each adapter across the ranks
                 (vLLM's ``fully_sharded_loras``); no effect on one rank.
+            dtype: of the slot buffers (``LoRAConfig.dtype``); None: the weight's.
 
         Raises:
             ValueError: ``fully_sharded`` column-parallel with ``max_lora_rank`` not
@@ -202,7 +204,7 @@ class LoRALinear(nn.Module):
             bias = None if bias is None else bias[lo:hi]
             sharding = SlotSharding(full_out, ((lo, hi),), self.in_range)
         self.lora = LoRASlots(in_features, modules, max_loras, max_lora_rank,
-                              self.weight.dtype, self.weight.device, bias, sharding)
+                              dtype or self.weight.dtype, self.weight.device, bias, sharding)
         return self.lora
 
     def module_weight(self, module: str) -> torch.Tensor:

@@ -46,7 +46,8 @@ class SlotSharding:
 class LoRASlots(nn.Module):
     """Device-resident adapter slots of one packed projection.
 
-    Buffers, per enabled slice ``s`` (module name ``modules[s]``), in the model dtype:
+    Buffers, per enabled slice ``s`` (module name ``modules[s]``), in ``dtype`` (the
+    model's, or float32 over a 16-bit model: ``LoRAConfig.dtype``):
 
     * ``lora_a_{s}: [max_loras, R_a, in_features]``: a slot's A, rows ``[0, r)`` (``R_a`` is
       ``max_lora_rank``, or the width of ``sharding.rank_range``);
@@ -66,10 +67,14 @@ class LoRASlots(nn.Module):
         modules: the enabled slices as ``(module_name, column_offset, out_features)``, the
             rank's widths and offsets in the output the expand writes.
         max_loras, max_lora_rank: slot count and padded rank.
-        dtype, device: of the A/B buffers (the DoRA scales are float32).
+        dtype, device: of the A/B buffers (the DoRA scales are float32). When it is not
+            the activations' dtype, ``shrink`` casts ``x`` to it and ``expand`` runs on
+            ``y`` cast to it and copies the result back (one rounding to ``y``'s dtype).
         bias: None (no bias, or one the slots must not shift by), or the projection's bias
             as the expand's output sees it (``[out]``, indexed by the slices' offsets); DoRA
-            rows then get ``(1 - scale) * bias`` added after the scaling.
+            rows then get ``(1 - scale) * bias`` added after the scaling. Kept as a view, or
+            as a copy in ``dtype`` when the bias is in another (the weights are loaded
+            before the slots are made).
         sharding: how the whole adapter tensors given to ``set_slot`` are cut for this
             tensor-parallel rank; None: kept whole.
 
@@ -91,7 +96,8 @@ class LoRASlots(nn.Module):
                              f"{list(self.output_slices)}")
         _check_sharding(sharding, modules, in_features)
         self.sharding = sharding
-        self.bias = bias
+        self.dtype = dtype
+        self.bias = None if bias is None else bias.to(dtype)
         self.max_loras = max_loras
         rank_range = None if sharding is None else sharding.rank_range
         self.rank_start = 0 if rank_range is None else rank_range[0]
@@ -195,15 +201,20 @@ class LoRASlots(nn.Module):
 
     def shrink(self, x: torch.Tensor, mapping: LoRAKernelMeta) -> torch.Tensor:
         """``x [T, in] → float32 [T, S, R_a]``: every row through its slot's A (``R_a`` is
-        this rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``)."""
-        return lora_shrink(x, self.lora_a_stacked, self.ranks, mapping,
+        this rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``); ``x``
+        in the slots' dtype first."""
+        return lora_shrink(x.to(self.dtype), self.lora_a_stacked, self.ranks, mapping,
                            rank_start=self.rank_start)
 
     def expand(self, y: torch.Tensor, buffer: torch.Tensor, mapping: LoRAKernelMeta) -> None:
         """``y += expand(buffer)`` in place, DoRA-rescaled for the (slot, slice)s the table
-        flags; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]``."""
-        lora_expand(y, buffer, self.lora_b_stacked, self.ranks, mapping, self.output_slices,
+        flags; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]`` (in another
+        dtype than the slots': updated through a copy in theirs)."""
+        out = y.to(self.dtype)
+        lora_expand(out, buffer, self.lora_b_stacked, self.ranks, mapping, self.output_slices,
                     self.dora, self.dora_scale_stacked, self.bias)
+        if out is not y:
+            y.copy_(out)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAKernelMeta) -> None:
         """``y += expand(shrink(x))`` for every enabled slice, DoRA-rescaled where the table

@@ -204,7 +204,8 @@ class LlamaForCausalLM(nn.Module):
             for proj in self._projections(i):
                 lora = proj.create_lora_slots(lora_config.target_modules, lora_config.max_loras,
                                               lora_config.max_lora_rank,
-                                              lora_config.fully_sharded_loras)
+                                              lora_config.fully_sharded_loras,
+                                              lora_config.dtype)
                 if lora is not None:
                     slots.update({(i, name): lora for name in lora.module_names})
         self.slot_table = SlotTable(slots, lora_config.max_loras,

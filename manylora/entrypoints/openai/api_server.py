@@ -24,15 +24,18 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import manylora
 from manylora.engine.async_llm import AsyncLLM
 from manylora.entrypoints.openai.encoding import SafeJSONResponse, safe_text
 from manylora.entrypoints.openai.errors import OpenAIError, too_large
+from manylora.entrypoints.openai.frontend_args import FrontendConfig
 from manylora.entrypoints.openai.openapi import errors, install_openapi, needs_key, sse_content
 from manylora.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -49,6 +52,7 @@ from manylora.entrypoints.openai.protocol_tokenization import (
     TokenizeResponse,
     TokenizerInfoResponse,
 )
+from manylora.entrypoints.openai.request_logger import RequestLogger
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
 from manylora.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -78,6 +82,7 @@ class ServerConfig:
             tokenizer's, or None.
         max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
             request may create; more get 400 before anything is tokenized.
+        frontend: CORS, root path and request log settings (vLLM's front-end flags).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -85,13 +90,16 @@ class ServerConfig:
     enable_lora_runtime_updates: bool = False
     chat_template: str | None = None
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    frontend: FrontendConfig = FrontendConfig()
 
 
 class LoadLoRAAdapterRequest(RequestModel):
-    """Body of ``POST /v1/load_lora_adapter`` (vLLM's); an empty path is a 400 from the route."""
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's); an empty path is a 400 from the route.
+    ``load_inplace``: a name already served gets the new weights instead of a 400."""
 
     lora_name: ClientName
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
@@ -162,14 +170,15 @@ def _replay(first: dict, receive):
 class AuthMiddleware:
     """ASGI middleware: with ``keys``, every route :func:`needs_key` names (``/v1``, the
     tokenizer routes) wants ``Authorization: Bearer <key>`` (compared in constant time) and
-    answers 401 otherwise."""
+    answers 401 otherwise. The route is the path without the app's ``root_path``, as the
+    router matches it, so a prefixed path is guarded like the bare one."""
 
     def __init__(self, app, keys: tuple[str, ...]) -> None:
         self.app = app
         self.keys = tuple(k.encode() for k in keys)
 
     async def __call__(self, scope, receive, send) -> None:
-        if (self.keys and scope["type"] == "http" and needs_key(scope["path"])
+        if (self.keys and scope["type"] == "http" and needs_key(get_route_path(scope))
                 and not self._authorized(dict(scope.get("headers") or ()))):
             error = OpenAIError(401, "a valid API key is needed: 'Authorization: Bearer "
                                 "<key>'", code="invalid_api_key")
@@ -221,15 +230,19 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     Args:
         engine: the running engine front.
         models: the base model and adapters it serves.
-        config: keys, body limit, runtime adapter updates, chat template, choices bound.
+        config: keys, body limit, runtime adapter updates, chat template, choices bound,
+            CORS, root path and request log.
         registry: the Prometheus registry ``GET /metrics`` renders.
 
     The app's ``state.prompt_tokenizer`` is the tokenization worker every endpoint shares.
+    Starlette's ``CORSMiddleware`` is the outermost layer: a preflight is answered before
+    the API key is asked for, and errors carry the CORS headers too.
     """
     app = FastAPI(title="manylora", version=manylora.__version__,
                   description="OpenAI-compatible completions and chat over one base model "
                               "and many LoRA adapters.",
-                  default_response_class=SafeJSONResponse)
+                  default_response_class=SafeJSONResponse,
+                  root_path=config.frontend.root_path)
     # one tokenization worker for every endpoint (a tokenizer is not used by two threads)
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
@@ -238,6 +251,9 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
                              max_choices=config.max_choices_per_request)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
+    if config.frontend.log_requests:
+        completions.request_logger = chat.request_logger = RequestLogger(
+            config.frontend.max_log_len)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
@@ -296,6 +312,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
               "description": "The completion; with \"stream\": true, server-sent events."},
         **errors(400, 404, 503, 504)})
     async def create_completion(body: CompletionRequest, request: Request):
+        await models.resolve_lora(body.model)
         result = await _with_cancellation(request, completions.create_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
@@ -306,15 +323,20 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                              "events."},
         **errors(400, 404, 503, 504)})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        await models.resolve_lora(body.model)
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
+    @app.post("/tokenize", response_model=TokenizeResponse,
+              responses=errors(400, 404, 503, 504))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        await models.resolve_lora(body.model)
         return await tokenization.tokenize(body)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=errors(400, 404, 503, 504))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        await models.resolve_lora(body.model)
         return await tokenization.detokenize(body)
 
     @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=errors(400))
@@ -327,7 +349,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                              **errors(400, 403, 404, 503, 504)})
         async def load_lora_adapter(body: LoadLoRAAdapterRequest):
             return PlainTextResponse(safe_text(await models.load_lora_adapter(
-                body.lora_name, body.lora_path)))
+                body.lora_name, body.lora_path, load_inplace=body.load_inplace)))
 
         @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
                   responses={200: {"description": "The adapter is no longer served."},
@@ -340,4 +362,5 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                     stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
+    app.add_middleware(CORSMiddleware, **config.frontend.cors_options())
     return app

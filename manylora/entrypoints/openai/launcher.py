@@ -24,9 +24,18 @@ from manylora.entrypoints.openai.api_server import (
     build_app,
 )
 from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.frontend_args import (
+    add_frontend_args,
+    frontend_config,
+    resolver_roots,
+    runtime_lora_updates,
+    uvicorn_tls_options,
+)
+from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from manylora.entrypoints.openai.validation import check_name
+from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -44,13 +53,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--served-model-name", default=None,
-                        help="the name requests use for the base model (default: --model)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the names requests may use for the base model; responses and "
+                             "/v1/models use the first (default: --model)")
     parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="adapters served from start-up: NAME=PATH or JSON "
                              '{"name": ..., "path": ..., "base_model_name": ...}')
     parser.add_argument("--enable-lora-runtime-updates", action="store_true",
-                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                             "(also on with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true)")
+    parser.add_argument("--enable-lora-resolver", action="store_true",
+                        help="load an unknown model name on its first request when it names "
+                             "an adapter directory directly under a --lora-root (vLLM's "
+                             "filesystem resolver; also on with VLLM_PLUGINS="
+                             "lora_filesystem_resolver and VLLM_LORA_RESOLVER_CACHE_DIR); "
+                             "needs runtime updates")
     parser.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                         help="a directory run-time adapter loads may read from (repeatable)")
     parser.add_argument("--api-key", action="append", default=None,
@@ -70,6 +87,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "tokenizer's")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    add_frontend_args(parser)
     return parser
 
 
@@ -94,16 +112,18 @@ def create_server(args: argparse.Namespace) -> Server:
         ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
             without ``--lora-root``, ``--max-choices-per-request`` below 1, a served or
             adapter name that breaks the client-name rules of ``validation.py``) or a
-            ``--lora-modules`` adapter that cannot be served.
+            ``--lora-modules`` adapter that cannot be served; the front-end flags'
+            errors (``frontend_args.py``); the LoRA resolver without runtime updates.
     """
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
     modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
-    name = args.served_model_name or args.model
+    names = list(dict.fromkeys(args.served_model_name or [args.model]))
+    name = names[0]
     # names go into every /v1/models answer and metric label; argv may carry lone
     # surrogates (undecodable bytes under surrogateescape)
-    for flag, value in [("--served-model-name", name),
+    for flag, value in [*(("--served-model-name", n) for n in names),
                         *(("--lora-modules", m.name) for m in modules),
                         *(("--lora-modules", m.base_model_name) for m in modules
                           if m.base_model_name is not None)]:
@@ -111,10 +131,17 @@ def create_server(args: argparse.Namespace) -> Server:
             check_name(value)
         except ValueError as e:
             raise ValueError(f"{flag} {ascii(value)}: {e}") from None
-    if args.enable_lora_runtime_updates and not args.lora_root:
+    runtime_updates = runtime_lora_updates(args.enable_lora_runtime_updates)
+    resolver, lora_roots = resolver_roots(args.enable_lora_resolver, args.lora_root)
+    if resolver and not runtime_updates:
+        raise ValueError("the LoRA resolver needs runtime updates: --enable-lora-runtime-"
+                         "updates or VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    if runtime_updates and not lora_roots:
         raise ValueError("--enable-lora-runtime-updates needs --lora-root: the directories "
                          "adapters may be loaded from")
-    roots = [Path(r) for r in args.lora_root]
+    frontend = frontend_config(args)
+    uvicorn_tls_options(args)          # bad --ssl-* flags refused before the engine starts
+    roots = [Path(r) for r in lora_roots]
     missing = [r for r in roots if not r.is_dir()]
     if missing:
         raise ValueError(f"--lora-root {missing[0]} is not a directory")
@@ -126,15 +153,19 @@ def create_server(args: argparse.Namespace) -> Server:
                                        max_waiting_requests=args.max_waiting_requests)
     engine.stat_loggers.append(PrometheusStatLogger(registry, name, engine.snapshot,
                                                     max_model_len=engine.max_model_len))
-    models = OpenAIServingModels(engine, name, args.model, modules, roots)
+    models = OpenAIServingModels(engine, name, args.model, modules, roots,
+                                 aliases=names[1:],
+                                 resolver=FilesystemResolver(roots) if resolver else None)
     try:
         asyncio.run(models.load_static_loras())
     except OpenAIError as e:
         engine.shutdown()
         raise ValueError(f"--lora-modules: {e.message}") from None
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
-                          args.enable_lora_runtime_updates, args.chat_template,
-                          args.max_choices_per_request)
+                          runtime_updates, args.chat_template,
+                          args.max_choices_per_request, frontend=frontend)
+    if not args.disable_log_stats:
+        engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry)
 
 
@@ -151,7 +182,8 @@ def run_server(args: argparse.Namespace) -> int:
     server = create_server(args)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port,
-                    log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+                    log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+                    **uvicorn_tls_options(args))
     finally:
         server.shutdown()
     return 0
@@ -165,22 +197,25 @@ class ServerThread:
         app: the ASGI app.
         host: address to bind.
         port: 0 for a free port.
+        tls: uvicorn's TLS keywords (``frontend_args.uvicorn_tls_options``); empty: plain
+            HTTP.
 
     Attributes:
-        url: ``http://host:port``.
+        url: ``http://host:port``, or ``https://`` with ``tls``.
 
     Raises:
         RuntimeError: from ``start`` when uvicorn did not start within ``timeout`` seconds.
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", tls: dict | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        scheme = "https" if tls else "http"
+        self.url = f"{scheme}://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                    timeout_keep_alive=5))
+                                                    timeout_keep_alive=5, **(tls or {})))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="uvicorn", daemon=True)
 

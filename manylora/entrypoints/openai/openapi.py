@@ -100,8 +100,11 @@ def install_openapi(app: FastAPI, api_keys: bool,
 
 def _document(app: FastAPI, api_keys: bool,
               stream_chunks: tuple[type[BaseModel], ...]) -> dict[str, Any]:
+    # behind a proxy (--root-path) the document names the prefix as its server, as FastAPI's
+    # own document does
+    servers = app.servers or ([{"url": app.root_path}] if app.root_path else None)
     doc = get_openapi(title=app.title, version=app.version, description=app.description,
-                      routes=app.routes)
+                      routes=app.routes, servers=servers)
     if stream_chunks:
         _, defs = models_json_schema([(m, "serialization") for m in stream_chunks],
                                      ref_template="#/components/schemas/{model}")

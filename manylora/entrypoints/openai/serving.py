@@ -38,6 +38,7 @@ from manylora.entrypoints.openai.errors import (
     overloaded,
     too_large,
 )
+from manylora.entrypoints.openai.request_logger import RequestLogger
 from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
@@ -191,9 +192,15 @@ class OpenAIServing:
         prompt_tokenizer: the tokenization worker to share with the other endpoint (one
             thread per server); None: one of its own over ``engine.tokenizer``.
 
+    Attributes:
+        request_logger: logs each engine request as it starts (``--enable-log-requests``);
+            None: no log.
+
     Raises:
         ValueError: ``max_choices`` below 1.
     """
+
+    request_logger: RequestLogger | None = None
 
     def __init__(self, engine: Any, models: Any, *,
                  max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
@@ -217,15 +224,16 @@ class OpenAIServing:
         return int(self.engine.max_model_len)
 
     def resolve_model(self, name: str | None) -> tuple[str, LoRARequest | None]:
-        """The name to report and the adapter for a request's ``model`` (None or the base
-        model's name: no adapter).
+        """The name to report and the adapter for a request's ``model`` (None or one of the
+        base model's names: no adapter, reported by its first name, as vLLM does).
 
         Raises:
             OpenAIError: 404 for an unknown model.
         """
         if name is None or name == "":
             return self.models.base_model_name, None
-        return name, self.models.resolve(name)
+        lora_request = self.models.resolve(name)
+        return (name if lora_request is not None else self.models.base_model_name), lora_request
 
     def check_choices(self, num_prompts: int, n: int) -> None:
         """Bound the engine requests of one HTTP request: ``num_prompts * n`` at most
@@ -313,6 +321,10 @@ class OpenAIServing:
             OpenAIError: 400 (``ValueError`` from the engine), 404 (missing adapter files),
                 503 (overloaded or stopped engine); every child already added is aborted.
         """
+        if self.request_logger is not None:
+            for c in children:
+                self.request_logger.log_inputs(c.request_id, c.prompt_text,
+                                               c.prompt_token_ids, c.params, lora_request)
         gens = [self.engine.generate(c.engine_prompt(), c.params, request_id=c.request_id,
                                      lora_request=lora_request, client_group=client_group)
                 for c in children]

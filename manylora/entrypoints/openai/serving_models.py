@@ -1,8 +1,11 @@
 """The served models: the base model's name and the adapters, with loads at run time.
 
-A request's ``model`` field names the base model (``--served-model-name``, by default the
-``--model`` argument) or an adapter. Adapters come from ``--lora-modules`` at start-up and,
-with ``--enable-lora-runtime-updates``, from ``POST /v1/load_lora_adapter``; vLLM's names
+A request's ``model`` field names the base model (any of ``--served-model-name``'s names,
+by default the ``--model`` argument; responses and metrics use the first) or an adapter.
+Adapters come from ``--lora-modules`` at start-up and, with
+``--enable-lora-runtime-updates``, from ``POST /v1/load_lora_adapter`` (``load_inplace``
+replaces a served adapter's weights) and, with the LoRA resolver, from a request's first
+use of a name that is an adapter directory under a root (``lora_resolver.py``); vLLM's names
 and semantics, with one restriction of ours: a run-time load reads only from under the
 ``--lora-root`` directories.
 
@@ -19,6 +22,7 @@ import errno
 import itertools
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,16 +163,25 @@ class OpenAIServingModels:
 
     Args:
         engine: the engine adapters load into.
-        base_model_name: the name that selects the base model.
+        base_model_name: the name that selects the base model, reported in responses.
         base_model_path: where the base model came from (``root`` in ``/v1/models``).
         lora_modules: adapters to serve from start-up (``load_static_loras`` reads them).
         lora_roots: directories run-time loads may read from.
+        aliases: further names that select the base model (``--served-model-name``'s
+            others); each is listed in ``/v1/models``.
+        resolver: a name → adapter directory lookup run on a thread for a ``model`` no one
+            serves (``lora_resolver.FilesystemResolver``), None: unknown names are 404s.
     """
 
     def __init__(self, engine: AsyncLLM, base_model_name: str, base_model_path: str,
-                 lora_modules: list[LoRAModulePath] = (), lora_roots: list[Path] = ()) -> None:
+                 lora_modules: list[LoRAModulePath] = (), lora_roots: list[Path] = (),
+                 aliases: Sequence[str] = (),
+                 resolver: Callable[[str], Path | None] | None = None) -> None:
         self.engine = engine
         self.base_model_name = base_model_name
+        self.base_model_names = tuple(dict.fromkeys((base_model_name, *aliases)))
+        self.resolver = resolver
+        self._resolving: dict[str, asyncio.Task] = {}
         self.base_model_path = base_model_path
         self.static_loras = list(lora_modules)
         self.lora_roots = [Path(r) for r in lora_roots]
@@ -192,7 +205,7 @@ class OpenAIServingModels:
         Raises:
             OpenAIError: 404 for a name that is neither the base model nor an adapter.
         """
-        if name == self.base_model_name:
+        if name in self.base_model_names:
             return None
         served = self.loras.get(name)
         if served is None:
@@ -200,14 +213,15 @@ class OpenAIServingModels:
         return served.request
 
     def list_models(self) -> dict:
-        """``GET /v1/models``: the base model, then every adapter with its parent (a
-        :class:`ModelList` as a dict)."""
-        base = ModelCard(id=self.base_model_name, created=self.created,
-                         root=self.base_model_path, max_model_len=self.engine.max_model_len)
+        """``GET /v1/models``: the base model under each of its names, then every adapter
+        with its parent (a :class:`ModelList` as a dict)."""
+        base = [ModelCard(id=name, created=self.created, root=self.base_model_path,
+                          max_model_len=self.engine.max_model_len)
+                for name in self.base_model_names]
         loras = [ModelCard(id=name, created=s.created, root=s.shown_path,
                            parent=s.request.base_model_name or self.base_model_name)
                  for name, s in self.loras.items()]
-        return ModelList(data=[base, *loras]).model_dump(mode="json")
+        return ModelList(data=[*base, *loras]).model_dump(mode="json")
 
     def retrieve(self, name: str) -> dict:
         """``GET /v1/models/{name}``: one entry of ``list_models``.
@@ -220,30 +234,76 @@ class OpenAIServingModels:
             raise not_found(f"The model `{name}` does not exist.", param="model")
         return entry
 
-    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> str:
+    async def load_lora_adapter(self, lora_name: str, lora_path: str,
+                                load_inplace: bool = False) -> str:
         """``POST /v1/load_lora_adapter``: read the adapter from under ``--lora-root`` and
         serve it as ``lora_name``; a message saying so.
 
+        With ``load_inplace`` (vLLM's), a name already served gets the new weights instead
+        of a 400: they are read under a new adapter id while the old ones keep serving; once
+        read, new requests for the name get them, requests already accepted finish with the
+        weights they started with (their KV was computed under those), and the old adapter
+        leaves the engine when the last of them ends. The new weights have their own digest,
+        so the prefix cache never serves one version's KV to the other. A failed read leaves
+        the old adapter served.
+
         Raises:
-            OpenAIError: 400 for an empty or taken name or a bad adapter, 403 for a path
-                outside ``--lora-root``, 404 for a missing directory, 503 when the engine
-                has stopped.
+            OpenAIError: 400 for an empty name or path, a base model name, a taken name
+                without ``load_inplace`` or a bad adapter, 403 for a path outside
+                ``--lora-root``, 404 for a missing directory, 503 when the engine has
+                stopped, 504 for a read over ``lora_load_timeout``.
         """
         if not lora_name or not lora_path:
             raise bad_request("both 'lora_name' and 'lora_path' must be given",
                               param="lora_name" if not lora_name else "lora_path")
         path = await asyncio.to_thread(check_under_roots, lora_path, self.lora_roots)
-        await self._load(lora_name, str(path), None, shown_path=lora_path)
-        return f"Success: LoRA adapter '{lora_name}' added successfully."
+        replaced = await self._load(lora_name, str(path), None, shown_path=lora_path,
+                                    inplace=load_inplace)
+        return (f"Success: LoRA adapter '{lora_name}' "
+                f"{'reloaded in place' if replaced else 'added'} successfully.")
+
+    async def resolve_lora(self, name: str | None) -> None:
+        """Load ``name`` through the resolver if it is not served yet (vLLM's LoRA resolver):
+        the directory lookup runs on a thread, the read on the engine's loader pool, and
+        concurrent first requests for one name share one load. Without a resolver, for a
+        served name or one that resolves to no adapter directory, nothing happens (the
+        request's own lookup answers 404 for an unknown name).
+
+        Raises:
+            OpenAIError: the load's error (400 a bad adapter, 503, 504), for every request
+                waiting on that load.
+        """
+        if (self.resolver is None or not name or name in self.base_model_names
+                or name in self.loras):
+            return
+        task = self._resolving.get(name)
+        if task is None:
+            task = asyncio.ensure_future(self._resolve_and_load(name))
+            self._resolving[name] = task
+            task.add_done_callback(lambda _: self._resolving.pop(name, None))
+        await asyncio.shield(task)
+
+    async def _resolve_and_load(self, name: str) -> None:
+        path = await asyncio.to_thread(self.resolver, name)
+        if path is None or name in self.loras:
+            return
+        await self._load(name, str(path), None, shown_path=name)
 
     async def _load(self, name: str, path: str, base_model_name: str | None,
-                    shown_path: str | None = None) -> None:
+                    shown_path: str | None = None, inplace: bool = False) -> bool:
         """Register adapter ``name`` read from ``path``; errors name the path as
-        ``shown_path`` (what the caller gave) rather than ``path``."""
+        ``shown_path`` (what the caller gave) rather than ``path``. With ``inplace``, a
+        served ``name`` is replaced (see :meth:`load_lora_adapter`). Whether one was."""
         async with self._lock:
-            if name == self.base_model_name or name in self.loras:
-                raise bad_request(f"The lora adapter '{name}' has already been loaded.",
+            old = self.loras.get(name)
+            if name in self.base_model_names:
+                raise bad_request(f"'{name}' is a name of the base model", param="lora_name")
+            if old is not None and not inplace:
+                raise bad_request(f"The lora adapter '{name}' has already been loaded. To "
+                                  "replace its weights, set 'load_inplace': true.",
                                   param="lora_name")
+            if old is not None:
+                base_model_name = old.request.base_model_name
             request = LoRARequest(name, next(self._ids), path, base_model_name)
             try:
                 await self.engine.add_lora(request)
@@ -252,6 +312,12 @@ class OpenAIServingModels:
             except (LoRAAdapterError, ValueError, OSError) as e:
                 raise _load_error(e, name, path, shown_path or path) from None
             self.loras[name] = _Served(request, int(time.time()), shown_path or path)
+            if old is not None:
+                try:
+                    await self.engine.remove_lora(old.request.lora_int_id)
+                except EngineDeadError as e:
+                    raise OpenAIError(503, str(e)) from None
+            return old is not None
 
     async def unload_lora_adapter(self, lora_name: str) -> str:
         """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. New requests for
