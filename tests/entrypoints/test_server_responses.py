@@ -11,12 +11,14 @@ for an adapter on the same weights.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from server_helpers import BASE, running_server
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import BASE, hold_steps, running_server
 from transformers import AutoTokenizer
 
 from manylora.testing.reference import hf_greedy_reference
@@ -194,3 +196,42 @@ def test_api_key_is_needed(base_dir):
         keyed = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
         reply = keyed.responses.create(**body)
         assert keyed.responses.retrieve(reply.id).id == reply.id
+
+
+def _wait_idle(server, engine) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        snap = server.engine.snapshot()
+        if snap.num_running == snap.num_waiting == snap.kv.used_blocks == 0:
+            break
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+
+
+def test_client_leaving_aborts_the_request_streamed_or_not(base_dir):
+    body = {"model": BASE, "input": "The quick", "max_output_tokens": 60, "ignore_eos": True}
+    with running_server(base_dir) as (server, url):
+        engine = server.engine.engine.engine_core
+        release = hold_steps(engine)  # a request runs one step, then can only end by an abort
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/responses", json=body, timeout=0.5)
+        _wait_idle(server, engine)
+        release.set()
+        # the streamed one: a few steps (its first token, under async scheduling, is out
+        # after the second), then it too can only end by an abort
+        release = hold_steps(engine, after=3)
+        with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True},
+                          timeout=60) as reply:
+            lines = reply.iter_lines()
+            assert next(lines) == "event: response.created"
+            created = json.loads(next(lines).removeprefix("data: "))["response"]
+            # the response is its own fairness group in the scheduler
+            groups = {r.client_group for r in engine.scheduler.requests.values()}
+            assert groups == {created["id"]}
+        _wait_idle(server, engine)
+        release.set()
+        text = httpx.get(f"{url}/metrics").text
+        aborted = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "manylora:request_success_total"
+                   and s.labels["finished_reason"] == "abort"]
+        assert aborted == [2]
