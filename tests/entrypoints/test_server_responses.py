@@ -235,3 +235,27 @@ def test_client_leaving_aborts_the_request_streamed_or_not(base_dir):
                    if s.name == "manylora:request_success_total"
                    and s.labels["finished_reason"] == "abort"]
         assert aborted == [2]
+
+
+def test_output_logprobs_equal_chat_completions(client):
+    args = dict(model="ad1", max_output_tokens=4, temperature=0.0)
+    reply = client.responses.create(input="Hi", include=["message.output_text.logprobs"],
+                                    top_logprobs=3, extra_body={"ignore_eos": True}, **args)
+    chat = client.chat.completions.create(
+        model="ad1", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0.0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    ours = reply.output[0].content[0].logprobs
+    theirs = chat.choices[0].logprobs.content
+    assert len(ours) == len(theirs) == 4
+    for a, b in zip(ours, theirs):
+        assert (a.token, a.bytes) == (b.token, b.bytes)
+        assert abs(a.logprob - b.logprob) < 1e-5
+        assert [t.token for t in a.top_logprobs] == [t.token for t in b.top_logprobs]
+    events = list(client.responses.create(input="Hi", stream=True, include=[
+        "message.output_text.logprobs"], top_logprobs=3, extra_body={"ignore_eos": True},
+        **args))
+    streamed = [lp for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in ours]
+    plain = client.responses.create(input="Hi", **args)
+    assert plain.output[0].content[0].logprobs is None

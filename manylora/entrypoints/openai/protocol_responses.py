@@ -43,7 +43,6 @@ __all__ = [
     "ResponseOutputItemDoneEvent",
     "ResponseOutputMessage",
     "ResponseOutputText",
-    "ResponseStreamEvent",
     "ResponseTextConfig",
     "ResponseTextDeltaEvent",
     "ResponseTextDoneEvent",
@@ -493,13 +492,6 @@ STREAM_EVENTS: tuple[type[_Event], ...] = (
     ResponseContentPartAddedEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
     ResponseContentPartDoneEvent, ResponseOutputItemDoneEvent, ResponseCompletedEvent,
     ResponseErrorEvent, ResponseFailedEvent)
-
-#: Any one streamed event.
-ResponseStreamEvent = (ResponseCreatedEvent | ResponseInProgressEvent
-                       | ResponseOutputItemAddedEvent | ResponseContentPartAddedEvent
-                       | ResponseTextDeltaEvent | ResponseTextDoneEvent
-                       | ResponseContentPartDoneEvent | ResponseOutputItemDoneEvent
-                       | ResponseCompletedEvent | ResponseErrorEvent | ResponseFailedEvent)
 
 
 def responses_sse_content() -> dict[str, Any]:
