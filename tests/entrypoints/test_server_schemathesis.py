@@ -63,7 +63,7 @@ def keyed_run(base_dir, adapters, lora_root, tmp_path_factory):
 def test_schemathesis_contract_checks_with_api_key(keyed_run):
     report, output = keyed_run
     assert report["complete"] and not report["errors"], output
-    assert report["operations"]["tested"] == report["operations"]["total"] == 12, output
+    assert report["operations"]["tested"] == report["operations"]["total"] == 14, output
     assert report["test_cases"]["generated"] > 100, output
     assert not failures(report, validation=False), output
 
@@ -79,5 +79,5 @@ def test_schemathesis_contract_checks_without_api_key(base_dir, tmp_path):
         report, output = run_schemathesis(url, tmp_path, "--max-examples", "5",
                                           "--phases", "fuzzing")
     assert report["complete"] and not report["errors"], output
-    assert report["operations"]["tested"] == report["operations"]["total"] == 10, output
+    assert report["operations"]["tested"] == report["operations"]["total"] == 12, output
     assert not failures(report, validation=False), output

@@ -1,7 +1,8 @@
 """The FastAPI app of ``manylora serve``: vLLM's OpenAI-compatible routes over ``AsyncLLM``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (and
-``GET /v1/models/{id}``),
+``GET /v1/models/{id}``), ``POST /v1/responses`` (OpenAI's Responses API, text) and
+``GET /v1/responses/{id}``,
 ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` (with
 ``--enable-lora-runtime-updates``), vLLM's tokenizer routes ``POST /tokenize``,
 ``POST /detokenize`` and ``GET /tokenizer_info``, ``GET /health``, ``GET /version``,
@@ -45,6 +46,12 @@ from manylora.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
 )
+from manylora.entrypoints.openai.protocol_responses import (
+    STREAM_EVENTS,
+    ResponsesRequest,
+    ResponsesResponse,
+    responses_sse_content,
+)
 from manylora.entrypoints.openai.protocol_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -61,6 +68,7 @@ from manylora.entrypoints.openai.serving_models import (
     ModelList,
     OpenAIServingModels,
 )
+from manylora.entrypoints.openai.serving_responses import OpenAIServingResponses
 from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
@@ -251,9 +259,11 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
                              max_choices=config.max_choices_per_request)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
+    responses = OpenAIServingResponses(engine, models, chat, prompt_tokenizer=prompts,
+                                       max_choices=config.max_choices_per_request)
     if config.frontend.log_requests:
-        completions.request_logger = chat.request_logger = RequestLogger(
-            config.frontend.max_log_len)
+        completions.request_logger = chat.request_logger = responses.request_logger = (
+            RequestLogger(config.frontend.max_log_len))
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
@@ -327,6 +337,20 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
+    @app.post("/v1/responses", response_model=None, responses={
+        200: {"model": ResponsesResponse, "content": responses_sse_content(),
+              "description": "The response; with \"stream\": true, server-sent events."},
+        **errors(400, 404, 503, 504)})
+    async def create_response(body: ResponsesRequest, request: Request):
+        await models.resolve_lora(body.model)
+        result = await _with_cancellation(request, responses.create_response(body))
+        return Response(status_code=499) if result is None else _respond(result)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse,
+             responses=errors(400, 404))
+    async def retrieve_response(response_id: ClientName) -> ResponsesResponse:
+        return responses.retrieve(response_id)
+
     @app.post("/tokenize", response_model=TokenizeResponse,
               responses=errors(400, 404, 503, 504))
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -359,7 +383,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                 body.lora_name)))
 
     install_openapi(app, api_keys=bool(config.api_keys),
-                    stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse))
+                    stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse,
+                                   *STREAM_EVENTS))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
     app.add_middleware(CORSMiddleware, **config.frontend.cors_options())

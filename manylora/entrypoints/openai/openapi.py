@@ -41,7 +41,7 @@ _WHY = {
          "or a request the model cannot serve (too many tokens for the context).",
     401: "No valid API key: 'Authorization: Bearer <key>' is missing or wrong.",
     403: "Not allowed: the adapter path lies outside the --lora-root directories.",
-    404: "Unknown model, adapter or adapter directory.",
+    404: "Unknown model, adapter or adapter directory, or no stored response of that id.",
     413: "The request body is over --max-request-body-bytes, or the prompt fills the "
          "context.",
     503: "The engine is overloaded (its waiting queue is full) or not serving.",

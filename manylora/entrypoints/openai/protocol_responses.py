@@ -1,0 +1,510 @@
+"""Request, response and event bodies of ``POST /v1/responses`` (OpenAI's Responses API, for
+text, with vLLM's sampling extras).
+
+Field names and JSON shapes follow OpenAI's API reference, so that the official ``openai``
+client parses every object and streamed event (``client.responses.create`` /
+``client.responses.stream``). The request declares every field of OpenAI's
+``responses.create`` (and vLLM's extras ``top_k``, ``seed``, ``stop``, ``ignore_eos``,
+``repetition_penalty``, ``logit_bias``, ``skip_special_tokens``,
+``include_stop_str_in_output``, ``chat_template_kwargs``, ``request_id``, ``priority``):
+each is honoured or, for what a text-only server cannot do (tools, reasoning items,
+background runs, prompt templates, conversations, file and image inputs), refused by
+:meth:`ResponsesRequest.check` with a 400 naming it. Pydantic checks types strictly and
+every client-chosen name (:mod:`~manylora.entrypoints.openai.validation`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints
+
+from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol import (
+    INT64_MAX,
+    INT64_MIN,
+    ChatCompletionLogProbsContent,
+)
+from manylora.entrypoints.openai.validation import ClientName, RequestModel
+from manylora.sampling_params import MAX_LOGPROBS
+
+__all__ = [
+    "MAX_METADATA_PAIRS",
+    "ResponseContentPartAddedEvent",
+    "ResponseContentPartDoneEvent",
+    "ResponseCreatedEvent",
+    "ResponseErrorEvent",
+    "ResponseFailedEvent",
+    "ResponseInProgressEvent",
+    "ResponseCompletedEvent",
+    "ResponseInputMessage",
+    "ResponseInputTextPart",
+    "ResponseOutputItemAddedEvent",
+    "ResponseOutputItemDoneEvent",
+    "ResponseOutputMessage",
+    "ResponseOutputText",
+    "ResponseTextConfig",
+    "ResponseTextDeltaEvent",
+    "ResponseTextDoneEvent",
+    "ResponseUsage",
+    "ResponsesRequest",
+    "ResponsesResponse",
+    "STREAM_EVENTS",
+    "responses_sse_content",
+]
+
+#: OpenAI's bounds on ``metadata``: at most 16 pairs, keys of at most 64 characters, values
+#: of at most 512.
+MAX_METADATA_PAIRS = 16
+_MAX_METADATA_KEY = 64
+_MAX_METADATA_VALUE = 512
+
+#: ``metadata``: string pairs within OpenAI's bounds (published in the schema, so refused by
+#: validation with a 400 naming ``metadata``).
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=_MAX_METADATA_KEY)],
+         Annotated[str, StringConstraints(max_length=_MAX_METADATA_VALUE)]],
+    Field(max_length=MAX_METADATA_PAIRS)]
+
+#: What OpenAI's ``include`` may name; only ``message.output_text.logprobs`` applies to a
+#: text-only response (the others name tool and image outputs, refused by ``check``).
+Includable = Literal[
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url",
+    "message.output_text.logprobs", "reasoning.encrypted_content",
+    "web_search_call.action.sources", "web_search_call.results"]
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class ResponseInputTextPart(RequestModel):
+    """One text part of an input message's ``content``: ``input_text`` (user, system,
+    developer) or ``output_text`` (an earlier assistant reply sent back; its
+    ``annotations`` and ``logprobs`` are accepted and not used)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+class ResponseInputMessage(RequestModel):
+    """One message of ``input`` (OpenAI's ``EasyInputMessage`` and input/output message
+    items): a role and its content as a string or text parts (joined with newlines, as
+    chat content parts are). ``id`` and ``status`` of a replayed output message are
+    accepted and not used."""
+
+    type: Literal["message"] | None = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ResponseInputTextPart]
+    id: ClientName | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        """The content as one string (parts joined with newlines)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class TextFormatText(RequestModel):
+    """``text.format`` ``{"type": "text"}``: free text (the default)."""
+
+    type: Literal["text"]
+
+
+class TextFormatJSONObject(RequestModel):
+    """``text.format`` ``{"type": "json_object"}``: any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class TextFormatJSONSchema(RequestModel):
+    """``text.format`` ``{"type": "json_schema", "name", "schema", "strict"?,
+    "description"?}``: one JSON value valid against ``schema``."""
+
+    model_config = {**RequestModel.model_config, "populate_by_name": True}
+
+    type: Literal["json_schema"]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64,
+                                           pattern=r"^[a-zA-Z0-9_-]+$")]
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseTextConfig(RequestModel):
+    """``text``: the output's format and (accepted, a hint only) ``verbosity``."""
+
+    format: TextFormatText | TextFormatJSONObject | TextFormatJSONSchema | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+class ReasoningConfig(RequestModel):
+    """``reasoning``; a set ``effort`` or ``summary`` is refused (no reasoning parser)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class ResponseStreamOptions(RequestModel):
+    """``stream_options``: ``include_obfuscation`` (this server adds no obfuscation field,
+    whatever it says)."""
+
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """Body of ``POST /v1/responses``: OpenAI's ``responses.create`` for text, with vLLM's
+    extras. ``input`` is one user text or a list of messages; ``instructions`` becomes a
+    leading system message (OpenAI's and vLLM's rendering)."""
+
+    model: ClientName | None = None
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[Includable] | None = None
+    stream: bool | None = False
+    stream_options: ResponseStreamOptions | None = None
+    store: bool | None = True
+    previous_response_id: ClientName | None = None
+    user: ClientName | None = None
+    safety_identifier: ClientName | None = None
+    metadata: Metadata | None = None
+    text: ResponseTextConfig | None = None
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: ClientName | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tool_calls: int | None = None
+    # refused unless empty / unset (see check)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
+    background: bool | None = False
+    prompt: dict[str, Any] | None = None
+    conversation: str | dict[str, Any] | None = None
+    context_management: list[dict[str, Any]] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    ignore_eos: bool | None = False
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    request_id: ClientName | None = None
+    priority: int | None = 0
+
+    def wants_logprobs(self) -> bool:
+        """Whether ``include`` asks for the output text's log-probabilities."""
+        return "message.output_text.logprobs" in (self.include or ())
+
+    def check(self) -> None:
+        """Reject values this server does not support, each with a 400 naming its field.
+
+        Raises:
+            OpenAIError: 400 for: an empty ``input`` list; ``max_output_tokens`` or
+                ``max_tool_calls`` below 1; ``top_logprobs`` outside ``[0, MAX_LOGPROBS]``;
+                an ``include`` other than ``message.output_text.logprobs``; a ``seed``
+                outside the signed 64-bit range; ``stream_options`` without ``stream``;
+                non-empty ``tools``, a ``tool_choice`` asking for a tool; a ``reasoning``
+                effort or summary; ``background``; a ``prompt`` template; a
+                ``conversation``; ``context_management``; a ``service_tier`` other than
+                ``auto`` / ``default``; ``prompt_cache_retention`` ``24h``; a non-zero
+                ``priority``; ``previous_response_id`` with ``store`` false.
+        """
+        if isinstance(self.input, list) and not self.input:
+            raise bad_request("input must not be an empty list", param="input")
+        for name in ("max_output_tokens", "max_tool_calls"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {value}", param=name)
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                              f"top_logprobs={self.top_logprobs}", param="top_logprobs")
+        for item in self.include or ():
+            if item != "message.output_text.logprobs":
+                raise bad_request(f"include {item!r} is not supported: this server returns "
+                                  "text only ('message.output_text.logprobs' is)",
+                                  param="include")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got "
+                              f"seed={self.seed}", param="seed")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              param="stream_options")
+        self._check_unsupported()
+
+    def _check_unsupported(self) -> None:
+        """The 400s for features a text-only server does not serve."""
+        if self.tools:
+            raise bad_request("tools are not supported by /v1/responses on this server",
+                              param="tools")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
+        if self.reasoning is not None and any(
+                v not in (None, "none") for v in (self.reasoning.effort, self.reasoning.summary,
+                                                  self.reasoning.generate_summary)):
+            raise bad_request("reasoning is not supported (no reasoning parser is configured)",
+                              param="reasoning")
+        unsupported = {
+            "background": "background responses are not supported",
+            "prompt": "prompt templates are not supported",
+            "conversation": "conversations are not supported; use previous_response_id",
+            "context_management": "context_management is not supported",
+        }
+        for name, why in unsupported.items():
+            if getattr(self, name):
+                raise bad_request(why, param=name)
+        if self.service_tier not in (None, "auto", "default"):
+            raise bad_request(f"service_tier {self.service_tier!r} is not supported; this "
+                              "server has one tier ('auto' / 'default')", param="service_tier")
+        if self.prompt_cache_retention == "24h":
+            raise bad_request("prompt_cache_retention '24h' is not supported; the prefix "
+                              "cache is in memory", param="prompt_cache_retention")
+        if self.priority:
+            raise bad_request(f"priority must be 0 (no priority scheduling), got "
+                              f"{self.priority}", param="priority")
+        if self.previous_response_id is not None and self.store is False:
+            raise bad_request("previous_response_id needs store (the previous response "
+                              "must have been stored)", param="previous_response_id")
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class ResponseOutputText(BaseModel):
+    """An ``output_text`` content part: the text, no annotations, and per token its
+    log-probabilities when ``include`` asked for them."""
+
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[dict[str, Any]] = Field(default_factory=list)
+    logprobs: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ResponseOutputMessage(BaseModel):
+    """The assistant's ``message`` output item."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[ResponseOutputText]
+
+
+class InputTokensDetails(BaseModel):
+    """``usage.input_tokens_details``: prompt tokens read from the prefix cache (not
+    reported by the engine per request: 0)."""
+
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    """``usage.output_tokens_details``: no reasoning tokens (no reasoning parser)."""
+
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    """Token counts of a response."""
+
+    input_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    """Why a response is ``incomplete``: ``max_output_tokens`` (or the context) cut it."""
+
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponseError(BaseModel):
+    """A failed response's ``error``."""
+
+    code: str
+    message: str
+
+
+class ResponsesResponse(BaseModel):
+    """OpenAI's ``Response`` object: the output and the request's settings echoed.
+
+    ``status``: ``in_progress`` (in streamed lifecycle events), ``completed``,
+    ``incomplete`` (``incomplete_details.reason`` says why) or ``failed`` (``error``).
+    """
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    model: str
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str = "default"
+    store: bool = True
+    temperature: float = 1.0
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tool_choice: str = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: int = 0
+    top_p: float = 1.0
+    truncation: str = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    background: bool = False
+
+    def output_text(self) -> str:
+        """The assistant's text, all parts joined (the ``openai`` client's
+        ``output_text``)."""
+        return "".join(part.text for item in self.output for part in item.content)
+
+
+# ------------------------------------------------------------------------------- events
+
+
+class _Event(BaseModel):
+    sequence_number: int
+
+
+class ResponseCreatedEvent(_Event):
+    """``response.created``: the response, ``in_progress``, no output yet."""
+
+    type: Literal["response.created"] = "response.created"
+    response: ResponsesResponse
+
+
+class ResponseInProgressEvent(_Event):
+    """``response.in_progress``."""
+
+    type: Literal["response.in_progress"] = "response.in_progress"
+    response: ResponsesResponse
+
+
+class ResponseOutputItemAddedEvent(_Event):
+    """``response.output_item.added``: the message item, ``in_progress``, no content."""
+
+    type: Literal["response.output_item.added"] = "response.output_item.added"
+    output_index: int
+    item: ResponseOutputMessage
+
+
+class ResponseContentPartAddedEvent(_Event):
+    """``response.content_part.added``: an empty ``output_text`` part."""
+
+    type: Literal["response.content_part.added"] = "response.content_part.added"
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ResponseOutputText
+
+
+class ResponseTextDeltaEvent(_Event):
+    """``response.output_text.delta``: the new text (and its tokens' log-probabilities
+    when asked for)."""
+
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[ChatCompletionLogProbsContent] = Field(default_factory=list)
+
+
+class ResponseTextDoneEvent(_Event):
+    """``response.output_text.done``: the whole text."""
+
+    type: Literal["response.output_text.done"] = "response.output_text.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[ChatCompletionLogProbsContent] = Field(default_factory=list)
+
+
+class ResponseContentPartDoneEvent(_Event):
+    """``response.content_part.done``: the finished part."""
+
+    type: Literal["response.content_part.done"] = "response.content_part.done"
+    item_id: str
+    output_index: int
+    content_index: int
+    part: ResponseOutputText
+
+
+class ResponseOutputItemDoneEvent(_Event):
+    """``response.output_item.done``: the finished message item."""
+
+    type: Literal["response.output_item.done"] = "response.output_item.done"
+    output_index: int
+    item: ResponseOutputMessage
+
+
+class ResponseCompletedEvent(_Event):
+    """``response.completed``: the final response (status ``completed``, or ``incomplete``
+    with its reason, as vLLM sends it)."""
+
+    type: Literal["response.completed"] = "response.completed"
+    response: ResponsesResponse
+
+
+class ResponseFailedEvent(_Event):
+    """``response.failed``: the response, status ``failed``, with its ``error``."""
+
+    type: Literal["response.failed"] = "response.failed"
+    response: ResponsesResponse
+
+
+class ResponseErrorEvent(_Event):
+    """``error``: an error met after streaming began (before ``response.failed``)."""
+
+    type: Literal["error"] = "error"
+    code: str | None = None
+    message: str
+    param: str | None = None
+
+
+#: Every event a streamed response sends, in the order of a successful stream (then the
+#: two of a failed one).
+STREAM_EVENTS: tuple[type[_Event], ...] = (
+    ResponseCreatedEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,
+    ResponseContentPartAddedEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
+    ResponseContentPartDoneEvent, ResponseOutputItemDoneEvent, ResponseCompletedEvent,
+    ResponseErrorEvent, ResponseFailedEvent)
+
+
+def responses_sse_content() -> dict[str, Any]:
+    """The ``text/event-stream`` entry of ``POST /v1/responses``'s 200 in the OpenAPI
+    document: per event, ``event`` is its type and ``data`` one of :data:`STREAM_EVENTS` as
+    JSON (their schemas join the document's components through ``install_openapi``'s
+    ``stream_chunks``)."""
+    events = [{"$ref": f"#/components/schemas/{e.__name__}"} for e in STREAM_EVENTS]
+    return {"text/event-stream": {"schema": {
+        "type": "object", "required": ["event", "data"],
+        "description": "One server-sent event: 'event: <type>' and 'data: <event JSON>', "
+                       "sequence_number counting from 0; no [DONE] (OpenAI's framing).",
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": events}}}}}}
