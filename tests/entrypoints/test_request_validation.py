@@ -22,6 +22,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionRequest,
     StreamOptions,
 )
+from manylora.entrypoints.openai.protocol_responses import ResponsesRequest
 from manylora.entrypoints.openai.validation import (
     MAX_NAME_CHARS,
     NAME_PATTERN,
@@ -33,7 +34,8 @@ from manylora.entrypoints.openai.validation import (
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 BASE_BODY = {CompletionRequest: {"prompt": "hi"}, ChatCompletionRequest: CHAT,
              LoadLoRAAdapterRequest: {"lora_name": "a", "lora_path": "p"},
-             UnloadLoRAAdapterRequest: {"lora_name": "a"}, StreamOptions: {}}
+             UnloadLoRAAdapterRequest: {"lora_name": "a"}, StreamOptions: {},
+             ResponsesRequest: {"input": "hi"}}
 
 
 def _fails(model, body: dict) -> OpenAIError:

@@ -27,7 +27,8 @@ ROUTES = {("get", "/health"), ("get", "/version"), ("get", "/metrics"),
           ("get", "/v1/models"), ("get", "/v1/models/{model_id}"),
           ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
           ("post", "/v1/load_lora_adapter"), ("post", "/v1/unload_lora_adapter"),
-          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info")}
+          ("post", "/tokenize"), ("post", "/detokenize"), ("get", "/tokenizer_info"),
+          ("post", "/v1/responses"), ("get", "/v1/responses/{response_id}")}
 
 
 @pytest.fixture(scope="module")
@@ -165,16 +166,18 @@ def test_openapi_lists_the_real_statuses_and_content_types(contract):
     assert statuses[("get", "/metrics")] == {"200", "413"}
     assert statuses[("get", "/v1/models")] == {"200"} | v1
     assert statuses[("get", "/v1/models/{model_id}")] == {"200", "400", "404"} | v1
-    for route in (("post", "/v1/completions"), ("post", "/v1/chat/completions")):
+    for route in (("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                  ("post", "/v1/responses")):
         assert statuses[route] == {"200", "400", "404", "503", "504"} | v1
         assert set(ops[route]["responses"]["200"]["content"]) == {"application/json",
                                                                  "text/event-stream"}
     assert statuses[("post", "/v1/load_lora_adapter")] == {"200", "400", "403", "404",
                                                            "503", "504"} | v1
     assert statuses[("post", "/v1/unload_lora_adapter")] == {"200", "400", "404", "503"} | v1
-    for route in (("post", "/tokenize"), ("post", "/detokenize")):
-        assert statuses[route] == {"200", "400", "404"} | v1
+    for route in (("post", "/tokenize"), ("post", "/detokenize")):   # 503/504: the resolver
+        assert statuses[route] == {"200", "400", "404", "503", "504"} | v1
     assert statuses[("get", "/tokenizer_info")] == {"200", "400"} | v1
+    assert statuses[("get", "/v1/responses/{response_id}")] == {"200", "400", "404"} | v1
     assert set(ops[("get", "/metrics")]["responses"]["200"]["content"]) == {"text/plain"}
     assert "content" not in ops[("get", "/health")]["responses"]["200"]
     error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
