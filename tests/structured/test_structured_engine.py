@@ -244,3 +244,38 @@ def test_engine_process(base_dir, monkeypatch):
     assert outs[0].outputs[0].text in ("alpha", "beta gamma")
     assert outs[1].outputs[0].finish_reason == "error"
     assert "structured_outputs.regex" in str(outs[1].error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_cuda_graphs_structured_and_plain_rows(base_dir, async_scheduling):
+    """On CUDA with decode graphs (sampling runs outside them): constrained rows validate,
+    unconstrained rows equal their solo outputs, and the eager engine agrees token for
+    token on the greedy constrained row."""
+    prompts = [f"prompt {i}" for i in range(12)]
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy_so = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=(
+        StructuredOutputsParams(json=SCHEMAS[2], disable_any_whitespace=True)))
+    params = [greedy_so if i % 4 == 0 else
+              _so(i, json=SCHEMAS[i % 5], disable_any_whitespace=True) if i % 4 == 1 else plain
+              for i in range(len(prompts))]
+    results = []
+    for eager in (False, True):
+        llm = LLM(str(base_dir), device="cuda", dtype="float32", max_num_seqs=16,
+                  block_size=16, max_model_len=512, enforce_eager=eager,
+                  async_scheduling=async_scheduling)
+        if not eager:
+            assert llm.llm_engine.engine_core.runner.graphs is not None
+        alone = llm.generate(prompts, plain, use_tqdm=False)
+        mixed = llm.generate(prompts, params, use_tqdm=False)
+        for i, out in enumerate(mixed):
+            text = out.outputs[0].text
+            if i % 4 in (0, 1):
+                assert out.outputs[0].finish_reason == "stop", text
+                schema = SCHEMAS[2] if i % 4 == 0 else SCHEMAS[i % 5]
+                jsonschema.validate(_loads(text), schema)
+            else:
+                assert out.outputs[0].token_ids == alone[i].outputs[0].token_ids
+        results.append([mixed[i].outputs[0].token_ids for i in range(0, len(prompts), 4)])
+        llm.llm_engine.shutdown()
+    assert results[0] == results[1]
