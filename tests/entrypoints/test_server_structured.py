@@ -38,7 +38,7 @@ def server(tmp_path_factory):
                            **{**TINY, "max_position_embeddings": 512})
     with running_server(base, max_model_len=512, block_size=8) as (_, url):
         yield (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
-               httpx.Client(base_url=url, timeout=120))
+               httpx.Client(base_url=url, timeout=120), str(base))
 
 
 def _loads(text: str):
@@ -137,3 +137,34 @@ def test_invalid_constraints_are_400s_naming_the_field(server, route, body, para
     # the server keeps serving
     ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_bad_words(server):
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    # lower-case words (a regex, so the tokens are text), greedy: the ban must change them
+    body = {"model": BASE, "prompt": "Answer:", "max_tokens": 12, "temperature": 0,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
+            "structured_outputs": {"regex": "[a-z]{1,6}( [a-z]{1,6}){0,20}"}}
+
+    def token_ids(**extra):
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+    plain = token_ids()
+    # a generated token that is a word of its own: the word encodes back to it (with or
+    # without its leading space)
+    position, word = next(
+        (i, tok.decode([t]).strip()) for i, t in enumerate(plain)
+        if tok.decode([t]).strip() and [t] in (
+            tok.encode(tok.decode([t]).strip(), add_special_tokens=False),
+            tok.encode(" " + tok.decode([t]).strip(), add_special_tokens=False)))
+    banned = token_ids(bad_words=[word])
+    assert banned[:position] == plain[:position] and banned[position] != plain[position]
+    assert plain[position] not in banned
+    for route, extra in (("/v1/completions", {"prompt": "x"}),
+                         ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = http.post(route, json={"model": BASE, "bad_words": [""], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text

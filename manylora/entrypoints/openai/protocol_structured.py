@@ -1,8 +1,8 @@
 """Structured output in request bodies: OpenAI's ``response_format`` (``text``,
 ``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` extra, on chat and
-completions alike (vLLM accepts both on both), and the legacy ``guided_*`` fields, which
-vLLM removed in 0.12 (later versions drop them silently): here a 400 that names them and
-says what replaced them, never an unconstrained 200.
+completions alike (vLLM accepts both on both), vLLM's ``bad_words``, and the legacy
+``guided_*`` fields, which vLLM removed in 0.12 (later versions drop them silently): here
+a 400 that names them and says what replaced them, never an unconstrained 200.
 
 ``structured_params`` turns a request's fields into the one ``StructuredOutputsParams`` the
 engine takes; ``OpenAIServing.check_structured`` parses its grammar without a tokenizer
@@ -71,10 +71,12 @@ class StructuredOutputsRequest(RequestModel):
 
 class StructuredFields(RequestModel):
     """The structured-output fields of ``/v1/completions`` and ``/v1/chat/completions``
-    (a base of both request bodies), and the refusal of vLLM's removed ``guided_*``."""
+    (a base of both request bodies), vLLM's ``bad_words`` (banned through the same host
+    mask), and the refusal of vLLM's removed ``guided_*``."""
 
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -74,7 +74,7 @@ LOGPROB_FLOOR = -9999.0
 _SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-    "logprobs"})
+    "logprobs", "bad_words"})
 
 
 def random_id(prefix: str) -> str:

@@ -216,7 +216,7 @@ class OpenAIServingChat(OpenAIServing):
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            structured_outputs=structured,
+            structured_outputs=structured, bad_words=request.bad_words,
             output_kind=output_kind(bool(request.stream)))
         base_id = random_id("chatcmpl")
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)

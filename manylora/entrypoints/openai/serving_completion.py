@@ -164,6 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
                 logprobs=request.logprobs, structured_outputs=structured,
+                bad_words=request.bad_words,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
