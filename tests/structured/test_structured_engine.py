@@ -166,6 +166,17 @@ def _hf_constrained_greedy(hf, prompt_ids, schema, max_tokens):
 
 
 def test_greedy_constrained_matches_transformers_and_unconstrained_rows_unchanged(llm, hf):
+    _check_mixed_batch(llm, hf)
+
+
+def test_mixed_batch_padded_to_piece_buckets(base_dir, hf):
+    """Steps padded to token buckets (the piecewise CUDA-graph layout, run eagerly on the
+    CPU): the sampled rows and their masks line up as in unpadded steps."""
+    llm = LLM(str(base_dir), piecewise_cuda_graph_sizes=[8, 32], **ENGINE)
+    _check_mixed_batch(llm, hf)
+
+
+def _check_mixed_batch(llm, hf):
     tok = hf[1]
     prompts = ["The weather today", "Reply in JSON:", "one two three", "Once upon a time",
                "JSON please", "hello", "numbers: 1 2 3", "a b c"]
