@@ -85,6 +85,9 @@ class SampleInfo:
             (``sample.penalties``); None when none does.
         prompt: the step's prompt log-probability rows (``sample.prompt_logprobs``); None
             when no row computes any.
+        masked: int64 indices (into the sampled rows) of the rows whose logits get a
+            host-built token mask before sampling (``structured_outputs`` or
+            ``bad_words``, ``SamplingParams.uses_host_mask``); None when none has.
     """
 
     req_ids: list[str]
@@ -100,6 +103,7 @@ class SampleInfo:
     logprobs: list[tuple[int, int]]
     penalties: PenaltyInputs | None = None
     prompt: PromptLogprobsPlan | None = None
+    masked: np.ndarray | None = None
 
 
 class InputBatch:
@@ -125,8 +129,10 @@ class InputBatch:
         temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
             seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none);
             processed: bool ``[rows]``, the row uses a penalty, ``logit_bias`` or
-            ``allowed_token_ids``; num_prompt: int64 ``[rows]``, prompt tokens;
-            prompt_lp: int32 ``[rows]``, ``SamplingParams.prompt_logprobs`` (-1: none).
+            ``allowed_token_ids``; masked: bool ``[rows]``, the row gets a host-built
+            token mask (``SamplingParams.uses_host_mask``); num_prompt: int64 ``[rows]``,
+            prompt tokens; prompt_lp: int32 ``[rows]``, ``SamplingParams.prompt_logprobs``
+            (-1: none).
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
@@ -176,6 +182,7 @@ class InputBatch:
         self.seeded = grow(g("seeded"), bool, False)
         self.logprobs = grow(g("logprobs"), np.int32, -1)
         self.processed = grow(g("processed"), bool, False)
+        self.masked = grow(g("masked"), bool, False)
         self.num_prompt = grow(g("num_prompt"), np.int64)
         self.prompt_lp = grow(g("prompt_lp"), np.int32, -1)
         self.block_table.grow(num_rows)
@@ -222,6 +229,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not greedy
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.processed[row] = p.uses_logits_processors
+        self.masked[row] = p.uses_host_mask
         self.num_prompt[row] = state.num_prompt_tokens
         self.prompt_lp[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.block_table.set_row(row, state.block_ids)
@@ -469,7 +477,8 @@ class InputBatch:
             do_min_p=bool((self.min_p[rows][random] > 0.0).any()),
             seeded=np.nonzero(self.seeded[rows])[0].tolist(),
             logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]],
-            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]), prompt=plan)
+            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]), prompt=plan,
+            masked=_nonzero_or_none(self.masked[rows]))
         return StepInputs(layout, data), info
 
     def _prompt_rows(self, ids: list[str], seq_rows: np.ndarray, starts: np.ndarray,
@@ -594,3 +603,8 @@ def _put(dst: np.ndarray, src: np.ndarray, pad: int) -> None:
     n = src.shape[0]
     dst[:n] = src
     dst[n:] = pad
+
+
+def _nonzero_or_none(flags: np.ndarray) -> np.ndarray | None:
+    """The indices of ``flags``' True entries, None (one numpy ``any``) when there is none."""
+    return np.flatnonzero(flags) if flags.any() else None

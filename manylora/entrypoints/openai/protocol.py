@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 from manylora.entrypoints.openai.echo import PromptLogprobEntry, check_prompt_logprobs
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol_structured import ResponseFormat, StructuredFields
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
 from manylora.sampling_params import MAX_LOGPROBS
 
@@ -95,7 +96,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(StructuredFields):
     """Body of ``POST /v1/completions`` (OpenAI's legacy completions, with vLLM's extras).
 
     ``prompt`` is one text, a list of texts, one list of token ids, or a list of lists of
@@ -206,13 +207,7 @@ class ChatCompletionMessageParam(RequestModel):
         return message
 
 
-class ResponseFormat(RequestModel):
-    """``response_format``; only ``{"type": "text"}`` is supported."""
-
-    type: str
-
-
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(StructuredFields):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
     model: ClientName | None = None
@@ -268,8 +263,8 @@ class ChatCompletionRequest(RequestModel):
                 penalties, ``logit_bias``, ``stream_options``), no ``messages``, a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
                 without ``logprobs``, non-empty ``tools``, a ``tool_choice`` that asks for
-                a tool call, a ``response_format`` other than text, or both
-                ``add_generation_prompt`` and ``continue_final_message``.
+                a tool call, or both ``add_generation_prompt`` and
+                ``continue_final_message``.
         """
         _check_common(self)
         if not self.messages:
@@ -287,9 +282,6 @@ class ChatCompletionRequest(RequestModel):
             raise bad_request("tools are not supported", param="tools")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
             raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not "
-                              "supported; only 'text' is", param="response_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both "
                               "be true", param="continue_final_message")

@@ -29,6 +29,7 @@ from manylora.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from manylora.entrypoints.openai.protocol_structured import structured_params
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -194,10 +195,12 @@ class OpenAIServingChat(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        structured, structured_param = structured_params(request)
         n = request.n or 1
         self.check_choices(1, n)
         model_name, lora_request = self.resolve_model(request.model)
         self.require_tokenizer("chat", param="messages")
+        await self.check_structured(structured, structured_param)
         text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
@@ -215,6 +218,7 @@ class OpenAIServingChat(OpenAIServing):
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=structured, bad_words=request.bad_words,
             output_kind=output_kind(bool(request.stream)))
         base_id = random_id("chatcmpl")
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)

@@ -30,6 +30,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
+from manylora.entrypoints.openai.protocol_structured import structured_params
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -164,10 +165,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        structured, structured_param = structured_params(request)
         n = request.n or 1
         items = _prompt_items(request.prompt)
         self.check_choices(len(items), n)
         model_name, lora_request = self.resolve_model(request.model)
+        await self.check_structured(structured, structured_param)
         prompts = await self._prompts(items)
         base_id = random_id("cmpl")
         children: list[ChildRequest] = []
@@ -188,6 +191,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=request.logprobs,
                 prompt_logprobs=engine_prompt_logprobs(request.prompt_logprobs, request.echo,
                                                        request.logprobs),
+                structured_outputs=structured, bad_words=request.bad_words,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
