@@ -329,14 +329,18 @@ class ModelRunner:
             set: the raw ``log_softmax`` of the logits, before temperature and the filters
             (vLLM v1's ``"raw_logprobs"``). Tokens and log-probabilities come to the host in
             one copy; a step where no request asks does no log-probability work.
+            ``prompt_logprobs`` is ``{request_id: PromptLogprobs}`` of the requests with
+            ``SamplingParams.prompt_logprobs`` whose step computed prompt positions (empty
+            when none did), in the same copy.
         """
         if step is None:
             return SampledTokens({}, {})
         info, output = step
-        tokens, logprobs = output.result()
+        tokens, logprobs, prompt = output.result()
         self.input_batch.append_sampled(info, tokens)
         return SampledTokens(dict(zip(info.req_ids, tokens)),
-                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)})
+                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)},
+                             prompt)
 
     def forward_step(self, inputs: StepInputs, prev_sampled: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:
