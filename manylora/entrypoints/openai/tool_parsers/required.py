@@ -21,7 +21,8 @@ _WS = " \t\r\n"
 
 class RequiredToolCallsParser(ToolParser):
     """Each ``{...}`` of the array is one call; the brackets, commas and whitespace around
-    them are dropped. Not a ``--tool-call-parser`` (no name): it reads the output the
+    them are dropped (also in an output cut off by ``max_tokens``, whose unfinished object
+    is content). Not a ``--tool-call-parser`` (no name): it reads the output the
     required choice's schema (``protocol_tools.required_tools_schema``) allows."""
 
     start_chars = "[{"
