@@ -97,8 +97,12 @@ def test_completion_request_check_accepts_supported_values():
 @pytest.mark.parametrize("fields, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
-    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [{"function": {"name": "f"}}, {"function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),

@@ -78,6 +78,8 @@ class ServerConfig:
             tokenizer's, or None.
         max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
             request may create; more get 400 before anything is tokenized.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's flag).
+        tool_call_parser: the format auto tool calls are parsed in (vLLM's names), or None.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -85,6 +87,8 @@ class ServerConfig:
     enable_lora_runtime_updates: bool = False
     chat_template: str | None = None
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -236,7 +240,9 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
                                           max_choices=config.max_choices_per_request)
     chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
-                             max_choices=config.max_choices_per_request)
+                             max_choices=config.max_choices_per_request,
+                             enable_auto_tool_choice=config.enable_auto_tool_choice,
+                             tool_call_parser=config.tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
 
     @app.exception_handler(OpenAIError)

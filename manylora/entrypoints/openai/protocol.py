@@ -17,9 +17,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallParam,
+    check_tool_request,
+)
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
 from manylora.sampling_params import MAX_LOGPROBS
 
@@ -166,12 +174,35 @@ class ContentPart(RequestModel):
 
 
 class ChatCompletionMessageParam(RequestModel):
-    """One message of a chat request."""
+    """One message of a chat request. ``tool_calls`` (the calls an assistant made) only on
+    an assistant message, ``tool_call_id`` (the call a result answers) only on, and
+    required by, a tool message; every role but ``assistant`` needs ``content``.
+
+    Raises:
+        pydantic.ValidationError: a message breaking those rules (the 400 names
+            ``messages[i]``), or a malformed tool call (naming its field).
+    """
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: ClientName | None = None
     tool_call_id: ClientName | None = None
+    tool_calls: list[ToolCallParam] | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatCompletionMessageParam:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not on a "
+                             f"{self.role!r} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs tool_call_id (the id of the call it "
+                             "answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not on a "
+                             f"{self.role!r} message")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
 
     def text(self) -> str | None:
         """The content as one string: a part list's texts joined with newlines (as vLLM),
@@ -192,7 +223,8 @@ class ChatCompletionMessageParam(RequestModel):
 
     def to_template(self) -> dict[str, Any]:
         """The message as the dict ``apply_chat_template`` takes (``role``, ``content``
-        as text, and ``name`` / ``tool_call_id`` when given).
+        as text, and ``name`` / ``tool_call_id`` / ``tool_calls`` when given; a call's
+        arguments parsed from their JSON text, as vLLM passes them to templates).
 
         Raises:
             OpenAIError: as :meth:`text`.
@@ -202,6 +234,8 @@ class ChatCompletionMessageParam(RequestModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
         return message
 
 
@@ -231,9 +265,10 @@ class ChatCompletionRequest(RequestModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = 1.0
     top_p: float | None = 1.0
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+                  | None) = None
+    parallel_tool_calls: bool | None = True
     user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
@@ -264,8 +299,9 @@ class ChatCompletionRequest(RequestModel):
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
                 penalties, ``logit_bias``, ``stream_options``), no ``messages``, a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
-                without ``logprobs``, non-empty ``tools``, a ``tool_choice`` that asks for
-                a tool call, a ``response_format`` other than text, or both
+                without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
+                refuses (no tools, an unknown name, with another constraint) or tools of
+                one name, a ``response_format`` other than text, or both
                 ``add_generation_prompt`` and ``continue_final_message``.
         """
         _check_common(self)
@@ -280,10 +316,10 @@ class ChatCompletionRequest(RequestModel):
             if self.top_logprobs > 0 and not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs set to true",
                                   param="top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
+        constrained = (getattr(self, "structured_outputs", None) is not None
+                       or (self.response_format is not None
+                           and self.response_format.type != "text"))
+        check_tool_request(self.tools, self.tool_choice, constrained)
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request(f"response_format {self.response_format.type!r} is not "
                               "supported; only 'text' is", param="response_format")
@@ -377,10 +413,19 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """The generated message of a chat choice."""
+    """The generated message of a chat choice: its text (None when the model only called
+    tools) and the ``tool_calls`` it made (left out of the JSON when there are none)."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -406,11 +451,12 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     """The new part of a streamed message; unset (None) fields are left out of the JSON,
-    so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}`` or
-    ``{}``."""
+    so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}``,
+    ``{"tool_calls": [...]}`` (OpenAI's streamed tool call pieces) or ``{}``."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
