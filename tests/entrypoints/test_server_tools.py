@@ -289,3 +289,12 @@ def test_litellm_response_format(litellm, tool_server):
 def test_litellm_presence_penalty(litellm, tool_server):
     resp = _litellm(litellm, tool_server, presence_penalty=0.5, frequency_penalty=0.2)
     assert isinstance(resp.choices[0].message.content, str)
+
+
+def test_tokenize_renders_tools_as_the_chat_route(tool_server):
+    with_tools = httpx.post(f"{tool_server}/tokenize", json={
+        "model": BASE, "messages": HISTORY, "tools": TOOLS}).json()
+    chat = httpx.post(f"{tool_server}/v1/chat/completions", json={
+        "model": BASE, "messages": HISTORY, "tools": TOOLS, "tool_choice": "none",
+        "max_tokens": 1}).json()
+    assert with_tools["count"] == chat["usage"]["prompt_tokens"]

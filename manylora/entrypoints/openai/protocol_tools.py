@@ -248,7 +248,8 @@ def _hoist_defs(schemas: list[dict[str, Any]]) -> dict[str, Any]:
     """
     merged: dict[str, Any] = {}
     for schema in schemas:
-        for name, definition in (schema.get("$defs") or {}).items():
+        defs = schema.get("$defs")
+        for name, definition in (defs if isinstance(defs, dict) else {}).items():
             if name in merged and merged[name] != definition:
                 raise bad_request(f"two tools' parameters define $defs {name!r} "
                                   "differently", param="tools")
