@@ -228,7 +228,7 @@ def test_langchain_with_structured_output_json_mode_returns_a_dict(chat_model):
 
 
 @needs_grammar
-@pytest.mark.parametrize("tool_choice", ["required", "forecast", "any"])
+@pytest.mark.parametrize("tool_choice", ["required", "Forecast", "any"])
 def test_langchain_bind_tools_returns_parsed_tool_calls(chat_model, tool_choice):
     forecast = _forecast_model()
     message = chat_model.bind_tools([forecast], tool_choice=tool_choice).invoke(
