@@ -252,3 +252,75 @@ def test_tool_choice_errors_name_the_field(body, param):
     with pytest.raises(OpenAIError) as info:
         _run(Engine("x"), dict(messages=USER, **body), **AUTO)
     assert info.value.status == 400 and info.value.param == param
+
+
+# ------------------------------------------------- the schemas under a real grammar engine
+
+
+def _grammar_walks(schema, seeds, max_tokens=400):
+    """Texts a random walk over the tiny tokenizer writes under xgrammar's constraint for
+    ``schema`` (each step a uniformly random allowed token): what any model could write."""
+    import random
+
+    xgr = pytest.importorskip("xgrammar")
+    from manylora.testing import make_tokenizer
+
+    tok = make_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema),
+                                                             any_whitespace=False)
+    texts = []
+    for seed in seeds:
+        rng, matcher = random.Random(seed), xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        ids = []
+        while not matcher.is_terminated() and len(ids) < max_tokens:
+            matcher.fill_next_token_bitmask(bitmask)
+            words = bitmask[0].tolist()
+            allowed = [i for i in range(info.vocab_size) if (words[i // 32] >> (i % 32)) & 1]
+            ids.append(rng.choice(allowed))
+            assert matcher.accept_token(ids[-1])
+        assert matcher.is_terminated()
+        texts.append(tok.decode([i for i in ids if i != tok.eos_token_id]))
+    return texts
+
+
+FORECAST = {"type": "object", "properties": {
+    "unit": {"type": "string", "enum": ["c", "f"]},
+    "days": {"type": "integer", "enum": [1, 2, 3]}},
+    "required": ["unit", "days"], "additionalProperties": False}
+CLOSED_TOOLS = [{"type": "function", "function": {"name": "forecast", "parameters": FORECAST}},
+                {"type": "function", "function": {"name": "alert"}}]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_schema_under_xgrammar_gives_valid_calls(parallel):
+    jsonschema = pytest.importorskip("jsonschema")
+    engine = Engine("")
+    _run(engine, dict(messages=USER, tools=CLOSED_TOOLS, tool_choice="required",
+                      parallel_tool_calls=parallel))
+    schema = json.loads(engine.params[0].structured_outputs.json)
+    counts = set()
+    for text in _grammar_walks(schema, range(12)):
+        engine = Engine(text)
+        result = _run(engine, dict(messages=USER, tools=CLOSED_TOOLS, tool_choice="required",
+                                   parallel_tool_calls=parallel))
+        choice = result["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        calls = choice["message"]["tool_calls"]
+        counts.add(len(calls))
+        for call in calls:
+            params = FORECAST if call["function"]["name"] == "forecast" else {"type": "object"}
+            jsonschema.validate(json.loads(call["function"]["arguments"]), params)
+    assert counts == {1} if not parallel else max(counts) >= 1
+
+
+def test_named_schema_under_xgrammar_gives_valid_arguments():
+    jsonschema = pytest.importorskip("jsonschema")
+    named = {"type": "function", "function": {"name": "forecast"}}
+    engine = Engine("")
+    _run(engine, dict(messages=USER, tools=CLOSED_TOOLS, tool_choice=named))
+    for text in _grammar_walks(json.loads(engine.params[0].structured_outputs.json), range(8)):
+        result = _run(Engine(text), dict(messages=USER, tools=CLOSED_TOOLS, tool_choice=named))
+        [call] = result["choices"][0]["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST)
