@@ -2,9 +2,10 @@
 --tool-call-parser hermes``) with the clients people use: the official ``openai`` client,
 LangChain (``langchain-openai``) and LiteLLM, all on loopback, nothing else reached.
 
-Named and required choices, ``response_format`` and ``with_structured_output`` need the
-grammar path (task 19D: ``manylora.structured``), and LiteLLM's ``presence_penalty`` needs
-penalties on the server (task 19F); those tests skip until their part is in the tree. The
+Named and required choices need the grammar path (task 19D: ``manylora.structured``),
+``response_format`` (LangChain's json_schema and json_mode, LiteLLM's) its server side, and
+LiteLLM's ``presence_penalty`` penalties on the server (task 19F); those tests skip until
+their part is in the tree. The
 tiny model's weights are random, so what is checked is what must hold whatever it writes:
 arguments that validate against the tool's schema, parsed objects of the asked type."""
 
@@ -25,10 +26,9 @@ from manylora.entrypoints.openai.protocol import ChatCompletionRequest
 jsonschema = pytest.importorskip("jsonschema")
 
 
-def _penalties_served() -> bool:
+def _chat_check_passes(**fields) -> bool:
     try:
-        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                              presence_penalty=0.5).check()
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields).check()
     except OpenAIError:
         return False
     return True
@@ -36,8 +36,11 @@ def _penalties_served() -> bool:
 
 needs_grammar = pytest.mark.skipif(importlib.util.find_spec("manylora.structured") is None,
                                    reason="needs the grammar path (task 19D, branch structured)")
-needs_penalties = pytest.mark.skipif(not _penalties_served(),
+needs_penalties = pytest.mark.skipif(not _chat_check_passes(presence_penalty=0.5),
                                      reason="needs penalties on the server (task 19F)")
+needs_response_format = pytest.mark.skipif(
+    not _chat_check_passes(response_format={"type": "json_object"}),
+    reason="needs response_format on the server (task 19D)")
 
 # small closed schemas: whatever a random model picks under the grammar ends soon
 FORECAST = {"type": "object", "properties": {
@@ -212,7 +215,8 @@ def _forecast_model():
 
 
 @needs_grammar
-@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+@pytest.mark.parametrize("method", [
+    pytest.param("json_schema", marks=needs_response_format), "function_calling"])
 def test_langchain_with_structured_output_returns_parsed_objects(chat_model, method):
     forecast = _forecast_model()
     result = chat_model.with_structured_output(forecast, method=method).invoke(
@@ -220,7 +224,7 @@ def test_langchain_with_structured_output_returns_parsed_objects(chat_model, met
     assert isinstance(result, forecast)
 
 
-@needs_grammar
+@needs_response_format
 def test_langchain_with_structured_output_json_mode_returns_a_dict(chat_model):
     result = chat_model.with_structured_output(method="json_mode").invoke(
         "Reply in JSON: the weather in Oslo.")
@@ -276,7 +280,7 @@ def test_litellm_tools_required(litellm, tool_server):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-@needs_grammar
+@needs_response_format
 def test_litellm_response_format(litellm, tool_server):
     resp = _litellm(litellm, tool_server, response_format={
         "type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}})
