@@ -20,7 +20,8 @@ class StructuredOutputsParams:
 
     Fields (vLLM's names; exactly one of the first six is set):
         json: a JSON schema (a dict, or its JSON text); the output is one JSON value that
-            validates against it. Normalized to the schema's JSON text (keys sorted), which
+            validates against it. Normalized to the schema's compact JSON text (its keys in
+            their order: properties are generated in the order the schema names them), which
             is also the compile cache key.
         regex: a regular expression the whole output matches.
         choice: a non-empty list of strings; the output is one of them.
@@ -63,7 +64,7 @@ class StructuredOutputsParams:
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json must be a JSON schema (an object), "
                                  f"got {type(schema).__name__}.")
-            self.json = _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            self.json = _json.dumps(schema, separators=(",", ":"))
         for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -3,7 +3,8 @@ stepped one batch at a time on token ids (vLLM v1's ``EngineCore``).
 
 A step: ``Scheduler.schedule`` picks the requests and token counts (at most ``max_loras``
 distinct adapters), ``LoRAManager.activate`` binds their adapters to device slots,
-``ModelRunner.execute_async`` launches the batch and samples, ``Scheduler.update`` appends
+``ModelRunner.execute_forward`` launches the batch and ``sample`` samples it (the rows with a
+grammar first masked by their bitmask, ``StructuredOutputManager``), ``Scheduler.update`` appends
 the tokens once they reach the host, and the token-level stop rules (``core.stop``) end
 requests, whose blocks go back. What the step reports is a delta per request
 (``EngineCoreOutputs``): its new token ids and their log-probabilities, and why it ended.
@@ -25,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 
@@ -58,10 +60,12 @@ from manylora.lora.sizing import slot_bytes, slots_for_memory
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
+from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
+from manylora.structured.manager import StructuredOutputManager
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
-from manylora.worker.model_runner import LaunchedStep, ModelRunner
+from manylora.worker.model_runner import ForwardStep, LaunchedStep, ModelRunner
 from manylora.worker.piecewise_graphs import DEFAULT_PIECE_SIZES
 from manylora.worker.tp_worker import TPDriver, WorkerSpec, rank_device
 from manylora.worker.warmup import warm_up_triton
@@ -156,6 +160,10 @@ class EngineCore:
         self._late_outputs: list[EngineCoreOutput] = []    # adapter failures met off-step
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
+        self.structured = StructuredOutputManager(
+            None if args.skip_tokenizer_init else GrammarCompileService(
+                partial(_tokenizer_info, args, model_dir, cfg.vocab_size)),
+            cfg.vocab_size, args.max_num_seqs, pin_memory=self.device.type == "cuda")
         if self.tp_driver is not None and self.async_scheduling:
             self.tp_driver.share_sampled = True
             self.runner.on_sampled = self.tp_driver.broadcast_sampled
@@ -254,10 +262,13 @@ class EngineCore:
         An adapter path seen for the first time is read on a loader thread: the request
         waits in the queue meanwhile (other requests keep running), takes the adapter's
         digest when the read is in, and ends with ``FinishReason.ERROR`` and the error when
-        the read fails (bad weights).
+        the read fails (bad weights). A request with ``structured_outputs`` waits likewise
+        while its grammar compiles on the grammar thread (``StructuredOutputManager``), and
+        ends with ``FinishReason.ERROR`` when it does not compile (``ValueError`` naming
+        the field); without a tokenizer (``skip_tokenizer_init``) it is refused here.
         """
         rid, params, session_id = request.request_id, request.sampling_params, request.session_id
-        if rid in self.scheduler.requests:
+        if rid in self.scheduler.requests or self.structured.is_held(rid):
             raise ValueError(f"request id {rid!r} is already in use")
         ids = request.prompt_token_ids
         if not ids:
@@ -270,7 +281,7 @@ class EngineCore:
         if params is not None:
             params.verify_token_ids(vocab)
             if params.structured_outputs is not None:
-                raise ValueError("structured_outputs is not supported by this engine yet")
+                self.structured.check(rid)
         history: list[int] = []
         if session_id is not None:
             if not isinstance(session_id, str) or not session_id:
@@ -296,7 +307,10 @@ class EngineCore:
                       eos_token_ids=request.eos_token_ids,
                       adapter_pending=lora_request is not None and digest is None,
                       client_group=request.client_group)
-        self.scheduler.add_request(req)
+        if params is not None and params.structured_outputs is not None:
+            self.structured.hold(req)          # queued once its grammar compiles
+        else:
+            self.scheduler.add_request(req)
         if not ready:
             self._awaiting.setdefault(req.lora_int_id, {})[rid] = (req, time.monotonic())
         return history
@@ -352,15 +366,19 @@ class EngineCore:
         return self.lora_manager is not None and self.lora_manager.has_pending_reads
 
     def has_finished_reads(self) -> bool:
-        """Whether an adapter read has ended that no step or ``poll_adapters`` has taken in
-        yet (then a loop must not wait for ``set_load_notify``'s call: it came already)."""
-        return self.lora_manager is not None and self.lora_manager.has_finished_reads()
+        """Whether an adapter read or a grammar compile has ended that no step or
+        ``poll_adapters`` has taken in yet (then a loop must not wait for
+        ``set_load_notify``'s call: it came already)."""
+        return ((self.lora_manager is not None and self.lora_manager.has_finished_reads())
+                or self.structured.has_compiled())
 
     def set_load_notify(self, notify: Callable[[], None] | None) -> None:
         """Have ``notify()`` called (on a loader thread) whenever an adapter's first read
         finishes, so a loop waiting for messages wakes to ``poll_adapters``."""
         if self.lora_manager is not None:
             self.lora_manager.notify = notify
+        if self.structured.compiler is not None:
+            self.structured.compiler.notify = notify
 
     def poll_adapters(self) -> EngineCoreOutputs:
         """Take in finished adapter reads without stepping (``step`` does it too): their
@@ -420,10 +438,16 @@ class EngineCore:
             self.kv_cache_stats(), self.lora_cache_stats())
 
     def _finish(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        request_ids = list(request_ids)
+        structured = self.structured.active
         for rid in request_ids:
             req = self.scheduler.requests.get(rid)
+            if req is None and structured:
+                req = self.structured.release(rid)        # held for its grammar
             if req is not None and req.lora_int_id and self.lora_manager is not None:
                 self.lora_manager.release(req.lora_int_id)
+        if structured:
+            self.structured.remove(request_ids)
         self.scheduler.finish_requests(request_ids, status)
 
     def abort_requests(self, request_ids: Sequence[str],
@@ -445,15 +469,20 @@ class EngineCore:
         """Whether a request is unfinished or a step is still in flight (async scheduling:
         ``step`` must run once more to read it)."""
         return (self._in_flight is not None or bool(self._late_outputs)
-                or self.scheduler.has_unfinished_requests())
+                or self.scheduler.has_unfinished_requests() or self.structured.num_held > 0)
 
     def waiting_on_reads(self) -> bool:
-        """Whether no step can make progress until an adapter read finishes: nothing runs
-        or is in flight, and every waiting request's adapter is being read. A loop should
-        then wait for a message or ``set_load_notify``'s call rather than step."""
+        """Whether no step can make progress until an adapter read or a grammar compile
+        finishes: nothing runs or is in flight, and every waiting request's adapter is
+        being read or its grammar compiled. A loop should then wait for a message or
+        ``set_load_notify``'s call rather than step."""
         sched = self.scheduler
         if (self._in_flight is not None or self._late_outputs or sched.running
-                or not sched.requests or self.lora_manager is None):
+                or self.structured.has_compiled()):
+            return False
+        if not sched.requests:
+            return self.structured.num_held > 0
+        if self.lora_manager is None:
             return False
         manager = self.lora_manager
         return all(r is not None and manager.is_loading(r.lora_int_id)
@@ -474,9 +503,27 @@ class EngineCore:
         (vLLM v1's batch queue of depth 2). A step whose plan computes nothing (every
         request waits) only reads the step in flight."""
         outputs = self._poll_adapters()
-        launched = self._schedule_and_launch(outputs)
+        if self.structured.num_held:
+            outputs.extend(self._poll_grammars())
+        planned = self._schedule_and_forward(outputs)
+        done = self._in_flight if self.async_scheduling else None
+        self._in_flight = None
+        launched = None
+        if planned is not None:
+            out, forward = planned
+            bitmask = None
+            if forward is not None and forward.info.structured is not None:
+                # the grammar rows' masks need the tokens of the step in flight: read it
+                # first, then sample this one (vLLM v1's order under async scheduling)
+                if done is not None:
+                    outputs.extend(self._process(*done))
+                    done = None
+                bitmask = self.structured.fill(forward.info.req_ids, forward.info.structured)
+            with self._workers_guard():
+                launched = out, (None if forward is None
+                                 else self.runner.sample(forward, bitmask))
         if self.async_scheduling:
-            done, self._in_flight = self._in_flight, launched
+            self._in_flight = launched
         else:
             done = launched
         if done is not None:
@@ -493,9 +540,10 @@ class EngineCore:
             last, self._in_flight = self._in_flight, None
             self._process(*last)
 
-    def _schedule_and_launch(self, outputs: list[EngineCoreOutput]
-                             ) -> tuple[SchedulerOutput, LaunchedStep | None] | None:
-        """Plan a step, bind its adapters and launch it; None when nothing is computed."""
+    def _schedule_and_forward(self, outputs: list[EngineCoreOutput]
+                              ) -> tuple[SchedulerOutput, ForwardStep | None] | None:
+        """Plan a step, bind its adapters and launch its forward pass (``step`` launches
+        its sampling); None when nothing is computed."""
         out = self.scheduler.schedule()
         if out.swaps:
             self.swapper.apply(out.swaps)
@@ -510,16 +558,39 @@ class EngineCore:
                 self.scheduler.wanted_adapters(self.lora_config.max_loras), lora_slots)
         if not out.scheduled:
             return None
-        with (self.tp_driver.workers.guard() if self.tp_driver is not None
-              else contextlib.nullcontext()):        # a dead worker: WorkerDiedError
-            launched = self.runner.execute_async(out, lora_slots)
-        return out, launched
+        with self._workers_guard():
+            forward = self.runner.execute_forward(out, lora_slots)
+        return out, forward
+
+    def _workers_guard(self) -> contextlib.AbstractContextManager:
+        """Under tensor parallelism, a dead worker raises ``WorkerDiedError`` here."""
+        return (self.tp_driver.workers.guard() if self.tp_driver is not None
+                else contextlib.nullcontext())
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar compiled join the scheduler's queue; those whose grammar
+        did not compile end with the error (``FinishReason.ERROR``)."""
+        ready, failed = self.structured.poll()
+        for req in ready:
+            self.scheduler.add_request(req)
+        outputs = []
+        for req, error in failed:
+            logger.info("request %s: %s", req.request_id, error)
+            if req.lora_int_id and self.lora_manager is not None:
+                self.lora_manager.release(req.lora_int_id)
+            outputs.append(EngineCoreOutput(req.request_id, [],
+                                            finish_reason=FinishReason.ERROR,
+                                            error=ErrorInfo.of(error)))
+        return outputs
 
     def _process(self, out: SchedulerOutput, launched: LaunchedStep | None
                  ) -> list[EngineCoreOutput]:
         """Read a launched step's tokens, record them and apply the token-level stops."""
         sampled = self.runner.get_output(launched)
         got = self.scheduler.update(out, sampled.tokens)
+        if self.structured.has_matchers:
+            for req in got:
+                self.structured.accept(req.request_id, req.token_ids[-1])
         outputs = []
         finished: dict[RequestStatus, list[str]] = {}
         for req in got:
@@ -549,7 +620,7 @@ class EngineCore:
         events = self.lora_manager.poll()
         for lid, digest in events.ready.items():
             for req, _ in self._awaiting.get(lid, {}).values():
-                if self.scheduler.requests.get(req.request_id) is req:
+                if self._is_live(req):
                     req.lora_digest, req.adapter_pending = digest, False
             for future in self._lora_waiters.pop(lid, []):
                 future.set_result(True)
@@ -570,7 +641,7 @@ class EngineCore:
         count, seconds = 0, 0.0
         for lid in [lid for lid in self._awaiting if manager.is_ready(lid)]:
             for req, since in self._awaiting.pop(lid).values():
-                if self.scheduler.requests.get(req.request_id) is req:
+                if self._is_live(req):
                     count += 1
                     seconds += now - since
         if count:
@@ -583,10 +654,18 @@ class EngineCore:
                      error)
         ids = [r.request_id for r in self.scheduler.requests.values()
                if r.lora_int_id == error.lora_int_id]
+        ids += [r.request_id for r in self.structured.held_requests()
+                if r.lora_int_id == error.lora_int_id]
         self._finish(ids, RequestStatus.FINISHED_ABORTED)
         info = ErrorInfo.of(error.cause or error)
         return [EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, error=info)
                 for rid in ids]
+
+    def _is_live(self, req: Request) -> bool:
+        """Whether ``req`` is still this core's (queued, running, or held for its
+        grammar), not an ended request whose id came back."""
+        rid = req.request_id
+        return self.scheduler.requests.get(rid) is req or self.structured.held(rid) is req
 
     def _activate_adapters(self) -> tuple[dict[int, int], list[EngineCoreOutput]]:
         if self.lora_manager is None:
@@ -610,6 +689,8 @@ class EngineCore:
             self.tp_driver.shutdown()
         if self.lora_manager is not None:
             self.lora_manager.shutdown()
+        if self.structured.compiler is not None:
+            self.structured.compiler.shutdown()
         gc.unfreeze()
 
 
@@ -654,6 +735,13 @@ def _lora_config(args: EngineArgs, max_loras: int) -> LoRAConfig:
         max_cpu_loras = max(max_cpu_loras, max_loras)
     return LoRAConfig(max_loras, args.max_lora_rank, max_cpu_loras, args.lora_target_modules,
                       args.max_cpu_lora_bytes, args.fully_sharded_loras, args.lora_load_timeout)
+
+
+def _tokenizer_info(args: EngineArgs, model_dir, vocab_size: int):
+    """The grammar compiler's ``xgrammar.TokenizerInfo``: the front's tokenizer (``tokenizer``
+    or the checkpoint's) over the model's ``vocab_size`` (read on the grammar thread)."""
+    tok_dir = resolve_model_path(args.tokenizer, args.revision) if args.tokenizer else model_dir
+    return load_tokenizer_info(str(tok_dir), args.trust_remote_code, vocab_size)
 
 
 def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:

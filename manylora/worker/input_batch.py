@@ -82,6 +82,9 @@ class SampleInfo:
         logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
         penalties: the logits processors' inputs of the sampled rows that use one
             (``sample.penalties``); None when none does.
+        structured: int64 indices (into the sampled rows) of the rows with
+            ``structured_outputs``, whose logits get a grammar's bitmask before sampling;
+            None when none has.
     """
 
     req_ids: list[str]
@@ -96,6 +99,7 @@ class SampleInfo:
     seeded: list[int]
     logprobs: list[tuple[int, int]]
     penalties: PenaltyInputs | None = None
+    structured: np.ndarray | None = None
 
 
 class InputBatch:
@@ -121,7 +125,8 @@ class InputBatch:
         temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
             seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none);
             processed: bool ``[rows]``, the row uses a penalty, ``logit_bias`` or
-            ``allowed_token_ids``; num_prompt: int64 ``[rows]``, prompt tokens.
+            ``allowed_token_ids``; structured: bool ``[rows]``, the row has
+            ``structured_outputs``; num_prompt: int64 ``[rows]``, prompt tokens.
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
@@ -171,6 +176,7 @@ class InputBatch:
         self.seeded = grow(g("seeded"), bool, False)
         self.logprobs = grow(g("logprobs"), np.int32, -1)
         self.processed = grow(g("processed"), bool, False)
+        self.structured = grow(g("structured"), bool, False)
         self.num_prompt = grow(g("num_prompt"), np.int64)
         self.block_table.grow(num_rows)
 
@@ -216,6 +222,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not greedy
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.processed[row] = p.uses_logits_processors
+        self.structured[row] = p.structured_outputs is not None
         self.num_prompt[row] = state.num_prompt_tokens
         self.block_table.set_row(row, state.block_ids)
         self.row_of[state.req_id] = row
@@ -455,7 +462,8 @@ class InputBatch:
             do_min_p=bool((self.min_p[rows][random] > 0.0).any()),
             seeded=np.nonzero(self.seeded[rows])[0].tolist(),
             logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]],
-            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]))
+            penalties=self._penalty_inputs(req_ids, rows, prev[sampled]),
+            structured=_nonzero_or_none(self.structured[rows]))
         return StepInputs(layout, data), info
 
     def _penalty_inputs(self, req_ids: list[str], rows: np.ndarray,
@@ -553,3 +561,8 @@ def _put(dst: np.ndarray, src: np.ndarray, pad: int) -> None:
     n = src.shape[0]
     dst[:n] = src
     dst[n:] = pad
+
+
+def _nonzero_or_none(flags: np.ndarray) -> np.ndarray | None:
+    """The indices of ``flags``' True entries, None (one numpy ``any``) when there is none."""
+    return np.flatnonzero(flags) if flags.any() else None

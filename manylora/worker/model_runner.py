@@ -13,10 +13,12 @@ to the largest piece bucket are padded to a token bucket and replay the model's 
 between attention calls (``worker/piecewise_graphs.py``), attention running eagerly; larger
 steps run eagerly.
 
-``execute_async`` launches a step and returns at once with its tokens still on their way
-to the host (``AsyncSampledOutput``); ``get_output`` waits for them. Between the two the
-engine may launch the next step (async scheduling): a decode token that step n sampled is
-read by step n+1 from step n's sampled tokens on the device (``InputBatch.pending``).
+``execute_async`` launches a step (``execute_forward``, then ``sample``) and returns at
+once with its tokens still on their way to the host (``AsyncSampledOutput``); ``get_output``
+waits for them. Between the two the engine may launch the next step (async scheduling): a
+decode token that step n sampled is read by step n+1 from step n's sampled tokens on the
+device (``InputBatch.pending``). A step with grammar rows is launched in its two halves, so
+its bitmask can wait for the previous step's tokens (the matchers' state).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from manylora.ops.lora_cost_model import (
     gpu_model,
     graph_block_m,
 )
+from manylora.ops.token_bitmask import apply_token_bitmask_
 from manylora.sample.penalties import penalize_logits
 from manylora.sample.sampler import (
     SampledTokens,
@@ -83,6 +86,20 @@ class LaunchedStep(NamedTuple):
 
     info: SampleInfo
     output: AsyncSampledOutput
+
+
+class ForwardStep(NamedTuple):
+    """A step whose forward pass and logits are launched and whose sampling is not.
+
+    Attributes:
+        info: the host facts of its sampled rows.
+        logits: float32 ``[N, V]`` on the device, the sampled rows' logits.
+        views: the device views of the step's buffer (the sampling columns).
+    """
+
+    info: SampleInfo
+    logits: torch.Tensor
+    views: dict
 
 
 class ModelRunner:
@@ -153,6 +170,7 @@ class ModelRunner:
         self.on_step: Callable[[StepInputs], None] | None = None
         self.on_sampled: Callable[[torch.Tensor], None] | None = None
         self._prev_sampled: torch.Tensor | None = None
+        self._bitmask_dev: torch.Tensor | None = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" \
             else None
 
@@ -173,7 +191,7 @@ class ModelRunner:
                       ) -> LaunchedStep | None:
         """Apply the plan's deltas to the input batch, launch the step, sample, and start
         the copy of the tokens (and the log-probabilities asked for) to the host; nothing
-        waits for the device.
+        waits for the device: ``sample(execute_forward(out, lora_slots))``.
 
         The plan may be made before the previous step's tokens reached the host (async
         scheduling): a request whose last token that step sampled takes it from those
@@ -192,6 +210,21 @@ class ModelRunner:
                 hold, tokens a row does not hold).
             KeyError: a request's adapter has no slot in ``lora_slots``.
         """
+        forward = self.execute_forward(out, lora_slots)
+        return None if forward is None else self.sample(forward)
+
+    @torch.inference_mode()
+    def execute_forward(self, out: SchedulerOutput, lora_slots: dict[int, int]
+                        ) -> ForwardStep | None:
+        """The first half of ``execute_async``: the plan's deltas, the forward pass and the
+        sampled rows' logits, launched; ``sample`` launches the rest. Between the two the
+        engine may read the previous step's tokens and fill this step's grammar bitmask
+        (structured output under async scheduling, vLLM v1's order).
+
+        Returns:
+            The step's ``ForwardStep``, or None when no row samples. Raises as
+            ``execute_async``.
+        """
         batch = self.input_batch
         ids = batch.update_states(out)
         if not ids:
@@ -205,7 +238,26 @@ class ModelRunner:
         hidden, views = self.forward_step(inputs, self._prev_sampled)
         if not info.req_ids:
             return None
-        logits = self.logits(hidden, inputs.layout, views)
+        return ForwardStep(info, self.logits(hidden, inputs.layout, views), views)
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep, bitmask: torch.Tensor | None = None) -> LaunchedStep:
+        """Sample a step whose logits ``execute_forward`` launched, and start the copy of
+        its tokens (and log-probabilities) to the host.
+
+        Order (vLLM v1's): the grammar bitmask (``-inf`` on the tokens a row's grammar
+        forbids), then ``allowed_token_ids``, ``logit_bias`` and the penalties, then
+        temperature and the filters. Log-probabilities are those of the masked logits.
+
+        Args:
+            step: the launched forward pass.
+            bitmask: int32 ``[k, 1 + ceil(V / 32)]`` host tensor
+                (``StructuredOutputManager.fill``: column 0 the sampled row, the rest its
+                bitmask), copied to the device in one copy; None: no row is constrained.
+        """
+        info, logits, views = step
+        if bitmask is not None:
+            apply_token_bitmask_(logits, self._bitmask_on_device(bitmask))
         top_k = views["top_k"] if info.all_greedy else views["top_k"].long()
         tensors = SamplingTensors(views["temperature"], top_k, views["top_p"], views["min_p"],
                                   info.all_greedy, info.all_random, info.do_top_k,
@@ -221,6 +273,21 @@ class ModelRunner:
         return LaunchedStep(info, AsyncSampledOutput(
             sampled, logits, [i for i, _ in info.logprobs], [k for _, k in info.logprobs],
             self._copy_stream))
+
+    def _bitmask_on_device(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """``bitmask`` on the logits' device: one non-blocking copy into a persistent device
+        buffer (grown by doubling). The host buffer is refilled only after this step's
+        tokens were read, so after this copy ran."""
+        if self.device.type == "cpu":
+            return bitmask
+        k, width = bitmask.shape
+        dev = self._bitmask_dev
+        if dev is None or dev.shape[0] < k or dev.shape[1] != width:
+            rows = max(k, 2 * (0 if dev is None else dev.shape[0]), 16)
+            dev = self._bitmask_dev = torch.empty((rows, width), dtype=torch.int32,
+                                                  device=self.device)
+        dev[:k].copy_(bitmask, non_blocking=True)
+        return dev[:k]
 
     def get_output(self, step: LaunchedStep | None) -> SampledTokens:
         """Wait for a launched step's tokens, append them to the input batch, and return

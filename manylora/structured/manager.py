@@ -1,0 +1,181 @@
+"""``StructuredOutputManager``: the core's grammar state (vLLM v1's
+``StructuredOutputManager``): requests held while their grammar compiles, one xgrammar
+``GrammarMatcher`` per running request, and each step's token bitmask of the sampled rows
+that carry one. It holds no device tensor: the model runner copies the bitmask to the
+device and applies it (``ops.token_bitmask``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from manylora.engine.request import Request
+from manylora.structured.compiler import GrammarCompileService
+from manylora.structured.grammar import grammar_key
+
+__all__ = ["StructuredOutputManager", "bitmask_words"]
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask: ``ceil(vocab_size / 32)``."""
+    return -(-vocab_size // 32)
+
+
+class StructuredOutputManager:
+    """Grammars of the core's requests, from compile to the last token.
+
+    A request with ``structured_outputs`` is held here (not in the scheduler) while its
+    grammar compiles on the compile service's thread; ``poll`` hands it back to be queued
+    once compiled (its matcher made) or with the error when the grammar does not compile.
+    Each token sampled for it is ``accept``-ed by its matcher (no rollback: no speculative
+    decoding); ``fill`` writes the next-token bitmask of the sampled rows that have a live
+    matcher. A matcher terminated by a stop token constrains nothing more (``ignore_eos``
+    generation goes on unconstrained, as in vLLM). Preemption keeps the matcher.
+
+    Args:
+        compiler: the ``GrammarCompileService``; None: the engine has no tokenizer
+            (``skip_tokenizer_init``) and ``check`` refuses every grammar.
+        vocab_size: V, the model's vocabulary (logit columns).
+        max_num_seqs: the most sampled rows of a step (bitmask rows).
+        pin_memory: allocate the bitmask host buffer in pinned memory (CUDA).
+
+    Attributes:
+        bitmask: int32 ``[max_num_seqs, 1 + ceil(V / 32)]`` host buffer, made on first use:
+            row ``r`` holds the index of its sampled row in column 0 and the bitmask in the
+            rest (bit ``j % 32`` of word ``j // 32``: token ``j`` allowed).
+    """
+
+    def __init__(self, compiler: GrammarCompileService | None, vocab_size: int,
+                 max_num_seqs: int, pin_memory: bool) -> None:
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.pin_memory = pin_memory
+        self.bitmask: torch.Tensor | None = None
+        self._held: dict[str, tuple[Request, Future]] = {}
+        self._matchers: dict[str, Any] = {}
+
+    def check(self, request_id: str) -> None:
+        """Refuse a grammar the engine cannot serve.
+
+        Raises:
+            ValueError: the engine was started with ``skip_tokenizer_init`` (xgrammar maps
+                grammars onto the tokenizer's vocabulary).
+        """
+        if self.compiler is None:
+            raise ValueError(f"request {request_id!r}: structured_outputs needs the "
+                             "tokenizer, but the engine was started with skip_tokenizer_init")
+
+    def hold(self, req: Request) -> None:
+        """Start compiling ``req``'s grammar (cached: done at once) and hold ``req`` until
+        ``poll`` hands it back."""
+        key = grammar_key(req.sampling_params.structured_outputs)
+        self._held[req.request_id] = (req, self.compiler.submit(key))
+
+    @property
+    def num_held(self) -> int:
+        """Requests held for their grammar's compile."""
+        return len(self._held)
+
+    def is_held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def held(self, request_id: str) -> Request | None:
+        """The request held under ``request_id`` (None: none is)."""
+        entry = self._held.get(request_id)
+        return None if entry is None else entry[0]
+
+    def held_requests(self) -> list[Request]:
+        """Every request held for its grammar's compile."""
+        return [req for req, _ in self._held.values()]
+
+    @property
+    def active(self) -> bool:
+        """Whether any request is held or has a matcher (else ending requests costs
+        nothing here)."""
+        return bool(self._held or self._matchers)
+
+    @property
+    def has_matchers(self) -> bool:
+        """Whether any running request has a matcher (else sampled tokens skip
+        ``accept``)."""
+        return bool(self._matchers)
+
+    def has_compiled(self) -> bool:
+        """Whether a held request's compile has ended (``poll`` would hand it back)."""
+        return any(f.done() for _, f in self._held.values())
+
+    def release(self, request_id: str) -> Request | None:
+        """Stop holding a request (aborted while its grammar compiles); its ``Request``,
+        or None when it was not held."""
+        held = self._held.pop(request_id, None)
+        return None if held is None else held[0]
+
+    def poll(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
+        """Held requests whose compile ended: ``(ready, failed)``; a ready one has its
+        matcher (stop tokens: the request's EOS ids), a failed one its error."""
+        if not self._held:
+            return [], []
+        import xgrammar as xgr
+
+        ready, failed = [], []
+        for rid in [rid for rid, (_, f) in self._held.items() if f.done()]:
+            req, future = self._held.pop(rid)
+            error = future.exception()
+            if error is not None:
+                failed.append((req, error))
+                continue
+            stop = sorted(req.eos_token_ids) or None
+            self._matchers[rid] = xgr.GrammarMatcher(future.result(), override_stop_tokens=stop)
+            ready.append(req)
+        return ready, failed
+
+    def has_matcher(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def accept(self, request_id: str, token: int) -> None:
+        """Advance ``request_id``'s matcher by a sampled token (nothing without a live
+        matcher).
+
+        Raises:
+            RuntimeError: the matcher rejects the token: the mask allowed a token the
+                grammar does not (a bug, never an input error).
+        """
+        matcher = self._matchers.get(request_id)
+        if matcher is None or matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):
+            raise RuntimeError(f"request {request_id!r}: the grammar rejects sampled token "
+                               f"{token}, which its bitmask allowed")
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        """Forget the matchers of ended requests (and any still held)."""
+        for rid in request_ids:
+            self._matchers.pop(rid, None)
+            self._held.pop(rid, None)
+
+    def fill(self, req_ids: list[str], rows: np.ndarray) -> torch.Tensor | None:
+        """The bitmask of a step's sampled rows ``rows`` (indices into ``req_ids``, the
+        step's sampled requests) that have a live matcher.
+
+        Returns:
+            int32 ``[k, 1 + ceil(V / 32)]``, a view of ``bitmask`` (column 0: the sampled
+            row; the rest: its bitmask), or None when no row is constrained (all rows'
+            matchers ended, or their grammar allows every token now).
+        """
+        if self.bitmask is None:
+            self.bitmask = torch.empty((self.max_num_seqs, 1 + bitmask_words(self.vocab_size)),
+                                       dtype=torch.int32, pin_memory=self.pin_memory)
+        host, k = self.bitmask, 0
+        for i in rows.tolist():
+            matcher = self._matchers.get(req_ids[i])
+            if matcher is None or matcher.is_terminated():
+                continue
+            if matcher.fill_next_token_bitmask(host[k:k + 1, 1:], 0):
+                host[k, 0] = i
+                k += 1
+        return host[:k] if k else None
