@@ -90,13 +90,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX - ((req.n or 1) - 1):
         raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}] (less n - 1), got "
                           f"seed={req.seed}", param="seed")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value:
-            raise bad_request(f"{name} is not supported (only 0), got {name}={value}",
-                              param=name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported (only an empty map)", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
@@ -113,19 +106,19 @@ class CompletionRequest(RequestModel):
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
     echo: bool | None = False
-    frequency_penalty: float | None = 0.0
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int | None = 1
-    presence_penalty: float | None = 0.0
+    presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
@@ -137,13 +130,15 @@ class CompletionRequest(RequestModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
 
     def check(self) -> None:
         """Reject values this server does not support.
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                penalties, ``logit_bias``, ``stream_options``), a ``best_of`` other than
+                ``stream_options``), a ``best_of`` other than
                 None or ``n``, a non-null ``suffix``, ``logprobs`` outside
                 ``[0, MAX_LOGPROBS]``, ``echo`` with ``logprobs`` (prompt log-probabilities
                 are not supported), or an empty ``prompt`` list.
@@ -250,21 +245,21 @@ class ChatCompletionRequest(RequestModel):
 
     model: ClientName | None = None
     messages: list[ChatCompletionMessageParam]
-    frequency_penalty: float | None = 0.0
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = Field(default=None, description="deprecated by OpenAI")
     max_completion_tokens: int | None = None
     n: int | None = 1
-    presence_penalty: float | None = 0.0
+    presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
                   | None) = None
@@ -280,6 +275,8 @@ class ChatCompletionRequest(RequestModel):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
     # vLLM's chat template controls
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -297,7 +294,7 @@ class ChatCompletionRequest(RequestModel):
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                penalties, ``logit_bias``, ``stream_options``), no ``messages``, a non-text
+                ``seed``, ``stream_options``), no ``messages``, a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
                 without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
                 refuses (no tools, an unknown name, with another constraint) or tools of
