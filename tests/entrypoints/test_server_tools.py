@@ -69,6 +69,18 @@ def tool_server(base_dir):
         yield url
 
 
+@pytest.fixture(scope="module")
+def no_whitespace(base_dir):
+    """``logit_bias`` pushing down every whitespace-only token: a random model under a JSON
+    grammar otherwise wanders in the whitespace JSON allows (a trained one does not) until
+    ``max_tokens``. The grammar still decides what may come; this only steers the pick."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    return {str(i): -100 for i in range(len(tok))
+            if tok.decode([i]) and not tok.decode([i]).strip()}
+
+
 @pytest.fixture
 def oai(tool_server):
     return openai.OpenAI(base_url=f"{tool_server}/v1", api_key="unused", max_retries=0)
@@ -152,12 +164,14 @@ def test_malformed_tool_shapes_are_400_naming_the_field(tool_server, body, param
 
 
 @needs_grammar
+@needs_penalties
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_named_choice_arguments_validate_against_the_schema(oai, stream, seed):
+def test_named_choice_arguments_validate_against_the_schema(oai, no_whitespace, stream, seed):
     content, calls, reason = _calls(
         oai, stream, model=BASE, messages=USER, tools=TOOLS, max_tokens=MAX_TOKENS,
-        tool_choice={"type": "function", "function": {"name": "forecast"}}, seed=seed)
+        tool_choice={"type": "function", "function": {"name": "forecast"}}, seed=seed,
+        logit_bias=no_whitespace)
     assert content is None and reason == "stop"
     [(call_id, name, arguments)] = calls
     assert name == "forecast" and call_id.startswith("chatcmpl-tool-")
@@ -165,21 +179,25 @@ def test_named_choice_arguments_validate_against_the_schema(oai, stream, seed):
 
 
 @needs_grammar
+@needs_penalties
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_required_choice_calls_validate_against_their_tools(oai, stream, seed):
+def test_required_choice_calls_validate_against_their_tools(oai, no_whitespace, stream, seed):
     _, calls, reason = _calls(oai, stream, model=BASE, messages=USER, tools=TOOLS,
-                              tool_choice="required", max_tokens=MAX_TOKENS, seed=seed)
+                              tool_choice="required", max_tokens=MAX_TOKENS, seed=seed,
+                              logit_bias=no_whitespace)
     assert calls and reason == "tool_calls"
     for _, name, arguments in calls:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
 @needs_grammar
-def test_returned_tool_calls_round_trip_in_the_history(oai):
+@needs_penalties
+def test_returned_tool_calls_round_trip_in_the_history(oai, no_whitespace):
     first = oai.chat.completions.create(
         model=BASE, messages=USER, tools=TOOLS, max_tokens=MAX_TOKENS,
-        tool_choice={"type": "function", "function": {"name": "alert"}})
+        tool_choice={"type": "function", "function": {"name": "alert"}},
+        logit_bias=no_whitespace)
     message = first.choices[0].message
     history = USER + [message.model_dump(exclude_none=True)] + [
         {"role": "tool", "tool_call_id": c.id, "content": "none"} for c in message.tool_calls]
@@ -192,11 +210,12 @@ def test_returned_tool_calls_round_trip_in_the_history(oai):
 
 
 @pytest.fixture
-def chat_model(tool_server):
+def chat_model(tool_server, no_whitespace):
     langchain_openai = pytest.importorskip("langchain_openai")
+    bias = no_whitespace if _chat_check_passes(logit_bias={"1": 1.0}) else None
     return langchain_openai.ChatOpenAI(base_url=f"{tool_server}/v1", api_key="unused",
                                        model=BASE, max_tokens=MAX_TOKENS, max_retries=0,
-                                       temperature=1.0)
+                                       temperature=1.0, logit_bias=bias)
 
 
 def _forecast_model():
@@ -272,8 +291,10 @@ def test_litellm_tools_auto(litellm, tool_server):
 
 
 @needs_grammar
-def test_litellm_tools_required(litellm, tool_server):
-    resp = _litellm(litellm, tool_server, tools=TOOLS, tool_choice="required")
+@needs_penalties
+def test_litellm_tools_required(litellm, tool_server, no_whitespace):
+    resp = _litellm(litellm, tool_server, tools=TOOLS, tool_choice="required",
+                    logit_bias=no_whitespace)
     calls = resp.choices[0].message.tool_calls
     assert calls and resp.choices[0].finish_reason == "tool_calls"
     for call in calls:
@@ -281,11 +302,12 @@ def test_litellm_tools_required(litellm, tool_server):
 
 
 @needs_response_format
-def test_litellm_response_format(litellm, tool_server):
-    resp = _litellm(litellm, tool_server, response_format={
+def test_litellm_response_format(litellm, tool_server, no_whitespace):
+    resp = _litellm(litellm, tool_server, logit_bias=no_whitespace, response_format={
         "type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}})
     jsonschema.validate(json.loads(resp.choices[0].message.content), FORECAST)
-    resp = _litellm(litellm, tool_server, response_format={"type": "json_object"})
+    resp = _litellm(litellm, tool_server, logit_bias=no_whitespace,
+                    response_format={"type": "json_object"})
     assert isinstance(json.loads(resp.choices[0].message.content), dict)
 
 
