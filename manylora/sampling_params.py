@@ -99,6 +99,12 @@ class SamplingParams:
         structured_outputs: the constraint the output must satisfy
             (:class:`~manylora.structured_params.StructuredOutputsParams`: a JSON schema,
             regex, choice, grammar, any JSON object), or None.
+        bad_words: words the output must not contain (vLLM's): the front tokenizes each
+            with and without a leading space into ``bad_words_token_ids``. None is off.
+        bad_words_token_ids: token sequences the output must not contain (the last token
+            of a sequence is banned whenever the output ends with the tokens before it; a
+            one-token sequence is always banned); filled from ``bad_words`` by the front,
+            or given directly (token-id engines). None is off.
 
     The penalties, ``logit_bias`` and ``allowed_token_ids`` change the logits the token is
     sampled (or argmax-ed) from, as vLLM v1's sampler: ``allowed_token_ids`` mask, then
@@ -134,6 +140,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -261,6 +269,7 @@ class SamplingParams:
                 and not isinstance(self.structured_outputs, StructuredOutputsParams)):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}.")
+        self._check_bad_words()
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
@@ -309,6 +318,25 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be ints, got {bad[:5]!r}.")
             self.allowed_token_ids = [int(t) for t in ids]
 
+    def _check_bad_words(self) -> None:
+        """``bad_words``: a list of non-empty strings; ``bad_words_token_ids``: a list of
+        non-empty lists of ints (normalized to lists; empty lists → None)."""
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str) or not all(isinstance(w, str) and w.strip()
+                                                 for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got "
+                                 f"bad_words={words!r}.")
+            self.bad_words = list(words) or None
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if isinstance(seqs, str | bytes | dict) or not all(
+                    isinstance(s, list | tuple) and s and all(_is_int(t) for t in s)
+                    for s in seqs):
+                raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of "
+                                 f"token ids, got bad_words_token_ids={seqs!r}.")
+            self.bad_words_token_ids = [[int(t) for t in s] for s in seqs] or None
+
     def verify_token_ids(self, vocab_size: int) -> None:
         """Check that ``logit_bias`` and ``allowed_token_ids`` name tokens of a vocabulary
         of ``vocab_size`` (vLLM checks them in its input processor, where the vocabulary is
@@ -318,11 +346,19 @@ class SamplingParams:
             ValueError: naming the field and the ids outside ``[0, vocab_size)``.
         """
         for name, ids in (("logit_bias", list(self.logit_bias or ())),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words_token_ids",
+                           [t for s in self.bad_words_token_ids or () for t in s])):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} holds token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab_size}).")
+
+    @property
+    def uses_host_mask(self) -> bool:
+        """True when the row's logits get a token mask built on the host before sampling
+        (a grammar, or ``bad_words_token_ids``): ``StructuredOutputManager.fill``."""
+        return self.structured_outputs is not None or bool(self.bad_words_token_ids)
 
     @property
     def uses_logits_processors(self) -> bool:

@@ -512,13 +512,14 @@ class EngineCore:
         if planned is not None:
             out, forward = planned
             bitmask = None
-            if forward is not None and forward.info.structured is not None:
-                # the grammar rows' masks need the tokens of the step in flight: read it
-                # first, then sample this one (vLLM v1's order under async scheduling)
+            if forward is not None and forward.info.masked is not None:
+                # the masks (grammar, bad_words) need the tokens of the step in flight: read
+                # it first, then sample this one (vLLM v1's order under async scheduling)
                 if done is not None:
                     outputs.extend(self._process(*done))
                     done = None
-                bitmask = self.structured.fill(forward.info.req_ids, forward.info.structured)
+                bitmask = self.structured.fill(forward.info.req_ids, forward.info.masked,
+                                               self.scheduler.requests)
             with self._workers_guard():
                 launched = out, (None if forward is None
                                  else self.runner.sample(forward, bitmask))

@@ -12,6 +12,7 @@ hits one is ended in the core), per-token log-probability dicts.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import operator
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
+from manylora.structured.bad_words import bad_words_token_ids
 
 
 @dataclass
@@ -264,6 +266,14 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer, but the engine was started with "
+                                 "skip_tokenizer_init: pass bad_words_token_ids")
+            params = dataclasses.replace(
+                params, bad_words=None, bad_words_token_ids=(
+                    (params.bad_words_token_ids or [])
+                    + bad_words_token_ids(self.tokenizer, params.bad_words)))
         arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
         self.output_processor.add(request_id, text, ids, params, r.lora_request, arrival)
         return EngineCoreRequest(request_id, ids, params, r.lora_request, self.eos_token_ids,

@@ -5,6 +5,7 @@ schema ``{"type": "object"}``, ``choice`` as an EBNF alternation of string liter
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from manylora.structured_params import StructuredOutputsParams
@@ -63,16 +64,22 @@ def _ebnf_escape(text: str) -> str:
 def check_structured_outputs(params: StructuredOutputsParams) -> None:
     """Parse ``params``' grammar without a tokenizer (xgrammar's ``Grammar.from_*``), so a
     bad schema, regex or grammar is refused before the request is queued. Takes
-    microseconds to milliseconds per grammar: run it off the event loop.
+    microseconds to milliseconds per grammar (a spec that parsed is remembered: the last
+    1,024): run it off the event loop.
 
     Raises:
         ValueError: ``structured_outputs.<kind>: <what xgrammar found>`` (an unsupported or
             malformed JSON schema, a regex that does not parse, an EBNF grammar with an
             undefined rule, an invalid structural tag).
     """
+    _check_key(grammar_key(params))
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_key(key: GrammarKey) -> None:
     import xgrammar as xgr
 
-    kind, spec, any_ws = grammar_key(params)
+    kind, spec, any_ws = key
     try:
         if kind in ("json", "json_object"):
             xgr.Grammar.from_json_schema(spec, any_whitespace=any_ws)

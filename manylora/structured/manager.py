@@ -6,7 +6,7 @@ device and applies it (``ops.token_bitmask``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from manylora.engine.request import Request
+from manylora.structured.bad_words import banned_tokens
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key
 
@@ -31,6 +32,8 @@ class StructuredOutputManager:
     A request with ``structured_outputs`` is held here (not in the scheduler) while its
     grammar compiles on the compile service's thread; ``poll`` hands it back to be queued
     once compiled (its matcher made) or with the error when the grammar does not compile.
+``fill`` also bans the tokens of ``bad_words`` (``structured.bad_words``) through the same
+host mask.
     Each token sampled for it is ``accept``-ed by its matcher (no rollback: no speculative
     decoding); ``fill`` writes the next-token bitmask of the sampled rows that have a live
     matcher. A matcher terminated by a stop token constrains nothing more (``ignore_eos``
@@ -158,24 +161,40 @@ class StructuredOutputManager:
             self._matchers.pop(rid, None)
             self._held.pop(rid, None)
 
-    def fill(self, req_ids: list[str], rows: np.ndarray) -> torch.Tensor | None:
-        """The bitmask of a step's sampled rows ``rows`` (indices into ``req_ids``, the
-        step's sampled requests) that have a live matcher.
+    def fill(self, req_ids: list[str], rows: np.ndarray,
+             requests: Mapping[str, Request]) -> torch.Tensor | None:
+        """The token masks of a step's sampled rows ``rows`` (indices into ``req_ids``, the
+        step's sampled requests): a live matcher's next-token bitmask, with the tokens
+        ``bad_words_token_ids`` bans now (``banned_tokens`` over the request's output in
+        ``requests``) cleared.
 
         Returns:
             int32 ``[k, 1 + ceil(V / 32)]``, a view of ``bitmask`` (column 0: the sampled
-            row; the rest: its bitmask), or None when no row is constrained (all rows'
-            matchers ended, or their grammar allows every token now).
+            row; the rest: its mask), or None when no row is constrained now (matchers
+            ended or allowing every token, no word to ban).
         """
         if self.bitmask is None:
             self.bitmask = torch.empty((self.max_num_seqs, 1 + bitmask_words(self.vocab_size)),
                                        dtype=torch.int32, pin_memory=self.pin_memory)
         host, k = self.bitmask, 0
+        words = host.numpy().view(np.uint32)
         for i in rows.tolist():
-            matcher = self._matchers.get(req_ids[i])
-            if matcher is None or matcher.is_terminated():
+            rid = req_ids[i]
+            matcher = self._matchers.get(rid)
+            live = matcher is not None and not matcher.is_terminated()
+            req = requests.get(rid)
+            sequences = None if req is None else req.sampling_params.bad_words_token_ids
+            banned = banned_tokens(sequences, req.output_token_ids) if sequences else []
+            if live:
+                constrained = matcher.fill_next_token_bitmask(host[k:k + 1, 1:], 0)
+            elif banned:
+                words[k, 1:] = 0xFFFFFFFF
+                constrained = False
+            else:
                 continue
-            if matcher.fill_next_token_bitmask(host[k:k + 1, 1:], 0):
+            for t in banned:
+                words[k, 1 + (t >> 5)] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+            if constrained or banned:
                 host[k, 0] = i
                 k += 1
         return host[:k] if k else None

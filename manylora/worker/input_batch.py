@@ -82,9 +82,9 @@ class SampleInfo:
         logprobs: ``(index, k)`` of the sampled rows that asked for ``k`` log-probs.
         penalties: the logits processors' inputs of the sampled rows that use one
             (``sample.penalties``); None when none does.
-        structured: int64 indices (into the sampled rows) of the rows with
-            ``structured_outputs``, whose logits get a grammar's bitmask before sampling;
-            None when none has.
+        masked: int64 indices (into the sampled rows) of the rows whose logits get a
+            host-built token mask before sampling (``structured_outputs`` or
+            ``bad_words``, ``SamplingParams.uses_host_mask``); None when none has.
     """
 
     req_ids: list[str]
@@ -99,7 +99,7 @@ class SampleInfo:
     seeded: list[int]
     logprobs: list[tuple[int, int]]
     penalties: PenaltyInputs | None = None
-    structured: np.ndarray | None = None
+    masked: np.ndarray | None = None
 
 
 class InputBatch:
@@ -125,8 +125,9 @@ class InputBatch:
         temperature, top_p, min_p: float32 ``[rows]``; top_k: int32 ``[rows]``; greedy,
             seeded: bool ``[rows]``; logprobs: int32 ``[rows]`` (-1: none);
             processed: bool ``[rows]``, the row uses a penalty, ``logit_bias`` or
-            ``allowed_token_ids``; structured: bool ``[rows]``, the row has
-            ``structured_outputs``; num_prompt: int64 ``[rows]``, prompt tokens.
+            ``allowed_token_ids``; masked: bool ``[rows]``, the row gets a host-built
+            token mask (``SamplingParams.uses_host_mask``); num_prompt: int64 ``[rows]``,
+            prompt tokens.
         block_table: the rows' ``BlockTable``.
         requests: ``{req_id: CachedRequestState}`` of every request the runner holds.
         row_of: ``{req_id: row}`` of the requests that hold a row.
@@ -176,7 +177,7 @@ class InputBatch:
         self.seeded = grow(g("seeded"), bool, False)
         self.logprobs = grow(g("logprobs"), np.int32, -1)
         self.processed = grow(g("processed"), bool, False)
-        self.structured = grow(g("structured"), bool, False)
+        self.masked = grow(g("masked"), bool, False)
         self.num_prompt = grow(g("num_prompt"), np.int64)
         self.block_table.grow(num_rows)
 
@@ -222,7 +223,7 @@ class InputBatch:
         self.seeded[row] = p.seed is not None and not greedy
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.processed[row] = p.uses_logits_processors
-        self.structured[row] = p.structured_outputs is not None
+        self.masked[row] = p.uses_host_mask
         self.num_prompt[row] = state.num_prompt_tokens
         self.block_table.set_row(row, state.block_ids)
         self.row_of[state.req_id] = row
@@ -463,7 +464,7 @@ class InputBatch:
             seeded=np.nonzero(self.seeded[rows])[0].tolist(),
             logprobs=[(int(i), int(lp[i])) for i in np.nonzero(lp >= 0)[0]],
             penalties=self._penalty_inputs(req_ids, rows, prev[sampled]),
-            structured=_nonzero_or_none(self.structured[rows]))
+            masked=_nonzero_or_none(self.masked[rows]))
         return StepInputs(layout, data), info
 
     def _penalty_inputs(self, req_ids: list[str], rows: np.ndarray,

@@ -168,7 +168,21 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
     """
     return (_warm_lora(model, max_rows)
             + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq)
-            + _warm_skinny(model))
+            + _warm_skinny(model) + _warm_token_bitmask(model, kv_caches[0].data.device))
+
+
+def _warm_token_bitmask(model: LlamaForCausalLM, device: torch.device) -> int:
+    """The structured-output bitmask kernel (``triton_token_bitmask``): one specialization
+    per vocabulary (float32 logits, int32 packed rows), launched on one row allowing every
+    token."""
+    from manylora.ops.token_bitmask import apply_token_bitmask_
+
+    vocab = model.cfg.vocab_size
+    logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
+    packed = torch.full((1, 1 + -(-vocab // 32)), -1, dtype=torch.int32, device=device)
+    packed[0, 0] = 0
+    apply_token_bitmask_(logits, packed)
+    return 1
 
 
 def _warm_skinny(model: LlamaForCausalLM) -> int:

@@ -102,7 +102,6 @@ def test_completion_request_check_accepts_supported_values():
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"tools": [{"function": {"name": "f"}}], "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"continue_final_message": True}, "continue_final_message"),

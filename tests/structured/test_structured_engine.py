@@ -166,6 +166,17 @@ def _hf_constrained_greedy(hf, prompt_ids, schema, max_tokens):
 
 
 def test_greedy_constrained_matches_transformers_and_unconstrained_rows_unchanged(llm, hf):
+    _check_mixed_batch(llm, hf)
+
+
+def test_mixed_batch_padded_to_piece_buckets(base_dir, hf):
+    """Steps padded to token buckets (the piecewise CUDA-graph layout, run eagerly on the
+    CPU): the sampled rows and their masks line up as in unpadded steps."""
+    llm = LLM(str(base_dir), piecewise_cuda_graph_sizes=[8, 32], **ENGINE)
+    _check_mixed_batch(llm, hf)
+
+
+def _check_mixed_batch(llm, hf):
     tok = hf[1]
     prompts = ["The weather today", "Reply in JSON:", "one two three", "Once upon a time",
                "JSON please", "hello", "numbers: 1 2 3", "a b c"]
@@ -244,3 +255,38 @@ def test_engine_process(base_dir, monkeypatch):
     assert outs[0].outputs[0].text in ("alpha", "beta gamma")
     assert outs[1].outputs[0].finish_reason == "error"
     assert "structured_outputs.regex" in str(outs[1].error)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_cuda_graphs_structured_and_plain_rows(base_dir, async_scheduling):
+    """On CUDA with decode graphs (sampling runs outside them): constrained rows validate,
+    unconstrained rows equal their solo outputs, and the eager engine agrees token for
+    token on the greedy constrained row."""
+    prompts = [f"prompt {i}" for i in range(12)]
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    greedy_so = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=(
+        StructuredOutputsParams(json=SCHEMAS[2], disable_any_whitespace=True)))
+    params = [greedy_so if i % 4 == 0 else
+              _so(i, json=SCHEMAS[i % 5], disable_any_whitespace=True) if i % 4 == 1 else plain
+              for i in range(len(prompts))]
+    results = []
+    for eager in (False, True):
+        llm = LLM(str(base_dir), device="cuda", dtype="float32", max_num_seqs=16,
+                  block_size=16, max_model_len=512, enforce_eager=eager,
+                  async_scheduling=async_scheduling)
+        if not eager:
+            assert llm.llm_engine.engine_core.runner.graphs is not None
+        alone = llm.generate(prompts, plain, use_tqdm=False)
+        mixed = llm.generate(prompts, params, use_tqdm=False)
+        for i, out in enumerate(mixed):
+            text = out.outputs[0].text
+            if i % 4 in (0, 1):
+                assert out.outputs[0].finish_reason == "stop", text
+                schema = SCHEMAS[2] if i % 4 == 0 else SCHEMAS[i % 5]
+                jsonschema.validate(_loads(text), schema)
+            else:
+                assert out.outputs[0].token_ids == alone[i].outputs[0].token_ids
+        results.append([mixed[i].outputs[0].token_ids for i in range(0, len(prompts), 4)])
+        llm.llm_engine.shutdown()
+    assert results[0] == results[1]

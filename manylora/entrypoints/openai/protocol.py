@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.protocol_structured import ResponseFormat, StructuredFields
 from manylora.entrypoints.openai.protocol_tools import (
     ChatCompletionNamedToolChoiceParam,
     ChatCompletionToolsParam,
@@ -95,7 +96,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
-class CompletionRequest(RequestModel):
+class CompletionRequest(StructuredFields):
     """Body of ``POST /v1/completions`` (OpenAI's legacy completions, with vLLM's extras).
 
     ``prompt`` is one text, a list of texts, one list of token ids, or a list of lists of
@@ -234,13 +235,7 @@ class ChatCompletionMessageParam(RequestModel):
         return message
 
 
-class ResponseFormat(RequestModel):
-    """``response_format``; only ``{"type": "text"}`` is supported."""
-
-    type: str
-
-
-class ChatCompletionRequest(RequestModel):
+class ChatCompletionRequest(StructuredFields):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
     model: ClientName | None = None
@@ -298,8 +293,8 @@ class ChatCompletionRequest(RequestModel):
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
                 without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
                 refuses (no tools, an unknown name, with another constraint) or tools of
-                one name, a ``response_format`` other than text, or both
-                ``add_generation_prompt`` and ``continue_final_message``.
+                one name, or both ``add_generation_prompt`` and
+                ``continue_final_message``.
         """
         _check_common(self)
         if not self.messages:
@@ -317,9 +312,6 @@ class ChatCompletionRequest(RequestModel):
                        or (self.response_format is not None
                            and self.response_format.type != "text"))
         check_tool_request(self.tools, self.tool_choice, constrained)
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not "
-                              "supported; only 'text' is", param="response_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both "
                               "be true", param="continue_final_message")

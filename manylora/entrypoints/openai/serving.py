@@ -45,6 +45,8 @@ from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
+from manylora.structured.grammar import check_structured_outputs
+from manylora.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,7 @@ _SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
     "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-    "allowed_token_ids"})
+    "allowed_token_ids", "bad_words"})
 
 # What an engine ValueError's first word names, as the request's parameter: the engine
 # core checks token ids against the vocabulary (the server does not know its size).
@@ -269,6 +271,22 @@ class OpenAIServing:
             raise bad_request(f"{what} needs a tokenizer, but the server was started "
                               "without one (skip_tokenizer_init)", param=param)
         return tokenizer
+
+    async def check_structured(self, params: StructuredOutputsParams | None,
+                               param: str | None) -> None:
+        """Parse a request's grammar without a tokenizer on the tokenization worker (never
+        the event loop), before the request is queued; nothing for None.
+
+        Raises:
+            OpenAIError: 400 naming ``param`` (``response_format`` or
+                ``structured_outputs``) for an invalid schema, regex or grammar.
+        """
+        if params is None:
+            return
+        try:
+            await self.prompts.run(check_structured_outputs, params)
+        except ValueError as e:
+            raise bad_request(str(e), param=param) from None
 
     def check_text_length(self, text: str, param: str = "prompt") -> None:
         """Refuse a text that is certainly longer than the context, without tokenizing it:

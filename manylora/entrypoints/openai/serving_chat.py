@@ -27,6 +27,7 @@ from manylora.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from manylora.entrypoints.openai.protocol_structured import structured_params
 from manylora.entrypoints.openai.request_sampling import resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
@@ -212,10 +213,12 @@ class OpenAIServingChat(OpenAIServing):
         request.check()
         tools = ToolPlan.for_request(request, self.tool_call_parser,
                                      self.enable_auto_tool_choice)
+        structured, structured_param = structured_params(request)
         n = request.n or 1
         self.check_choices(1, n)
         model_name, lora_request = self.resolve_model(request.model)
         self.require_tokenizer("chat", param="messages")
+        await self.check_structured(structured, structured_param)
         text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
@@ -230,6 +233,7 @@ class OpenAIServingChat(OpenAIServing):
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            structured_outputs=structured, bad_words=request.bad_words,
             output_kind=output_kind(bool(request.stream)))
         params = tools.apply(params)
         base_id = random_id("chatcmpl")

@@ -22,6 +22,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
+from manylora.entrypoints.openai.protocol_structured import structured_params
 from manylora.entrypoints.openai.request_sampling import resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
@@ -141,10 +142,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        structured, structured_param = structured_params(request)
         n = request.n or 1
         items = _prompt_items(request.prompt)
         self.check_choices(len(items), n)
         model_name, lora_request = self.resolve_model(request.model)
+        await self.check_structured(structured, structured_param)
         prompts = await self._prompts(items)
         base_id = random_id("cmpl")
         children: list[ChildRequest] = []
@@ -159,7 +162,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 skip_special_tokens=(True if request.skip_special_tokens is None
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
-                logprobs=request.logprobs,
+                logprobs=request.logprobs, structured_outputs=structured,
+                bad_words=request.bad_words,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,

@@ -1,0 +1,170 @@
+"""Structured output through a real server with the official ``openai`` client:
+``response_format`` json_schema (``chat.completions.parse`` with a pydantic model) and
+json_object, vLLM's ``structured_outputs``, on chat and completions, streamed and not; every
+JSON output validated with ``jsonschema``; invalid schemas, regexes and grammars, and vLLM's
+removed ``guided_*`` fields, are 400s naming the field, found before the request is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_helpers import BASE, TINY, running_server
+
+from manylora.testing import make_checkpoint
+
+SCHEMA = {"type": "object",
+          "properties": {"city": {"type": "string", "pattern": "^[a-z]{2,6}$"},
+                         "rank": {"type": "integer", "minimum": 1, "maximum": 99},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                  "minItems": 1, "maxItems": 3}},
+          "required": ["city", "rank", "tags"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Give me a city as JSON."}]
+
+
+class City(BaseModel):
+    city: str = Field(pattern="^[a-z]{2,6}$")
+    rank: int = Field(ge=1, le=99)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = make_checkpoint(tmp_path_factory.mktemp("so-server") / "base", "llama", seed=2,
+                           **{**TINY, "max_position_embeddings": 512})
+    with running_server(base, max_model_len=512, block_size=8) as (_, url):
+        yield (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
+               httpx.Client(base_url=url, timeout=120), str(base))
+
+
+def _loads(text: str):
+    return json.loads(text, strict=False)    # xgrammar's bounded strings: see the engine test
+
+
+def test_chat_parse_with_a_pydantic_model(server):
+    client = server[0]
+    for seed in (0, 1):
+        completion = client.chat.completions.parse(
+            model=BASE, messages=MESSAGES, response_format=City, seed=seed, max_tokens=200)
+        parsed = completion.choices[0].message.parsed
+        assert isinstance(parsed, City) and completion.choices[0].finish_reason == "stop"
+        assert re.fullmatch("[a-z]{2,6}", parsed.city) and 1 <= parsed.rank <= 99
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_json_schema_and_json_object(server, stream):
+    client = server[0]
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
+    for seed in (3, 4):
+        text, finish = _chat(client, fmt, seed, stream)
+        assert finish == "stop", text
+        jsonschema.validate(_loads(text), SCHEMA)
+    text, finish = _chat(client, {"type": "json_object"}, 5, stream)
+    if finish == "stop":                 # whitespace is free: it may run to the length cap
+        assert isinstance(_loads(text), dict)
+    else:
+        assert finish == "length" and text.lstrip().startswith("{")
+
+
+def _chat(client, fmt, seed, stream):
+    kwargs = dict(model=BASE, messages=MESSAGES, response_format=fmt, seed=seed,
+                  max_tokens=200)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.message.content, choice.finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_structured_outputs_and_response_format(server, stream):
+    client = server[0]
+    cases = [({"structured_outputs": {"choice": ["red", "green", "blue"]}},
+              lambda t: t in ("red", "green", "blue")),
+             ({"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}},
+              lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+             ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+              lambda t: jsonschema.validate(_loads(t), SCHEMA) is None),
+             ({"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "c", "schema": SCHEMA}}},
+              lambda t: jsonschema.validate(_loads(t), SCHEMA) is None)]
+    for body, ok in cases:
+        kwargs = dict(model=BASE, prompt="Answer:", max_tokens=200, seed=7, extra_body=body)
+        if stream:
+            text = "".join(c.choices[0].text for c in
+                           client.completions.create(stream=True, **kwargs) if c.choices)
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert ok(text), (body, text)
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ("/v1/completions", {"prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}},
+     "structured_outputs"),
+    ("/v1/chat/completions", {"messages": MESSAGES,
+                              "structured_outputs": {"grammar": "root ::= undefined"}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": "{not json"}},
+     "structured_outputs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "guided_json": SCHEMA}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
+                         "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},
+     "response_format.type"),
+])
+def test_invalid_constraints_are_400s_naming_the_field(server, route, body, param):
+    http = server[1]
+    r = http.post(route, json={"model": BASE, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()     # the front's check, not the core's
+    # the server keeps serving
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_bad_words(server):
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    # lower-case words (a regex, so the tokens are text), greedy: the ban must change them
+    body = {"model": BASE, "prompt": "Answer:", "max_tokens": 12, "temperature": 0,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
+            "structured_outputs": {"regex": "[a-z]{1,6}( [a-z]{1,6}){0,20}"}}
+
+    def token_ids(**extra):
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return [int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]]
+
+    plain = token_ids()
+    # a generated token that is a word of its own: the word encodes back to it (with or
+    # without its leading space)
+    position, word = next(
+        (i, tok.decode([t]).strip()) for i, t in enumerate(plain)
+        if tok.decode([t]).strip() and [t] in (
+            tok.encode(tok.decode([t]).strip(), add_special_tokens=False),
+            tok.encode(" " + tok.decode([t]).strip(), add_special_tokens=False)))
+    banned = token_ids(bad_words=[word])
+    assert banned[:position] == plain[:position] and banned[position] != plain[position]
+    assert plain[position] not in banned
+    for route, extra in (("/v1/completions", {"prompt": "x"}),
+                         ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = http.post(route, json={"model": BASE, "bad_words": [""], **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
