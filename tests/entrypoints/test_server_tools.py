@@ -221,13 +221,17 @@ def test_returned_tool_calls_round_trip_in_the_history(oai, no_whitespace):
 # --------------------------------------------------------------------------- LangChain
 
 
+def _chat_model(url: str, logit_bias: dict[str, int]):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    bias = logit_bias if _chat_check_passes(logit_bias={"1": 1.0}) else None
+    return langchain_openai.ChatOpenAI(base_url=f"{url}/v1", api_key="unused", model=BASE,
+                                       max_tokens=MAX_TOKENS, max_retries=0, temperature=1.0,
+                                       logit_bias=bias)
+
+
 @pytest.fixture
 def chat_model(tool_server, no_whitespace):
-    langchain_openai = pytest.importorskip("langchain_openai")
-    bias = no_whitespace if _chat_check_passes(logit_bias={"1": 1.0}) else None
-    return langchain_openai.ChatOpenAI(base_url=f"{tool_server}/v1", api_key="unused",
-                                       model=BASE, max_tokens=MAX_TOKENS, max_retries=0,
-                                       temperature=1.0, logit_bias=bias)
+    return _chat_model(tool_server, no_whitespace)
 
 
 def _forecast_model():
@@ -256,8 +260,8 @@ def test_langchain_with_structured_output_returns_parsed_objects(chat_model, met
 
 
 @needs_response_format
-def test_langchain_with_structured_output_json_mode_returns_a_dict(chat_model, close_objects):
-    result = chat_model.bind(logit_bias=close_objects).with_structured_output(
+def test_langchain_with_structured_output_json_mode_returns_a_dict(tool_server, close_objects):
+    result = _chat_model(tool_server, close_objects).with_structured_output(
         method="json_mode").invoke("Reply in JSON: the weather in Oslo.")
     assert isinstance(result, dict)
 
