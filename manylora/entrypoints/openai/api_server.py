@@ -91,6 +91,8 @@ class ServerConfig:
         max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
             request may create; more get 400 before anything is tokenized.
         frontend: CORS, root path and request log settings (vLLM's front-end flags).
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's flag).
+        tool_call_parser: the format auto tool calls are parsed in (vLLM's names), or None.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -99,6 +101,8 @@ class ServerConfig:
     chat_template: str | None = None
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
     frontend: FrontendConfig = FrontendConfig()
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -257,7 +261,9 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
                                           max_choices=config.max_choices_per_request)
     chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
-                             max_choices=config.max_choices_per_request)
+                             max_choices=config.max_choices_per_request,
+                             enable_auto_tool_choice=config.enable_auto_tool_choice,
+                             tool_call_parser=config.tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
     responses = OpenAIServingResponses(engine, models, chat, prompt_tokenizer=prompts,
                                        max_choices=config.max_choices_per_request)

@@ -34,6 +34,7 @@ from manylora.entrypoints.openai.frontend_args import (
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.metrics.prometheus import PrometheusStatLogger
@@ -85,6 +86,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, replacing the "
                              "tokenizer's")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": tool calls parsed from the output '
+                             "(needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="the format the model writes tool calls in (vLLM's names)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_frontend_args(parser)
@@ -110,7 +116,8 @@ def create_server(args: argparse.Namespace) -> Server:
 
     Raises:
         ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
-            without ``--lora-root``, ``--max-choices-per-request`` below 1, a served or
+            without ``--lora-root``, ``--enable-auto-tool-choice`` without
+            ``--tool-call-parser``, ``--max-choices-per-request`` below 1, a served or
             adapter name that breaks the client-name rules of ``validation.py``) or a
             ``--lora-modules`` adapter that cannot be served; the front-end flags'
             errors (``frontend_args.py``); the LoRA resolver without runtime updates.
@@ -131,6 +138,9 @@ def create_server(args: argparse.Namespace) -> Server:
             check_name(value)
         except ValueError as e:
             raise ValueError(f"{flag} {ascii(value)}: {e}") from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))})")
     runtime_updates = runtime_lora_updates(args.enable_lora_runtime_updates)
     resolver, lora_roots = resolver_roots(args.enable_lora_resolver, args.lora_root)
     if resolver and not runtime_updates:
@@ -163,7 +173,9 @@ def create_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--lora-modules: {e.message}") from None
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
                           runtime_updates, args.chat_template,
-                          args.max_choices_per_request, frontend=frontend)
+                          args.max_choices_per_request, frontend=frontend,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry)

@@ -17,11 +17,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from manylora.entrypoints.openai.echo import PromptLogprobEntry, check_prompt_logprobs
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol_structured import ResponseFormat, StructuredFields
+from manylora.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallParam,
+    check_tool_request,
+)
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
 from manylora.sampling_params import MAX_LOGPROBS
 
@@ -84,13 +92,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
     if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX - ((req.n or 1) - 1):
         raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}] (less n - 1), got "
                           f"seed={req.seed}", param="seed")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value:
-            raise bad_request(f"{name} is not supported (only 0), got {name}={value}",
-                              param=name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported (only an empty map)", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
@@ -107,19 +108,19 @@ class CompletionRequest(StructuredFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     best_of: int | None = None
     echo: bool | None = False
-    frequency_penalty: float | None = 0.0
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int | None = 1
-    presence_penalty: float | None = 0.0
+    presence_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     suffix: str | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
@@ -132,13 +133,15 @@ class CompletionRequest(StructuredFields):
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False
     prompt_logprobs: int | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
 
     def check(self) -> None:
         """Reject values this server does not support.
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                penalties, ``logit_bias``, ``stream_options``), a ``best_of`` other than
+                ``stream_options``), a ``best_of`` other than
                 None or ``n``, a non-null ``suffix``, ``logprobs`` outside
                 ``[0, MAX_LOGPROBS]``, ``prompt_logprobs`` as
                 :func:`~manylora.entrypoints.openai.echo.check_prompt_logprobs`, or an
@@ -168,12 +171,35 @@ class ContentPart(RequestModel):
 
 
 class ChatCompletionMessageParam(RequestModel):
-    """One message of a chat request."""
+    """One message of a chat request. ``tool_calls`` (the calls an assistant made) only on
+    an assistant message, ``tool_call_id`` (the call a result answers) only on, and
+    required by, a tool message; every role but ``assistant`` needs ``content``.
+
+    Raises:
+        pydantic.ValidationError: a message breaking those rules (the 400 names
+            ``messages[i]``), or a malformed tool call (naming its field).
+    """
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: ClientName | None = None
     tool_call_id: ClientName | None = None
+    tool_calls: list[ToolCallParam] | None = None
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatCompletionMessageParam:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is only allowed on assistant messages, not on a "
+                             f"{self.role!r} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a 'tool' message needs tool_call_id (the id of the call it "
+                             "answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is only allowed on tool messages, not on a "
+                             f"{self.role!r} message")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
 
     def text(self) -> str | None:
         """The content as one string: a part list's texts joined with newlines (as vLLM),
@@ -194,7 +220,8 @@ class ChatCompletionMessageParam(RequestModel):
 
     def to_template(self) -> dict[str, Any]:
         """The message as the dict ``apply_chat_template`` takes (``role``, ``content``
-        as text, and ``name`` / ``tool_call_id`` when given).
+        as text, and ``name`` / ``tool_call_id`` / ``tool_calls`` when given; a call's
+        arguments parsed from their JSON text, as vLLM passes them to templates).
 
         Raises:
             OpenAIError: as :meth:`text`.
@@ -204,6 +231,8 @@ class ChatCompletionMessageParam(RequestModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
         return message
 
 
@@ -212,24 +241,25 @@ class ChatCompletionRequest(StructuredFields):
 
     model: ClientName | None = None
     messages: list[ChatCompletionMessageParam]
-    frequency_penalty: float | None = 0.0
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_tokens: int | None = Field(default=None, description="deprecated by OpenAI")
     max_completion_tokens: int | None = None
     n: int | None = 1
-    presence_penalty: float | None = 0.0
+    presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = 1.0
-    top_p: float | None = 1.0
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+                  | None) = None
+    parallel_tool_calls: bool | None = True
     user: ClientName | None = None
     # vLLM's extras (``return_tokens_as_token_ids``: log-probability tokens as
     # ``token_id:<id>``)
@@ -241,6 +271,8 @@ class ChatCompletionRequest(StructuredFields):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
     # vLLM's chat template controls
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -260,10 +292,11 @@ class ChatCompletionRequest(StructuredFields):
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                penalties, ``logit_bias``, ``stream_options``), no ``messages``, a non-text
+                ``seed``, ``stream_options``), no ``messages``, a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
-                without ``logprobs``, non-empty ``tools``, a ``tool_choice`` that asks for
-                a tool call, or both ``add_generation_prompt`` and
+                without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
+                refuses (no tools, an unknown name, with another constraint) or tools of
+                one name, or both ``add_generation_prompt`` and
                 ``continue_final_message``.
         """
         _check_common(self)
@@ -278,10 +311,10 @@ class ChatCompletionRequest(StructuredFields):
             if self.top_logprobs > 0 and not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs set to true",
                                   param="top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
+        constrained = (getattr(self, "structured_outputs", None) is not None
+                       or (self.response_format is not None
+                           and self.response_format.type != "text"))
+        check_tool_request(self.tools, self.tool_choice, constrained)
         if self.add_generation_prompt and self.continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both "
                               "be true", param="continue_final_message")
@@ -374,10 +407,19 @@ class ChatCompletionLogProbs(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """The generated message of a chat choice."""
+    """The generated message of a chat choice: its text (None when the model only called
+    tools) and the ``tool_calls`` it made (left out of the JSON when there are none)."""
 
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -405,11 +447,12 @@ class ChatCompletionResponse(BaseModel):
 
 class DeltaMessage(BaseModel):
     """The new part of a streamed message; unset (None) fields are left out of the JSON,
-    so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}`` or
-    ``{}``."""
+    so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}``,
+    ``{"tool_calls": [...]}`` (OpenAI's streamed tool call pieces) or ``{}``."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import ChatCompletionMessageParam
+from manylora.entrypoints.openai.protocol_tools import ChatCompletionToolsParam
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
 
 __all__ = [
@@ -45,10 +46,12 @@ class TokenizeCompletionRequest(RequestModel):
 class TokenizeChatRequest(RequestModel):
     """``/tokenize`` of chat messages: rendered by the chat template as
     ``/v1/chat/completions`` renders them, then encoded (no special tokens added by default:
-    the template carries them, as in vLLM)."""
+    the template carries them, as in vLLM); ``tools`` reach the template as they do for a
+    chat completion."""
 
     model: ClientName | None = None
     messages: list[ChatCompletionMessageParam]
+    tools: list[ChatCompletionToolsParam] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

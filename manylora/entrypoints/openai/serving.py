@@ -27,6 +27,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
@@ -75,7 +76,13 @@ LOGPROB_FLOOR = -9999.0
 _SAMPLING_FIELDS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-    "logprobs", "prompt_logprobs", "bad_words"})
+    "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words"})
+
+# What an engine ValueError's first word names, as the request's parameter: the engine
+# core checks token ids against the vocabulary (the server does not know its size).
+_ENGINE_PARAMS = {"prompt_token_ids": "prompt", "logit_bias": "logit_bias",
+                  "allowed_token_ids": "allowed_token_ids"}
 
 
 def random_id(prefix: str) -> str:
@@ -100,7 +107,9 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
     for an ``OpenAIError``, 400 for ``ValueError`` (bad prompt, parameters or adapter), 404
     for a missing adapter file, 503 for ``EngineOverloadedError`` and ``EngineDeadError``,
     504 for an adapter read over ``lora_load_timeout``; None for anything else (a server
-    bug, left to propagate)."""
+    bug, left to propagate). A ``ValueError`` whose message starts with a field the engine
+    core checks (``prompt_token_ids``, ``logit_bias``, ``allowed_token_ids``) names that
+    field as the 400's ``param``."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, LoRALoadTimeoutError):
@@ -114,7 +123,8 @@ def to_openai_error(exc: BaseException) -> OpenAIError | None:
                    else "files are")
         return not_found(f"the adapter's {missing} no longer on disk", param="model")
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        message = str(exc)
+        return bad_request(message, param=_ENGINE_PARAMS.get(message.split(" ", 1)[0]))
     return None
 
 
@@ -163,7 +173,7 @@ def make_sampling_params(**fields: Any) -> SamplingParams:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         message = str(e)
-        first = message.split(" ", 1)[0]
+        first = message.split(" ", 1)[0].split("[", 1)[0]
         raise bad_request(message, param=first if first in _SAMPLING_FIELDS else None) from None
 
 
@@ -193,6 +203,9 @@ class OpenAIServing:
             create (``--max-choices-per-request``).
         prompt_tokenizer: the tokenization worker to share with the other endpoint (one
             thread per server); None: one of its own over ``engine.tokenizer``.
+        sampling_defaults: the server's defaults of the sampling fields a request leaves
+            unset (``--generation-config``: ``temperature``, ``top_p``, ``top_k``,
+            ``min_p``, ``repetition_penalty``; ``max_tokens`` caps every request's).
 
     Attributes:
         request_logger: logs each engine request as it starts (``--enable-log-requests``);
@@ -206,9 +219,11 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, models: Any, *,
                  max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
-                 prompt_tokenizer: PromptTokenizer | None = None) -> None:
+                 prompt_tokenizer: PromptTokenizer | None = None,
+                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
         if max_choices < 1:
             raise ValueError(f"max_choices must be at least 1, got {max_choices}")
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.engine = engine
         self.models = models
         self.max_choices = max_choices

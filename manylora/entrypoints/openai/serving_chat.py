@@ -25,11 +25,11 @@ from manylora.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     DeltaMessage,
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
+from manylora.entrypoints.openai.request_sampling import resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -40,6 +40,7 @@ from manylora.entrypoints.openai.serving import (
     random_id,
     token_text,
 )
+from manylora.entrypoints.openai.serving_tools import ToolPlan, ToolStream, template_tools
 from manylora.entrypoints.openai.sse import (
     SSE_DONE,
     chunk_event,
@@ -51,6 +52,7 @@ from manylora.entrypoints.openai.streams import (
     MergedStream,
     guard_stream,
 )
+from manylora.entrypoints.openai.tool_parsers import get_tool_parser
 
 __all__ = ["OpenAIServingChat", "chat_logprobs", "load_chat_template"]
 
@@ -115,6 +117,7 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
 @dataclass
 class _ChoiceState:
     num_tokens: int = 0
+    tools: ToolStream | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -125,19 +128,33 @@ class OpenAIServingChat(OpenAIServing):
         models: the models registry (``base_model_name``, ``resolve(name)``).
         chat_template: a Jinja template (or a file holding one) used instead of the
             tokenizer's; None: the tokenizer's.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's
+            ``--enable-auto-tool-choice``; needs ``tool_call_parser``).
+        tool_call_parser: the format auto tool calls are read in (``--tool-call-parser``:
+            ``hermes``, ``llama3_json``, ``mistral``), or None.
         kwargs: ``max_choices`` and ``prompt_tokenizer`` of :class:`OpenAIServing`.
 
     Raises:
         OSError: ``chat_template`` names a file that cannot be read.
+        ValueError: an unknown ``tool_call_parser``, or ``enable_auto_tool_choice``
+            without one.
     """
 
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
         self.chat_template = load_chat_template(chat_template)
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template.
+        """The messages as prompt text, through the chat template, with the request's
+        ``tools`` (its ``tools=`` argument; a template that does not use them ignores it).
 
         Raises:
             OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
@@ -152,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
         kwargs.update(tokenize=False,
                       add_generation_prompt=bool(request.add_generation_prompt),
                       continue_final_message=bool(request.continue_final_message),
-                      chat_template=self.chat_template)
+                      chat_template=self.chat_template, tools=template_tools(request))
         try:
             text = tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
@@ -195,6 +212,8 @@ class OpenAIServingChat(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        tools = ToolPlan.for_request(request, self.tool_call_parser,
+                                     self.enable_auto_tool_choice)
         structured, structured_param = structured_params(request)
         n = request.n or 1
         self.check_choices(1, n)
@@ -208,9 +227,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = check_context_length(len(token_ids), requested, self.max_model_len,
                                           prompt_param="messages", max_tokens_param=param)
         params = make_sampling_params(
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed,
+            **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
             max_tokens=max_tokens, min_tokens=request.min_tokens or 0, stop=request.stop,
             stop_token_ids=request.stop_token_ids, ignore_eos=bool(request.ignore_eos),
             skip_special_tokens=(True if request.skip_special_tokens is None
@@ -220,18 +237,20 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=structured, bad_words=request.bad_words,
             output_kind=output_kind(bool(request.stream)))
+        params = tools.apply(params)
         base_id = random_id("chatcmpl")
         children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
                     for i, child_params in enumerate(child_sampling_params(params, n))]
         merged = await self.start(children, lora_request, client_group=base_id)
         if request.stream:
-            return guard_stream(self._stream(request, base_id, model_name, children, merged),
-                                merged)
+            return guard_stream(self._stream(request, base_id, model_name, children, merged,
+                                             tools), merged)
         finals = await self.collect(merged)
-        return self._response(request, base_id, model_name, finals, len(token_ids))
+        return self._response(request, base_id, model_name, finals, len(token_ids), tools)
 
     def _response(self, request: ChatCompletionRequest, base_id: str, model_name: str,
-                  finals: list[RequestOutput], num_prompt_tokens: int) -> ChatCompletionResponse:
+                  finals: list[RequestOutput], num_prompt_tokens: int,
+                  tools: ToolPlan) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
@@ -242,9 +261,11 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs and out.logprobs is not None:
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                          bool(request.return_tokens_as_token_ids))
+            message, finish_reason = tools.message(out.text, out.finish_reason)
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
-                index=index, message=ChatMessage(role="assistant", content=echo + out.text),
-                logprobs=logprobs, finish_reason=out.finish_reason,
+                index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=out.stop_reason))
         return ChatCompletionResponse(id=base_id, created=self.now(), model=model_name,
                                       choices=choices,
@@ -253,12 +274,12 @@ class OpenAIServingChat(OpenAIServing):
                                           finals[0].prompt_logprobs, clamp_logprob))
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
-                      children: list[ChildRequest],
-                      merged: MergedStream) -> AsyncIterator[str]:
+                      children: list[ChildRequest], merged: MergedStream,
+                      tools: ToolPlan) -> AsyncIterator[str]:
         created = self.now()
         options = request.stream_options
         num_prompt_tokens = len(children[0].prompt_token_ids)
-        states = [_ChoiceState() for _ in children]
+        states = [_ChoiceState(tools=tools.stream()) for _ in children]
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
 
         def _usage() -> UsageInfo:
@@ -301,16 +322,21 @@ class OpenAIServingChat(OpenAIServing):
         out = output.outputs[0]          # a DELTA output: only what is new
         finished = out.finish_reason is not None
         text = out.text
+        delta = DeltaMessage(content=text or None)
+        finish_reason = out.finish_reason
+        if state.tools is not None:
+            delta = state.tools.delta(text, finished)
+            finish_reason = state.tools.plan.finish_reason(state.tools.called, finish_reason)
         new_ids = out.token_ids
         logprobs = None
         if request.logprobs and new_ids and out.logprobs is not None:
             logprobs = chat_logprobs(new_ids, out.logprobs, request.top_logprobs or 0,
                                      bool(request.return_tokens_as_token_ids))
         state.num_tokens += len(new_ids)
-        if not text and logprobs is None and not finished:
+        if delta.content is None and not delta.tool_calls and logprobs is None and not finished:
             return None
         return ChatCompletionStreamResponse(
             id=base_id, created=created, model=model_name,
             choices=[ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                index=index, delta=delta, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=out.stop_reason)])

@@ -31,6 +31,7 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
+from manylora.entrypoints.openai.request_sampling import resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -179,9 +180,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 len(prompt.token_ids), engine_max_tokens(request.echo, request.max_tokens),
                 self.max_model_len)
             params = make_sampling_params(
-                temperature=1.0 if request.temperature is None else request.temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
-                top_k=request.top_k or 0, min_p=request.min_p or 0.0, seed=request.seed,
+                **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
                 max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
                 stop=request.stop, stop_token_ids=request.stop_token_ids,
                 ignore_eos=bool(request.ignore_eos),
