@@ -295,7 +295,7 @@ class EngineCore:
                       lora_digest=digest, session_id=session_id,
                       eos_token_ids=request.eos_token_ids,
                       adapter_pending=lora_request is not None and digest is None,
-                      client_group=request.client_group)
+                      client_group=request.client_group, cache_salt=request.cache_salt)
         self.scheduler.add_request(req)
         if not ready:
             self._awaiting.setdefault(req.lora_int_id, {})[rid] = (req, time.monotonic())

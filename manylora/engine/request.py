@@ -51,6 +51,8 @@ class Request:
         client_group: the fairness group: the requests one client call fanned out to (the
             server: the HTTP request's id, shared by its prompts x n children; one
             ``LLM.generate`` call); None: the request is a group of its own.
+        cache_salt: salts the request's prefix-cache hashes (vLLM's ``cache_salt``), or
+            None.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
     """
@@ -73,6 +75,7 @@ class Request:
     num_output_placeholders: int = 0
     adapter_pending: bool = False
     client_group: str | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -60,6 +61,7 @@ from manylora.entrypoints.openai.serving_models import (
 from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
+from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,10 @@ class ServerConfig:
             tokenizer's, or None.
         max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
             request may create; more get 400 before anything is tokenized.
+        trust_request_chat_template: accept a request's own ``chat_template``.
+        sampling_defaults: defaults of the sampling fields requests leave unset
+            (``--generation-config``); ``max_tokens`` caps every request's.
+        max_logprobs: the most log-probabilities per token a request may ask for.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -85,6 +91,9 @@ class ServerConfig:
     enable_lora_runtime_updates: bool = False
     chat_template: str | None = None
     max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
+    trust_request_chat_template: bool = False
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -233,10 +242,11 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     # one tokenization worker for every endpoint (a tokenizer is not used by two threads)
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
-    completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
-                                          max_choices=config.max_choices_per_request)
-    chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
-                             max_choices=config.max_choices_per_request)
+    shared = dict(prompt_tokenizer=prompts, max_choices=config.max_choices_per_request,
+                  sampling_defaults=config.sampling_defaults, max_logprobs=config.max_logprobs)
+    completions = OpenAIServingCompletion(engine, models, **shared)
+    chat = OpenAIServingChat(engine, models, config.chat_template,
+                             config.trust_request_chat_template, **shared)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
 
     @app.exception_handler(OpenAIError)

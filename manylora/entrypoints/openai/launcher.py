@@ -24,10 +24,13 @@ from manylora.entrypoints.openai.api_server import (
     build_app,
 )
 from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.generation_config import generation_defaults, parse_override
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.prometheus import PrometheusStatLogger
+from manylora.model.hub import resolve_model_path
+from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, replacing the "
                              "tokenizer's")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat template sent with a request (chat_template); "
+                             "without it such requests get 400")
+    parser.add_argument("--generation-config", default="auto",
+                        help="default sampling parameters of requests that do not set them: "
+                             "'auto' (the model's generation_config.json), 'vllm' (none) or "
+                             "a folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help="generation-config entries (JSON object) over the file's, "
+                             "e.g. '{\"temperature\": 0.5}'")
+    parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help="the most log-probabilities a request may ask for per token "
+                             f"(logprobs, top_logprobs); at most {MAX_LOGPROBS}")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     return parser
@@ -94,11 +110,16 @@ def create_server(args: argparse.Namespace) -> Server:
         ValueError: a bad flag (engine arguments, ``--lora-modules``, runtime updates
             without ``--lora-root``, ``--max-choices-per-request`` below 1, a served or
             adapter name that breaks the client-name rules of ``validation.py``) or a
-            ``--lora-modules`` adapter that cannot be served.
+            ``--lora-modules`` adapter that cannot be served, ``--max-logprobs`` outside
+            ``[0, MAX_LOGPROBS]``, a bad ``--generation-config`` or
+            ``--override-generation-config``.
     """
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most this "
+                         f"engine returns per token), got {args.max_logprobs}")
     modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
     name = args.served_model_name or args.model
     # names go into every /v1/models answer and metric label; argv may carry lone
@@ -121,6 +142,9 @@ def create_server(args: argparse.Namespace) -> Server:
     keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
                             if os.environ.get("MANYLORA_API_KEY") else [])
     engine_args = EngineArgs.from_cli_args(args)
+    sampling_defaults = generation_defaults(
+        args.generation_config, str(resolve_model_path(args.model)),
+        parse_override(args.override_generation_config))
     registry = CollectorRegistry()
     engine = AsyncLLM.from_engine_args(engine_args,
                                        max_waiting_requests=args.max_waiting_requests)
@@ -134,7 +158,10 @@ def create_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--lora-modules: {e.message}") from None
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
                           args.enable_lora_runtime_updates, args.chat_template,
-                          args.max_choices_per_request)
+                          args.max_choices_per_request,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          sampling_defaults=sampling_defaults,
+                          max_logprobs=args.max_logprobs)
     return Server(engine, models, build_app(engine, models, config, registry), registry)
 
 

@@ -28,7 +28,7 @@ from manylora.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from manylora.entrypoints.openai.request_sampling import resolve_sampling
+from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -36,7 +36,6 @@ from manylora.entrypoints.openai.serving import (
     clamp_logprob,
     make_sampling_params,
     output_kind,
-    random_id,
     token_text,
 )
 from manylora.entrypoints.openai.sse import (
@@ -50,6 +49,7 @@ from manylora.entrypoints.openai.streams import (
     MergedStream,
     guard_stream,
 )
+from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
 __all__ = ["OpenAIServingChat", "chat_logprobs", "load_chat_template"]
 
@@ -116,6 +116,41 @@ class _ChoiceState:
     num_tokens: int = 0
 
 
+def echo_text(request: ChatCompletionRequest) -> str:
+    """What vLLM's chat ``echo`` puts before the reply: the last message's text when it is
+    the assistant's (the role of the reply), else nothing."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return ""
+    return last.text() or ""
+
+
+def template_extras(request: Any) -> dict[str, Any]:
+    """The chat-template keyword arguments vLLM adds from request fields: ``documents``,
+    ``reasoning_effort``, and ``enable_thinking`` (``reasoning_effort != "none"``) when a
+    reasoning effort is given; only those set."""
+    extras: dict[str, Any] = {}
+    if getattr(request, "documents", None) is not None:
+        extras["documents"] = request.documents
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:
+        extras["reasoning_effort"] = effort
+        extras["enable_thinking"] = effort != "none"
+    return extras
+
+
+def _prompt_fields(request: ChatCompletionRequest, prompt_ids: list[int],
+                   prompt_text: str) -> dict[str, Any]:
+    """The response's (or first chunk's) ``prompt_token_ids`` (``return_token_ids``) and
+    ``prompt_text`` (``return_prompt_text``), those asked for."""
+    fields: dict[str, Any] = {}
+    if request.return_token_ids:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    if request.return_prompt_text:
+        fields["prompt_text"] = prompt_text
+    return fields
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint.
 
@@ -124,34 +159,46 @@ class OpenAIServingChat(OpenAIServing):
         models: the models registry (``base_model_name``, ``resolve(name)``).
         chat_template: a Jinja template (or a file holding one) used instead of the
             tokenizer's; None: the tokenizer's.
-        kwargs: ``max_choices`` and ``prompt_tokenizer`` of :class:`OpenAIServing`.
+        trust_request_chat_template: accept a request's own ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``); otherwise such a request is a 400.
+        kwargs: ``max_choices``, ``prompt_tokenizer`` and ``sampling_defaults`` of
+            :class:`OpenAIServing`.
 
     Raises:
         OSError: ``chat_template`` names a file that cannot be read.
     """
 
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
-                 **kwargs: Any) -> None:
+                 trust_request_chat_template: bool = False, **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
         self.chat_template = load_chat_template(chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template.
+        """The messages as prompt text, through the chat template: the request's own
+        (``chat_template``, checked by ``check_fields``), else the server's, else the
+        tokenizer's; ``documents`` and ``reasoning_effort`` are passed to the template as
+        vLLM passes them (``enable_thinking`` follows ``reasoning_effort`` unless
+        ``chat_template_kwargs`` sets it).
 
         Raises:
             OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
                 part, or when the template fails on the messages.
         """
         tokenizer = self.require_tokenizer("chat", param="messages")
-        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        template = getattr(request, "chat_template", None) or self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template, and the server "
                               "was started without --chat-template", param="messages")
         messages = [m.to_template() for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
+        for key, value in template_extras(request).items():
+            if key != "enable_thinking" or key not in kwargs:
+                kwargs[key] = value
         kwargs.update(tokenize=False,
                       add_generation_prompt=bool(request.add_generation_prompt),
                       continue_final_message=bool(request.continue_final_message),
-                      chat_template=self.chat_template)
+                      chat_template=template)
         try:
             text = tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
@@ -170,7 +217,12 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: as :meth:`render`, and :meth:`encode_now`'s 400 and 413.
         """
         text = self.render(request)
-        return text, self.encode_now([text], add_special_tokens=False, param="messages")[0]
+        truncate = getattr(request, "truncate_prompt_tokens", None)
+        ids = self.encode_now([text], add_special_tokens=bool(
+            getattr(request, "add_special_tokens", False)), param="messages",
+            check_length=truncate is None)[0]
+        return text, truncate_prompt(ids, truncate, getattr(request, "truncation_side", None),
+                                     self.max_model_len)
 
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -194,6 +246,7 @@ class OpenAIServingChat(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        check_fields(request, "chat", self.trust_request_chat_template, self.max_logprobs)
         n = request.n or 1
         self.check_choices(1, n)
         model_name, lora_request = self.resolve_model(request.model)
@@ -202,8 +255,9 @@ class OpenAIServingChat(OpenAIServing):
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
         requested, param = request.max_tokens_param()
-        max_tokens = check_context_length(len(token_ids), requested, self.max_model_len,
-                                          prompt_param="messages", max_tokens_param=param)
+        max_tokens = cap_max_tokens(check_context_length(
+            len(token_ids), requested, self.max_model_len, prompt_param="messages",
+            max_tokens_param=param), self.sampling_defaults)
         params = make_sampling_params(
             **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
             max_tokens=max_tokens, min_tokens=request.min_tokens or 0, stop=request.stop,
@@ -211,22 +265,26 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=(True if request.skip_special_tokens is None
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             output_kind=output_kind(bool(request.stream)))
-        base_id = random_id("chatcmpl")
-        children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
+        base_id, engine_id = response_ids("chatcmpl", request.request_id)
+        children = [ChildRequest(f"{engine_id}-{i}", 0, token_ids, text, child_params,
+                                 request.cache_salt)
                     for i, child_params in enumerate(child_sampling_params(params, n))]
-        merged = await self.start(children, lora_request, client_group=base_id)
+        merged = await self.start(children, lora_request, client_group=engine_id)
         if request.stream:
             return guard_stream(self._stream(request, base_id, model_name, children, merged),
                                 merged)
         finals = await self.collect(merged)
-        return self._response(request, base_id, model_name, finals, len(token_ids))
+        return self._response(request, base_id, model_name, finals, token_ids, text)
 
     def _response(self, request: ChatCompletionRequest, base_id: str, model_name: str,
-                  finals: list[RequestOutput], num_prompt_tokens: int) -> ChatCompletionResponse:
+                  finals: list[RequestOutput], prompt_ids: list[int],
+                  prompt_text: str) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
+        echo = echo_text(request)
         for index, final in enumerate(finals):
             out = final.outputs[0]
             completion_tokens += len(out.token_ids)
@@ -235,12 +293,14 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                          bool(request.return_tokens_as_token_ids))
             choices.append(ChatCompletionResponseChoice(
-                index=index, message=ChatMessage(role="assistant", content=out.text),
+                index=index, message=ChatMessage(role="assistant", content=echo + out.text),
                 logprobs=logprobs, finish_reason=out.finish_reason,
-                stop_reason=out.stop_reason))
-        return ChatCompletionResponse(id=base_id, created=self.now(), model=model_name,
-                                      choices=choices,
-                                      usage=usage_info(num_prompt_tokens, completion_tokens))
+                stop_reason=out.stop_reason,
+                token_ids=list(out.token_ids) if request.return_token_ids else None))
+        return ChatCompletionResponse(
+            id=base_id, created=self.now(), model=model_name, choices=choices,
+            usage=usage_info(len(prompt_ids), completion_tokens),
+            **_prompt_fields(request, prompt_ids, prompt_text))
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest],
@@ -249,6 +309,9 @@ class OpenAIServingChat(OpenAIServing):
         options = request.stream_options
         num_prompt_tokens = len(children[0].prompt_token_ids)
         states = [_ChoiceState() for _ in children]
+        echo = echo_text(request)
+        prompt = _prompt_fields(request, children[0].prompt_token_ids,
+                                children[0].prompt_text or "")
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -259,7 +322,8 @@ class OpenAIServingChat(OpenAIServing):
                     first = ChatCompletionStreamResponse(
                         id=base_id, created=created, model=model_name,
                         choices=[ChatCompletionStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content=""))])
+                            index=index, delta=DeltaMessage(role="assistant", content=echo))],
+                        **(prompt if index == 0 else {}))
                     yield chunk_event(first, options, _usage())
                 async for index, output in merged:
                     event = self._chunk(request, base_id, created, model_name, index,
@@ -296,4 +360,5 @@ class OpenAIServingChat(OpenAIServing):
             id=base_id, created=created, model=model_name,
             choices=[ChatCompletionStreamChoice(
                 index=index, delta=DeltaMessage(content=text or None), logprobs=logprobs,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason)])
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=list(new_ids) if request.return_token_ids else None)])

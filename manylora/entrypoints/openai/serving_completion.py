@@ -22,7 +22,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     UsageInfo,
 )
-from manylora.entrypoints.openai.request_sampling import resolve_sampling
+from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -30,7 +30,6 @@ from manylora.entrypoints.openai.serving import (
     clamp_logprob,
     make_sampling_params,
     output_kind,
-    random_id,
     token_text,
 )
 from manylora.entrypoints.openai.sse import (
@@ -44,6 +43,7 @@ from manylora.entrypoints.openai.streams import (
     MergedStream,
     guard_stream,
 )
+from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
 __all__ = ["OpenAIServingCompletion", "completion_logprobs"]
 
@@ -112,6 +112,16 @@ class _ChoiceState:
     echo: str | None
     num_tokens: int = 0
     offset: int = 0
+    prompt_ids: list[int] | None = None
+
+
+def _token_ids(request: CompletionRequest, prompt_ids: list[int] | None,
+               token_ids: Sequence[int]) -> dict[str, list[int] | None]:
+    """vLLM's ``return_token_ids`` fields of a choice (or a chunk of it): the prompt's ids
+    and the (new) generated ids; nothing without it."""
+    if not request.return_token_ids:
+        return {}
+    return {"prompt_token_ids": prompt_ids, "token_ids": list(token_ids)}
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -141,16 +151,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        check_fields(request, "completion", max_logprobs=self.max_logprobs)
         n = request.n or 1
         items = _prompt_items(request.prompt)
         self.check_choices(len(items), n)
         model_name, lora_request = self.resolve_model(request.model)
-        prompts = await self._prompts(items)
-        base_id = random_id("cmpl")
+        prompts = await self._prompts(items, request)
+        base_id, engine_id = response_ids("cmpl", request.request_id)
         children: list[ChildRequest] = []
         for p, prompt in enumerate(prompts):
-            max_tokens = check_context_length(len(prompt.token_ids), request.max_tokens,
-                                              self.max_model_len)
+            max_tokens = cap_max_tokens(check_context_length(
+                len(prompt.token_ids), request.max_tokens, self.max_model_len),
+                self.sampling_defaults)
             params = make_sampling_params(
                 **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
                 max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
@@ -159,14 +171,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 skip_special_tokens=(True if request.skip_special_tokens is None
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
+                spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
                 logprobs=request.logprobs,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
-                children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
-                                             prompt.text, child_params))
+                children.append(ChildRequest(f"{engine_id}-{p * n + i}", p, prompt.token_ids,
+                                             prompt.text, child_params, request.cache_salt))
         if request.echo and any(p.text is None for p in prompts):
             self.require_tokenizer("echo of a token-id prompt", param="echo")
-        merged = await self.start(children, lora_request, client_group=base_id)
+        merged = await self.start(children, lora_request, client_group=engine_id)
         try:                             # after the engine has checked the token ids
             echoes = (await self.prompts.run(self._echo_texts, request, prompts)
                       if request.echo else [None] * len(prompts))
@@ -182,21 +195,33 @@ class OpenAIServingCompletion(OpenAIServing):
         return self._response(request, base_id, model_name, children, echoes, finals,
                               num_prompt_tokens)
 
-    async def _prompts(self, items: list[str | list[int]]) -> list[_Prompt]:
-        """The prompts, the texts tokenized (on the tokenization worker).
+    async def _prompts(self, items: list[str | list[int]],
+                       request: CompletionRequest) -> list[_Prompt]:
+        """The prompts, the texts tokenized (on the tokenization worker, with special
+        tokens unless ``add_special_tokens`` is false), each cut to
+        ``truncate_prompt_tokens`` (a truncated prompt's text is dropped: echo decodes
+        the ids kept).
 
         Raises:
-            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer; 413
-                for a text certainly longer than the context.
+            OpenAIError: 400 for an empty prompt, a text prompt without a tokenizer, a
+                ``truncate_prompt_tokens`` over the context; 413 for a text certainly
+                longer than the context (not checked when it is truncated).
         """
+        truncate = request.truncate_prompt_tokens
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(await self.tokenize(texts, param="prompt") if texts else [])
+        encoded = iter(await self.tokenize(
+            texts, add_special_tokens=request.add_special_tokens is not False, param="prompt",
+            check_length=truncate is None) if texts else [])
         prompts = []
         for i, item in enumerate(items):
             if isinstance(item, str):
                 prompt = _Prompt(next(encoded), item)
             else:
                 prompt = _Prompt(list(item), None)
+            ids = truncate_prompt(prompt.token_ids, truncate, request.truncation_side,
+                                  self.max_model_len)
+            if len(ids) != len(prompt.token_ids):
+                prompt = _Prompt(ids, None)
             if not prompt.token_ids:
                 where = "" if len(items) == 1 else f" {i}"
                 raise bad_request(f"prompt{where} is empty", param="prompt")
@@ -239,7 +264,8 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = echoes[child.prompt_index] or ""
             choices.append(CompletionResponseChoice(
                 index=index, text=echo + out.text, logprobs=logprobs,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                **_token_ids(request, child.prompt_token_ids, out.token_ids)))
         return CompletionResponse(id=base_id, created=self.now(), model=model_name,
                                   choices=choices,
                                   usage=usage_info(num_prompt_tokens, completion_tokens))
@@ -249,7 +275,8 @@ class OpenAIServingCompletion(OpenAIServing):
                       merged: MergedStream, num_prompt_tokens: int) -> AsyncIterator[str]:
         created = self.now()
         options = request.stream_options
-        states = [_ChoiceState(echoes[c.prompt_index]) for c in children]
+        states = [_ChoiceState(echoes[c.prompt_index], prompt_ids=c.prompt_token_ids)
+                  for c in children]
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -294,8 +321,10 @@ class OpenAIServingCompletion(OpenAIServing):
         state.num_tokens += len(new_ids)
         if not text and not new_ids and not finished:
             return None
+        ids = _token_ids(request, state.prompt_ids, new_ids)
+        state.prompt_ids = None          # the prompt's ids go in a choice's first chunk
         return CompletionStreamResponse(
             id=base_id, created=created, model=model_name,
             choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=out.finish_reason,
-                                            stop_reason=out.stop_reason)])
+                                            stop_reason=out.stop_reason, **ids)])
