@@ -87,8 +87,9 @@ def generation_defaults(source: str, model_path: str,
     try:                                 # a bad default would fail every request: fail now
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"--generation-config {source!r}: its sampling defaults are not "
-                         f"valid: {e}") from None
+        where = (" with --override-generation-config" if override else "")
+        raise ValueError(f"--generation-config {source!r}{where}: its sampling defaults are "
+                         f"not valid: {e}") from None
     if defaults:
         logger.info("Default sampling parameters from the generation config (requests that "
                     "set them override them): %s", defaults)

@@ -354,7 +354,8 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = chat_logprobs(new_ids, out.logprobs, request.top_logprobs or 0,
                                      bool(request.return_tokens_as_token_ids))
         state.num_tokens += len(new_ids)
-        if not text and logprobs is None and not finished:
+        if not text and logprobs is None and not finished and not (
+                request.return_token_ids and new_ids):
             return None
         return ChatCompletionStreamResponse(
             id=base_id, created=created, model=model_name,
