@@ -227,3 +227,12 @@ def test_request_chat_template_refused_without_trust(base_dir):
                 timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
             assert "--trust-request-chat-template" in r.json()["error"]["message"]
+
+
+def test_trusted_request_template_from_either_field_renders_the_prompt(server):
+    messages = [{"role": "user", "content": "Hello there"}]
+    for extra in ({"chat_template": OTHER_TEMPLATE},
+                  {"chat_template_kwargs": {"chat_template": OTHER_TEMPLATE}}):
+        status, body, sent = _post(server, "chat", {**BASELINE, "messages": messages, **extra})
+        assert status == 200, body
+        assert [prompt["prompt"] for prompt, _, _ in sent] == ["Hello there|"]

@@ -175,8 +175,9 @@ class OpenAIServingChat(OpenAIServing):
         self.trust_request_chat_template = trust_request_chat_template
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template: the request's own
-        (``chat_template``, checked by ``check_fields``), else the server's, else the
+        """The messages as prompt text, through the chat template: the chat request's own
+        (``chat_template``, or that key of ``chat_template_kwargs``; refused by
+        ``check_fields`` without ``--trust-request-chat-template``), else the server's, else the
         tokenizer's; ``documents`` and ``reasoning_effort`` are passed to the template as
         vLLM passes them (``enable_thinking`` follows ``reasoning_effort`` unless
         ``chat_template_kwargs`` sets it).
@@ -186,7 +187,11 @@ class OpenAIServingChat(OpenAIServing):
                 part, or when the template fails on the messages.
         """
         tokenizer = self.require_tokenizer("chat", param="messages")
-        template = getattr(request, "chat_template", None) or self.chat_template
+        own = None                       # a request's own template (trusted: check_fields)
+        if isinstance(request, ChatCompletionRequest):
+            own = request.chat_template or (request.chat_template_kwargs or {}).get(
+                "chat_template")
+        template = own or self.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template, and the server "
                               "was started without --chat-template", param="messages")

@@ -28,7 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
@@ -153,10 +153,42 @@ def ignored_fields(model: type[RequestModel], data: Any) -> list[str]:
     return [k for k in data if k not in model.model_fields]
 
 
+def _types(schema: dict[str, Any]) -> set[str]:
+    """The JSON types a (pydantic-generated) property schema admits."""
+    found = {schema["type"]} if isinstance(schema.get("type"), str) else set()
+    for option in schema.get("anyOf", ()):
+        found |= _types(option)
+    return found
+
+
+def _publish_refusals(schema: dict[str, Any], model: type) -> None:
+    """Narrow the published schema of each ``refused`` field to what is accepted (null,
+    its unset values, an empty object or array), the reason in its description: the
+    document says what the server enforces (``openapi.py``), while validation stays
+    permissive so that :func:`check_fields` answers with the reason."""
+    props = schema.get("properties", {})
+    for name, rule in FIELDS.items():
+        if rule.status != "refused" or name == "best_of" or name not in props:
+            continue
+        types = _types(props[name])
+        options: list[dict[str, Any]] = [{"type": "null"}]
+        options += [{"const": u} for u in rule.unset if u is not None]
+        if "object" in types:
+            options.append({"type": "object", "maxProperties": 0})
+        if "array" in types:
+            options.append({"type": "array", "maxItems": 0})
+        props[name] = {"anyOf": options, "description": f"not supported: {rule.why}",
+                       **({"default": props[name]["default"]} if "default" in props[name]
+                          else {})}
+
+
 class _VLLMRequest(RequestModel):
     """Base of the two generation bodies: unknown top-level fields are logged as ignored
     (vLLM's message), and the refused OpenAI fields are kept (``model_extra`` stays
-    unused) so that :func:`check_fields` can name them."""
+    unused) so that :func:`check_fields` can name them. The published schema of a
+    refused field admits only its unset values (:func:`_publish_refusals`)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_refusals)
 
     _refused_openai: dict[str, Any] = PrivateAttr(default_factory=dict)
 
