@@ -236,3 +236,41 @@ def test_trusted_request_template_from_either_field_renders_the_prompt(server):
         status, body, sent = _post(server, "chat", {**BASELINE, "messages": messages, **extra})
         assert status == 200, body
         assert [prompt["prompt"] for prompt, _, _ in sent] == ["Hello there|"]
+
+
+def test_truncate_prompt_semantics():
+    from manylora.entrypoints.openai.errors import OpenAIError
+    from manylora.entrypoints.openai.vllm_fields import truncate_prompt
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, None, 8) == ids
+    assert truncate_prompt(ids, 3, None, 64) == [7, 8, 9]
+    assert truncate_prompt(ids, 3, "left", 64) == [7, 8, 9]
+    assert truncate_prompt(ids, 3, "right", 64) == [0, 1, 2]
+    assert truncate_prompt(ids, 0, None, 64) == []
+    assert truncate_prompt(ids, 20, None, 64) == ids
+    assert truncate_prompt(ids, -1, None, 4) == [6, 7, 8, 9]
+    with pytest.raises(OpenAIError) as info:
+        truncate_prompt(ids, 65, None, 64)
+    assert info.value.param == "truncate_prompt_tokens"
+
+
+def test_response_ids_keep_engine_ids_unique():
+    from manylora.entrypoints.openai.vllm_fields import response_ids
+    rid, engine = response_ids("cmpl", None)
+    assert rid == engine and rid.startswith("cmpl-") and len(rid) == 37
+    first, second = response_ids("cmpl", "job"), response_ids("cmpl", "job")
+    assert first[0] == second[0] == "cmpl-job"
+    assert first[1] != second[1] and first[1].startswith("cmpl-job-")
+
+
+def test_published_schema_of_refused_fields_admits_only_unset_values():
+    schema = ChatCompletionRequest.model_json_schema()
+    assert schema["additionalProperties"] is True
+    for name, rule in FIELDS.items():
+        if rule.status != "refused" or name not in schema["properties"] or name == "best_of":
+            continue
+        options = schema["properties"][name]["anyOf"]
+        assert {"type": "null"} in options and rule.why in schema["properties"][name][
+            "description"]
+        assert all("const" in o or o.get("maxItems") == 0 or o.get("maxProperties") == 0
+                   or o == {"type": "null"} for o in options), (name, options)

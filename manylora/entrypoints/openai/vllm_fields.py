@@ -163,9 +163,11 @@ def _types(schema: dict[str, Any]) -> set[str]:
 
 def _publish_refusals(schema: dict[str, Any], model: type) -> None:
     """Narrow the published schema of each ``refused`` field to what is accepted (null,
-    its unset values, an empty object or array), the reason in its description: the
+    its unset values, an empty object or array), the reason in its description, and say
+    that other fields are accepted (``additionalProperties``, ignored with a log): the
     document says what the server enforces (``openapi.py``), while validation stays
     permissive so that :func:`check_fields` answers with the reason."""
+    schema["additionalProperties"] = True      # unknown fields: accepted, logged, ignored
     props = schema.get("properties", {})
     for name, rule in FIELDS.items():
         if rule.status != "refused" or name == "best_of" or name not in props:
