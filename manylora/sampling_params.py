@@ -73,6 +73,8 @@ class SamplingParams:
             the text). Normalized to a list of ints.
         ignore_eos: keep generating after the EOS token.
         skip_special_tokens: leave special tokens out of the output text.
+        spaces_between_special_tokens: put spaces between the special tokens kept in the
+            text (Hugging Face's decode option; fast tokenizers decode alike either way).
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         logprobs: None (default) returns no log-probabilities; ``N`` in ``[0, 20]``
             (:data:`MAX_LOGPROBS`) returns, for each generated token, the natural-log
@@ -149,6 +151,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         """Normalize and validate the fields.
@@ -281,6 +284,7 @@ class SamplingParams:
         self._check_bad_words()
         self.ignore_eos = bool(self.ignore_eos)
         self.skip_special_tokens = bool(self.skip_special_tokens)
+        self.spaces_between_special_tokens = bool(self.spaces_between_special_tokens)
         self.include_stop_str_in_output = bool(self.include_stop_str_in_output)
 
     def _check_prompt_logprobs(self) -> None:

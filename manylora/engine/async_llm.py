@@ -148,7 +148,8 @@ class AsyncLLM:
         frees its KV blocks and adapter reference.
 
         Args:
-            prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``).
+            prompt: text, or ``{"prompt_token_ids": [...]}`` (optionally with ``"prompt"``
+                and ``"cache_salt"``).
             sampling_params: how to sample; ``n`` must be 1 (fan out at the caller).
             request_id: unique among live requests; None picks one.
             lora_request: the adapter, None for the base model.

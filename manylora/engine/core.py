@@ -309,7 +309,7 @@ class EngineCore:
                       lora_digest=digest, session_id=session_id,
                       eos_token_ids=request.eos_token_ids,
                       adapter_pending=lora_request is not None and digest is None,
-                      client_group=request.client_group)
+                      client_group=request.client_group, cache_salt=request.cache_salt)
         if params is not None and params.structured_outputs is not None:
             self.structured.hold(req)          # queued once its grammar compiles
         else:

@@ -46,6 +46,9 @@ class IncrementalDetokenizer:
         tokenizer: a ``transformers`` ``PreTrainedTokenizerBase`` (fast or slow).
         prompt_token_ids: the prompt's ids; only its last few are used, as context.
         skip_special_tokens: leave special tokens (e.g. ``</s>``) out of the text.
+        spaces_between_special_tokens: put spaces between special tokens kept in the text
+            (Hugging Face's option: slow tokenizers honour it, fast ones decode alike
+            either way, as vLLM's fast detokenizer).
     """
 
     def __init__(
@@ -53,9 +56,13 @@ class IncrementalDetokenizer:
         tokenizer: Any,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = bool(skip_special_tokens)
+        # passed only when off: the default decode call stays the plain one
+        self._options = ({} if spaces_between_special_tokens
+                         else {"spaces_between_special_tokens": False})
         context = [int(t) for t in prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]]
         # Working ids: prompt context + output ids not yet trimmed away.
         self._ids: list[int] = context
@@ -75,6 +82,7 @@ class IncrementalDetokenizer:
             list(ids),
             skip_special_tokens=self.skip_special_tokens,
             clean_up_tokenization_spaces=False,
+            **self._options,
         )
 
     def append(self, token_id: int) -> str:

@@ -43,6 +43,18 @@ from manylora.sampling_params import SamplingParams
 from manylora.structured.bad_words import bad_words_token_ids
 
 
+def _cache_salt(prompt: str | dict) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's ``TokensPrompt`` key), or None.
+
+    Raises:
+        ValueError: a salt that is not a non-empty string.
+    """
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
+    return salt
+
+
 @dataclass
 class SubmittedRequest:
     """One request for ``LLMEngine.submit_requests`` (the arguments of ``add_request``)."""
@@ -277,7 +289,7 @@ class LLMEngine:
         arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
         self.output_processor.add(request_id, text, ids, params, r.lora_request, arrival)
         return EngineCoreRequest(request_id, ids, params, r.lora_request, self.eos_token_ids,
-                                 r.session_id, arrival, r.client_group)
+                                 r.session_id, arrival, r.client_group, _cache_salt(r.prompt))
 
     def wait_added(self, request_ids: Sequence[str]) -> dict[str, Exception | None]:
         """Wait for the core's answers to submitted requests: ``{id: None}`` for each

@@ -84,7 +84,8 @@ class RequestState:
         self.lora_request = lora_request
         self.arrival_time = arrival_time
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.skip_special_tokens)
+            tokenizer, prompt_token_ids, params.skip_special_tokens,
+            params.spaces_between_special_tokens)
         self.output_token_ids: list[int] = []
         self.text = ""
         wants = params.logprobs is not None
@@ -160,7 +161,8 @@ class OutputProcessor:
         state.prompt_token_ids = history + state.prompt_token_ids
         if state.detokenizer is not None:
             state.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
+                self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens,
+                state.params.spaces_between_special_tokens)
 
     def abort(self, request_id: str, stats: IterationStats | None = None) -> None:
         """Stop tracking a request the caller gave up on (unknown ids are ignored); with

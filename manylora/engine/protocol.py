@@ -61,6 +61,8 @@ class EngineCoreRequest:
             call that fanned out to it (the server's HTTP request id for its prompts x n
             children, one ``LLM.generate`` call); None: a group of its own. The scheduler
             shares the running batch between groups (``SchedulerConfig.scheduling_policy``).
+        cache_salt: salts the request's prefix-cache hashes, so that only requests with the
+            same salt share cached blocks (vLLM's ``cache_salt``); None: unsalted.
     """
 
     request_id: str
@@ -71,6 +73,7 @@ class EngineCoreRequest:
     session_id: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     client_group: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

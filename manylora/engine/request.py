@@ -55,6 +55,8 @@ class Request:
             core reports (``SamplingParams.prompt_logprobs``; starts at 1, the first
             position has none): entries of positions below it, computed again after a
             preemption, are dropped.
+        cache_salt: salts the request's prefix-cache hashes (vLLM's ``cache_salt``), or
+            None.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
     """
@@ -78,6 +80,7 @@ class Request:
     adapter_pending: bool = False
     client_group: str | None = None
     prompt_logprobs_next: int = 1
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,6 +73,7 @@ from manylora.entrypoints.openai.serving_responses import OpenAIServingResponses
 from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
+from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,10 @@ class ServerConfig:
         frontend: CORS, root path and request log settings (vLLM's front-end flags).
         enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's flag).
         tool_call_parser: the format auto tool calls are parsed in (vLLM's names), or None.
+        trust_request_chat_template: accept a request's own ``chat_template``.
+        sampling_defaults: defaults of the sampling fields requests leave unset
+            (``--generation-config``); ``max_tokens`` caps every request's.
+        max_logprobs: the most log-probabilities per token a request may ask for.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -103,6 +109,9 @@ class ServerConfig:
     frontend: FrontendConfig = FrontendConfig()
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    trust_request_chat_template: bool = False
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    max_logprobs: int = MAX_LOGPROBS
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -258,10 +267,11 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     # one tokenization worker for every endpoint (a tokenizer is not used by two threads)
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
-    completions = OpenAIServingCompletion(engine, models, prompt_tokenizer=prompts,
-                                          max_choices=config.max_choices_per_request)
-    chat = OpenAIServingChat(engine, models, config.chat_template, prompt_tokenizer=prompts,
-                             max_choices=config.max_choices_per_request,
+    shared = dict(prompt_tokenizer=prompts, max_choices=config.max_choices_per_request,
+                  sampling_defaults=config.sampling_defaults, max_logprobs=config.max_logprobs)
+    completions = OpenAIServingCompletion(engine, models, **shared)
+    chat = OpenAIServingChat(engine, models, config.chat_template,
+                             config.trust_request_chat_template, **shared,
                              enable_auto_tool_choice=config.enable_auto_tool_choice,
                              tool_call_parser=config.tool_call_parser)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)

@@ -31,6 +31,7 @@ from manylora.entrypoints.openai.frontend_args import (
     runtime_lora_updates,
     uvicorn_tls_options,
 )
+from manylora.entrypoints.openai.generation_config import generation_defaults, parse_override
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
@@ -38,6 +39,8 @@ from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.metrics.prometheus import PrometheusStatLogger
+from manylora.model.hub import resolve_model_path
+from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "(needs --tool-call-parser)")
     parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                         help="the format the model writes tool calls in (vLLM's names)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat template sent with a request (chat_template); "
+                             "without it such requests get 400")
+    parser.add_argument("--generation-config", default="auto",
+                        help="default sampling parameters of requests that do not set them: "
+                             "'auto' (the model's generation_config.json), 'vllm' (none) or "
+                             "a folder holding a generation_config.json")
+    parser.add_argument("--override-generation-config", default=None, metavar="JSON",
+                        help="generation-config entries (JSON object) over the file's, "
+                             "e.g. '{\"temperature\": 0.5}'")
+    parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help="the most log-probabilities a request may ask for per token "
+                             f"(logprobs, top_logprobs); at most {MAX_LOGPROBS}")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_frontend_args(parser)
@@ -119,12 +135,17 @@ def create_server(args: argparse.Namespace) -> Server:
             without ``--lora-root``, ``--enable-auto-tool-choice`` without
             ``--tool-call-parser``, ``--max-choices-per-request`` below 1, a served or
             adapter name that breaks the client-name rules of ``validation.py``) or a
-            ``--lora-modules`` adapter that cannot be served; the front-end flags'
-            errors (``frontend_args.py``); the LoRA resolver without runtime updates.
+            ``--lora-modules`` adapter that cannot be served, ``--max-logprobs`` outside
+            ``[0, MAX_LOGPROBS]``, a bad ``--generation-config`` or
+            ``--override-generation-config``; the front-end flags' errors
+            (``frontend_args.py``); the LoRA resolver without runtime updates.
     """
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most this "
+                         f"engine returns per token), got {args.max_logprobs}")
     modules = [LoRAModulePath.parse(s) for s in args.lora_modules]
     names = list(dict.fromkeys(args.served_model_name or [args.model]))
     name = names[0]
@@ -158,6 +179,9 @@ def create_server(args: argparse.Namespace) -> Server:
     keys = args.api_key or ([os.environ["MANYLORA_API_KEY"]]
                             if os.environ.get("MANYLORA_API_KEY") else [])
     engine_args = EngineArgs.from_cli_args(args)
+    sampling_defaults = generation_defaults(
+        args.generation_config, str(resolve_model_path(args.model)),
+        parse_override(args.override_generation_config))
     registry = CollectorRegistry()
     engine = AsyncLLM.from_engine_args(engine_args,
                                        max_waiting_requests=args.max_waiting_requests)
@@ -175,7 +199,10 @@ def create_server(args: argparse.Namespace) -> Server:
                           runtime_updates, args.chat_template,
                           args.max_choices_per_request, frontend=frontend,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          sampling_defaults=sampling_defaults,
+                          max_logprobs=args.max_logprobs)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry)

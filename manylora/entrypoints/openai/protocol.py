@@ -4,7 +4,9 @@ Field names, defaults and JSON shapes follow OpenAI's API (so the official ``ope
 client parses every response) plus vLLM's sampling extras (``top_k``, ``min_p``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, and for chat ``add_generation_prompt``,
-``continue_final_message`` and ``chat_template_kwargs``). Unknown request fields are ignored.
+``continue_final_message`` and ``chat_template_kwargs``); the rest of vLLM's fields come from
+:mod:`~manylora.entrypoints.openai.vllm_fields` (the request bodies' bases), which also logs
+unknown fields as ignored, as vLLM does.
 
 Pydantic checks the types, strictly as OpenAI does, every string's encoding and every
 client-chosen name (:mod:`~manylora.entrypoints.openai.validation`);
@@ -31,6 +33,7 @@ from manylora.entrypoints.openai.protocol_tools import (
     check_tool_request,
 )
 from manylora.entrypoints.openai.validation import ClientName, RequestModel
+from manylora.entrypoints.openai.vllm_fields import ChatFields, CompletionFields
 from manylora.sampling_params import MAX_LOGPROBS
 
 # The most choices one request may ask for (``n``).
@@ -97,7 +100,7 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
                           param="stream_options")
 
 
-class CompletionRequest(StructuredFields):
+class CompletionRequest(StructuredFields, CompletionFields):
     """Body of ``POST /v1/completions`` (OpenAI's legacy completions, with vLLM's extras).
 
     ``prompt`` is one text, a list of texts, one list of token ids, or a list of lists of
@@ -236,7 +239,7 @@ class ChatCompletionMessageParam(RequestModel):
         return message
 
 
-class ChatCompletionRequest(StructuredFields):
+class ChatCompletionRequest(StructuredFields, ChatFields):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
     model: ClientName | None = None
@@ -324,6 +327,19 @@ class ChatCompletionRequest(StructuredFields):
 # ---------------------------------------------------------------------------- responses
 
 
+class _VLLMExtras(BaseModel):
+    """A response part with vLLM's optional extras (``prompt_token_ids``, ``token_ids``,
+    ``prompt_text``): each is left out of the JSON unless it was asked for (not None)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids", "prompt_text"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
 class UsageInfo(BaseModel):
     """Token counts: each prompt counted once, completions summed over all choices."""
 
@@ -343,8 +359,9 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
-    """One choice of a completion (``prompt_logprobs``: vLLM's, when computed)."""
+class CompletionResponseChoice(_VLLMExtras):
+    """One choice of a completion (``prompt_logprobs``: vLLM's, when computed;
+    ``prompt_token_ids`` / ``token_ids``: vLLM's, with ``return_token_ids``)."""
 
     index: int
     text: str
@@ -352,6 +369,8 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -365,14 +384,17 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionStreamChoice(BaseModel):
-    """One choice's piece of a streamed completion."""
+class CompletionStreamChoice(_VLLMExtras):
+    """One choice's piece of a streamed completion (with ``return_token_ids``: the
+    prompt's ids in the choice's first chunk, the new ids in each)."""
 
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(BaseModel):
@@ -422,7 +444,7 @@ class ChatMessage(BaseModel):
         return data
 
 
-class ChatCompletionResponseChoice(BaseModel):
+class ChatCompletionResponseChoice(_VLLMExtras):
     """One choice of a chat completion."""
 
     index: int
@@ -430,11 +452,13 @@ class ChatCompletionResponseChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_VLLMExtras):
     """The body of a non-streamed chat completion (``prompt_logprobs``: vLLM's, when
-    asked for)."""
+    asked for; ``prompt_token_ids``: vLLM's, with ``return_token_ids``; ``prompt_text``
+    with ``return_prompt_text``)."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -443,6 +467,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprobEntry] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -459,7 +485,7 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(_VLLMExtras):
     """One choice's piece of a streamed chat completion."""
 
     index: int
@@ -467,10 +493,12 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionStreamResponse(BaseModel):
-    """One chunk of a streamed chat completion (``usage`` is sent only when asked for)."""
+class ChatCompletionStreamResponse(_VLLMExtras):
+    """One chunk of a streamed chat completion (``usage`` is sent only when asked for;
+    ``prompt_token_ids`` and ``prompt_text``, when asked for, in the first chunk)."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -478,3 +506,5 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["OPENAI_DEFAULTS", "resolve_sampling"]
+__all__ = ["OPENAI_DEFAULTS", "cap_max_tokens", "resolve_sampling"]
 
 #: OpenAI's (and vLLM's) defaults of the fields a server default may replace.
 OPENAI_DEFAULTS: dict[str, Any] = {
@@ -47,3 +47,11 @@ def resolve_sampling(request: Any, defaults: Mapping[str, Any] | None = None) ->
     out["logit_bias"] = request.logit_bias or None
     out["allowed_token_ids"] = getattr(request, "allowed_token_ids", None)
     return out
+
+
+def cap_max_tokens(max_tokens: int, defaults: Mapping[str, Any] | None) -> int:
+    """``max_tokens`` capped by the server's default ``max_tokens`` (the generation
+    config's ``max_new_tokens``), as vLLM's ``get_max_tokens``: the least of what the
+    request asks (or the room left in the context) and that default."""
+    cap = (defaults or {}).get("max_tokens")
+    return max_tokens if cap is None else min(max_tokens, int(cap))

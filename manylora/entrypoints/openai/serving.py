@@ -45,7 +45,7 @@ from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora.request import LoRARequest
-from manylora.sampling_params import RequestOutputKind, SamplingParams
+from manylora.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from manylora.structured.grammar import check_structured_outputs
 from manylora.structured_params import StructuredOutputsParams
 
@@ -206,6 +206,8 @@ class OpenAIServing:
         sampling_defaults: the server's defaults of the sampling fields a request leaves
             unset (``--generation-config``: ``temperature``, ``top_p``, ``top_k``,
             ``min_p``, ``repetition_penalty``; ``max_tokens`` caps every request's).
+        max_logprobs: the most log-probabilities per token a request may ask for
+            (``--max-logprobs``).
 
     Attributes:
         request_logger: logs each engine request as it starts (``--enable-log-requests``);
@@ -220,10 +222,12 @@ class OpenAIServing:
     def __init__(self, engine: Any, models: Any, *,
                  max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
                  prompt_tokenizer: PromptTokenizer | None = None,
-                 sampling_defaults: Mapping[str, Any] | None = None) -> None:
+                 sampling_defaults: Mapping[str, Any] | None = None,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         if max_choices < 1:
             raise ValueError(f"max_choices must be at least 1, got {max_choices}")
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.max_logprobs = max_logprobs
         self.engine = engine
         self.models = models
         self.max_choices = max_choices
@@ -314,16 +318,17 @@ class OpenAIServing:
                 f"{param}.", param=param, code="context_length_exceeded")
 
     def encode_now(self, texts: list[str], add_special_tokens: bool = True,
-                   param: str = "prompt") -> list[list[int]]:
+                   param: str = "prompt", check_length: bool = True) -> list[list[int]]:
         """The token ids of each text, on the calling thread, after the length check of
-        each (run it on the tokenization worker: :meth:`tokenize`).
+        each unless ``check_length`` is false (a prompt to be truncated:
+        ``truncate_prompt_tokens``) (run it on the tokenization worker: :meth:`tokenize`).
 
         Raises:
             OpenAIError: 400 without a tokenizer or when the tokenizer fails on a text;
                 413 from :meth:`check_text_length`.
         """
         self.require_tokenizer("a text prompt", param=param)
-        for text in texts:
+        for text in texts if check_length else ():
             self.check_text_length(text, param)
         try:
             return self.prompts.encode_now(texts, add_special_tokens)
@@ -331,7 +336,7 @@ class OpenAIServing:
             raise bad_request(f"the {param} could not be tokenized: {e}", param=param) from e
 
     async def tokenize(self, texts: list[str], add_special_tokens: bool = True,
-                       param: str = "prompt") -> list[list[int]]:
+                       param: str = "prompt", check_length: bool = True) -> list[list[int]]:
         """The token ids of each text, encoded on the tokenization worker thread (the
         event loop stays free), after the length check of each on the loop.
 
@@ -339,9 +344,10 @@ class OpenAIServing:
             OpenAIError: as :meth:`encode_now`.
         """
         self.require_tokenizer("a text prompt", param=param)
-        for text in texts:
+        for text in texts if check_length else ():
             self.check_text_length(text, param)
-        return await self.prompts.run(self.encode_now, texts, add_special_tokens, param)
+        return await self.prompts.run(self.encode_now, texts, add_special_tokens, param,
+                                      check_length)
 
     async def start(self, children: list[ChildRequest],
                     lora_request: LoRARequest | None,

@@ -29,7 +29,7 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
-from manylora.entrypoints.openai.request_sampling import resolve_sampling
+from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -37,7 +37,6 @@ from manylora.entrypoints.openai.serving import (
     clamp_logprob,
     make_sampling_params,
     output_kind,
-    random_id,
     token_text,
 )
 from manylora.entrypoints.openai.serving_tools import ToolPlan, ToolStream, template_tools
@@ -53,6 +52,7 @@ from manylora.entrypoints.openai.streams import (
     guard_stream,
 )
 from manylora.entrypoints.openai.tool_parsers import get_tool_parser
+from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
 __all__ = ["OpenAIServingChat", "chat_logprobs", "load_chat_template"]
 
@@ -120,6 +120,32 @@ class _ChoiceState:
     tools: ToolStream | None = None
 
 
+def template_extras(request: Any) -> dict[str, Any]:
+    """The chat-template keyword arguments vLLM adds from request fields: ``documents``,
+    ``reasoning_effort``, and ``enable_thinking`` (``reasoning_effort != "none"``) when a
+    reasoning effort is given; only those set."""
+    extras: dict[str, Any] = {}
+    if getattr(request, "documents", None) is not None:
+        extras["documents"] = request.documents
+    effort = getattr(request, "reasoning_effort", None)
+    if effort is not None:
+        extras["reasoning_effort"] = effort
+        extras["enable_thinking"] = effort != "none"
+    return extras
+
+
+def _prompt_fields(request: ChatCompletionRequest, prompt_ids: list[int],
+                   prompt_text: str) -> dict[str, Any]:
+    """The response's (or first chunk's) ``prompt_token_ids`` (``return_token_ids``) and
+    ``prompt_text`` (``return_prompt_text``), those asked for."""
+    fields: dict[str, Any] = {}
+    if request.return_token_ids:
+        fields["prompt_token_ids"] = list(prompt_ids)
+    if request.return_prompt_text:
+        fields["prompt_text"] = prompt_text
+    return fields
+
+
 class OpenAIServingChat(OpenAIServing):
     """The chat completions endpoint.
 
@@ -128,11 +154,14 @@ class OpenAIServingChat(OpenAIServing):
         models: the models registry (``base_model_name``, ``resolve(name)``).
         chat_template: a Jinja template (or a file holding one) used instead of the
             tokenizer's; None: the tokenizer's.
+        trust_request_chat_template: accept a request's own ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``); otherwise such a request is a 400.
         enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's
             ``--enable-auto-tool-choice``; needs ``tool_call_parser``).
         tool_call_parser: the format auto tool calls are read in (``--tool-call-parser``:
             ``hermes``, ``llama3_json``, ``mistral``), or None.
-        kwargs: ``max_choices`` and ``prompt_tokenizer`` of :class:`OpenAIServing`.
+        kwargs: ``max_choices``, ``prompt_tokenizer``, ``sampling_defaults`` and
+            ``max_logprobs`` of :class:`OpenAIServing`.
 
     Raises:
         OSError: ``chat_template`` names a file that cannot be read.
@@ -141,10 +170,12 @@ class OpenAIServingChat(OpenAIServing):
     """
 
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
         self.chat_template = load_chat_template(chat_template)
+        self.trust_request_chat_template = trust_request_chat_template
         if tool_call_parser is not None:
             get_tool_parser(tool_call_parser)
         if enable_auto_tool_choice and tool_call_parser is None:
@@ -153,23 +184,36 @@ class OpenAIServingChat(OpenAIServing):
         self.tool_call_parser = tool_call_parser
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template, with the request's
-        ``tools`` (its ``tools=`` argument; a template that does not use them ignores it).
+        """The messages as prompt text, through the chat template: the chat request's own
+        (``chat_template``, or that key of ``chat_template_kwargs``; refused by
+        ``check_fields`` without ``--trust-request-chat-template``), else the server's, else the
+        tokenizer's; ``documents`` and ``reasoning_effort`` are passed to the template as
+        vLLM passes them (``enable_thinking`` follows ``reasoning_effort`` unless
+        ``chat_template_kwargs`` sets it). The request's ``tools`` go to the template as
+        its ``tools=`` argument (a template that does not use them ignores it).
 
         Raises:
             OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
                 part, or when the template fails on the messages.
         """
         tokenizer = self.require_tokenizer("chat", param="messages")
-        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        own = None                       # a request's own template (trusted: check_fields)
+        if isinstance(request, ChatCompletionRequest):
+            own = request.chat_template or (request.chat_template_kwargs or {}).get(
+                "chat_template")
+        template = own or self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template, and the server "
                               "was started without --chat-template", param="messages")
         messages = [m.to_template() for m in request.messages]
         kwargs = dict(request.chat_template_kwargs or {})
+        for key, value in template_extras(request).items():
+            if key != "enable_thinking" or key not in kwargs:
+                kwargs[key] = value
         kwargs.update(tokenize=False,
                       add_generation_prompt=bool(request.add_generation_prompt),
                       continue_final_message=bool(request.continue_final_message),
-                      chat_template=self.chat_template, tools=template_tools(request))
+                      chat_template=template, tools=template_tools(request))
         try:
             text = tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as e:
@@ -188,7 +232,12 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: as :meth:`render`, and :meth:`encode_now`'s 400 and 413.
         """
         text = self.render(request)
-        return text, self.encode_now([text], add_special_tokens=False, param="messages")[0]
+        truncate = getattr(request, "truncate_prompt_tokens", None)
+        ids = self.encode_now([text], add_special_tokens=bool(
+            getattr(request, "add_special_tokens", False)), param="messages",
+            check_length=truncate is None)[0]
+        return text, truncate_prompt(ids, truncate, getattr(request, "truncation_side", None),
+                                     self.max_model_len)
 
     async def create_chat_completion(
             self, request: ChatCompletionRequest) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -212,6 +261,7 @@ class OpenAIServingChat(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        check_fields(request, "chat", self.trust_request_chat_template, self.max_logprobs)
         tools = ToolPlan.for_request(request, self.tool_call_parser,
                                      self.enable_auto_tool_choice)
         structured, structured_param = structured_params(request)
@@ -224,8 +274,9 @@ class OpenAIServingChat(OpenAIServing):
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
         requested, param = request.max_tokens_param()
-        max_tokens = check_context_length(len(token_ids), requested, self.max_model_len,
-                                          prompt_param="messages", max_tokens_param=param)
+        max_tokens = cap_max_tokens(check_context_length(
+            len(token_ids), requested, self.max_model_len, prompt_param="messages",
+            max_tokens_param=param), self.sampling_defaults)
         params = make_sampling_params(
             **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
             max_tokens=max_tokens, min_tokens=request.min_tokens or 0, stop=request.stop,
@@ -233,24 +284,26 @@ class OpenAIServingChat(OpenAIServing):
             skip_special_tokens=(True if request.skip_special_tokens is None
                                  else request.skip_special_tokens),
             include_stop_str_in_output=bool(request.include_stop_str_in_output),
+            spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
             structured_outputs=structured, bad_words=request.bad_words,
             output_kind=output_kind(bool(request.stream)))
         params = tools.apply(params)
-        base_id = random_id("chatcmpl")
-        children = [ChildRequest(f"{base_id}-{i}", 0, token_ids, text, child_params)
+        base_id, engine_id = response_ids("chatcmpl", request.request_id)
+        children = [ChildRequest(f"{engine_id}-{i}", 0, token_ids, text, child_params,
+                                 request.cache_salt)
                     for i, child_params in enumerate(child_sampling_params(params, n))]
-        merged = await self.start(children, lora_request, client_group=base_id)
+        merged = await self.start(children, lora_request, client_group=engine_id)
         if request.stream:
             return guard_stream(self._stream(request, base_id, model_name, children, merged,
                                              tools), merged)
         finals = await self.collect(merged)
-        return self._response(request, base_id, model_name, finals, len(token_ids), tools)
+        return self._response(request, base_id, model_name, finals, token_ids, text, tools)
 
     def _response(self, request: ChatCompletionRequest, base_id: str, model_name: str,
-                  finals: list[RequestOutput], num_prompt_tokens: int,
-                  tools: ToolPlan) -> ChatCompletionResponse:
+                  finals: list[RequestOutput], prompt_ids: list[int],
+                  prompt_text: str, tools: ToolPlan) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
@@ -266,12 +319,13 @@ class OpenAIServingChat(OpenAIServing):
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
-                stop_reason=out.stop_reason))
-        return ChatCompletionResponse(id=base_id, created=self.now(), model=model_name,
-                                      choices=choices,
-                                      usage=usage_info(num_prompt_tokens, completion_tokens),
-                                      prompt_logprobs=prompt_logprobs_json(
-                                          finals[0].prompt_logprobs, clamp_logprob))
+                stop_reason=out.stop_reason,
+                token_ids=list(out.token_ids) if request.return_token_ids else None))
+        return ChatCompletionResponse(
+            id=base_id, created=self.now(), model=model_name, choices=choices,
+            usage=usage_info(len(prompt_ids), completion_tokens),
+            prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs, clamp_logprob),
+            **_prompt_fields(request, prompt_ids, prompt_text))
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest], merged: MergedStream,
@@ -281,6 +335,8 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens = len(children[0].prompt_token_ids)
         states = [_ChoiceState(tools=tools.stream()) for _ in children]
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
+        prompt = _prompt_fields(request, children[0].prompt_token_ids,
+                                children[0].prompt_text or "")
 
         def _usage() -> UsageInfo:
             return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
@@ -291,7 +347,8 @@ class OpenAIServingChat(OpenAIServing):
                     first = ChatCompletionStreamResponse(
                         id=base_id, created=created, model=model_name,
                         choices=[ChatCompletionStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content=""))])
+                            index=index, delta=DeltaMessage(role="assistant", content=""))],
+                        **(prompt if index == 0 else {}))
                     yield chunk_event(first, options, _usage())
                     if echo:
                         yield chunk_event(ChatCompletionStreamResponse(
@@ -333,10 +390,12 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = chat_logprobs(new_ids, out.logprobs, request.top_logprobs or 0,
                                      bool(request.return_tokens_as_token_ids))
         state.num_tokens += len(new_ids)
-        if delta.content is None and not delta.tool_calls and logprobs is None and not finished:
+        if (delta.content is None and not delta.tool_calls and logprobs is None
+                and not finished and not (request.return_token_ids and new_ids)):
             return None
         return ChatCompletionStreamResponse(
             id=base_id, created=created, model=model_name,
             choices=[ChatCompletionStreamChoice(
                 index=index, delta=delta, logprobs=logprobs,
-                finish_reason=finish_reason, stop_reason=out.stop_reason)])
+                finish_reason=finish_reason, stop_reason=out.stop_reason,
+                token_ids=list(new_ids) if request.return_token_ids else None)])

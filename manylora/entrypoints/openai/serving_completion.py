@@ -31,7 +31,7 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
-from manylora.entrypoints.openai.request_sampling import resolve_sampling
+from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
     check_context_length,
@@ -39,7 +39,6 @@ from manylora.entrypoints.openai.serving import (
     clamp_logprob,
     make_sampling_params,
     output_kind,
-    random_id,
     token_text,
 )
 from manylora.entrypoints.openai.sse import (
@@ -53,6 +52,7 @@ from manylora.entrypoints.openai.streams import (
     MergedStream,
     guard_stream,
 )
+from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
 __all__ = ["OpenAIServingCompletion", "completion_logprobs"]
 
@@ -134,9 +134,18 @@ class _Prompt:
 @dataclass
 class _ChoiceState:
     echo: str | None
-    prompt_ids: list[int]
+    prompt_ids: list[int] | None     # None once a chunk has carried them
     num_tokens: int = 0
     offset: int = 0
+
+
+def _token_ids(request: CompletionRequest, prompt_ids: list[int] | None,
+               token_ids: Sequence[int]) -> dict[str, list[int] | None]:
+    """vLLM's ``return_token_ids`` fields of a choice (or a chunk of it): the prompt's ids
+    and the (new) generated ids; nothing without it."""
+    if not request.return_token_ids:
+        return {}
+    return {"prompt_token_ids": prompt_ids, "token_ids": list(token_ids)}
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -166,19 +175,20 @@ class OpenAIServingCompletion(OpenAIServing):
                 the engine is overloaded or stopped.
         """
         request.check()
+        check_fields(request, "completion", max_logprobs=self.max_logprobs)
         structured, structured_param = structured_params(request)
         n = request.n or 1
         items = _prompt_items(request.prompt)
         self.check_choices(len(items), n)
         model_name, lora_request = self.resolve_model(request.model)
         await self.check_structured(structured, structured_param)
-        prompts = await self._prompts(items)
-        base_id = random_id("cmpl")
+        prompts = await self._prompts(items, request)
+        base_id, engine_id = response_ids("cmpl", request.request_id)
         children: list[ChildRequest] = []
         for p, prompt in enumerate(prompts):
-            max_tokens = check_context_length(
+            max_tokens = cap_max_tokens(check_context_length(
                 len(prompt.token_ids), engine_max_tokens(request.echo, request.max_tokens),
-                self.max_model_len)
+                self.max_model_len), self.sampling_defaults)
             params = make_sampling_params(
                 **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
                 max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
@@ -187,17 +197,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 skip_special_tokens=(True if request.skip_special_tokens is None
                                      else request.skip_special_tokens),
                 include_stop_str_in_output=bool(request.include_stop_str_in_output),
+                spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
                 logprobs=request.logprobs,
                 prompt_logprobs=engine_prompt_logprobs(request.prompt_logprobs, request.echo,
                                                        request.logprobs),
                 structured_outputs=structured, bad_words=request.bad_words,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
-                children.append(ChildRequest(f"{base_id}-{p * n + i}", p, prompt.token_ids,
-                                             prompt.text, child_params))
+                children.append(ChildRequest(f"{engine_id}-{p * n + i}", p, prompt.token_ids,
+                                             prompt.text, child_params, request.cache_salt))
         if request.echo and any(p.text is None for p in prompts):
             self.require_tokenizer("echo of a token-id prompt", param="echo")
-        merged = await self.start(children, lora_request, client_group=base_id)
+        merged = await self.start(children, lora_request, client_group=engine_id)
         try:                             # after the engine has checked the token ids
             echoes = (await self.prompts.run(self._echo_texts, request, prompts)
                       if request.echo else [None] * len(prompts))
@@ -213,17 +224,25 @@ class OpenAIServingCompletion(OpenAIServing):
         return self._response(request, base_id, model_name, children, echoes, finals,
                               num_prompt_tokens)
 
-    async def _prompts(self, items: list[str | list[int]]) -> list[_Prompt]:
-        """The prompts, the texts tokenized (on the tokenization worker).
+    async def _prompts(self, items: list[str | list[int]],
+                       request: CompletionRequest) -> list[_Prompt]:
+        """The prompts, the texts tokenized (on the tokenization worker, with special
+        tokens unless ``add_special_tokens`` is false), each cut to
+        ``truncate_prompt_tokens`` (a truncated prompt's text is dropped: echo decodes
+        the ids kept).
 
         Raises:
             OpenAIError: 400 (``prompt``) for an empty prompt, token ids outside the
-                model's vocabulary, a text prompt without a tokenizer; 413 for a text
-                certainly longer than the context.
+                model's vocabulary, a text prompt without a tokenizer, a
+                ``truncate_prompt_tokens`` over the context; 413 for a text certainly
+                longer than the context (not checked when it is truncated).
         """
         vocab = getattr(getattr(self.engine, "engine", None), "vocab_size", None)
+        truncate = request.truncate_prompt_tokens
         texts = [item for item in items if isinstance(item, str)]
-        encoded = iter(await self.tokenize(texts, param="prompt") if texts else [])
+        encoded = iter(await self.tokenize(
+            texts, add_special_tokens=request.add_special_tokens is not False, param="prompt",
+            check_length=truncate is None) if texts else [])
         prompts = []
         for i, item in enumerate(items):
             if isinstance(item, str):
@@ -231,6 +250,10 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 prompt = _Prompt(list(item), None)
             where = "" if len(items) == 1 else f" {i}"
+            ids = truncate_prompt(prompt.token_ids, truncate, request.truncation_side,
+                                  self.max_model_len)
+            if len(ids) != len(prompt.token_ids):
+                prompt = _Prompt(ids, None)
             if not prompt.token_ids:
                 raise bad_request(f"prompt{where} is empty", param="prompt")
             bad = [t for t in prompt.token_ids if vocab is not None and not 0 <= t < vocab]
@@ -294,7 +317,8 @@ class OpenAIServingCompletion(OpenAIServing):
             choices.append(CompletionResponseChoice(
                 index=index, text=echo + text, logprobs=logprobs,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, clamp_logprob)))
+                prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs, clamp_logprob),
+                **_token_ids(request, child.prompt_token_ids, [] if drop else out.token_ids)))
         return CompletionResponse(id=base_id, created=self.now(), model=model_name,
                                   choices=choices,
                                   usage=usage_info(num_prompt_tokens, completion_tokens))
@@ -341,7 +365,7 @@ class OpenAIServingCompletion(OpenAIServing):
         drop = echo_without_generation(request.echo, request.max_tokens)
         text, new_ids, steps = ("", [], []) if drop else (
             out.text, out.token_ids, out.logprobs)
-        count = len(new_ids)
+        count, generated = len(new_ids), new_ids
         if state.echo is not None:
             text, state.echo = state.echo + text, None
             if request.logprobs is not None and steps is not None:
@@ -358,8 +382,10 @@ class OpenAIServingCompletion(OpenAIServing):
         state.num_tokens += count
         if not text and not new_ids and not finished:
             return None
+        ids = _token_ids(request, state.prompt_ids, generated)
+        state.prompt_ids = None          # the prompt's ids go in a choice's first chunk
         return CompletionStreamResponse(
             id=base_id, created=created, model=model_name,
             choices=[CompletionStreamChoice(index=index, text=text, logprobs=logprobs,
                                             finish_reason=out.finish_reason,
-                                            stop_reason=out.stop_reason)])
+                                            stop_reason=out.stop_reason, **ids)])

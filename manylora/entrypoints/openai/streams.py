@@ -27,6 +27,7 @@ class ChildRequest:
         prompt_index: which prompt of the request it completes.
         prompt_token_ids: that prompt's ids; ``prompt_text`` its text when known.
         params: its sampling parameters (``n == 1``).
+        cache_salt: salts its prefix-cache hashes (vLLM's ``cache_salt``), or None.
     """
 
     request_id: str
@@ -34,12 +35,16 @@ class ChildRequest:
     prompt_token_ids: list[int]
     prompt_text: str | None
     params: SamplingParams
+    cache_salt: str | None = None
 
     def engine_prompt(self) -> dict[str, Any]:
-        """The prompt as ``AsyncLLM.generate`` takes it (ids, and the text when known)."""
+        """The prompt as ``AsyncLLM.generate`` takes it (ids, and the text and the cache
+        salt when known)."""
         prompt: dict[str, Any] = {"prompt_token_ids": self.prompt_token_ids}
         if self.prompt_text is not None:
             prompt["prompt"] = self.prompt_text
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
         return prompt
 
 
