@@ -14,8 +14,12 @@ grammars (cached afterwards, as a server's repeated schemas are) and meets every
 Output tok/s = output tokens / the median time of ``--repeats`` passes, each on token ids
 of its own. One line per (batch, case) and the ratio.
 
-    python -m benchmarks.bench_structured            # H100: batches 64 and 256, ~3 min
+    python -m benchmarks.bench_structured            # H100: batches 64 and 256
     python -m benchmarks.bench_structured --tiny     # CPU smoke run: tiny model, batches 4, 8
+
+Each (batch, case) starts an engine of its own (Triton warm-up, CUDA graphs: about a minute
+on an H100), four in all; near a 10-minute limit, run ``--batches 64`` and ``--batches 256``
+separately.
 """
 
 from __future__ import annotations

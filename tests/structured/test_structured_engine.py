@@ -290,3 +290,19 @@ def test_cuda_graphs_structured_and_plain_rows(base_dir, async_scheduling):
         results.append([mixed[i].outputs[0].token_ids for i in range(0, len(prompts), 4)])
         llm.llm_engine.shutdown()
     assert results[0] == results[1]
+
+
+def test_tensor_parallel(base_dir):
+    """Two ranks (gloo on the CPU): rank 0 masks and samples; the constrained row validates
+    and the plain row equals the one-rank engine's."""
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    constrained = _so(0, json=SCHEMAS[2], disable_any_whitespace=True)
+    llm = LLM(str(base_dir), tensor_parallel_size=2, **ENGINE)
+    try:
+        outs = llm.generate(["Reply in JSON:", "hello"], [constrained, plain], use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert outs[0].outputs[0].finish_reason == "stop"
+    jsonschema.validate(_loads(outs[0].outputs[0].text), SCHEMAS[2])
+    one = LLM(str(base_dir), **ENGINE).generate(["hello"], plain, use_tqdm=False)[0]
+    assert outs[1].outputs[0].token_ids == one.outputs[0].token_ids
