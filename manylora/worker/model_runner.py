@@ -243,10 +243,12 @@ class ModelRunner:
         hidden, views = self.forward_step(inputs, self._prev_sampled)
         if not info.req_ids and info.prompt is None:
             return None
+        # the order of the tensor-parallel all-gathers (tp_worker replays it): the sampled
+        # rows' logits, then the prompt rows' chunks
+        logits = self.logits(hidden, inputs.layout, views) if info.req_ids else None
         prompt = None
         if info.prompt is not None:
             prompt = self.prompt_logprobs(hidden, inputs.layout, views, info)
-        logits = self.logits(hidden, inputs.layout, views) if info.req_ids else None
         return ForwardStep(info, logits, views, prompt)
 
     @torch.inference_mode()

@@ -170,15 +170,16 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
             elif op == "step":
                 inputs = decode_step(msg)
                 hidden, views = runner.forward_step(inputs, prev_sampled)
+                # rank 0's collectives in its order: the logits' all-gather, the prompt
+                # logits' all-gathers, then (async scheduling) the broadcast of its samples
                 num_sampled = inputs.layout.num_sampled
                 if num_sampled:
                     runner.logits(hidden, inputs.layout, views)
-                    if msg["share_sampled"]:        # async scheduling: rank 0's samples
-                        prev_sampled = torch.empty(num_sampled, dtype=torch.int64,
-                                                   device=device)
-                        dist.broadcast(prev_sampled, src=0)
-                if inputs.layout.num_prompt_lp:   # rank 0's prompt logits all-gather
+                if inputs.layout.num_prompt_lp:
                     runner.prompt_logprobs(hidden, inputs.layout, views)
+                if num_sampled and msg["share_sampled"]:
+                    prev_sampled = torch.empty(num_sampled, dtype=torch.int64, device=device)
+                    dist.broadcast(prev_sampled, src=0)
             elif op == "slot":
                 load_slot_message(msg, layout, shared)
                 acks.values[rank] = int(msg["seq"])
