@@ -59,6 +59,8 @@ host mask.
         self.max_num_seqs = max_num_seqs
         self.pin_memory = pin_memory
         self.bitmask: torch.Tensor | None = None
+        self._fill_buffer: torch.Tensor | None = None
+        self._batch: Any = None
         self._held: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
 
@@ -164,37 +166,54 @@ host mask.
     def fill(self, req_ids: list[str], rows: np.ndarray,
              requests: Mapping[str, Request]) -> torch.Tensor | None:
         """The token masks of a step's sampled rows ``rows`` (indices into ``req_ids``, the
-        step's sampled requests): a live matcher's next-token bitmask, with the tokens
-        ``bad_words_token_ids`` bans now (``banned_tokens`` over the request's output in
-        ``requests``) cleared.
+        step's sampled requests): a live matcher's next-token bitmask (every live matcher's
+        in one call of xgrammar's ``BatchGrammarMatcher``, on its own threads), with the
+        tokens ``bad_words_token_ids`` bans now (``banned_tokens`` over the request's
+        output in ``requests``) cleared.
 
         Returns:
             int32 ``[k, 1 + ceil(V / 32)]``, a view of ``bitmask`` (column 0: the sampled
-            row; the rest: its mask), or None when no row is constrained now (matchers
-            ended or allowing every token, no word to ban).
+            row; the rest: its mask; rows with a live matcher first), or None when no row
+            is constrained now (matchers ended, no word to ban).
         """
+        width = bitmask_words(self.vocab_size)
         if self.bitmask is None:
-            self.bitmask = torch.empty((self.max_num_seqs, 1 + bitmask_words(self.vocab_size)),
-                                       dtype=torch.int32, pin_memory=self.pin_memory)
-        host, k = self.bitmask, 0
-        words = host.numpy().view(np.uint32)
+            self.bitmask = torch.empty((self.max_num_seqs, 1 + width), dtype=torch.int32,
+                                       pin_memory=self.pin_memory)
+            self._fill_buffer = torch.empty((self.max_num_seqs, width), dtype=torch.int32)
+            import xgrammar as xgr
+            self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        live_rows, live, banned_rows, bans = [], [], [], []
         for i in rows.tolist():
             rid = req_ids[i]
             matcher = self._matchers.get(rid)
-            live = matcher is not None and not matcher.is_terminated()
             req = requests.get(rid)
             sequences = None if req is None else req.sampling_params.bad_words_token_ids
             banned = banned_tokens(sequences, req.output_token_ids) if sequences else []
-            if live:
-                constrained = matcher.fill_next_token_bitmask(host[k:k + 1, 1:], 0)
+            if matcher is not None and not matcher.is_terminated():
+                live_rows.append(i)
+                live.append(matcher)
             elif banned:
-                words[k, 1:] = 0xFFFFFFFF
-                constrained = False
+                banned_rows.append(i)
             else:
                 continue
-            for t in banned:
-                words[k, 1 + (t >> 5)] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
-            if constrained or banned:
-                host[k, 0] = i
-                k += 1
-        return host[:k] if k else None
+            if banned:
+                bans.append((i, banned))
+        m, k = len(live), len(live) + len(banned_rows)
+        if not k:
+            return None
+        words = self.bitmask.numpy().view(np.uint32)
+        if m:
+            # xgrammar writes rows of a contiguous tensor only (a strided view is
+            # written as if contiguous), hence the buffer and one copy
+            self._batch.batch_fill_next_token_bitmask(live, self._fill_buffer[:m],
+                                                      list(range(m)))
+            words[:m, 1:] = self._fill_buffer[:m].numpy().view(np.uint32)
+        words[m:k, 1:] = 0xFFFFFFFF
+        words[:k, 0] = live_rows + banned_rows
+        if bans:
+            position = {i: r for r, i in enumerate(live_rows + banned_rows)}
+            for i, banned in bans:
+                for t in banned:
+                    words[position[i], 1 + (t >> 5)] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+        return self.bitmask[:k]
