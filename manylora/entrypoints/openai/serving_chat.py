@@ -324,7 +324,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=base_id, created=self.now(), model=model_name, choices=choices,
             usage=usage_info(len(prompt_ids), completion_tokens),
-            prompt_logprobs=prompt_logprobs_json(finals[0].prompt_logprobs, clamp_logprob),
+            prompt_logprobs=prompt_logprobs_json(
+                finals[0].prompt_logprobs if finals else None, clamp_logprob),
             **_prompt_fields(request, prompt_ids, prompt_text))
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
