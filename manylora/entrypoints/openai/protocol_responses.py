@@ -388,6 +388,14 @@ class _Event(BaseModel):
     sequence_number: int
 
 
+class _ContentEvent(_Event):
+    """An event about one content part of one output item."""
+
+    item_id: str
+    output_index: int
+    content_index: int
+
+
 class ResponseCreatedEvent(_Event):
     """``response.created``: the response, ``in_progress``, no output yet."""
 
@@ -410,46 +418,34 @@ class ResponseOutputItemAddedEvent(_Event):
     item: ResponseOutputMessage
 
 
-class ResponseContentPartAddedEvent(_Event):
+class ResponseContentPartAddedEvent(_ContentEvent):
     """``response.content_part.added``: an empty ``output_text`` part."""
 
     type: Literal["response.content_part.added"] = "response.content_part.added"
-    item_id: str
-    output_index: int
-    content_index: int
     part: ResponseOutputText
 
 
-class ResponseTextDeltaEvent(_Event):
+class ResponseTextDeltaEvent(_ContentEvent):
     """``response.output_text.delta``: the new text (and its tokens' log-probabilities
     when asked for)."""
 
     type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int
     delta: str
     logprobs: list[ChatCompletionLogProbsContent] = Field(default_factory=list)
 
 
-class ResponseTextDoneEvent(_Event):
+class ResponseTextDoneEvent(_ContentEvent):
     """``response.output_text.done``: the whole text."""
 
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     logprobs: list[ChatCompletionLogProbsContent] = Field(default_factory=list)
 
 
-class ResponseContentPartDoneEvent(_Event):
+class ResponseContentPartDoneEvent(_ContentEvent):
     """``response.content_part.done``: the finished part."""
 
     type: Literal["response.content_part.done"] = "response.content_part.done"
-    item_id: str
-    output_index: int
-    content_index: int
     part: ResponseOutputText
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -40,6 +41,7 @@ from manylora.entrypoints.openai.protocol_tools import (
 
 __all__ = [
     "PENDING",
+    "WHITESPACE",
     "CallMatch",
     "ExtractedToolCalls",
     "StreamingToolExtractor",
@@ -47,6 +49,8 @@ __all__ = [
     "ToolParser",
     "call_from_object",
     "json_value_end",
+    "marker_start",
+    "skip_whitespace",
 ]
 
 
@@ -151,10 +155,28 @@ def parse_json(text: str) -> Any:
 
 
 _INVALID = object()
-_WS = " \t\r\n"
+# JSON whitespace: what may stand between calls and inside a call region
+WHITESPACE = " \t\r\n"
 
 
-class ToolParser:
+def skip_whitespace(text: str, pos: int) -> int:
+    """The index of the first character at or after ``pos`` that is not JSON whitespace
+    (``len(text)`` when none is)."""
+    while pos < len(text) and text[pos] in WHITESPACE:
+        pos += 1
+    return pos
+
+
+def marker_start(text: str, pos: int, marker: str) -> bool | None:
+    """:meth:`ToolParser.may_start` for a literal start marker: True when ``marker`` begins
+    at ``pos``, None when the text ends inside a prefix of it, else False."""
+    rest = text[pos:pos + len(marker)]
+    if rest == marker:
+        return True
+    return None if marker.startswith(rest) else False
+
+
+class ToolParser(ABC):
     """A tool call format (vLLM's ``--tool-call-parser NAME``). Subclasses set ``name``,
     ``start_chars`` and implement :meth:`may_start` and :meth:`match`.
 
@@ -169,12 +191,13 @@ class ToolParser:
 
     name: ClassVar[str] = ""
     start_chars: ClassVar[str] = ""
-    between_calls: ClassVar[str] = _WS
+    between_calls: ClassVar[str] = WHITESPACE
     skip_special_tokens: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self._start_re = re.compile("[" + re.escape(self.start_chars) + "]")
 
+    @abstractmethod
     def may_start(self, text: str, pos: int, boundary: bool) -> bool | None:
         """Whether a call region may begin at ``text[pos]`` (a ``start_chars``
         character): True, False, or None when the text ends inside what could still
@@ -183,8 +206,8 @@ class ToolParser:
         Args:
             boundary: only whitespace (or calls) precede ``pos`` in the output.
         """
-        raise NotImplementedError
 
+    @abstractmethod
     def match(self, text: str, pos: int, final: bool,
               memo: dict) -> CallMatch | int | _Pending:
         """Read the call region beginning at ``pos``.
@@ -197,7 +220,6 @@ class ToolParser:
             a :class:`CallMatch`; an ``int``: not a call, the text up to that index is
             content; or :data:`PENDING` (only when not ``final``).
         """
-        raise NotImplementedError
 
     def make_id(self) -> str:
         """A fresh tool call id (vLLM's ``chatcmpl-tool-...``)."""
@@ -263,7 +285,7 @@ class StreamingToolExtractor:
         if not piece:
             return
         if not self._started:
-            if not piece.strip(_WS):
+            if not piece.strip(WHITESPACE):
                 self._held += piece
                 return
             piece, self._held, self._started = self._held + piece, "", True

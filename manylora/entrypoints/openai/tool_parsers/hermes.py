@@ -10,19 +10,14 @@ from manylora.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_from_object,
     json_value_end,
+    marker_start,
     parse_json,
+    skip_whitespace,
 )
 
 __all__ = ["HermesToolParser"]
 
 START, END = "<tool_call>", "</tool_call>"
-_WS = " \t\r\n"
-
-
-def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _WS:
-        pos += 1
-    return pos
 
 
 class HermesToolParser(ToolParser):
@@ -37,14 +32,11 @@ class HermesToolParser(ToolParser):
 
     def may_start(self, text: str, pos: int, boundary: bool) -> bool | None:
         """True at ``<tool_call>``, None at a prefix of it that ends the text."""
-        rest = text[pos:pos + len(START)]
-        if rest == START:
-            return True
-        return None if START.startswith(rest) else False
+        return marker_start(text, pos, START)
 
     def match(self, text: str, pos: int, final: bool, memo: dict):
         """Read ``<tool_call>`` JSON ``</tool_call>`` at ``pos`` (see ``ToolParser``)."""
-        start = _skip_ws(text, pos + len(START))
+        start = skip_whitespace(text, pos + len(START))
         if start == len(text):
             return pos + 1 if final else PENDING
         if text[start] != "{":
@@ -55,7 +47,7 @@ class HermesToolParser(ToolParser):
         call = call_from_object(parse_json(text[start:end]))
         if call is None:
             return pos + 1
-        close = _skip_ws(text, end)
+        close = skip_whitespace(text, end)
         rest = text[close:close + len(END)]
         if rest == END:
             return CallMatch(close + len(END), [call])

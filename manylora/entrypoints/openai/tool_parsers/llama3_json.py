@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from manylora.entrypoints.openai.tool_parsers.base import (
     PENDING,
+    WHITESPACE,
     CallMatch,
     ToolParser,
     call_from_object,
     json_value_end,
+    marker_start,
     parse_json,
+    skip_whitespace,
 )
 
 __all__ = ["Llama3JsonToolParser"]
 
 PYTHON_TAG = "<|python_tag|>"
-_WS = " \t\r\n"
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -26,25 +28,20 @@ class Llama3JsonToolParser(ToolParser):
 
     name = "llama3_json"
     start_chars = "{<"
-    between_calls = _WS + ";"
+    between_calls = WHITESPACE + ";"
 
     def may_start(self, text: str, pos: int, boundary: bool) -> bool | None:
         """True at ``{`` on a boundary and at ``<|python_tag|>``; None at a prefix of the
         tag that ends the text."""
         if text[pos] == "{":
             return boundary
-        rest = text[pos:pos + len(PYTHON_TAG)]
-        if rest == PYTHON_TAG:
-            return True
-        return None if PYTHON_TAG.startswith(rest) else False
+        return marker_start(text, pos, PYTHON_TAG)
 
     def match(self, text: str, pos: int, final: bool, memo: dict):
         """Read ``[<|python_tag|>] {call}`` at ``pos`` (see ``ToolParser``)."""
         start = pos
         if text[pos] == "<":
-            start = pos + len(PYTHON_TAG)
-            while start < len(text) and text[start] in _WS:
-                start += 1
+            start = skip_whitespace(text, pos + len(PYTHON_TAG))
             if start == len(text):
                 return pos + 1 if final else PENDING
             if text[start] != "{":

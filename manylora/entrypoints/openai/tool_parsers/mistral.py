@@ -16,13 +16,14 @@ from manylora.entrypoints.openai.tool_parsers.base import (
     ToolParser,
     call_from_object,
     json_value_end,
+    marker_start,
     parse_json,
+    skip_whitespace,
 )
 
 __all__ = ["MistralToolParser"]
 
 START, ARGS = "[TOOL_CALLS]", "[ARGS]"
-_WS = " \t\r\n"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 _ID_CHARS = string.ascii_letters + string.digits
 
@@ -37,10 +38,7 @@ class MistralToolParser(ToolParser):
 
     def may_start(self, text: str, pos: int, boundary: bool) -> bool | None:
         """True at ``[TOOL_CALLS]``, None at a prefix of it that ends the text."""
-        rest = text[pos:pos + len(START)]
-        if rest == START:
-            return True
-        return None if START.startswith(rest) else False
+        return marker_start(text, pos, START)
 
     def make_id(self) -> str:
         """Nine random letters and digits (Mistral's tool call id form)."""
@@ -48,9 +46,7 @@ class MistralToolParser(ToolParser):
 
     def match(self, text: str, pos: int, final: bool, memo: dict):
         """Read ``[TOOL_CALLS]`` and its array or ``name[ARGS]{...}`` at ``pos``."""
-        start = pos + len(START)
-        while start < len(text) and text[start] in _WS:
-            start += 1
+        start = skip_whitespace(text, pos + len(START))
         if start == len(text):
             return pos + 1 if final else PENDING
         if text[start] == "[":

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from manylora.entrypoints.openai.tool_parsers.base import (
     PENDING,
+    WHITESPACE,
     CallMatch,
     ToolParser,
     call_from_object,
     json_value_end,
     parse_json,
+    skip_whitespace,
 )
 
 __all__ = ["RequiredToolCallsParser"]
 
-_WS = " \t\r\n"
 
 
 class RequiredToolCallsParser(ToolParser):
@@ -26,7 +27,7 @@ class RequiredToolCallsParser(ToolParser):
     required choice's schema (``protocol_tools.required_tools_schema``) allows."""
 
     start_chars = "[{"
-    between_calls = _WS + ",]"
+    between_calls = WHITESPACE + ",]"
 
     def may_start(self, text: str, pos: int, boundary: bool) -> bool | None:
         """True at the array's ``[`` and at an object on a boundary."""
@@ -35,9 +36,7 @@ class RequiredToolCallsParser(ToolParser):
     def match(self, text: str, pos: int, final: bool, memo: dict):
         """The opening ``[`` is a region with no call; each object one call."""
         if text[pos] == "[":
-            start = pos + 1
-            while start < len(text) and text[start] in _WS:
-                start += 1
+            start = skip_whitespace(text, pos + 1)
             if start == len(text):
                 return pos + 1 if final else PENDING
             return CallMatch(start, []) if text[start] == "{" else pos + 1
