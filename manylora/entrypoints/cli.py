@@ -1,4 +1,5 @@
-"""The ``manylora`` command: ``serve``, ``generate``, ``demo`` and ``convert-lora``."""
+"""The ``manylora`` command: ``serve``, ``serve-ray``, ``generate``, ``demo`` and
+``convert-lora``."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ _BASE = ("base", "none", "-")
 
 def _parser() -> argparse.ArgumentParser:
     from manylora.entrypoints.openai.launcher import add_serve_args
+    from manylora.entrypoints.ray_serve.app import add_ray_args
 
     parser = argparse.ArgumentParser(prog="manylora", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, "
                            "adapters loaded at run time, Prometheus metrics)")
     add_serve_args(serve)
+    serve_ray = sub.add_parser("serve-ray", help="the same server over several engine "
+                               "replicas on Ray Serve, routed by adapter")
+    add_ray_args(serve_ray)
     gen = sub.add_parser("generate", help="generate for prompts, each with its own adapter")
     gen.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
                      help="register an adapter (repeatable)")
@@ -97,6 +102,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(args)
         except ValueError as e:
             raise SystemExit(f"manylora serve: {e}") from None
+    if args.command == "serve-ray":
+        from manylora.entrypoints.ray_serve.app import parse, run_serve_ray
+
+        argv = sys.argv[1:] if argv is None else argv
+        try:
+            ns, flags = parse(argv[argv.index("serve-ray") + 1:])
+            return run_serve_ray(ns, flags)
+        except ValueError as e:
+            raise SystemExit(f"manylora serve-ray: {e}") from None
     if args.command == "demo":
         from manylora.entrypoints.demo import run_demo
 
