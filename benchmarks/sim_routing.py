@@ -64,6 +64,7 @@ at most 1.25x the mean.
 
     python -m benchmarks.sim_routing                 # the table (a few seconds per row)
     python -m benchmarks.sim_routing --record        # and append it to BENCHMARKS.md
+    python -m benchmarks.sim_routing --policies ray --max-ongoing 48   # ray's load bound
 """
 
 from __future__ import annotations
@@ -364,6 +365,8 @@ def main() -> None:
     """Run the table over ``--replicas`` and print it (``--record``: append to BENCHMARKS.md)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                    help="routing policies to run (random is always run: the ratios' base)")
     ap.add_argument("--adapters", type=int, default=1000)
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--slots", type=int, default=32, help="GPU slots per replica (max_loras)")
@@ -387,6 +390,7 @@ def main() -> None:
     if args.host_slots and args.host_slots < args.slots:
         ap.error(f"--host-slots {args.host_slots} must be 0 or at least --slots {args.slots}")
     max_models = args.max_models or max(args.slots, args.host_slots)
+    policies = ["random", *(p for p in POLICIES if p in args.policies and p != "random")]
     results = []
     for n in args.replicas:
         results += [simulate(n, p, adapters=args.adapters, zipf=args.zipf, slots=args.slots,
@@ -394,7 +398,7 @@ def main() -> None:
                              max_ongoing=args.max_ongoing, concurrency=args.concurrency,
                              requests=args.requests, warmup=args.warmup, spill=args.spill,
                              seed=args.seed)
-                    for p in POLICIES]
+                    for p in policies]
         slot_floor, disk_floor = floors(n, adapters=args.adapters, zipf=args.zipf,
                                         slots=args.slots, host_slots=args.host_slots)
         results.append(Result(n, "floor", slot_floor, disk_floor, None, None))
