@@ -381,3 +381,13 @@ def test_a_stream_cut_by_a_dying_replica_ends_with_an_error_event():
     event = json.loads(chunks[1].decode().removeprefix("data: "))
     assert event["error"]["code"] == 503
     assert "replica r1" in event["error"]["message"] and len(chunks) == 2
+
+
+def test_the_cli_has_serve_ray_and_names_bad_flags(capsys):
+    from manylora.entrypoints.cli import _parser, main
+
+    args = _parser().parse_args(["serve-ray", "--model", "/m", "--num-replicas", "2",
+                                 "--address", "auto", "--lora-modules", "a=/a"])
+    assert (args.command, args.num_replicas, args.address) == ("serve-ray", 2, "auto")
+    with pytest.raises(SystemExit, match="manylora serve-ray: autoscaling needs both"):
+        main(["serve-ray", "--model", "/m", "--min-replicas", "1"])
