@@ -22,6 +22,7 @@ to, which forwards it to an engine replica chosen by Ray Serve's model multiplex
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -127,6 +128,9 @@ class OpenAIIngress:
                     return StreamingResponse(_rest(stream, head), status_code=head.status,
                                              headers=_headers(head))
                 body = b"".join([chunk async for chunk in _chunks(stream)])
+            except asyncio.CancelledError:
+                stream.cancel()         # the client left: the replica aborts the request
+                raise
             except ReplicaGone as e:
                 error = e
                 logger.warning("%s %s: %s; trying another replica", request.method,

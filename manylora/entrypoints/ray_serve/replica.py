@@ -174,4 +174,7 @@ class EngineReplica:
         except OpenAIError as e:
             logger.warning("replica %s: adapter %r: %s", self.replica_id, name, e.message)
             return e.status, e.message
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the loop goes on
+            logger.exception("replica %s: adapter %r", self.replica_id, name)
+            return 500, f"{type(e).__name__}: {e}"
         return None
