@@ -391,3 +391,19 @@ def test_the_cli_has_serve_ray_and_names_bad_flags(capsys):
     assert (args.command, args.num_replicas, args.address) == ("serve-ray", 2, "auto")
     with pytest.raises(SystemExit, match="manylora serve-ray: autoscaling needs both"):
         main(["serve-ray", "--model", "/m", "--min-replicas", "1"])
+
+
+def test_the_control_replica_knows_what_each_live_replica_serves():
+    clock = _Clock()
+
+    async def run():
+        control = AdapterControl(clock)
+        await control.poll("r1", "", -1, -1, "", None, None, ["ad1", "ad0"])
+        await control.poll("r2", "", -1, -1, "", None, None, ["ad0"])
+        first = control.served()
+        clock.now += control_mod.LIVE_S + 1
+        await control.poll("r2", "", -1, -1, "", None, None, [])
+        return first, control.served()
+
+    first, later = asyncio.run(run())
+    assert first == {"r1": ["ad0", "ad1"], "r2": ["ad0"]} and later == {"r2": []}

@@ -1,22 +1,23 @@
-"""The control replica of ``manylora serve-ray``: which adapters were loaded or unloaded at
-run time, which engine replicas are alive, and their latest metrics.
+"""The control replica of ``manylora serve-ray``: which adapters were loaded or unloaded at run
+time, which engine replicas are alive, and their latest metrics.
 
 Ray Serve routes each request to one replica and has no public call that reaches every
-replica of a deployment, while ``POST /v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` must reach all of them, replicas started later included, and
-``GET /metrics`` must show each one. So every engine replica long-polls this one
-(:meth:`AdapterControl.poll`, at least once per ``POLL_S``): each poll carries the replica's
-metrics and the last change it applied, and returns as soon as there is a newer change. A
-change is a new version of the **desired adapter set**: per name the path it is served
-from, or a tombstone for a name unloaded (a ``--lora-modules`` adapter unloaded at run time
-stays unloaded on a replica that restarts). :meth:`AdapterControl.publish` makes a change
-and waits until every live replica has applied it.
+replica of a deployment (nor one that says what each replica serves), while ``POST
+/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` must reach all of them, replicas
+started later included, and ``GET /metrics`` must show each one. So every engine replica
+long-polls this one (:meth:`AdapterControl.poll`, at least once per ``POLL_S``): each poll
+carries the replica's metrics and the last change it applied, and returns as soon as there
+is a newer change. A change is a new version of the **desired adapter set**: per name the
+path it is served from, or a tombstone for a name unloaded (a ``--lora-modules`` adapter
+unloaded at run time stays unloaded on a replica that restarts).
+:meth:`AdapterControl.publish` makes a change and waits until every live replica has applied
+it.
 
 A replica is live while it polls: one not heard from for ``LIVE_S`` seconds (dead, or being
 restarted by Ray Serve) is dropped from the wait and from ``/metrics``; it gets the whole
-desired set when it comes back. If this replica itself restarts, it starts with an empty
-set and a new ``epoch``; each engine replica then reports what it loaded at run time, and
-the union becomes the desired set again.
+desired set when it comes back. If this replica itself restarts, it starts with an empty set
+and a new ``epoch``; each engine replica then reports what it loaded at run time, and the
+union becomes the desired set again.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class _Seen:
     applied: int = -1
     errors: dict[int, tuple[int, str]] = field(default_factory=dict)
     metrics: str = ""
+    served: list[str] = field(default_factory=list)
 
 
 class AdapterControl:
@@ -96,7 +98,8 @@ class AdapterControl:
     async def poll(self, replica_id: str, epoch: str, received: int, applied: int,
                    metrics: str,
                    errors: dict[int, tuple[int, str]] | None = None,
-                   held: dict[str, str] | None = None) -> DesiredAdapters:
+                   held: dict[str, str] | None = None,
+                   served: list[str] | None = None) -> DesiredAdapters:
         """An engine replica's heartbeat: record what it says, then return the desired set
         at once if the replica has not received the newest version of this epoch, else
         after at most ``POLL_S`` seconds or at the next change.
@@ -111,10 +114,13 @@ class AdapterControl:
                 apply.
             held: on a new epoch, the adapters it loaded at run time (name → path): they
                 rejoin the set when this replica restarted and lost it.
+            served: the adapter names its server answers to now.
         """
         now = self.clock()
         seen = self.seen.setdefault(replica_id, _Seen(now))
         seen.last, seen.metrics = now, metrics
+        if served is not None:
+            seen.served = sorted(served)
         if epoch == self.epoch:
             seen.applied = max(seen.applied, applied)
             seen.errors.update(errors or {})
@@ -175,6 +181,11 @@ class AdapterControl:
     def metrics(self) -> dict[str, str]:
         """The latest ``/metrics`` text of each live engine replica, by replica id."""
         return {r: s.metrics for r, s in sorted(self._live().items())}
+
+    def served(self) -> dict[str, list[str]]:
+        """The adapter names each live engine replica answers to, as it last reported them
+        (after the newest change it has applied)."""
+        return {r: list(s.served) for r, s in sorted(self._live().items())}
 
     def replicas(self) -> list[str]:
         """The ids of the live engine replicas."""

@@ -129,7 +129,8 @@ class EngineReplica:
                 desired: DesiredAdapters = await self._control.poll.remote(
                     self.replica_id, epoch, received, applied if applied_epoch == epoch else -1,
                     generate_latest(self.server.registry).decode(), dict(self._errors),
-                    self._runtime_adapters() if not epoch else None)
+                    self._runtime_adapters() if not epoch else None,
+                    list(self.server.models.loras))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the control replica restarting
