@@ -153,6 +153,9 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, adapter_dirs: d
     try:
         result = _run(model_dir, adapter_dirs, TPGroup.from_process_group(), device)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+        # no rank tears its connections down while another still uses them (gloo then
+        # aborts the slower rank: "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
