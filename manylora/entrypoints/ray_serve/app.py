@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import ssl
 import time
 from collections.abc import Mapping, Sequence
@@ -221,11 +220,10 @@ def run_serve_ray(args: argparse.Namespace, argv: list[str]) -> int:
     import ray
     from ray import serve
 
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS"))
+    ray.init(address=args.address)          # None: $RAY_ADDRESS, else a new local cluster
     http = {"host": args.host, "port": args.port, "ssl_keyfile": args.ssl_keyfile,
-            "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs}
-    if args.root_path:
-        http["root_path"] = args.root_path
+            "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
+            "root_path": args.root_path}
     serve.start(http_options={k: v for k, v in http.items() if v is not None})
     serve.run(build_app(argv), name=args.app_name, route_prefix="/", blocking=False)
     logger.warning("manylora serve-ray: serving %s on %s:%d", args.app_name, args.host,

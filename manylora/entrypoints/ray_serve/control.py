@@ -92,8 +92,10 @@ class AdapterControl:
         return DesiredAdapters(self.epoch, self.version, dict(self.adapters))
 
     def _live(self) -> dict[str, _Seen]:
+        """The replicas heard from within ``LIVE_S``; the others are forgotten."""
         now = self.clock()
-        return {r: s for r, s in self.seen.items() if now - s.last < LIVE_S}
+        self.seen = {r: s for r, s in self.seen.items() if now - s.last < LIVE_S}
+        return self.seen
 
     async def poll(self, replica_id: str, epoch: str, received: int, applied: int,
                    metrics: str,
@@ -125,7 +127,7 @@ class AdapterControl:
             seen.applied = max(seen.applied, applied)
             seen.errors.update(errors or {})
         elif held:
-            await self._claim(held)
+            self._claim(held)
         async with self._changed:
             self._changed.notify_all()      # publish() re-checks who has applied
             if epoch != self.epoch or received < self.version:
@@ -136,7 +138,7 @@ class AdapterControl:
                 pass
             return self._snapshot()
 
-    async def _claim(self, held: dict[str, str]) -> None:
+    def _claim(self, held: dict[str, str]) -> None:
         new = {name: path for name, path in held.items() if name not in self.adapters}
         if new:
             self.version += 1

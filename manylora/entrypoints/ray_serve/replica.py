@@ -125,10 +125,11 @@ class EngineReplica:
         epoch, received = "", -1
         while True:
             applied_epoch, applied = self._applied_version
+            errors = dict(self._errors)
             try:
                 desired: DesiredAdapters = await self._control.poll.remote(
                     self.replica_id, epoch, received, applied if applied_epoch == epoch else -1,
-                    generate_latest(self.server.registry).decode(), dict(self._errors),
+                    generate_latest(self.server.registry).decode(), errors,
                     self._runtime_adapters() if not epoch else None,
                     list(self.server.models.loras))
             except asyncio.CancelledError:
@@ -138,6 +139,8 @@ class EngineReplica:
                                self.replica_id, e)
                 await asyncio.sleep(POLL_S)
                 continue
+            for version in errors:              # the control replica has them now
+                self._errors.pop(version, None)
             if desired.epoch != epoch:
                 epoch, received = desired.epoch, -1
                 self._errors.clear()
