@@ -1,21 +1,38 @@
-"""``GrammarCompileService``: grammars compiled on a worker thread of the core, cached by
-``GrammarKey`` (vLLM v1's ``StructuredOutputManager`` compiles on a thread pool too, so the
-step loop never waits for a compile)."""
+"""``GrammarCompileService``: grammars compiled on worker threads of the core, cached by
+``GrammarKey`` within a byte budget, each compile bounded in time (vLLM v1's
+``StructuredOutputManager`` compiles on a thread pool too, so the step loop never waits for
+a compile; its xgrammar backend bounds the cache in bytes, ``VLLM_XGRAMMAR_CACHE_MB``)."""
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from manylora.structured.grammar import GrammarKey, compile_grammar
 
-__all__ = ["GrammarCompileService", "load_tokenizer_info"]
+__all__ = ["DEFAULT_GRAMMAR_CACHE_BYTES", "DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS",
+           "GrammarCompileService", "default_compile_workers", "load_tokenizer_info"]
 
 logger = logging.getLogger(__name__)
+
+#: vLLM's default xgrammar cache (``VLLM_XGRAMMAR_CACHE_MB=512``).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 2**20
+DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS = 30.0
+
+
+def default_compile_workers() -> int:
+    """Grammars compiled at once: half the CPUs, 1 to 8 (vLLM's structured-output thread
+    pool takes half the CPUs too)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def load_tokenizer_info(tokenizer_dir: str, trust_remote_code: bool, vocab_size: int) -> Any:
@@ -33,61 +50,233 @@ def load_tokenizer_info(tokenizer_dir: str, trust_remote_code: bool, vocab_size:
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
 
 
-class GrammarCompileService:
-    """Compiles grammars with one ``xgrammar.GrammarCompiler`` on a worker thread.
+@dataclass(eq=False)
+class _Entry:
+    """One key's compile: ``future`` is what requests wait on (set by the compile, by its
+    time limit, or cancelled); ``job`` the executor's; ``waiters`` the holds not released;
+    ``nbytes`` what the cache counts for it (the spec's bytes, plus the compiled grammar's
+    ``memory_size_bytes`` once compiled)."""
 
-    The tokenizer (``load_info``) is read once, on that thread, by the first compile: an
-    engine that never sees a grammar never reads it, and the step loop never waits for it.
-    A compile's ``Future`` is cached under its key (failures too: the same spec fails the
-    same way), the least recently used dropped past ``max_cached`` entries.
+    key: GrammarKey
+    nbytes: int
+    future: Future = field(default_factory=Future)
+    job: Future | None = None
+    waiters: int = 0
+
+
+class GrammarCompileService:
+    """Compiles grammars with one ``xgrammar.GrammarCompiler`` on ``workers`` threads.
+
+    The tokenizer (``load_info``) is read once, by the first compile: an engine that never
+    sees a grammar never reads it, and the step loop never waits for it. A compile's
+    ``Future`` is cached under its key (failures too: the same spec fails the same way),
+    least recently used first out once the cache holds more than ``cache_bytes`` (the spec
+    text of each entry, plus xgrammar's ``CompiledGrammar.memory_size_bytes``); a grammar
+    larger than the whole budget is handed to its requests and not kept.
+
+    Each key's future fails with a ``ValueError`` naming the field when it is not compiled
+    ``compile_seconds`` after it was asked for (waiting behind other compiles included).
+    xgrammar compiles in C++ and cannot be interrupted: a compile over its limit goes on on
+    its thread, its result dropped (the failure stays cached, so the same spec does not take
+    another thread); one not started yet never runs. A key whose every hold is
+    ``release``-d (its requests aborted) is dropped the same way.
 
     Args:
         load_info: returns the ``xgrammar.TokenizerInfo`` (``load_tokenizer_info``).
-        max_cached: compiled grammars kept.
+        cache_bytes: bytes of cached grammars (and failed specs) kept.
+        compile_seconds: the longest wait for one key's compile, seconds; None: no bound.
+        workers: grammars compiled at once (``default_compile_workers``).
         max_threads: xgrammar's threads inside one compile.
 
     Attributes:
-        notify: called (on the worker thread) when a compile ends, so a loop waiting for
-            messages wakes to take the request in; None: nobody is told.
+        notify: called (on a worker or the time limits' thread) when a compile ends or runs out of
+            time, so a loop waiting for messages wakes to take the request in; None:
+            nobody is told.
+
+    Raises:
+        ValueError: ``cache_bytes`` below 0, ``compile_seconds`` not above 0, ``workers``
+            below 1.
     """
 
-    def __init__(self, load_info: Callable[[], Any], max_cached: int = 256,
-                 max_threads: int = 4) -> None:
+    def __init__(self, load_info: Callable[[], Any],
+                 cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+                 compile_seconds: float | None = DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+                 workers: int | None = None, max_threads: int = 4) -> None:
+        if cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be ≥ 0, got {cache_bytes}")
+        if compile_seconds is not None and not compile_seconds > 0:
+            raise ValueError(f"max_grammar_compile_seconds must be > 0, got {compile_seconds}")
+        workers = default_compile_workers() if workers is None else workers
+        if workers < 1:
+            raise ValueError(f"grammar compile workers must be ≥ 1, got {workers}")
         self._load_info = load_info
-        self._max_cached = max_cached
+        self.cache_bytes = cache_bytes
+        self.compile_seconds = compile_seconds
         self._max_threads = max_threads
         self._compiler = None
-        self._cache: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[GrammarKey, _Entry] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="manylora-grammar")
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="manylora-grammar")
+        self._deadlines = None if compile_seconds is None else _Deadlines(self._expire)
         self.notify: Callable[[], None] | None = None
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes the cache counts now (at most ``cache_bytes`` once compiles end)."""
+        return self._cached_bytes
+
+    def cached(self, key: GrammarKey) -> bool:
+        """Whether ``key`` has an entry (compiled, failed or under way)."""
+        return key in self._cache
+
     def submit(self, key: GrammarKey) -> Future:
-        """A ``Future`` of the ``CompiledGrammar`` of ``key`` (done at once when cached);
-        its exception is a ``ValueError`` naming the field (``compile_grammar``) or what
-        reading the tokenizer met."""
+        """A ``Future`` of the ``CompiledGrammar`` of ``key`` (done at once when cached),
+        held until ``release(key)``; its exception is a ``ValueError`` naming the field
+        (``compile_grammar``, the time limit) or what reading the tokenizer met."""
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                return future
-            future = self._executor.submit(self._compile, key)
-            self._cache[key] = future
-            while len(self._cache) > self._max_cached:
-                self._cache.popitem(last=False)
+                entry.waiters += 1
+                return entry.future
+            entry = _Entry(key, len(key[1].encode()), waiters=1)
+            self._insert(entry)
+            entry.job = self._executor.submit(self._compile, entry)
+        if self._deadlines is not None:
+            self._deadlines.add(time.monotonic() + self.compile_seconds, entry)
         if self.notify is not None:
-            future.add_done_callback(lambda _: self.notify())
-        return future
+            entry.future.add_done_callback(lambda _: self.notify())
+        return entry.future
 
-    def _compile(self, key: GrammarKey) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
+    def release(self, key: GrammarKey) -> None:
+        """A request holding ``key``'s compile ended before taking it; when none holds it
+        and it is not done, the compile is dropped: never started if still queued, its
+        result thrown away if under way."""
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.future.done():
+                return
+            entry.waiters -= 1
+            if entry.waiters > 0:
+                return
+            self._remove(entry)
+            entry.job.cancel()
+            entry.future.cancel()
 
-            # our cache holds the compiled grammars; xgrammar's would hold them twice
-            self._compiler = xgr.GrammarCompiler(self._load_info(), cache_enabled=False,
-                                                 max_threads=self._max_threads)
-        return compile_grammar(self._compiler, key)
+    def _compile(self, entry: _Entry) -> None:
+        if entry.future.done():            # timed out or dropped while queued
+            return
+        try:
+            with self._compiler_lock:
+                if self._compiler is None:
+                    import xgrammar as xgr
+
+                    # our cache holds the compiled grammars; xgrammar's would hold them twice
+                    self._compiler = xgr.GrammarCompiler(self._load_info(), cache_enabled=False,
+                                                         max_threads=self._max_threads)
+            result, error = compile_grammar(self._compiler, entry.key), None
+        except Exception as e:
+            result, error = None, e
+        with self._lock:
+            if entry.future.done():        # its time ran out meanwhile: the result is dropped
+                return
+            if error is None:
+                entry.future.set_result(result)
+            else:
+                entry.future.set_exception(error)
+            if self._cache.get(entry.key) is entry:     # a grammar over the budget goes now
+                self._resize(entry, entry.nbytes + (result.memory_size_bytes
+                                                    if error is None else 0))
+
+    def _expire(self, entry: _Entry) -> None:
+        """``entry``'s time is up: its requests get the error, a queued compile never runs."""
+        kind = entry.key[0]
+        error = ValueError(
+            f"structured_outputs.{kind}: the grammar did not compile within "
+            f"{self.compile_seconds:g} s (--max-grammar-compile-seconds); simplify it")
+        with self._lock:
+            if entry.future.done():
+                return
+            started = not entry.job.cancel()
+            if not started and self._cache.get(entry.key) is entry:
+                self._remove(entry)        # never ran: the same spec may be tried again
+            entry.future.set_exception(error)
+        if started:
+            logger.warning("a %s grammar (%d bytes) did not compile within %g s; its "
+                           "compile goes on on its thread and its result will be dropped",
+                           kind, len(entry.key[1].encode()), self.compile_seconds)
+
+    def _insert(self, entry: _Entry) -> None:
+        self._cache[entry.key] = entry
+        self._cached_bytes += entry.nbytes
+        self._evict()
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._cache[entry.key]
+        self._cached_bytes -= entry.nbytes
+
+    def _resize(self, entry: _Entry, nbytes: int) -> None:
+        self._cached_bytes += nbytes - entry.nbytes
+        entry.nbytes = nbytes
+        self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used ended entries out until the cache fits ``cache_bytes``
+        (entries under way stay: ``release`` finds them by key)."""
+        for old in list(self._cache.values()):
+            if self._cached_bytes <= self.cache_bytes:
+                return
+            if old.future.done():
+                self._remove(old)
 
     def shutdown(self) -> None:
-        """Stop the worker thread (a compile under way finishes; queued ones are dropped)."""
+        """Stop the worker threads (compiles under way finish and are dropped; queued ones
+        never run) and the time limits' thread."""
+        if self._deadlines is not None:
+            self._deadlines.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class _Deadlines:
+    """One thread that calls ``on_expire(item)`` when each item's deadline
+    (``time.monotonic()`` seconds) passes; started by the first ``add``."""
+
+    def __init__(self, on_expire: Callable[[Any], None]) -> None:
+        self._on_expire = on_expire
+        self._heap: list[tuple[float, int, Any]] = []
+        self._order = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def add(self, at: float, item: Any) -> None:
+        with self._cond:
+            heapq.heappush(self._heap, (at, next(self._order), item))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="manylora-grammar-deadlines")
+                self._thread.start()
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (
+                        not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cond.wait(self._heap[0][0] - time.monotonic() if self._heap
+                                    else None)
+                if self._stopped:
+                    return
+                item = heapq.heappop(self._heap)[2]
+            try:
+                self._on_expire(item)
+            except Exception:
+                logger.exception("a grammar compile's time limit failed")
+

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from manylora.engine.request import Request
-from manylora.structured.bad_words import banned_tokens
+from manylora.structured.bad_words import BadWords, clear_tokens
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key
 
@@ -63,6 +63,7 @@ host mask.
         self._batch: Any = None
         self._held: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
+        self._bad_words: dict[str, BadWords] = {}
 
     def check(self, request_id: str) -> None:
         """Refuse a grammar the engine cannot serve.
@@ -115,10 +116,15 @@ host mask.
         return any(f.done() for _, f in self._held.values())
 
     def release(self, request_id: str) -> Request | None:
-        """Stop holding a request (aborted while its grammar compiles); its ``Request``,
-        or None when it was not held."""
+        """Stop holding a request (aborted while its grammar compiles): a compile nobody
+        else waits for is dropped (``GrammarCompileService.release``). Its ``Request``, or
+        None when it was not held."""
         held = self._held.pop(request_id, None)
-        return None if held is None else held[0]
+        if held is None:
+            return None
+        req = held[0]
+        self.compiler.release(grammar_key(req.sampling_params.structured_outputs))
+        return req
 
     def poll(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """Held requests whose compile ended: ``(ready, failed)``; a ready one has its
@@ -161,15 +167,16 @@ host mask.
         """Forget the matchers of ended requests (and any still held)."""
         for rid in request_ids:
             self._matchers.pop(rid, None)
-            self._held.pop(rid, None)
+            self._bad_words.pop(rid, None)
+            self.release(rid)
 
     def fill(self, req_ids: list[str], rows: np.ndarray,
              requests: Mapping[str, Request]) -> torch.Tensor | None:
         """The token masks of a step's sampled rows ``rows`` (indices into ``req_ids``, the
         step's sampled requests): a live matcher's next-token bitmask (every live matcher's
         in one call of xgrammar's ``BatchGrammarMatcher``, on its own threads), with the
-        tokens ``bad_words_token_ids`` bans now (``banned_tokens`` over the request's
-        output in ``requests``) cleared.
+        tokens ``bad_words_token_ids`` bans now (``BadWords.banned`` over the request's
+        output in ``requests``, indexed on its first step) cleared.
 
         Returns:
             int32 ``[k, 1 + ceil(V / 32)]``, a view of ``bitmask`` (column 0: the sampled
@@ -188,16 +195,16 @@ host mask.
             rid = req_ids[i]
             matcher = self._matchers.get(rid)
             req = requests.get(rid)
-            sequences = None if req is None else req.sampling_params.bad_words_token_ids
-            banned = banned_tokens(sequences, req.output_token_ids) if sequences else []
+            bad = None if req is None else self._bad_words_of(rid, req)
+            banned = () if bad is None else bad.banned(req.token_ids, req.num_prompt_tokens)
             if matcher is not None and not matcher.is_terminated():
                 live_rows.append(i)
                 live.append(matcher)
-            elif banned:
+            elif len(banned):
                 banned_rows.append(i)
             else:
                 continue
-            if banned:
+            if len(banned):
                 bans.append((i, banned))
         m, k = len(live), len(live) + len(banned_rows)
         if not k:
@@ -214,6 +221,13 @@ host mask.
         if bans:
             position = {i: r for r, i in enumerate(live_rows + banned_rows)}
             for i, banned in bans:
-                for t in banned:
-                    words[position[i], 1 + (t >> 5)] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+                clear_tokens(words[position[i], 1:], banned)
         return self.bitmask[:k]
+
+    def _bad_words_of(self, request_id: str, req: Request) -> BadWords | None:
+        """``req``'s ``bad_words_token_ids`` index, built on first use (None: no words)."""
+        bad = self._bad_words.get(request_id)
+        if bad is None and req.sampling_params.bad_words_token_ids:
+            bad = self._bad_words[request_id] = BadWords(
+                req.sampling_params.bad_words_token_ids)
+        return bad
