@@ -125,11 +125,13 @@ class GrammarCompileService:
     @property
     def cached_bytes(self) -> int:
         """Bytes the cache counts now (at most ``cache_bytes`` once compiles end)."""
-        return self._cached_bytes
+        with self._lock:
+            return self._cached_bytes
 
     def cached(self, key: GrammarKey) -> bool:
         """Whether ``key`` has an entry (compiled, failed or under way)."""
-        return key in self._cache
+        with self._lock:
+            return key in self._cache
 
     def submit(self, key: GrammarKey) -> Future:
         """A ``Future`` of the ``CompiledGrammar`` of ``key`` (done at once when cached),

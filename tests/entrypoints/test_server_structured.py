@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -168,3 +170,87 @@ def test_bad_words(server):
                          ("/v1/chat/completions", {"messages": MESSAGES})):
         r = http.post(route, json={"model": BASE, "bad_words": [""], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+_BIG_ENUM = {"type": "string", "enum": [f"{i:06d}" * 20 for i in range(1200)]}   # 150 KB
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("route, body, param, bound", [
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a" * (2**17 + 1)}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {
+        "grammar": 'root ::= "' + "a" * 2**17 + '"'}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {
+        "choice": [f"{i:04d}" * 30 for i in range(1200)]}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": _BIG_ENUM}}},
+     "response_format", "--max-structured-output-spec-bytes"),
+    ("/v1/responses", {"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": _BIG_ENUM}}},
+     "text", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {"x": {"enum": [f"{i:05d}" * 40] * 1}}}}}
+        for i in range(120)] + [
+        {"type": "function", "function": {"name": "big", "parameters": {
+            "type": "object", "properties": {"x": _BIG_ENUM}}}}]},
+     "tools", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {**_TOOL["function"], "name": f"f{i}"}}
+        for i in range(129)], "tool_choice": "none"}, "tools", "--max-tools"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["a"] * 4097}, "bad_words",
+     "--max-bad-words"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "bad_words": ["a" * 2**16] * 3},
+     "bad_words", "--max-structured-output-spec-bytes"),
+])
+def test_bounds_are_400s_naming_the_field_and_flag(server, route, body, param, bound):
+    http = server[1]
+    r = http.post(route, json={"model": BASE, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and bound in error["message"], error
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_max_bad_words_while_another_stream_runs(server):
+    # a request with the most bad_words allowed streams alongside another client's stream:
+    # the other stream's chunks arrive between the first and the last chunk of the
+    # bad_words one, and no always-banned token (a one-token word) is generated
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    singles = [w for w in (tok.decode([t]).strip() for t in range(3, tok.vocab_size))
+               if w.isalpha() and len(tok.encode(w, add_special_tokens=False)) == 1][:2000]
+    words = singles + [f"w{i}" for i in range(4096 - len(singles))]
+    banned = {tok.encode(w, add_special_tokens=False)[0] for w in singles}
+    events: list[str] = []
+    long_started = threading.Event()
+
+    def stream(name, body):
+        with http.stream("POST", "/v1/completions", json={
+                "model": BASE, "stream": True, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True, **body}) as r:
+            assert r.status_code == 200
+            tokens = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+                    events.append(name)
+                    long_started.set()
+            return tokens
+
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(stream, "other", {"prompt": "Hi", "max_tokens": 480})
+        assert long_started.wait(120)
+        tokens = pool.submit(stream, "bad", {"prompt": "Answer:", "max_tokens": 24,
+                                             "bad_words": words}).result(120)
+        assert len(other.result(120)) == 480
+    first, last = events.index("bad"), len(events) - 1 - events[::-1].index("bad")
+    assert "other" in events[first:last]
+    assert len(tokens) == 24 and not banned & set(tokens)
