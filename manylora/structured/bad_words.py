@@ -69,15 +69,20 @@ def bad_words_token_ids(tokenizer: Any, words: Sequence[str]) -> list[list[int]]
 
 
 class BadWords:
-    """One request's ``bad_words_token_ids`` indexed for ``banned``: the one-token
-    sequences' tokens (always banned), and the longer ones by the last token of their
+    """One request's ``bad_words_token_ids`` indexed for a step: the one-token sequences
+    as a bitmask row to AND (always banned), the longer ones by the last token of their
     prefix, then by the prefix, so a step costs what the last sampled token can match.
 
     Args:
-        sequences: token sequences, each non-empty.
+        sequences: token sequences, each non-empty, ids below ``vocab_size``.
+        vocab_size: V, the bitmask's tokens.
+
+    Attributes:
+        always: uint32 ``[ceil(V / 32)]``, the bitmask with the one-token sequences' bits
+            cleared; None without one.
     """
 
-    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+    def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int) -> None:
         always: set[int] = set()
         after: dict[int, dict[tuple[int, ...], list[int]]] = {}
         for seq in sequences:
@@ -86,26 +91,32 @@ class BadWords:
             else:
                 prefix = tuple(int(t) for t in seq[:-1])
                 after.setdefault(prefix[-1], {}).setdefault(prefix, []).append(int(seq[-1]))
-        self.always = np.array(sorted(always), dtype=np.int64)
+        self.always = None
+        if always:
+            self.always = np.full(-(-vocab_size // 32), 0xFFFFFFFF, dtype=np.uint32)
+            clear_tokens(self.always, np.fromiter(always, dtype=np.int64, count=len(always)))
         self._after = after
 
-    def banned(self, tokens: Sequence[int], start: int) -> np.ndarray:
-        """The tokens to ban before the next one is sampled, int64 ``[n]`` (repeats
-        possible): ``seq[-1]`` of each sequence whose ``seq[:-1]`` ends ``tokens[start:]``
-        (the request's output so far: ``tokens`` its prompt and output, ``start`` the
-        prompt's length)."""
+    def bans(self, tokens: Sequence[int], start: int) -> list[int] | None:
+        """What to ban before the next token is sampled, beyond ``always``: ``seq[-1]`` of
+        each longer sequence whose ``seq[:-1]`` ends ``tokens[start:]`` (the request's
+        output so far: ``tokens`` its prompt and output, ``start`` the prompt's length);
+        None when nothing is banned now (no ``always`` either)."""
         n = len(tokens)
         by_prefix = self._after.get(tokens[-1]) if n > start else None
-        if not by_prefix:
-            return self.always
         more: list[int] = []
-        for prefix, last in by_prefix.items():
+        for prefix, last in (by_prefix or {}).items():
             k = len(prefix)
             if n - start >= k and tuple(tokens[n - k:]) == prefix:
                 more.extend(last)
-        if not more:
-            return self.always
-        return np.concatenate([self.always, np.array(more, dtype=np.int64)])
+        return None if not more and self.always is None else more
+
+    def clear(self, row: np.ndarray, more: list[int]) -> None:
+        """Clear the banned bits of one bitmask row (uint32 ``[ceil(V / 32)]``) in place:
+        ``always``'s and ``more``'s (from ``bans``)."""
+        if self.always is not None:
+            row &= self.always
+        clear_tokens(row, np.array(more, dtype=np.int64))
 
 
 def clear_tokens(row: np.ndarray, tokens: np.ndarray) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from manylora.engine.request import Request
-from manylora.structured.bad_words import BadWords, clear_tokens
+from manylora.structured.bad_words import BadWords
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key
 
@@ -175,7 +175,7 @@ host mask.
         """The token masks of a step's sampled rows ``rows`` (indices into ``req_ids``, the
         step's sampled requests): a live matcher's next-token bitmask (every live matcher's
         in one call of xgrammar's ``BatchGrammarMatcher``, on its own threads), with the
-        tokens ``bad_words_token_ids`` bans now (``BadWords.banned`` over the request's
+        tokens ``bad_words_token_ids`` bans now (``BadWords.bans`` over the request's
         output in ``requests``, indexed on its first step) cleared.
 
         Returns:
@@ -196,16 +196,16 @@ host mask.
             matcher = self._matchers.get(rid)
             req = requests.get(rid)
             bad = None if req is None else self._bad_words_of(rid, req)
-            banned = () if bad is None else bad.banned(req.token_ids, req.num_prompt_tokens)
+            banned = None if bad is None else bad.bans(req.token_ids, req.num_prompt_tokens)
             if matcher is not None and not matcher.is_terminated():
                 live_rows.append(i)
                 live.append(matcher)
-            elif len(banned):
+            elif banned is not None:
                 banned_rows.append(i)
             else:
                 continue
-            if len(banned):
-                bans.append((i, banned))
+            if banned is not None:
+                bans.append((i, bad, banned))
         m, k = len(live), len(live) + len(banned_rows)
         if not k:
             return None
@@ -220,8 +220,8 @@ host mask.
         words[:k, 0] = live_rows + banned_rows
         if bans:
             position = {i: r for r, i in enumerate(live_rows + banned_rows)}
-            for i, banned in bans:
-                clear_tokens(words[position[i], 1:], banned)
+            for i, bad, banned in bans:
+                bad.clear(words[position[i], 1:], banned)
         return self.bitmask[:k]
 
     def _bad_words_of(self, request_id: str, req: Request) -> BadWords | None:
@@ -229,5 +229,5 @@ host mask.
         bad = self._bad_words.get(request_id)
         if bad is None and req.sampling_params.bad_words_token_ids:
             bad = self._bad_words[request_id] = BadWords(
-                req.sampling_params.bad_words_token_ids)
+                req.sampling_params.bad_words_token_ids, self.vocab_size)
         return bad

@@ -118,16 +118,28 @@ def _banned_reference(sequences, output):
                                == s[:-1])}
 
 
+def _allowed(row: np.ndarray, vocab: int) -> set[int]:
+    """The tokens a bitmask row allows, its bits unpacked with torch."""
+    bits = (torch.from_numpy(row.view(np.int32)).long().unsqueeze(1) >> torch.arange(32)) & 1
+    return set(torch.nonzero(bits.flatten()[:vocab]).flatten().tolist())
+
+
 def test_index_bans_what_a_full_scan_bans():
-    rng = random.Random(0)
-    for _ in range(200):
-        sequences = [[rng.randrange(6) for _ in range(rng.randint(1, 4))]
-                     for _ in range(rng.randint(1, 12))]
-        bad = BadWords(sequences)
+    rng, vocab = random.Random(0), 40
+    for _ in range(300):
+        sequences = [[rng.randrange(6) if rng.random() < 0.8 else rng.randrange(vocab)
+                      for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 12))]
+        bad = BadWords(sequences, vocab)
         prompt = [rng.randrange(6) for _ in range(rng.randint(0, 3))]
         output = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
-        got = bad.banned(prompt + output, len(prompt))
-        assert set(got.tolist()) == _banned_reference(sequences, output)
+        expected = _banned_reference(sequences, output)
+        more = bad.bans(prompt + output, len(prompt))
+        if more is None:
+            assert not expected
+            continue
+        row = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
+        bad.clear(row, more)
+        assert set(range(vocab)) - _allowed(row, vocab) == expected
 
 
 def test_clear_tokens_clears_exactly_those_bits():
@@ -135,10 +147,7 @@ def test_clear_tokens_clears_exactly_those_bits():
     row = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
     tokens = np.array([0, 31, 32, 63, 64, 99, 31], dtype=np.int64)
     clear_tokens(row, tokens)
-    bits = (torch.from_numpy(row.view(np.int32)).long().unsqueeze(1)
-            >> torch.arange(32)) & 1
-    allowed = bits.flatten()[:vocab].bool()
-    assert set(torch.nonzero(~allowed).flatten().tolist()) == {0, 31, 32, 63, 64, 99}
+    assert set(range(vocab)) - _allowed(row, vocab) == {0, 31, 32, 63, 64, 99}
 
 
 def test_the_most_bad_words_allowed_ban_as_the_reference(base_dir, hf):
