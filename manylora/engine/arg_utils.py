@@ -104,7 +104,8 @@ class EngineArgs:
         max_grammar_compile_seconds: the longest a request waits for its grammar's compile
             (queued behind others included), seconds; past it the request alone ends with
             an error naming its ``structured_outputs`` kind. xgrammar cannot stop a compile
-            under way: it ends on its thread and its result is dropped. None: no bound.
+            under way: it ends on its thread and its result is dropped. None (from Python
+            only): no bound.
         grammar_cache_bytes: bytes of compiled grammars kept for reuse (xgrammar's
             ``memory_size_bytes`` of each, plus its spec), least recently used out first
             (vLLM's ``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB).

@@ -30,9 +30,9 @@ DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS = 30.0
 
 
 def default_compile_workers() -> int:
-    """Grammars compiled at once: half the CPUs, 1 to 8 (vLLM's structured-output thread
-    pool takes half the CPUs too)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
+    """Grammars compiled at once: half the CPUs rounded up (vLLM's structured-output
+    thread pool), at most 8."""
+    return min(8, max(1, ((os.cpu_count() or 1) + 1) // 2))
 
 
 def load_tokenizer_info(tokenizer_dir: str, trust_remote_code: bool, vocab_size: int) -> Any:
