@@ -155,3 +155,26 @@ def test_flag_empty_rows_against_a_reference():
         assert int(tokens[4]) == 17
         ok = ~empty_ref
         assert masks[ok].gather(1, tokens[ok].unsqueeze(1)).all()
+
+
+def test_a_request_whose_output_cannot_be_processed_fails_alone(llm, base_dir, tok):
+    """A delta the front cannot apply (here its detokenizer raises) ends that request with
+    the error; the other request's output equals transformers' greedy, and the engine
+    serves on."""
+    engine = llm.llm_engine
+    plain = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    good = engine.add_request(None, "The weather today", plain)
+    bad = engine.add_request(None, "Once upon a time", plain)
+
+    def broken(token):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a broken tokenizer")
+
+    engine.output_processor.states[bad].detokenizer.append = broken
+    finished = {o.request_id: o for o in engine.generate_all()}
+    assert finished[bad].outputs[0].finish_reason == "error"
+    assert isinstance(finished[bad].error, UnicodeDecodeError)
+    assert list(finished[good].outputs[0].token_ids) == _hf_greedy(base_dir, tok,
+                                                                  "The weather today", 12)
+    assert not engine.has_unfinished_requests()
+    again = llm.generate(["Once upon a time"], plain, use_tqdm=False)[0].outputs[0]
+    assert list(again.token_ids) == _hf_greedy(base_dir, tok, "Once upon a time", 12)
