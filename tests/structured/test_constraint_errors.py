@@ -178,3 +178,26 @@ def test_a_request_whose_output_cannot_be_processed_fails_alone(llm, base_dir, t
     assert not engine.has_unfinished_requests()
     again = llm.generate(["Once upon a time"], plain, use_tqdm=False)[0].outputs[0]
     assert list(again.token_ids) == _hf_greedy(base_dir, tok, "Once upon a time", 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_cuda_graphs_constraints_that_allow_no_token(base_dir, tok, async_scheduling):
+    """On CUDA with decode graphs, bf16: the rows whose masks allow no token end with their
+    errors (the marked copy to the host), the plain rows equal their solo outputs, and the
+    engine serves on."""
+    llm = LLM(str(base_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, block_size=16,
+              max_model_len=512, async_scheduling=async_scheduling)
+    assert llm.llm_engine.engine_core.runner.graphs is not None
+    bad = _bad_params(tok)
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["The weather today", "Once upon a time"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    outs = llm.generate(prompts + ["Reply:"] * len(bad), [plain, plain, *bad.values()],
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    for name, out in zip(bad, outs[2:]):
+        assert out.outputs[0].finish_reason == "error" and "no token" in str(out.error), name
+    again = llm.generate(prompts, plain, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == alone
+    llm.llm_engine.shutdown()
