@@ -426,10 +426,13 @@ class LLMEngine:
             core_outputs = self._outputs.popleft()
             if core_outputs.scheduler_stats is not None:
                 self._stats = core_outputs.scheduler_stats
-            done, stopped = self.output_processor.process_outputs(core_outputs.outputs, stats)
+            done, stopped, failed = self.output_processor.process_outputs(
+                core_outputs.outputs, stats)
             outputs.extend(done)
             if stopped:          # stop strings the front found: the core stops them too
                 self.client.abort_requests(stopped, FinishReason.STOP)
+            if failed:           # their outputs could not be processed: the core ends them
+                self.client.abort_requests(failed)
         return outputs
 
     def wake(self) -> None:

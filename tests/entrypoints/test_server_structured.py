@@ -217,6 +217,78 @@ def test_bounds_are_400s_naming_the_field_and_flag(server, route, body, param, b
     assert ok.status_code == 200, ok.text
 
 
+_REF = {"$ref": "#"}
+_MUTUAL = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+           "$ref": "#/$defs/a"}
+
+
+def _engine_killers(tok):
+    """Bodies whose output constraints admit no token (each took the engine down once)."""
+    a = tok.encode("a", add_special_tokens=False)[0]
+    completions = [
+        {"prompt": "x", "structured_outputs": {"json": _REF}},
+        {"prompt": "x", "structured_outputs": {"json": _MUTUAL}},
+        {"prompt": "x", "structured_outputs": {"regex": "[^\\s\\S]"}},
+        {"prompt": "x", "structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [a + 1]},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]},
+        {"prompt": "x", "structured_outputs": {"json_object": True}, "allowed_token_ids": [a]},
+    ]
+    chat = {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "loop", "schema": _REF}}}
+    responses = {"input": "x", "text": {"format": {"type": "json_schema", "name": "loop",
+                                                   "schema": _REF}}}
+    return ([("/v1/completions", b) for b in completions]
+            + [("/v1/chat/completions", chat), ("/v1/responses", responses)])
+
+
+def test_constraints_that_admit_no_token_fail_alone(server):
+    """Each body gets an error of its own (a 400, or an error event on its stream) while
+    another client's stream goes on to its full length, equal to the same stream alone;
+    /health stays 200 and the server serves again."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    long = {"model": BASE, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    def stream_text() -> tuple[str, str | None]:
+        text, reason = [], None
+        with httpx.Client(base_url=str(http.base_url), timeout=300) as c, \
+                c.stream("POST", "/v1/completions", json=long) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    reason = choice["finish_reason"] or reason
+        return "".join(text), reason
+
+    alone = stream_text()
+    assert alone[1] == "length"
+    result = {}
+    other = threading.Thread(target=lambda: result.update(out=stream_text()))
+    other.start()
+    try:
+        for route, body in _engine_killers(tok):
+            for stream in (False, True):
+                r = http.post(route, json={"model": BASE, "max_tokens": 8, "stream": stream,
+                                           **body})
+                if r.status_code == 200:       # a stream that began: its error event
+                    assert stream and '"error"' in r.text, (route, body, r.text)
+                else:
+                    assert r.status_code == 400, (route, body, r.text)
+                    assert "no token" in r.json()["error"]["message"], r.text
+                assert http.get("/health").status_code == 200
+    finally:
+        other.join(timeout=600)
+    assert result["out"] == alone
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 def test_max_bad_words_while_another_stream_runs(server):
     # a request with the most bad_words allowed streams alongside another client's stream:
     # the other stream's chunks arrive between the first and the last chunk of the
@@ -254,3 +326,13 @@ def test_max_bad_words_while_another_stream_runs(server):
     first, last = events.index("bad"), len(events) - 1 - events[::-1].index("bad")
     assert "other" in events[first:last]
     assert len(tokens) == 24 and not banned & set(tokens)
+
+
+def test_min_tokens_does_not_outlive_the_grammar(server):
+    body = {"model": BASE, "prompt": "Hi", "max_tokens": 8, "min_tokens": 5,
+            "structured_outputs": {"choice": ["a"]}}
+    for temperature in (0, 1):
+        r = server[1].post("/v1/completions", json={**body, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("a", "stop")
