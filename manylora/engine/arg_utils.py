@@ -101,11 +101,11 @@ class EngineArgs:
             ``"float32"``: the dtype of the adapter slots and of the LoRA shrink/expand
             operands (vLLM's); the model's or float32 (the delta computed in float32 and
             rounded once to the model's dtype).
-        max_grammar_compile_seconds: the longest a request waits for its grammar's compile
-            (queued behind others included), seconds; past it the request alone ends with
-            an error naming its ``structured_outputs`` kind. xgrammar cannot stop a compile
-            under way: it ends on its thread and its result is dropped. None (from Python
-            only): no bound.
+        max_grammar_compile_seconds: the longest one grammar's compile may run, seconds;
+            past it its requests alone end with an error naming the ``structured_outputs``
+            kind and this flag. xgrammar cannot stop a compile under way: its thread ends it
+            and drops the result, and is replaced so other grammars keep compiling. None
+            (from Python only): no bound.
         grammar_cache_bytes: bytes of compiled grammars kept for reuse (xgrammar's
             ``memory_size_bytes`` of each, plus its spec), least recently used out first
             (vLLM's ``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB).

@@ -1,7 +1,8 @@
 """``GrammarCompileService`` over a tiny xgrammar vocabulary (no model): the cache bounded
 in bytes against xgrammar's own ``memory_size_bytes`` of each grammar compiled by a
 separate ``GrammarCompiler``; the time limit (a compile held on an event, and a real slow
-regex); compiles dropped when no request waits for them. Waits are on futures and events
+regex; the thread of a compile past its time replaced); compiles dropped when no request
+waits for them. Waits are on futures and events
 with generous deadlines; no timing is asserted."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import random
 import string
 import threading
+import time
 
 import pytest
 import xgrammar as xgr
@@ -25,6 +27,13 @@ def info():
     return xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1])
 
 
+def _wait_until(condition) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came"
+        time.sleep(0.01)
+
+
 def _key(regex: str):
     return ("regex", regex, True)
 
@@ -39,16 +48,20 @@ def _entry_bytes(info, regex: str) -> int:
 @pytest.fixture
 def gated(monkeypatch):
     """Compiles of the specs in ``gated.specs`` wait for ``gated.gate``; ``gated.calls``
-    lists every spec compiled, ``gated.ended`` is set when a gated compile ends."""
+    lists every spec compiled, ``gated.started`` / ``gated.ended`` are set when a gated
+    compile starts / ends."""
     compile_one = compiler_module.compile_grammar
 
     class Gate:
-        gate, ended, specs, calls = threading.Event(), threading.Event(), set(), []
+        gate, started, ended = threading.Event(), threading.Event(), threading.Event()
+        specs: set[str] = set()
+        calls: list[str] = []
 
     def compile_grammar(compiler, key):
         Gate.calls.append(key[1])
         if key[1] not in Gate.specs:
             return compile_one(compiler, key)
+        Gate.started.set()
         Gate.gate.wait()
         try:
             return compile_one(compiler, key)
@@ -93,17 +106,20 @@ def test_grammar_over_the_budget_is_served_not_kept(info):
         service.shutdown()
 
 
-def test_time_limit_fails_only_the_slow_key(info, gated):
+def test_time_limit_fails_the_slow_key_and_replaces_its_thread(info, gated):
+    # one thread: the slow compile runs out of time, its thread is replaced, and the
+    # grammar queued behind it compiles on the new one while the old one is still stuck
     gated.specs.add("slow")
-    service = GrammarCompileService(lambda: info, compile_seconds=2.0, workers=2)
+    service = GrammarCompileService(lambda: info, compile_seconds=1.0, workers=1)
     try:
         slow = service.submit(_key("slow"))
         fast = service.submit(_key("[a-z]{3}"))
-        assert fast.result(WAIT).memory_size_bytes > 0
         error = slow.exception(WAIT)
         assert isinstance(error, ValueError)
         assert str(error) == ("structured_outputs.regex: the grammar did not compile within "
-                              "2 s (--max-grammar-compile-seconds); simplify it")
+                              "1 s (--max-grammar-compile-seconds); simplify it")
+        assert fast.result(WAIT).memory_size_bytes > 0
+        assert service.stuck == 1 and not gated.ended.is_set()
         # the failure is kept while the abandoned compile runs: no second compile
         assert service.submit(_key("slow")).exception(0) is error
         gated.gate.set()
@@ -114,17 +130,20 @@ def test_time_limit_fails_only_the_slow_key(info, gated):
         service.shutdown()
 
 
-def test_a_queued_compile_past_its_time_never_runs(info, gated):
-    gated.specs.add("first")
-    service = GrammarCompileService(lambda: info, compile_seconds=1.0, workers=1)
+def test_every_thread_stuck_fails_queued_compiles_at_once(info, gated):
+    gated.specs.add("slow")
+    service = GrammarCompileService(lambda: info, compile_seconds=1.0, workers=1,
+                                    max_abandoned=0)
     try:
-        first = service.submit(_key("first"))
+        slow = service.submit(_key("slow"))
         queued = service.submit(_key("[a-z]{3}"))
-        assert "did not compile within 1 s" in str(queued.exception(WAIT))
-        assert "did not compile within 1 s" in str(first.exception(WAIT))
+        assert "did not compile within 1 s" in str(slow.exception(WAIT))
+        assert "every grammar compile thread is busy" in str(queued.exception(WAIT))
+        later = service.submit(_key("[a-z]{4}"))
+        assert "every grammar compile thread is busy" in str(later.exception(0))
         assert not service.cached(_key("[a-z]{3}"))     # never ran: may be tried again
-        gated.gate.set()
-        assert gated.ended.wait(WAIT)
+        gated.gate.set()                                  # the thread comes back, works on
+        _wait_until(lambda: service.stuck == 0)
         assert service.submit(_key("[a-z]{3}")).result(WAIT).memory_size_bytes > 0
         assert gated.calls.count("[a-z]{3}") == 1
     finally:
@@ -137,6 +156,7 @@ def test_released_compiles_are_dropped(info, gated):
     try:
         running = service.submit(_key("running"))
         service.submit(_key("running"))                  # a second request waits for it
+        assert gated.started.wait(WAIT)
         queued = service.submit(_key("[a-z]{3}"))
         service.release(_key("[a-z]{3}"))
         assert queued.cancelled() and not service.cached(_key("[a-z]{3}"))
@@ -162,5 +182,6 @@ def test_a_real_slow_compile_runs_out_of_time(info):
     try:
         error = service.submit(_key(regex)).exception(WAIT)
         assert "did not compile within 0.01 s" in str(error)
+        _wait_until(lambda: service.stuck == 0)          # the abandoned compile ends
     finally:
         service.shutdown()
