@@ -77,9 +77,10 @@ class GrammarCompileService:
     ``CompiledGrammar.memory_size_bytes``); a grammar larger than the whole budget is
     handed to its requests and not kept.
 
-    A compile that has not ended ``compile_seconds`` after a thread started it fails its
-    requests with a ``ValueError`` naming the field and the flag (the failure stays cached,
-    so the same spec does not take another thread). xgrammar compiles in C++ and cannot be
+    A compile that has not ended ``compile_seconds`` after a thread started it (the
+    tokenizer's read by the first one not counted) fails its requests with a
+    ``ValueError`` naming the field and the flag (the failure stays cached, so the same
+    spec does not take another thread). xgrammar compiles in C++ and cannot be
     interrupted: the thread goes on with it and drops its result, and is replaced (at most
     ``max_abandoned`` at a time, which bounds the threads hostile grammars can keep busy),
     so the other grammars keep their ``workers`` threads, as ``lora.loader_pool`` does for
@@ -241,10 +242,11 @@ class GrammarCompileService:
                 entry = self._queue.popleft()
                 run = next(self._runs)
                 self._running[me] = (run, entry)
-            if self._deadlines is not None:
-                self._deadlines.add(time.monotonic() + self.compile_seconds, (me, run))
             try:
-                result, error = self._compile(entry.key), None
+                compiler = self._get_compiler()      # the tokenizer's read is not timed
+                if self._deadlines is not None:
+                    self._deadlines.add(time.monotonic() + self.compile_seconds, (me, run))
+                result, error = compile_grammar(compiler, entry.key), None
             except Exception as e:
                 result, error = None, e
             with self._lock:
@@ -264,7 +266,9 @@ class GrammarCompileService:
                     self._resize(entry, entry.nbytes + (result.memory_size_bytes
                                                         if error is None else 0))
 
-    def _compile(self, key: GrammarKey) -> Any:
+    def _get_compiler(self) -> Any:
+        """The ``xgrammar.GrammarCompiler``, made by the first compile (the tokenizer read
+        then; a failed read is tried again by the next compile)."""
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
@@ -272,7 +276,7 @@ class GrammarCompileService:
                 # our cache holds the compiled grammars; xgrammar's would hold them twice
                 self._compiler = xgr.GrammarCompiler(self._load_info(), cache_enabled=False,
                                                      max_threads=self._max_threads)
-        return compile_grammar(self._compiler, key)
+            return self._compiler
 
     def _expire(self, item: tuple[threading.Thread, int]) -> None:
         """A compile's time is up (``item``: its thread and run number): its requests get
