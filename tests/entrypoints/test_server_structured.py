@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -38,9 +40,9 @@ class City(BaseModel):
 def server(tmp_path_factory):
     base = make_checkpoint(tmp_path_factory.mktemp("so-server") / "base", "llama", seed=2,
                            **{**TINY, "max_position_embeddings": 512})
-    with running_server(base, max_model_len=512, block_size=8) as (_, url):
+    with running_server(base, max_model_len=512, block_size=8) as (served, url):
         yield (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
-               httpx.Client(base_url=url, timeout=120), str(base))
+               httpx.Client(base_url=url, timeout=120), str(base), served)
 
 
 def _loads(text: str):
@@ -336,3 +338,91 @@ def test_min_tokens_does_not_outlive_the_grammar(server):
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert (choice["text"], choice["finish_reason"]) == ("a", "stop")
+
+
+def _gate_compiles(monkeypatch, spec: str) -> tuple[threading.Event, threading.Event]:
+    """The engine's compiles of ``spec`` (its core runs in this process) wait for the first
+    event; the second is set when such a compile starts."""
+    from manylora.structured import compiler as compiler_module
+
+    gate, started = threading.Event(), threading.Event()
+    compile_one = compiler_module.compile_grammar
+
+    def gated(compiler, key):
+        if key[1] == spec:
+            started.set()
+            gate.wait()
+        return compile_one(compiler, key)
+
+    monkeypatch.setattr(compiler_module, "compile_grammar", gated)
+    return gate, started
+
+
+def _long_stream(http, events: list[str], first: threading.Event) -> int:
+    """Stream 480 greedy tokens; append "other" to ``events`` per chunk; their count."""
+    with http.stream("POST", "/v1/completions", json={
+            "model": BASE, "prompt": "Hi", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                events.append("other")
+                first.set()
+        return chunks
+
+
+def test_a_compile_past_its_time_limit_fails_only_its_request(server, monkeypatch):
+    # the grammar's compile never ends (held on an event) and the engine's limit is 1 s:
+    # that request gets a 400 naming the limit while another client's stream goes on
+    http, served = server[1], server[3]
+    compiler = served.engine.engine.engine_core.structured.compiler
+    gate, _ = _gate_compiles(monkeypatch, "[0-9]{7}")
+    monkeypatch.setattr(compiler, "compile_seconds", 1.0)
+    events: list[str] = []
+    first = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(_long_stream, http, events, first)
+            assert first.wait(120)
+            events.append("submitted")
+            r = http.post("/v1/completions", json={
+                "model": BASE, "prompt": "x", "max_tokens": 5,
+                "structured_outputs": {"regex": "[0-9]{7}"}})
+            events.append("answered")
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert message.startswith("structured_outputs.regex: the grammar did not compile "
+                                      "within 1 s (--max-grammar-compile-seconds)"), message
+            assert http.get("/health").status_code == 200
+            assert other.result(120) > 0
+    finally:
+        gate.set()
+    assert "other" in events[events.index("submitted"):events.index("answered")]
+
+
+def test_a_client_leaving_drops_its_compile(server, monkeypatch):
+    http, served = server[1], server[3]
+    compiler = served.engine.engine.engine_core.structured.compiler
+    gate, started = _gate_compiles(monkeypatch, "[0-9]{8}")
+    key = ("regex", "[0-9]{8}", True)
+    body = json.dumps({"model": BASE, "prompt": "x", "max_tokens": 5, "stream": True,
+                       "structured_outputs": {"regex": "[0-9]{8}"}}).encode()
+    url = httpx.URL(str(http.base_url))
+    try:
+        with socket.create_connection((url.host, url.port), timeout=120) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert started.wait(120) and compiler.cached(key)
+        # the client left: the request is aborted, the compile nobody waits for dropped
+        deadline = time.monotonic() + 120
+        while compiler.cached(key):
+            assert time.monotonic() < deadline, "the compile was not dropped"
+            time.sleep(0.01)
+    finally:
+        gate.set()
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 3,
+                                            "structured_outputs": {"regex": "[0-9]{8}"}})
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3,8}", ok.json()["choices"][0]["text"])
