@@ -32,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: Seconds an engine replica's poll waits for a change before it returns (and the replica
-#: polls again with fresh metrics).
-POLL_S = 1.0
+#: polls again with fresh metrics): how old a replica's ``/metrics`` may be. Each poll costs
+#: a Ray Serve call (a few ms of CPU on each side).
+POLL_S = 2.0
 #: Seconds without a poll after which an engine replica counts as gone.
-LIVE_S = 6.0
+LIVE_S = 8.0
 
 
 @dataclass(frozen=True)
