@@ -18,7 +18,10 @@ PUSHes ``ReplyType`` messages, in order (``engine/protocol.py``). The loop:
    state.
 
 A failed start-up or step sends ``DEAD`` with the error and ends the process (exit 1). The
-core also exits when its parent dies (checked once a second while idle).
+core also exits when its parent dies (checked once a second while idle), and then removes
+the sockets' folder, which the dead front cannot. Before every exit it unlinks the
+tensor-parallel shared host files of its engine (``distributed/shared_host.py``): the
+process ends by ``os._exit``, which runs no finalizer.
 
 The front starts it as ``python -m manylora.engine.core_proc INPUT OUTPUT PARENT_PID`` with
 the msgpack-encoded ``EngineArgs`` on standard input: a fresh interpreter that imports
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 from concurrent.futures import Future
@@ -38,6 +42,7 @@ import msgspec
 import torch
 import zmq
 
+from manylora.distributed.shared_host import remove_files
 from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
@@ -88,6 +93,7 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
     inp.connect(input_address)
     encoder = Encoder()
     code = 0
+    orphaned = False
     try:
         try:
             core = EngineCore(Decoder(EngineArgs).decode(args))
@@ -100,6 +106,7 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
         proc = EngineCoreProc(core, inp, out, parent_pid)
         try:
             proc.run()
+            orphaned = proc.orphaned
         except BaseException as e:
             logger.exception("the engine core stopped")
             out.send_multipart([ReplyType.DEAD.value, encoder.encode(ErrorInfo.of(e))])
@@ -109,6 +116,10 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
         inp.close()
         out.close()
         ctx.term()
+        remove_files(os.getpid())
+        if orphaned:          # the front died without removing its sockets' folder
+            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")),
+                          ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)        # this process's own end: no atexit work on a half-dead core
@@ -134,6 +145,8 @@ class EngineCoreProc:
                           RequestType.ABORT: Decoder(AbortRequests),
                           RequestType.UTILITY: Decoder(UtilityCall)}
         self._deferred: list[tuple[int, Future]] = []
+        #: True once ``run`` returned because the front is gone (not on ``SHUTDOWN``)
+        self.orphaned = False
         # a finished adapter read writes a byte here: it wakes a loop waiting for messages
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -190,6 +203,7 @@ class EngineCoreProc:
                     if os.getppid() != self.parent_pid:
                         logger.error("the front (pid %d) is gone: the engine core exits",
                                      self.parent_pid)
+                        self.orphaned = True
                         return None
             try:
                 kind, body = self.inp.recv_multipart(zmq.NOBLOCK, copy=False)
