@@ -242,6 +242,7 @@ class MPClient:
         self._kept: deque[AddDone | EngineCoreOutputs] = deque()
         self.error: EngineDeadError | None = None
         self._closed = False
+        self._shutdown_lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "manylora.engine.core_proc", input_address,
              output_address, str(os.getpid())], stdin=subprocess.PIPE)
@@ -456,10 +457,13 @@ class MPClient:
     def shutdown(self) -> None:
         """Ask the core to stop (it stops its workers), wait for it, kill it if it hangs,
         remove the shared files it left, reap it, and release the sockets and their folder
-        (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
+        (idempotent; a second caller waits for the first)."""
+        with self._shutdown_lock:
+            if not self._closed:
+                self._closed = True
+                self._shut_down()
+
+    def _shut_down(self) -> None:
         self._fail_calls(self.error or EngineDeadError("the engine core was shut down"))
         if not self._exited(0):
             try:
