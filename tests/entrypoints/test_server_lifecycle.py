@@ -3,7 +3,8 @@ loopback: when its engine core dies (a failed step, or ``kill -9``) in-flight st
 at once with an error event, ``/health`` answers 503 until the server exits with status 1;
 SIGTERM and SIGINT stop it with status 0. After every one of them nothing is left: the core
 process was reaped by the server (not left a zombie or an orphan), and no ``manylora-*``
-sockets' folder is left in the server's temporary directory.
+sockets' folder is left in the server's temporary directory. A server killed outright
+cleans nothing; its core sees that, exits and removes the folder itself.
 
 The test process makes itself a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``) while a
 server runs: a process the server leaves behind (a zombie core, a core still running)
@@ -92,6 +93,7 @@ class Serve:
                                if p)
         env = {**os.environ, "TMPDIR": str(self.tmp), "PYTHONPATH": path,
                "MANYLORA_ENABLE_MULTIPROCESSING": "1"}
+        self.others = set(_children(os.getpid()))      # this process's, not the server's
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "manylora.entrypoints.cli", "serve", "--model",
              str(base_dir), "--served-model-name", BASE, *engine_flags(max_model_len=256),
@@ -130,7 +132,7 @@ class Serve:
     def assert_nothing_left(self) -> None:
         """The core was reaped by the server, nothing of its became this process's child,
         and no sockets' folder is left."""
-        for pid in [self.core_pid, *_children(os.getpid())]:
+        for pid in [self.core_pid, *self.new_children()]:
             with contextlib.suppress(ChildProcessError):
                 # ours only if the server left it behind: a zombie, or still running
                 left = os.waitpid(pid, os.WNOHANG)
@@ -140,14 +142,31 @@ class Serve:
                 pytest.fail(f"process {pid} was left behind ({left}):\n" + self.log())
         assert not list(self.tmp.glob("manylora-*")), self.log()
 
+    def new_children(self) -> list[int]:
+        """This process's children that were not there before the server started."""
+        return [pid for pid in _children(os.getpid()) if pid not in self.others]
+
+    def wait_orphaned_core(self) -> int:
+        """The exit status of the core, once the server is gone (the core is then this
+        process's child), waiting up to ``EXIT_TIMEOUT_S`` for it to end."""
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.core_pid, os.WNOHANG)
+            if pid:
+                self.core_pid = None
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.1)
+        pytest.fail("the orphaned core did not exit")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.core_pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.core_pid, 0)
+        if self.core_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.core_pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.core_pid, 0)
 
 
 @pytest.fixture
@@ -237,3 +256,14 @@ def test_a_stop_signal_stops_the_server_and_its_core(serve, sig):
     serve.proc.send_signal(sig)
     assert serve.wait() == 0, serve.log()
     serve.assert_nothing_left()
+
+
+def test_a_killed_server_leaves_a_core_that_ends_itself(serve):
+    with httpx.Client(timeout=60) as client:
+        stack, _ = _open_stream(client, serve.url)     # the core has work
+        with stack:
+            serve.proc.kill()
+            serve.proc.wait()
+    assert serve.wait_orphaned_core() == 0
+    assert serve.new_children() == []
+    assert not list(serve.tmp.glob("manylora-*")), serve.log()
