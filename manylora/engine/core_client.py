@@ -242,6 +242,7 @@ class MPClient:
         self._kept: deque[AddDone | EngineCoreOutputs] = deque()
         self.error: EngineDeadError | None = None
         self._closed = False
+        self._exiting = False           # the core reported DEAD: it exits on its own
         self._shutdown_lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "manylora.engine.core_proc", input_address,
@@ -272,6 +273,7 @@ class MPClient:
                 if kind is ReplyType.READY:
                     return message
                 if kind is ReplyType.DEAD:
+                    self._exiting = True
                     raise message.to_exception()
             elif self._pidfd in ready:
                 raise EngineDeadError("the engine core process died while starting ("
@@ -455,9 +457,9 @@ class MPClient:
         return bool(select.select([self._pidfd], [], [], timeout)[0])
 
     def shutdown(self) -> None:
-        """Ask the core to stop (it stops its workers), wait for it, kill it if it hangs,
-        remove the shared files it left, reap it, and release the sockets and their folder
-        (idempotent; a second caller waits for the first)."""
+        """Ask the core to stop (it stops its workers; SIGTERM while it starts), wait for
+        it, kill it if it hangs, remove the shared files it left, reap it, and release the
+        sockets and their folder (idempotent; a second caller waits for the first)."""
         with self._shutdown_lock:
             if not self._closed:
                 self._closed = True
@@ -470,8 +472,11 @@ class MPClient:
                 with self._send_lock:       # the core may be exiting: never block here
                     self._input.send_multipart([RequestType.SHUTDOWN.value, b""],
                                                flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
+            except zmq.ZMQError:            # no peer: the core cannot read it
+                self.process.terminate()
+            else:
+                if not hasattr(self, "info") and not self._exiting:
+                    self.process.terminate()    # starting: it would read it once loaded
             if not self._exited(SHUTDOWN_TIMEOUT_S):
                 logger.error("the engine core did not stop in %.0f s: killed",
                              SHUTDOWN_TIMEOUT_S)

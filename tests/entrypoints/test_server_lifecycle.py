@@ -82,7 +82,7 @@ class Serve:
     """``manylora serve`` in a subprocess on a free loopback port, its engine core in a
     process of its own, its temporary directory ``tmp``."""
 
-    def __init__(self, base_dir: Path, tmp: Path) -> None:
+    def __init__(self, base_dir: Path, tmp: Path, wait_ready: bool = True) -> None:
         self.tmp = tmp / "tmp"
         self.tmp.mkdir()
         hook = tmp / "hook"
@@ -104,9 +104,12 @@ class Serve:
         self._url = threading.Event()
         self.url = ""
         threading.Thread(target=self._read, daemon=True).start()
+        self.core_pid: int | None = None
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._url.wait(0.2):
+        while not self._url.wait(0.2) if wait_ready else self.core_pid is None:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            kids = _children(self.proc.pid)
+            self.core_pid = kids[0] if kids and not wait_ready else None
         kids = _children(self.proc.pid)
         assert len(kids) == 1, (kids, self.log())
         self.core_pid = kids[0]
@@ -169,18 +172,25 @@ class Serve:
                 os.waitpid(self.core_pid, 0)
 
 
-@pytest.fixture
-def serve(base_dir, tmp_path):
-    """A started ``Serve``; the test process is a child subreaper meanwhile."""
+@contextlib.contextmanager
+def _serving(base_dir, tmp_path, wait_ready: bool = True):
+    """A ``Serve``, stopped afterwards; the test process is a child subreaper meanwhile."""
     _set_subreaper(True)
     server = None
     try:
-        server = Serve(base_dir, tmp_path)
+        server = Serve(base_dir, tmp_path, wait_ready)
         yield server
     finally:
         if server is not None:
             server.stop()
         _set_subreaper(False)
+
+
+@pytest.fixture
+def serve(base_dir, tmp_path):
+    """A ``Serve`` ready for requests."""
+    with _serving(base_dir, tmp_path) as server:
+        yield server
 
 
 def _open_stream(client: httpx.Client, url: str) -> tuple[contextlib.ExitStack, object]:
@@ -256,6 +266,15 @@ def test_a_stop_signal_stops_the_server_and_its_core(serve, sig):
     serve.proc.send_signal(sig)
     assert serve.wait() == 0, serve.log()
     serve.assert_nothing_left()
+
+
+def test_a_stop_signal_while_starting_stops_the_core(base_dir, tmp_path):
+    """SIGTERM once the core process exists (still loading, or already serving: either way
+    the same end)."""
+    with _serving(base_dir, tmp_path, wait_ready=False) as server:
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait() == 0, server.log()
+        server.assert_nothing_left()
 
 
 def test_a_killed_server_leaves_a_core_that_ends_itself(serve):
