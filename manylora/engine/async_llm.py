@@ -105,6 +105,7 @@ class AsyncLLM:
         self._commands_ran = False        # a command ran since the last publish
         self._stopped = False
         self._dead = False                # the loop ended on an error, its callbacks ran
+        self._drained: BaseException | None = None   # set when the loop takes no more commands
         self._dead_callbacks: list[Callable[[BaseException], None]] = []
         self._dead_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="manylora-engine", daemon=True)
@@ -159,6 +160,8 @@ class AsyncLLM:
         future = loop.create_future()
         self._commands.put(_Command(name, args, loop, future))
         self.engine.wake()
+        if self._drained is not None:   # the loop ended after the check: nobody takes it
+            self._fail_commands(self._drained)
         return await future
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
@@ -425,6 +428,11 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             _deliver(stream, error)
+        self._drained = error
+        self._fail_commands(error)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Answer every queued command with ``error`` (any thread, once the loop ended)."""
         while True:
             try:
                 cmd = self._commands.get_nowait()
