@@ -82,6 +82,8 @@ class AsyncLLM:
         tokenizer: the engine's tokenizer (None with ``skip_tokenizer_init``).
         max_model_len: the context length in tokens (prompt + output).
         max_loras: device adapter slots (0 when LoRA is off).
+        max_bad_words, max_structured_output_spec_bytes: the engine's bounds of one
+            request's ``bad_words`` and output constraint (``EngineArgs``').
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
@@ -92,6 +94,8 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_loras = engine.max_loras
+        self.max_bad_words = engine.max_bad_words
+        self.max_structured_output_spec_bytes = engine.max_structured_output_spec_bytes
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()

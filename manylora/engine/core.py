@@ -163,7 +163,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         self.structured = StructuredOutputManager(
             None if args.skip_tokenizer_init else GrammarCompileService(
-                partial(_tokenizer_info, args, model_dir, cfg.vocab_size)),
+                partial(_tokenizer_info, args, model_dir, cfg.vocab_size),
+                cache_bytes=args.grammar_cache_bytes,
+                compile_seconds=args.max_grammar_compile_seconds),
             cfg.vocab_size, args.max_num_seqs, pin_memory=self.device.type == "cuda")
         if self.tp_driver is not None and self.async_scheduling:
             self.tp_driver.share_sampled = True

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from manylora.engine.request import Request
-from manylora.structured.bad_words import banned_tokens
+from manylora.structured.bad_words import BadWords
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key
 
@@ -91,6 +91,7 @@ host mask.
         self._batch: Any = None
         self._held: dict[str, tuple[Request, Future]] = {}
         self._matchers: dict[str, Any] = {}
+        self._bad_words: dict[str, BadWords] = {}
 
     def check(self, request_id: str) -> None:
         """Refuse a grammar the engine cannot serve.
@@ -143,10 +144,15 @@ host mask.
         return any(f.done() for _, f in self._held.values())
 
     def release(self, request_id: str) -> Request | None:
-        """Stop holding a request (aborted while its grammar compiles); its ``Request``,
-        or None when it was not held."""
+        """Stop holding a request (aborted while its grammar compiles): a compile nobody
+        else waits for is dropped (``GrammarCompileService.release``). Its ``Request``, or
+        None when it was not held."""
         held = self._held.pop(request_id, None)
-        return None if held is None else held[0]
+        if held is None:
+            return None
+        req = held[0]
+        self.compiler.release(grammar_key(req.sampling_params.structured_outputs))
+        return req
 
     def poll(self) -> tuple[list[Request], list[tuple[Request, Exception]]]:
         """Held requests whose compile ended: ``(ready, failed)``; a ready one has its
@@ -178,6 +184,9 @@ host mask.
 
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask)
+        bad = self._bad_words_of(req.request_id, req)
+        if bad is not None:          # the one-token words: nothing else is banned first
+            bad.clear(mask.numpy().view(np.uint32)[0], [])
         allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
         allowed = allowed[:self.vocab_size].astype(bool)
         params = req.sampling_params
@@ -185,8 +194,6 @@ host mask.
             only = np.zeros(self.vocab_size, dtype=bool)
             only[[t for t in params.allowed_token_ids if 0 <= t < self.vocab_size]] = True
             allowed &= only
-        if params.bad_words_token_ids:
-            allowed[banned_tokens(params.bad_words_token_ids, [])] = False
         return bool(allowed.any())
 
     def has_matcher(self, request_id: str) -> bool:
@@ -218,15 +225,16 @@ host mask.
         """Forget the matchers of ended requests (and any still held)."""
         for rid in request_ids:
             self._matchers.pop(rid, None)
-            self._held.pop(rid, None)
+            self._bad_words.pop(rid, None)
+            self.release(rid)
 
     def fill(self, req_ids: list[str], rows: np.ndarray,
              requests: Mapping[str, Request]) -> torch.Tensor | None:
         """The token masks of a step's sampled rows ``rows`` (indices into ``req_ids``, the
         step's sampled requests): a live matcher's next-token bitmask (every live matcher's
         in one call of xgrammar's ``BatchGrammarMatcher``, on its own threads), with the
-        tokens ``bad_words_token_ids`` bans now (``banned_tokens`` over the request's
-        output in ``requests``) cleared.
+        tokens ``bad_words_token_ids`` bans now (``BadWords.bans`` over the request's
+        output in ``requests``, indexed on its first step) cleared.
 
         Returns:
             int32 ``[k, 1 + ceil(V / 32)]``, a view of ``bitmask`` (column 0: the sampled
@@ -245,20 +253,20 @@ host mask.
             rid = req_ids[i]
             matcher = self._matchers.get(rid)
             req = requests.get(rid)
-            sequences = None if req is None else req.sampling_params.bad_words_token_ids
-            banned = banned_tokens(sequences, req.output_token_ids) if sequences else []
+            bad = None if req is None else self._bad_words_of(rid, req)
+            banned = None if bad is None else bad.bans(req.token_ids, req.num_prompt_tokens)
             if matcher is not None and not matcher.is_terminated():
                 if (req is not None and req.eos_token_ids
                         and req.num_output_tokens < req.sampling_params.min_tokens):
                     hold.append((len(live), req.eos_token_ids))
                 live_rows.append(i)
                 live.append(matcher)
-            elif banned:
+            elif banned is not None:
                 banned_rows.append(i)
             else:
                 continue
-            if banned:
-                bans.append((i, banned))
+            if banned is not None:
+                bans.append((i, bad, banned))
         m, k = len(live), len(live) + len(banned_rows)
         if not k:
             return None
@@ -275,11 +283,17 @@ host mask.
         words[:k, 0] = live_rows + banned_rows
         if bans:
             position = {i: r for r, i in enumerate(live_rows + banned_rows)}
-            for i, banned in bans:
-                for t in banned:
-                    words[position[i], 1 + (t >> 5)] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+            for i, bad, banned in bans:
+                bad.clear(words[position[i], 1:], banned)
         return self.bitmask[:k]
 
+    def _bad_words_of(self, request_id: str, req: Request) -> BadWords | None:
+        """``req``'s ``bad_words_token_ids`` index, built on first use (None: no words)."""
+        bad = self._bad_words.get(request_id)
+        if bad is None and req.sampling_params.bad_words_token_ids:
+            bad = self._bad_words[request_id] = BadWords(
+                req.sampling_params.bad_words_token_ids, self.vocab_size)
+        return bad
 
 def _hold_stop_tokens(row: np.ndarray, stops: Iterable[int]) -> None:
     """Clear the bits of ``stops`` in one uint32 bitmask row (``min_tokens`` not reached),

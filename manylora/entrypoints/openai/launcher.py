@@ -36,6 +36,7 @@ from manylora.entrypoints.openai.generation_config import generation_defaults, p
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS
 from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.log_stats import LoggingStatLogger
@@ -108,6 +109,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                         help="the most log-probabilities a request may ask for per token "
                              f"(logprobs, top_logprobs); at most {MAX_LOGPROBS}")
+    parser.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
+                        help="the most tools one chat request may carry (default "
+                             f"{DEFAULT_MAX_TOOLS}, OpenAI's bound); more get 400")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_frontend_args(parser)
@@ -144,6 +148,8 @@ def create_server(args: argparse.Namespace) -> Server:
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
+    if args.max_tools < 0:
+        raise ValueError(f"--max-tools must be ≥ 0, got {args.max_tools}")
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most this "
                          f"engine returns per token), got {args.max_logprobs}")
@@ -206,7 +212,7 @@ def create_server(args: argparse.Namespace) -> Server:
                           tool_call_parser=args.tool_call_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           sampling_defaults=sampling_defaults,
-                          max_logprobs=args.max_logprobs)
+                          max_logprobs=args.max_logprobs, max_tools=args.max_tools)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry)
