@@ -244,12 +244,13 @@ def test_literal_keys_match_as_the_regex_does():
 
 def test_pathological_pattern_is_bounded(good, tmp_path, adapter_target):
     """The issue's key took 8 s under ``re`` and held the GIL; it cannot match (no module
-    name holds an X), so every module keeps the default scaling."""
+    name holds an X), so it is refused as a key that matches nothing, within its budget."""
     slow = _copy(good, tmp_path, "slow")
-    _edit_config(slow, alpha_pattern={"(.?)*(.?)*(.?)*(.?)*(.?)*X": 1000})
-    ref = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
-    got = load_peft_adapter(LoRARequest(NAME, 1, str(slow)), slow, adapter_target)
-    assert ref.digest == got.digest
+    key = "(.?)*(.?)*(.?)*(.?)*(.?)*X"
+    _edit_config(slow, alpha_pattern={key: 1000})
+    with pytest.raises(LoRAAdapterError, match=re.escape(f"alpha_pattern keys [{key!r}] match "
+                                                         "no module")):
+        load_peft_adapter(LoRARequest(NAME, 1, str(slow)), slow, adapter_target)
 
 
 def test_backtracking_pattern_fails_within_its_budget(good, tmp_path, adapter_target):
