@@ -21,6 +21,7 @@ dtype (``'|V2'``), as TensorRT-LLM writes them.
 from __future__ import annotations
 
 import enum
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from manylora.config import LORA_TARGET_MODULES
 from manylora.lora.adapter import (
     LoRAAdapter,
     LoRAAdapterError,
@@ -154,7 +156,8 @@ def _check_weights(weights: Any, name: str) -> torch.Tensor:
     return w
 
 
-def _check_config(config: Any, name: str) -> torch.Tensor:
+def _config_shape(config: Any, name: str) -> torch.Tensor:
+    """The config ``[N, 3|4]``, its shape and dtype checked (no value read)."""
     c = _drop_batch_dim(_as_tensor(config, "config", name), "config", "[N, 3]", name)
     if c.shape[1] not in (3, 4):
         raise LoRAAdapterError(
@@ -162,6 +165,11 @@ def _check_config(config: Any, name: str) -> torch.Tensor:
             "rows are [module_id, layer_idx, D] or [module_id, layer_idx, D, is_dora]")
     if c.dtype == torch.bool or c.is_complex():
         raise LoRAAdapterError(f"adapter {name!r}: config has dtype {c.dtype}, not integers")
+    return c
+
+
+def _check_config(c: torch.Tensor, name: str) -> torch.Tensor:
+    """The config's values, integers (as int64)."""
     if c.is_floating_point():
         bad = (~torch.isfinite(c) | (c != c.round())).any(dim=1).nonzero()
         if len(bad):
@@ -265,12 +273,17 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
             (module, layer) twice, NaN or Inf in the used part of a row, a row whose delta
             ``check_delta`` refuses (weights too large to compute with).
     """
-    w, c = _check_weights(weights, name), _check_config(config, name)
+    w, c = _check_weights(weights, name), _config_shape(config, name)
     if w.shape[0] != c.shape[0]:
         raise LoRAAdapterError(f"adapter {name!r}: weights have {w.shape[0]} rows but config "
                                f"has {c.shape[0]}; they describe the same (module, layer) rows")
     if w.shape[0] == 0:
         raise LoRAAdapterError(f"adapter {name!r}: weights and config hold no rows")
+    most = target.num_layers * len(LORA_TARGET_MODULES)
+    if w.shape[0] > most:
+        raise LoRAAdapterError(f"adapter {name!r}: weights and config hold {w.shape[0]} rows, "
+                               f"more than the {most} (module, layer) pairs of the base model")
+    c = _check_config(c, name)
     modules: dict[tuple[int, str], LoRAWeights] = {}
     rows_of: dict[tuple[int, str], int] = {}
     for i, values in enumerate(c.tolist()):
@@ -396,7 +409,7 @@ def read_trtllm_dir(path: str | os.PathLike,
         what = f"adapter {who!r}: {fname}"
         try:
             with open_regular(path / fname, what) as f:
-                array = np.load(f, allow_pickle=False)
+                array = _map_npy(f, what)
         except FileNotFoundError:
             raise LoRAAdapterError(f"{what} is missing (TensorRT-LLM's LoRA format needs "
                                    f"{WEIGHTS_FILE} and {CONFIG_FILE})") from None
@@ -406,6 +419,38 @@ def read_trtllm_dir(path: str | os.PathLike,
             raise LoRAAdapterError(f"adapter {who!r}: cannot read {fname}: {e}") from None
         out.append(_as_tensor(array, fname, who))
     return out[0], out[1]
+
+
+def _map_npy(f, what: str) -> np.ndarray:
+    """The array of an open ``.npy`` file, its header checked against the file's size before
+    any data is read, then memory-mapped (copy-on-write), so that only the bytes used are
+    read (``np.load`` reads all the array holds).
+
+    Raises:
+        LoRAAdapterError: not a ``.npy`` file (version 1 or 2), an object dtype (pickles are
+            never loaded), or a header that declares more data than the file holds.
+    """
+    size = os.fstat(f.fileno()).st_size
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+    elif version == (2, 0):
+        shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+    else:
+        raise LoRAAdapterError(f"{what}: .npy format version {version} is not read (only 1.0 "
+                               "and 2.0, which np.save writes)")
+    if dtype.hasobject:
+        raise LoRAAdapterError(f"{what}: it holds Python objects, which are never unpickled")
+    offset = f.tell()
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offset + nbytes > size:
+        raise LoRAAdapterError(f"{what}: its header declares a {dtype} array of shape "
+                               f"{list(shape)} ({nbytes} bytes), but the file holds "
+                               f"{size - offset} bytes of data")
+    if nbytes == 0:
+        return np.empty(shape, dtype=dtype)
+    return np.memmap(f, dtype=dtype, mode="c", offset=offset, shape=shape,
+                     order="F" if fortran else "C")
 
 
 class _BaseWeights:
