@@ -572,7 +572,8 @@ def layer_path(module_key: str) -> str:
 
 
 def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs:
-    """Group a PEFT state dict by ``(layer, module path)`` into ``{"A", "B", "M"}`` tensors.
+    """Group a PEFT state dict by ``(layer, module path)`` into ``{"A", "B", "M"}`` tensors
+    (any values: the keys alone decide).
 
     The module path is the key without peft's ``base_model.model.`` prefix and suffixes,
     e.g. ``model.layers.0.self_attn.q_proj``; ``"M"`` is DoRA's ``lora_magnitude_vector``.
@@ -733,10 +734,18 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
         A ``LoRAAdapter`` whose B matrices carry the scaling, in ``target.dtype`` on the CPU;
         for DoRA each module's ``dora_scale = m / ||W + BA||`` (peft's ``mag_norm_scale``).
 
+    The weights file's structure (keys, dtypes, shapes, the A/B pairs, ranks, the modules
+    the config targets) is checked from its header before any tensor data is read; then each
+    module's tensors are read in turn.
+
     Raises:
-        LoRAAdapterError: missing or corrupt files; ``modules_to_save``, embedding or bias
-            LoRA; a module the model lacks or ``lora_target_modules`` excludes; a layer index
-            past the model; A/B shapes that do not fit the base projection (for a fused
+        LoRAAdapterError: missing or corrupt files, a header that does not fit its file
+            (``open_peft_weights``); ``modules_to_save``, embedding or bias LoRA; a module
+            the model lacks or ``lora_target_modules`` excludes; a layer index past the
+            model; targets, ``layers_to_transform`` / ``layers_pattern`` or ``rank_pattern``
+            / ``alpha_pattern`` keys that match no module of the model (``peft_targets``,
+            ``PeftScaling.check_keys``); weights for a module the config does not target;
+            ``r`` or a ``rank_pattern`` rank above ``max_lora_rank``; A/B shapes that do not fit the base projection (for a fused
             module: a B whose height is not the sum of its components' widths); a module
             given both fused and on its own; a rank of 0 or above ``max_lora_rank``; NaN or
             Inf in a tensor; a delta whose size ``check_delta`` refuses; bad
