@@ -37,6 +37,7 @@ from manylora.lora.adapter import (
 )
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, is_present, open_regular, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
+from manylora.lora.loader_pool import report_progress
 from manylora.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -745,14 +746,14 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             model; targets, ``layers_to_transform`` / ``layers_pattern`` or ``rank_pattern``
             / ``alpha_pattern`` keys that match no module of the model (``peft_targets``,
             ``PeftScaling.check_keys``); weights for a module the config does not target;
-            ``r`` or a ``rank_pattern`` rank above ``max_lora_rank``; A/B shapes that do not fit the base projection (for a fused
-            module: a B whose height is not the sum of its components' widths); a module
-            given both fused and on its own; a rank of 0 or above ``max_lora_rank``; NaN or
-            Inf in a tensor; a delta whose size ``check_delta`` refuses; bad
-            ``rank_pattern`` / ``alpha_pattern`` keys or values, or matching them over its
-            time budget (``PatternTable``); a file that is not a regular file; a DoRA
-            adapter (``use_dora``) without a magnitude for every module, or with no
-            ``target.dora_norm`` to normalize it.
+            ``r`` or a ``rank_pattern`` rank above ``max_lora_rank``; A/B shapes that do
+            not fit the base projection (for a fused module: a B whose height is not the
+            sum of its components' widths); a module given both fused and on its own; a
+            rank of 0 or above ``max_lora_rank``; NaN or Inf in a tensor; a delta whose
+            size ``check_delta`` refuses; bad ``rank_pattern`` / ``alpha_pattern`` keys or
+            values, or matching them over its time budget (``PatternTable``); a file that
+            is not a regular file; a DoRA adapter (``use_dora``) without a magnitude for
+            every module, or with no ``target.dora_norm`` to normalize it.
     """
     name, path = request.lora_name, Path(path)
     cfg = check_peft_config(path, name, target)
@@ -780,8 +781,10 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
         for (_, module_key), ab in sorted(metas.items()):
             check_peft_pair(name, module_key, ab, use_dora)
             _check_shapes(name, module_key, ab, target)
+        report_progress()
         for (layer, module_key), ab in sorted(keys.items()):
             ab = {label: stored.read(k) for label, k in ab.items()}
+            report_progress()
             check_peft_pair(name, module_key, ab, use_dora)
             for key, w in _module_weights(name, layer, module_key, ab, scaling,
                                           target).items():

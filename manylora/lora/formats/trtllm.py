@@ -49,6 +49,7 @@ from manylora.lora.formats.peft import (
     read_peft_config,
     read_peft_tensors,
 )
+from manylora.lora.loader_pool import report_progress
 
 WEIGHTS_FILE = "model.lora_weights.npy"
 CONFIG_FILE = "model.lora_config.npy"
@@ -297,6 +298,7 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
             rows_of[(layer, part)] = i
         for part, lw in _row_weights(name, i, values, w[i], parts, target).items():
             modules[(layer, part)] = lw
+        report_progress()
     return LoRAAdapter(lora_int_id, name, modules)
 
 
