@@ -504,8 +504,8 @@ def test_weights_for_modules_the_config_does_not_target_are_refused(good, tmp_pa
 
 
 def test_bin_weights_load_as_safetensors_do(base_dir, tmp_path, adapter_target):
-    """``adapter_model.bin`` (torch's zip format, memory-mapped) and the legacy pickle format
-    read the same adapter as ``adapter_model.safetensors``."""
+    """``adapter_model.bin`` (torch's zip format) and the legacy pickle format read the same
+    adapter as ``adapter_model.safetensors``."""
     kwargs = dict(r=4, target_modules=["q_proj", "down_proj"], seed=62)
     st = make_peft_adapter(base_dir, tmp_path / "st", **kwargs)
     as_bin = make_peft_adapter(base_dir, tmp_path / "bin", safe_serialization=False, **kwargs)
@@ -514,3 +514,18 @@ def test_bin_weights_load_as_safetensors_do(base_dir, tmp_path, adapter_target):
     tensors = load_file(st / "adapter_model.safetensors")
     torch.save(tensors, as_bin / "adapter_model.bin", _use_new_zipfile_serialization=False)
     assert _load(as_bin, adapter_target).digest == ref.digest
+
+
+def test_weights_truncated_while_read_are_an_error(good, tmp_path):
+    """Tensor data is read from the file, not through a memory map: a file cut short after
+    its header was checked is a named error, not SIGBUS."""
+    from manylora.lora.formats.peft import open_peft_weights
+
+    bad = _copy(good, tmp_path)
+    weights = bad / "adapter_model.safetensors"
+    with open_peft_weights(bad, NAME) as stored:
+        key = max(stored.meta)
+        os.truncate(weights, 64)
+        with pytest.raises(LoRAAdapterError, match=rf"adapter_model.safetensors: the file ended "
+                           rf"within tensor {re.escape(repr(key))}'s data"):
+            stored.read(key)

@@ -20,7 +20,6 @@ import os
 import pickle
 import re
 import struct
-import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,9 +242,8 @@ def read_peft_config(path: str | os.PathLike, name: str) -> dict:
 
 class PeftWeights:
     """The tensors of a PEFT adapter's weights file, their keys, dtypes and shapes known
-    before any tensor data is read (from the safetensors header; from the pickle of an
-    ``adapter_model.bin``, its storages memory-mapped). A context manager that closes the
-    file.
+    before any tensor is processed (from the safetensors header, before any data is read;
+    an ``adapter_model.bin`` is read whole). A context manager that closes the file.
 
     Attributes:
         meta: ``{key: tensor on the meta device}``, each of the stored dtype and shape.
@@ -281,8 +279,10 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 
 
 def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> PeftWeights:
-    """The header checked against the file's size, then safetensors' ``safe_open`` (which
-    validates the header and maps the file; ``get_tensor`` reads one tensor's bytes)."""
+    """The header checked against the file's size, then validated by safetensors'
+    ``safe_open`` (which maps the file without reading its data); each tensor's bytes are
+    then read with ``pread`` from the file checked (not through a mapping: a file truncated
+    while it is read is an error here, where a mapped page past its end would be SIGBUS)."""
     from safetensors import SafetensorError, safe_open
 
     size = os.fstat(f.fileno()).st_size
@@ -296,30 +296,48 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
     if 8 + n > size:
         raise LoRAAdapterError(f"{what}: its safetensors header claims {n} bytes, but the file "
                                f"holds {size}")
-    end = _data_end(f.read(n))
+    header = f.read(n)
+    end = _data_end(header)
     if end is not None and 8 + n + end > size:
         raise LoRAAdapterError(f"{what}: its safetensors header places tensor data up to byte "
                                f"{8 + n + end}, but the file holds {size} bytes")
     try:
-        handle = stack.enter_context(safe_open(_fd_path(f, path), framework="pt"))
-        meta = {}
-        for key in handle.keys():
-            piece = handle.get_slice(key)
-            dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
-            if dtype is None:
-                raise LoRAAdapterError(f"{what}: tensor {key!r} has dtype {piece.get_dtype()}, "
-                                       "which no LoRA weight has")
-            meta[key] = torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+        with safe_open(_fd_path(f, path), framework="pt"):
+            pass                             # the header's own validation
     except SafetensorError as e:
         raise LoRAAdapterError(f"{what} is not a valid safetensors file: "
                                f"{_first_line(e)}") from None
+    meta, places = {}, {}
+    for key, entry in json.loads(header).items():
+        if key == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise LoRAAdapterError(f"{what}: tensor {key!r} has dtype {entry['dtype']}, which "
+                                   "no LoRA weight has")
+        meta[key] = torch.empty(entry["shape"], dtype=dtype, device="meta")
+        begin, stop = entry["data_offsets"]
+        places[key] = (8 + n + begin, stop - begin)
+    fd = f.fileno()
 
     def read(key: str) -> torch.Tensor:
-        try:
-            return handle.get_tensor(key)
-        except SafetensorError as e:
-            raise LoRAAdapterError(f"{what}: cannot read tensor {key!r}: "
-                                   f"{_first_line(e)}") from None
+        offset, nbytes = places[key]
+        buf = bytearray(nbytes)
+        view, done = memoryview(buf), 0
+        while done < nbytes:
+            try:
+                got = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as e:
+                raise LoRAAdapterError(f"{what}: cannot read tensor {key!r}: "
+                                       f"{e.strerror or e}") from None
+            if got == 0:
+                raise LoRAAdapterError(f"{what}: the file ended within tensor {key!r}'s data "
+                                       "(it changed while it was read)")
+            done += got
+        t = meta[key]
+        raw = (torch.frombuffer(buf, dtype=torch.uint8) if nbytes
+               else torch.empty(0, dtype=torch.uint8))
+        return raw.view(t.dtype).reshape(t.shape)
     return PeftWeights(meta, read, stack)
 
 
@@ -340,14 +358,10 @@ def _data_end(header: bytes) -> int | None:
 
 
 def _open_bin(f, path: Path, what: str, stack: contextlib.ExitStack) -> PeftWeights:
-    """``torch.load`` with ``weights_only`` (memory-mapped, for torch's zip format)."""
+    """``torch.load`` with ``weights_only``, as vLLM reads ``adapter_model.bin`` (read
+    whole: a memory map would turn a file truncated while it is read into SIGBUS)."""
     try:
-        if zipfile.is_zipfile(f):
-            state = torch.load(_fd_path(f, path), map_location="cpu", weights_only=True,
-                               mmap=True)
-        else:
-            f.seek(0)
-            state = torch.load(f, map_location="cpu", weights_only=True)
+        state = torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise LoRAAdapterError(f"{what}: cannot read {path.name}: it holds Python objects "
                                "other than tensors, which are never unpickled "
@@ -362,9 +376,9 @@ def _open_bin(f, path: Path, what: str, stack: contextlib.ExitStack) -> PeftWeig
 
 def open_peft_weights(path: str | os.PathLike, name: str) -> PeftWeights:
     """Open ``adapter_model.safetensors`` (or ``adapter_model.bin``) of a PEFT adapter, a
-    regular file only, reading no more than its header: a safetensors header must fit the
+    regular file only, reading no more than a safetensors file's header: it must fit the
     file (``MAX_HEADER_BYTES`` at most, tensor data within the file's size, and safetensors'
-    own validation).
+    own validation). An ``adapter_model.bin`` (a pickle) is read whole.
 
     Raises:
         LoRAAdapterError: neither file exists, it is not a regular file, or its header is
