@@ -322,8 +322,8 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
 
     def read(key: str) -> torch.Tensor:
         offset, nbytes = places[key]
-        buf = bytearray(nbytes)
-        view, done = memoryview(buf), 0
+        raw = torch.empty(nbytes, dtype=torch.uint8)
+        view, done = memoryview(raw.numpy()), 0
         while done < nbytes:
             try:
                 got = os.preadv(fd, [view[done:]], offset + done)
@@ -335,8 +335,6 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
                                        "(it changed while it was read)")
             done += got
         t = meta[key]
-        raw = (torch.frombuffer(buf, dtype=torch.uint8) if nbytes
-               else torch.empty(0, dtype=torch.uint8))
         return raw.view(t.dtype).reshape(t.shape)
     return PeftWeights(meta, read, stack)
 
