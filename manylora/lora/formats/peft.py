@@ -288,7 +288,7 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
     size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) < 8:
-        raise LoRAAdapterError(f"{what} is not a safetensors file ({size} bytes, no header)")
+        raise LoRAAdapterError(f"{what}: no safetensors header ({size} bytes)")
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES:
         raise LoRAAdapterError(f"{what}: its safetensors header claims {n} bytes, more than "
@@ -305,8 +305,7 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
         with safe_open(_fd_path(f, path), framework="pt"):
             pass                             # the header's own validation
     except SafetensorError as e:
-        raise LoRAAdapterError(f"{what} is not a valid safetensors file: "
-                               f"{_first_line(e)}") from None
+        raise LoRAAdapterError(f"{what}: {_first_line(e)}") from None
     meta, places = {}, {}
     for key, entry in json.loads(header).items():
         if key == "__metadata__":
@@ -328,8 +327,7 @@ def _open_safetensors(f, path: Path, what: str, stack: contextlib.ExitStack) -> 
             try:
                 got = os.preadv(fd, [view[done:]], offset + done)
             except OSError as e:
-                raise LoRAAdapterError(f"{what}: cannot read tensor {key!r}: "
-                                       f"{e.strerror or e}") from None
+                raise LoRAAdapterError(f"{what}: tensor {key!r}: {e.strerror or e}") from None
             if got == 0:
                 raise LoRAAdapterError(f"{what}: the file ended within tensor {key!r}'s data "
                                        "(it changed while it was read)")
@@ -390,7 +388,7 @@ def open_peft_weights(path: str | os.PathLike, name: str) -> PeftWeights:
         try:
             f = stack.enter_context(open_regular(path / file, f"{what}: {file}"))
             if file.endswith(".safetensors"):
-                return _open_safetensors(f, path / file, f"{what}: {file}", stack)
+                return _open_safetensors(f, path / file, f"{what}: cannot read {file}", stack)
             return _open_bin(f, path / file, what, stack)
         except BaseException:
             stack.close()
