@@ -106,6 +106,17 @@ def run_child(args: argparse.Namespace) -> None:
                 (start, time.perf_counter(), error))
 
     manager._read = timed_read
+    packs: list[float] = []
+    original_pack = manager._pack
+
+    def timed_pack(adapter):
+        start = time.perf_counter()
+        try:
+            return original_pack(adapter)
+        finally:
+            packs.append(time.perf_counter() - start)
+
+    manager._pack = timed_pack
 
     rng = random.Random(0)
     vocab = config["vocab_size"]
@@ -133,7 +144,7 @@ def run_child(args: argparse.Namespace) -> None:
     stats = llm.llm_engine.lora_cache_stats()
     result = dict(
         count=count, startup_s=startup, completion_s=completion, first_done_s=first_done,
-        read_s=read_s, failed_reads=failed_reads, request_errors=errors,
+        read_s=read_s, pack_s=packs, failed_reads=failed_reads, request_errors=errors,
         rereads=sum(max(0, len(t) - 1) for t in reads.values()),
         host_load_failures=stats.host_load_failures, host_evictions=stats.host_evictions,
         stuck_loader_threads=stats.stuck_loader_threads,
@@ -200,6 +211,7 @@ def main() -> None:
                          f"{statistics.median(done):.2f}", f"{percentile(done, 0.9):.2f}",
                          f"{max(done):.2f}", f"{statistics.median(read):.3f}",
                          f"{percentile(read, 0.9):.3f}", f"{max(read):.3f}",
+                         f"{statistics.median(r['pack_s']):.3f}", f"{max(r['pack_s']):.3f}",
                          len(r["failed_reads"]), len(r["request_errors"]), r["rereads"],
                          f"{r['completion_s']:.1f}"])
             print(rows[-1], flush=True)
@@ -207,8 +219,8 @@ def main() -> None:
                 details.append(f"N={count}: {line}")
             adapter_mib = r["adapter_bytes"] / 2**20
     columns = ["adapters", "engine start s", "first read done s: median", "p90", "max",
-               "read s: median", "p90", "max", "failed reads", "request errors", "re-reads",
-               "batch s"]
+               "read s: median", "p90", "max", "pin + pack s: median", "max", "failed reads",
+               "request errors", "re-reads", "batch s"]
     title = (f"Cold burst of never-seen adapters ({gpu_name(device)}): N rank-{RANK} adapters "
              "named at once right after start-up")
     notes = [(
@@ -220,8 +232,9 @@ def main() -> None:
         f"N/4 base requests shuffled, prompt {prompt}, {new} new tokens, greedy, ignore_eos. "
         "'first "
         "read done' = from the call to the end of the adapter's first read (queueing "
-        "included); 'read' = that read on its loader thread; 'batch' = the call's wall "
-        "time.")]
+        "included); 'read' = that read on its loader thread; 'pin + pack' = the part of a read "
+        "that allocates the adapter's page-locked buffer and lays it out (every read, re-reads "
+        "too); 'batch' = the call's wall time.")]
     if details:
         notes.append("Failures: " + "; ".join(details))
     record(title, "python -m benchmarks.bench_cold_adapters " + " ".join(sys.argv[1:]),
