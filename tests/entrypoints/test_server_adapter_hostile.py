@@ -193,7 +193,8 @@ def test_read_over_the_bound_is_a_504_of_its_own(base_dir, hostile_root, good, m
             assert r.status_code == 504, r.text
             error = r.json()["error"]
             assert error["code"] == "adapter_load_timeout" and error["param"] == "lora_path"
-            assert "adapter 'stuck'" in error["message"] and "no progress for 1 s" in error["message"]
+            assert "adapter 'stuck'" in error["message"]
+            assert "no progress for 1 s" in error["message"]
             assert _scrape(url)["manylora:lora_stuck_loader_threads"] == 1
             assert _load(http, "fine", "good").status_code == 200
             assert "stuck" not in {m["id"] for m in http.get("/v1/models").json()["data"]}

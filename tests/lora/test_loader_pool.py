@@ -1,6 +1,7 @@
 """``LoaderPool``: a read past its deadline fails alone with ``LoRALoadTimeoutError`` and
 its stuck worker is replaced, so later reads still run; the bound runs from a read's start
-(reads queued behind slow ones wait their turn); reads queued behind workers that are all
+(reads queued behind slow ones wait their turn) and from each progress it reports (a read
+that works on outlives it); reads queued behind workers that are all
 stuck, with none to replace them, fail at once; results of written-off reads are dropped.
 The stuck read is an event the test holds, so no assertion depends on how fast the machine
 is."""
