@@ -86,10 +86,10 @@ class EngineArgs:
             sampled tokens on the device, so the host's planning and output handling overlap
             the GPU. Greedy and seeded outputs are the same on and off; a request that stops
             (EOS, stop id) computes one more token, which is discarded.
-        lora_load_timeout: seconds one adapter read from disk may take (parse, validate,
-            digest, pin; from the moment a loader thread starts it); a read that takes longer
-            fails alone (its requests end with the error, a run-time load answers 504) and
-            its loader thread is replaced. None: no bound.
+        lora_load_timeout: seconds one adapter read from disk (parse, validate, digest,
+            pin; from the moment a loader thread starts it) may go without progress (a
+            module read); a read stuck longer fails alone (its requests end with the error,
+            a run-time load answers 504) and its loader thread is replaced. None: no bound.
         scheduling_policy: ``fair``: share the running batch between client groups (the
             requests one HTTP request or one ``LLM.generate`` call fans out to): waiting
             requests join least-running group first, and a group over ``max_group_share``
