@@ -17,6 +17,8 @@ while the core keeps stepping).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -195,6 +198,37 @@ class InprocClient:
             self.engine_core.shutdown()
 
 
+#: Core clients not shut down yet: whatever ends the interpreter normally (an interrupt
+#: while the front was still being built, say) still stops and reaps their cores.
+_LIVE_CLIENTS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_live_clients() -> None:
+    for client in list(_LIVE_CLIENTS):
+        client.shutdown()
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """SIGINT and SIGTERM held back inside the block (main thread only; elsewhere Python
+    runs no signal handler) and delivered to the handlers in place once it ends, so that an
+    interrupt never lands between a process being started and its owner knowing it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in held:
+            signal.raise_signal(sig)
+
+
 class MPClient:
     """The core in a process of its own (``python -m manylora.engine.core_proc``), over two
     ZMQ ``ipc://`` sockets this side binds.
@@ -215,6 +249,18 @@ class MPClient:
     in_process = False
 
     def __init__(self, args: EngineArgs) -> None:
+        try:
+            with _stop_signals_deferred():
+                self._spawn(args)
+            self.info = self._wait_ready()
+        except BaseException:
+            if self in _LIVE_CLIENTS:         # its core was started
+                self.shutdown()
+            raise
+
+    def _spawn(self, args: EngineArgs) -> None:
+        """The sockets, their folder and the core process, registered for ``shutdown``
+        before any stop signal can interrupt the front."""
         self._dir = tempfile.mkdtemp(prefix="manylora-")
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
@@ -255,11 +301,7 @@ class MPClient:
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self._poller.register(self._pidfd, zmq.POLLIN)
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self.shutdown()
-            raise
+        _LIVE_CLIENTS.add(self)
 
     @property
     def pid(self) -> int | None:
