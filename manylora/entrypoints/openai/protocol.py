@@ -113,7 +113,8 @@ class CompletionRequest(StructuredFields, CompletionFields):
     echo: bool | None = False
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
     max_tokens: int | None = 16
     n: int | None = 1
     presence_penalty: float | None = None
@@ -243,11 +244,12 @@ class ChatCompletionRequest(StructuredFields, ChatFields):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
     model: ClientName | None = None
-    messages: list[ChatCompletionMessageParam]
+    messages: list[ChatCompletionMessageParam] = Field(json_schema_extra={"minItems": 1})
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(
+        default=None, json_schema_extra={"minimum": 0, "maximum": MAX_LOGPROBS})
     max_tokens: int | None = Field(default=None, description="deprecated by OpenAI")
     max_completion_tokens: int | None = None
     n: int | None = 1

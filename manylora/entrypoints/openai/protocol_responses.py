@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import (
@@ -156,10 +156,43 @@ class ResponseStreamOptions(RequestModel):
     include_obfuscation: bool | None = None
 
 
+def _publish_checks(schema: dict[str, Any]) -> None:
+    """Narrow the published schema of :class:`ResponsesRequest` to what ``check`` accepts
+    (bounds, and only the unset values of the unsupported fields, the reason in their
+    description): the document says what the server enforces, while validation stays
+    permissive so that ``check`` answers with the reason."""
+    props = schema["properties"]
+    bounds = {"max_output_tokens": {"minimum": 1}, "max_tool_calls": {"minimum": 1},
+              "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+              "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX}}
+    for name, bound in bounds.items():
+        props[name].update(bound)
+    props["input"]["anyOf"] = [{**o, "minItems": 1} if o.get("type") == "array" else o
+                               for o in props["input"]["anyOf"]]
+    null, empty_list = {"type": "null"}, {"type": "array", "maxItems": 0}
+    empty_object = {"type": "object", "maxProperties": 0}
+    unset = {"tools": [null, empty_list],
+             "tool_choice": [null, {"enum": ["none", "auto"]}],
+             "background": [null, {"const": False}],
+             "prompt": [null, empty_object],
+             "conversation": [null, {"const": ""}, empty_object],
+             "context_management": [null, empty_list],
+             "service_tier": [null, {"enum": ["auto", "default"]}],
+             "prompt_cache_retention": [null, {"const": "in_memory"}],
+             "priority": [null, {"const": 0}]}
+    for name, options in unset.items():
+        props[name] = {"anyOf": options, "description": "only these values are supported",
+                       **({"default": props[name]["default"]} if "default" in props[name]
+                          else {})}
+
+
 class ResponsesRequest(RequestModel):
     """Body of ``POST /v1/responses``: OpenAI's ``responses.create`` for text, with vLLM's
     extras. ``input`` is one user text or a list of messages; ``instructions`` becomes a
-    leading system message (OpenAI's and vLLM's rendering)."""
+    leading system message (OpenAI's and vLLM's rendering). The published schema is
+    narrowed to what :meth:`check` accepts (``_publish_checks``)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_checks)
 
     model: ClientName | None = None
     input: str | list[ResponseInputMessage]

@@ -50,7 +50,7 @@ class TokenizeChatRequest(RequestModel):
     chat completion."""
 
     model: ClientName | None = None
-    messages: list[ChatCompletionMessageParam]
+    messages: list[ChatCompletionMessageParam] = Field(json_schema_extra={"minItems": 1})
     tools: list[ChatCompletionToolsParam] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -4,10 +4,11 @@
   validates them: no string-to-bool (``"stream": "yes"``), bool-to-int (``"n": true``,
   ``"prompt": [true]``) or float-to-int (``"max_tokens": 5.0``) coercion, while an integer
   stays a valid number (``"temperature": 1``); NaN and infinities are refused; unknown
-  fields are ignored. Every string anywhere in a body (dict keys and values of free-form
-  fields included) must be valid Unicode, i.e. encodable as UTF-8: JSON can carry a lone
-  UTF-16 surrogate (``"\\ud800"``) that no response, log line or metric label can encode,
-  and OpenAI refuses such bodies with a 400.
+  fields are ignored, once checked by the same rules as the rest (no NaN or infinity, no
+  lone surrogate: a 400 naming the field). Every string anywhere in a body (dict keys and
+  values of free-form fields included) must be valid Unicode, i.e. encodable as UTF-8:
+  JSON can carry a lone UTF-16 surrogate (``"\\ud800"``) that no response, log line or
+  metric label can encode, and OpenAI refuses such bodies with a 400.
 * :data:`ClientName`: the type of a name a client chooses that ends up as a registry key,
   a label or a log field (``model``, ``lora_name``, ``user``, a message's ``name``): on top
   of the above, no control characters (C0, DEL, C1), no line or paragraph separators, no
@@ -21,11 +22,21 @@ name, typed ``ClientName``).
 
 from __future__ import annotations
 
+import math
 import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from manylora.entrypoints.openai.errors import OpenAIError
 
@@ -130,9 +141,31 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(item, f"{path}[{i}]")
 
 
+def _check_ignored(value: Any) -> None:
+    """Raise ValueError for the first NaN or infinity, or string or key that UTF-8 cannot
+    encode, in ``value`` (an unknown field's parsed JSON). Iterative: any depth the JSON
+    parser took."""
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            where = f"item {path} " if path else ""
+            spelled = "NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity"
+            raise ValueError(f"{where}holds {spelled}: NaN and infinities are not JSON "
+                             "numbers")
+        if isinstance(item, str):
+            _check_strings(item, path)
+        elif isinstance(item, Mapping):
+            _check_strings(dict.fromkeys(item), path)      # the keys
+            pending += [(sub, f"{path}[{key!r}]") for key, sub in item.items()]
+        elif isinstance(item, list):
+            pending += [(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+
+
 class RequestModel(BaseModel):
     """Base of every request body: strict types (an integer is still a valid number), no
-    NaN or infinity, every string valid Unicode, unknown fields ignored.
+    NaN or infinity, every string valid Unicode, unknown fields ignored once they pass the
+    same NaN, infinity and Unicode checks.
 
     Raises:
         pydantic.ValidationError: on validation, for any field breaking these rules; the
@@ -140,6 +173,29 @@ class RequestModel(BaseModel):
     """
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        known.update(f.alias for f in cls.model_fields.values() if f.alias)
+        for key, value in data.items():
+            if key in known:
+                continue
+            try:
+                _check_strings(key, "")
+                _check_ignored(value)
+            except ValueError as e:
+                name = key if first_unencodable(key) is None else ascii(key)
+                reason = f"an unknown field (ignored) must still be valid JSON: {e}"
+                # a ValidationError raised here keeps the field's location (pydantic adds
+                # the enclosing fields' for a nested model)
+                raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                    type=PydanticCustomError("value_error", reason), loc=(name,),
+                    input=None)]) from None
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
