@@ -147,7 +147,8 @@ def test_idle_connections_are_closed(url):
 def test_open_connections_beyond_the_limit_get_503(base_dir):
     limit = 3
     with running_server(base_dir, "--limit-concurrency", str(limit),
-                        "--timeout-keep-alive", "600") as (_, url):
+                        "--timeout-keep-alive", "600", "--timeout-request-head", "600"
+                        ) as (_, url):
         held = []
         for _ in range(limit - 1):        # kept-alive connections count as open
             sock = _connect(url)

@@ -29,8 +29,11 @@ __all__ = [
 ]
 
 #: A token id as a client sends it: a non-negative integer (the upper bound, the
-#: tokenizer's size, is checked by the route).
-TokenId = Annotated[int, Field(ge=0)]
+#: tokenizer's size, is checked by the route). JSON Schema's ``integer`` admits ``716.0``,
+#: which the server refuses as every integer field does (OpenAI's reading): the published
+#: description says so.
+TokenId = Annotated[int, Field(ge=0, description="a token id, written as an integer "
+                                                 "(716, not 716.0)")]
 
 
 class TokenizeCompletionRequest(RequestModel):
