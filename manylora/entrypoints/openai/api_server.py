@@ -166,8 +166,6 @@ class BodyLimitMiddleware:
         more = True
         while more:
             msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return                   # the client left (or timed out) mid-body
             if msg["type"] != "http.request":
                 await self.app(scope, _replay(msg, receive), send)
                 return
