@@ -48,6 +48,37 @@ REFUSED = [
     ("/v1/responses", {"model": BASE, "input": []}, "input"),
     ("/v1/responses", {"model": BASE, "input": "hi", "background": True}, "background"),
     ("/v1/responses", {"model": BASE, "input": "hi", "service_tier": "flex"}, "service_tier"),
+    # what a bounded strict Schemathesis run (400 not expected of valid data) found
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "tool", "content": "4"}]},
+     "messages[0]"),
+    # /tokenize's body is a text or messages: the 400 names the text's missing prompt first
+    ("/tokenize", {"model": BASE, "messages": [{"role": "tool", "content": "4"}]}, "prompt"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [
+        {"role": "user", "content": "hi", "tool_call_id": "c1"}]}, "messages[0]"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ("/v1/completions", {"model": BASE, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": BASE, "prompt": ["hi", ""]}, "prompt"),
+    ("/v1/completions", {"model": BASE, "prompt": [[1], []]}, "prompt"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "truncate_prompt_tokens": 0},
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "seed": 2**63}, "seed"),
+    ("/v1/responses", {"model": BASE, "input": "hi", "seed": 2**63}, "seed"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "allowed_token_ids": []},
+     "allowed_token_ids"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "stream_options": {}},
+     "stream_options"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 1}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, "tool_choice"),
+    ("/tokenize", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/v1/responses", {"model": BASE, "input": "hi",
+                       "include": ["reasoning.encrypted_content"]}, "include"),
+    ("/v1/responses", {"model": BASE, "input": "hi", "reasoning": {"effort": "high"}},
+     "reasoning"),
 ]
 ACCEPTED = [
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
@@ -56,6 +87,17 @@ ACCEPTED = [
     ("/tokenize", {"model": BASE, "messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 1,
                        "top_logprobs": 20, "context_management": [], "background": False}),
+    # the largest seed with n choices (child i seeded seed + i, wrapped), whole numbers
+    # written as 2.0 (JSON Schema's integer), an assistant message without content
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "max_tokens": 1, "n": 2,
+                         "seed": 2**63 - 1}),
+    ("/v1/completions", {"model": BASE, "prompt": [[1.0, 2.0]], "max_tokens": 1.0,
+                         "truncate_prompt_tokens": -1}),
+    ("/v1/chat/completions", {"model": BASE, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]}]}),
+    ("/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 1,
+                       "seed": -(2**63), "reasoning": {"effort": "none"}}),
 ]
 
 

@@ -98,6 +98,36 @@ def install_openapi(app: FastAPI, api_keys: bool,
     app.openapi = openapi
 
 
+_NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                     "multipleOf")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _exact_bounds(node: Any) -> None:
+    """Give back the integer bounds FastAPI's document model turned into floats (its
+    ``Schema.maximum`` is a float: 128 becomes 128.0, and 2**63 - 1 becomes 2**63): whole
+    numbers as integers, and an ``int64`` schema's bounds as the exact int64 range (as
+    generators and validators that read the JSON as decimals would see them otherwise,
+    2**63 would be admitted)."""
+    pending = [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending += item
+        if not isinstance(item, dict):
+            continue
+        for key in _NUMERIC_KEYWORDS:
+            value = item.get(key)
+            if type(value) is float and value.is_integer():
+                item[key] = int(value)
+        if item.get("format") == "int64":
+            if isinstance(item.get("minimum"), int):
+                item["minimum"] = max(item["minimum"], _INT64[0])
+            if isinstance(item.get("maximum"), int):
+                item["maximum"] = min(item["maximum"], _INT64[1])
+        pending += item.values()
+
+
 def _document(app: FastAPI, api_keys: bool,
               stream_chunks: tuple[type[BaseModel], ...]) -> dict[str, Any]:
     # behind a proxy (--root-path) the document names the prefix as its server, as FastAPI's
@@ -127,6 +157,7 @@ def _document(app: FastAPI, api_keys: bool,
     schemas = doc.get("components", {}).get("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    _exact_bounds(doc)
     if api_keys:
         doc.setdefault("components", {})["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer",

@@ -24,8 +24,14 @@ from manylora.entrypoints.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
     ChatCompletionLogProbsContent,
+    publish_sampling,
 )
-from manylora.entrypoints.openai.validation import ClientName, RequestModel
+from manylora.entrypoints.openai.validation import (
+    ClientName,
+    RequestModel,
+    publish_rule,
+    published_bounds,
+)
 from manylora.sampling_params import MAX_LOGPROBS
 
 __all__ = [
@@ -141,8 +147,22 @@ class ResponseTextConfig(RequestModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+def _publish_no_reasoning(schema: dict[str, Any]) -> None:
+    """Publish what ``ResponsesRequest.check`` accepts of ``reasoning``: no effort but
+    ``none``, no summary (validation stays wider, so that the 400 gives the reason)."""
+    null, props = {"type": "null"}, schema["properties"]
+    props["effort"] = {"anyOf": [{"const": "none", "type": "string"}, null], "default": None,
+                       "description": "only 'none' is supported (no reasoning parser)"}
+    for name in ("summary", "generate_summary"):
+        props[name] = {**null, "default": None,
+                       "description": "not supported (no reasoning parser)"}
+
+
 class ReasoningConfig(RequestModel):
-    """``reasoning``; a set ``effort`` or ``summary`` is refused (no reasoning parser)."""
+    """``reasoning``; a set ``effort`` or ``summary`` is refused (no reasoning parser; the
+    published schema admits only their unset values)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_no_reasoning)
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -164,9 +184,15 @@ def _publish_checks(schema: dict[str, Any]) -> None:
     props = schema["properties"]
     bounds = {"max_output_tokens": {"minimum": 1}, "max_tool_calls": {"minimum": 1},
               "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-              "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX}}
+              "seed": {"format": "int64", "minimum": INT64_MIN, "maximum": INT64_MAX}}
     for name, bound in bounds.items():
-        props[name].update(bound)
+        published_bounds(**bound)(props[name])
+    publish_sampling(schema)
+    publish_rule(schema, {"previous_response_id": {"type": "string"}},
+                 {"store": {"enum": [True, None]}}, required=False)
+    for member in props["include"]["anyOf"]:
+        if member.get("type") == "array":
+            member["items"] = {"const": "message.output_text.logprobs", "type": "string"}
     props["input"]["anyOf"] = [{**o, "minItems": 1} if o.get("type") == "array" else o
                                for o in props["input"]["anyOf"]]
     null, empty_list = {"type": "null"}, {"type": "array", "maxItems": 0}
