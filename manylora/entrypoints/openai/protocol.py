@@ -101,11 +101,10 @@ def publish_sampling(schema: dict[str, Any]) -> None:
         if member.get("type") == "object":
             member.update(propertyNames={"pattern": "^[0-9]+$"}, additionalProperties={
                 "type": "number", "minimum": -100, "maximum": 100})
-    if "stream_options" in props:
-        publish_rule(schema, {"stream_options": {"type": "object"}}, {"stream": _TRUE})
-    if "prompt_logprobs" in props:
-        publish_rule(schema, {"prompt_logprobs": {"type": "integer", "minimum": 1}},
-                     {"stream": _NOT_TRUE}, required=False)
+    # one rule on stream: with it no prompt_logprobs above 0, without it no stream_options
+    publish_rule(schema, {"stream": _TRUE},
+                 {"prompt_logprobs": {"maximum": 0}} if "prompt_logprobs" in props else {},
+                 required=False, otherwise={"stream_options": {"type": "null"}})
 
 
 def _publish_generation(schema: dict[str, Any], model: type) -> None:
@@ -443,7 +442,8 @@ class ChatCompletionRequest(StructuredFields, ChatFields):
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                ``seed``, ``stream_options``), no ``messages``, a non-text
+                ``seed``, ``stream_options``), no ``messages``, ``max_tokens`` or
+                ``max_completion_tokens`` below 1 (either, as published), a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
                 without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
                 refuses (no tools, an unknown name, with another constraint) or tools of
@@ -453,6 +453,11 @@ class ChatCompletionRequest(StructuredFields, ChatFields):
         _check_common(self)
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        for name in ("max_tokens", "max_completion_tokens"):   # each, even when overridden
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {name}={value}",
+                                  param=name)
         for message in self.messages:
             message.text()
         if self.top_logprobs is not None:

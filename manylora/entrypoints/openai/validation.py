@@ -154,13 +154,19 @@ def publish_bounds(schema: dict[str, Any], bounds: Mapping[str, Mapping[str, Any
 
 
 def publish_rule(schema: dict[str, Any], when: Mapping[str, Any],
-                 then: Mapping[str, Any], required: bool = True) -> None:
+                 then: Mapping[str, Any], required: bool = True,
+                 otherwise: Mapping[str, Any] | None = None) -> None:
     """Add to a model's published ``schema`` a rule between its fields (JSON Schema's
-    ``if``/``then``): a body whose fields ``when`` (name: schema) are all present and match
-    must have its fields ``then`` (name: schema) matching, and present if ``required``."""
-    schema.setdefault("allOf", []).append({
-        "if": {"properties": dict(when), "required": list(when)},
-        "then": {"properties": dict(then), **({"required": list(then)} if required else {})}})
+    ``if``/``then``/``else``): a body whose fields ``when`` (name: schema) are all present
+    and match must have its fields ``then`` (name: schema) matching, and present if
+    ``required``; any other body its fields ``otherwise`` matching (when present). Each
+    rule doubles the cases a generator walks: Schemathesis gives up past four."""
+    rule = {"if": {"properties": dict(when), "required": list(when)},
+            "then": {"properties": dict(then), **({"required": list(then)} if required
+                                                  else {})}}
+    if otherwise:
+        rule["else"] = {"properties": dict(otherwise)}
+    schema.setdefault("allOf", []).append(rule)
 
 
 def _check_strings(value: Any, path: str) -> None:
