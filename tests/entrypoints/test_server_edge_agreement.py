@@ -34,6 +34,7 @@ def _body_validator(doc: dict, path: str) -> Draft202012Validator:
     return Draft202012Validator({**schema, "components": doc["components"]})
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED = [
     ("/v1/chat/completions", {"model": BASE, "messages": []}, "messages"),
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
@@ -69,10 +70,18 @@ REFUSED = [
     ("/v1/completions", {"model": BASE, "prompt": "hi", "stream_options": {}},
      "stream_options"),
     ("/v1/completions", {"model": BASE, "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 0, "max_completion_tokens": 1}, "max_tokens"),
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
                               "top_logprobs": 1}, "top_logprobs"),
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
                               "tool_choice": "required"}, "tool_choice"),
+    # this server runs without --enable-auto-tool-choice: tools need a tool_choice but auto
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [TOOL]}, "tool_choice"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [TOOL], "tool_choice": "auto"}, "tool_choice"),
     ("/tokenize", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
                    "continue_final_message": True}, "continue_final_message"),
     ("/v1/responses", {"model": BASE, "input": "hi",
@@ -93,11 +102,14 @@ ACCEPTED = [
                          "seed": 2**63 - 1}),
     ("/v1/completions", {"model": BASE, "prompt": [[1.0, 2.0]], "max_tokens": 1.0,
                          "truncate_prompt_tokens": -1}),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "max_tokens": 0, "echo": True}),
     ("/v1/chat/completions", {"model": BASE, "max_tokens": 1, "messages": [
         {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
         {"role": "user", "content": [{"type": "text", "text": "more"}]}]}),
     ("/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 1,
                        "seed": -(2**63), "reasoning": {"effort": "none"}}),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 1, "tools": [TOOL], "tool_choice": "none"}),
 ]
 
 

@@ -46,6 +46,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    publish_no_auto_tool_choice,
 )
 from manylora.entrypoints.openai.protocol_responses import (
     STREAM_EVENTS,
@@ -410,7 +411,9 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     install_openapi(app, api_keys=bool(config.api_keys),
                     stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse,
-                                   *STREAM_EVENTS))
+                                   *STREAM_EVENTS),
+                    narrow=None if config.enable_auto_tool_choice and config.tool_call_parser
+                    else publish_no_auto_tool_choice)
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
     app.add_middleware(CORSMiddleware, **config.frontend.cors_options())

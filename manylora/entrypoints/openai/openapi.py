@@ -15,6 +15,7 @@ Statuses not documented, on purpose: 405 (answered for a method a path does not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -79,7 +80,8 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def install_openapi(app: FastAPI, api_keys: bool,
-                    stream_chunks: tuple[type[BaseModel], ...] = ()) -> None:
+                    stream_chunks: tuple[type[BaseModel], ...] = (),
+                    narrow: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Make ``app.openapi()`` return the document as the server behaves (see the module
     docstring); built once, on first use.
 
@@ -88,11 +90,14 @@ def install_openapi(app: FastAPI, api_keys: bool,
         api_keys: whether the ``/v1`` routes want ``Authorization: Bearer <key>``.
         stream_chunks: the chunk models :func:`sse_content` refers to, added to the
             components (no route returns them, so FastAPI does not).
+        narrow: edits the finished document with what depends on the server's flags.
     """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = _document(app, api_keys, stream_chunks)
+            if narrow is not None:
+                narrow(app.openapi_schema)
         return app.openapi_schema
 
     app.openapi = openapi

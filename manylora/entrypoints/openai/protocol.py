@@ -110,22 +110,40 @@ def publish_sampling(schema: dict[str, Any]) -> None:
 def _publish_generation(schema: dict[str, Any], model: type) -> None:
     """The published schema of a generation body: vLLM's refused fields narrowed to their
     unset values (``_publish_refusals``), the sampling fields' bounds and rules
-    (:func:`publish_sampling`), ``truncate_prompt_tokens`` -1 or at least 1, and on chat
+    (:func:`publish_sampling`), ``truncate_prompt_tokens`` -1 or at least 1, on completions
+    ``max_tokens`` 0 only with ``echo``, and on chat
     ``top_logprobs`` above 0 only with ``logprobs``, ``continue_final_message`` only without
-    ``add_generation_prompt``, a ``tool_choice`` other than ``none`` only with ``tools``."""
+    ``add_generation_prompt``, a ``tool_choice`` other than ``none`` only with ``tools``
+    (one rule, whose other branch :func:`publish_no_auto_tool_choice` fills)."""
     _publish_refusals(schema, model)
     publish_sampling(schema)
     props = schema["properties"]
     props["truncate_prompt_tokens"]["anyOf"] = [
         {"const": -1}, {"type": "integer", "minimum": 1}, {"type": "null"}]
+    if "prompt" in props:           # max_tokens 0 echoes the prompt alone (vLLM's)
+        publish_bounds(schema, {"max_tokens": {"minimum": 0}})
+        publish_rule(schema, {"max_tokens": {"const": 0}}, {"echo": _TRUE})
     if "messages" in props:
         publish_rule(schema, {"top_logprobs": {"type": "integer", "minimum": 1}},
                      {"logprobs": _TRUE})
         publish_rule(schema, {"continue_final_message": _TRUE},
                      {"add_generation_prompt": _NOT_TRUE})
-        publish_rule(schema, {"tool_choice": {"anyOf": [{"enum": ["auto", "required"]},
-                                                        {"type": "object"}]}},
-                     {"tools": {"type": "array", "minItems": 1}})
+        # without tools, no tool_choice but none; with tools, see publish_no_auto_tool_choice
+        publish_rule(schema, {"tools": {"type": "array", "minItems": 1}}, {}, required=False,
+                     otherwise={"tool_choice": {"enum": ["none", None]}})
+
+
+def publish_no_auto_tool_choice(doc: dict[str, Any]) -> None:
+    """Narrow the OpenAPI document ``doc`` of a server without ``--enable-auto-tool-choice``
+    (and a ``--tool-call-parser``): a chat request with tools then needs a ``tool_choice``
+    of ``none``, ``required`` or a named function (the auto default is refused, as vLLM
+    refuses it)."""
+    schema = doc.get("components", {}).get("schemas", {}).get("ChatCompletionRequest", {})
+    for rule in schema.get("allOf", ()):
+        if "tools" in rule.get("if", {}).get("properties", {}):
+            rule["then"] = {"properties": {"tool_choice": {"anyOf": [
+                {"enum": ["none", "required"]}, {"type": "object"}]}},
+                "required": ["tool_choice"]}
 
 __all__ = [
     "INT64_MAX",
