@@ -131,6 +131,19 @@ def test_bodies_the_document_admits_the_server_serves(served, path, body):
     assert r.status_code == 200, r.text
 
 
+def test_auto_tool_choice_is_published_where_the_server_serves_it(base_dir):
+    body = {"model": BASE, "max_tokens": 1, "tools": [TOOL],
+            "messages": [{"role": "user", "content": "hi"}]}
+    with running_server(base_dir, "--enable-auto-tool-choice", "--tool-call-parser",
+                        "hermes") as (_, url):
+        doc = httpx.get(f"{url}/openapi.json").json()
+        for choice in ({}, {"tool_choice": "auto"}):
+            assert not list(_body_validator(doc, "/v1/chat/completions").iter_errors(
+                {**body, **choice}))
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, **choice}, timeout=60)
+            assert r.status_code == 200, r.text
+
+
 def test_two_authorization_headers_are_refused(served):
     url, _ = served
     for pair in ([f"Bearer {KEY}", "Bearer wrong"], ["Bearer wrong", f"Bearer {KEY}"],

@@ -6,12 +6,15 @@
   stays a valid number (``"temperature": 1``) and a whole number written with a fraction or
   an exponent stays a valid integer (``"max_tokens": 5.0`` is 5: JSON and JSON Schema,
   hence the published document, do not tell them apart, and vLLM's lax models take it);
-  NaN and infinities are refused; unknown
-  fields are ignored, once checked by the same rules as the rest (no NaN or infinity, no
-  lone surrogate: a 400 naming the field). Every string anywhere in a body (dict keys and
-  values of free-form fields included) must be valid Unicode, i.e. encodable as UTF-8:
-  JSON can carry a lone UTF-16 surrogate (``"\\ud800"``) that no response, log line or
-  metric label can encode, and OpenAI refuses such bodies with a 400.
+  NaN and infinities are refused; unknown fields are ignored, once checked by the same
+  rules as the rest (no NaN or infinity, no lone surrogate: a 400 naming the field). Every
+  string anywhere in a body (dict keys and values of free-form fields included) must be
+  valid Unicode, i.e. encodable as UTF-8: JSON can carry a lone UTF-16 surrogate
+  (``"\\ud800"``) that no response, log line or metric label can encode, and OpenAI refuses
+  such bodies with a 400.
+* :func:`published_bounds`, :func:`publish_bounds`, :func:`publish_rule`: what the
+  published schema of a body states beyond its types (bounds the checks enforce, rules
+  between fields), validation unchanged so that the checks' 400s keep their reasons.
 * :data:`ClientName`: the type of a name a client chooses that ends up as a registry key,
   a label or a log field (``model``, ``lora_name``, ``user``, a message's ``name``): on top
   of the above, no control characters (C0, DEL, C1), no line or paragraph separators, no
