@@ -434,9 +434,9 @@ class LoRAConfig:
             and two more per row-parallel one (an all-reduce, an all-gather). No effect on
             one rank.
         load_timeout: seconds one adapter read (disk to host memory: parse, validate,
-            digest, pin; from the moment a loader thread starts it) may
-            take; one that takes longer fails alone (``LoRALoadTimeoutError``). None: no
-            bound.
+            digest, pin; from the moment a loader thread starts it) may go without progress
+            (a module read); one stuck longer fails alone (``LoRALoadTimeoutError``). None:
+            no bound.
         dtype: of the slot buffers and the adapters in the host tier (adapters are cast to
             it when read; ``resolve_lora_dtype``); None: the model's.
     """

@@ -12,6 +12,12 @@ adapter and no copy of it is in flight). A rank that has already mapped the file
 pages until it drops the mapping (``SharedHostCache``, bounded like the host tier), so
 rank 0 must keep each adapter it sent alive until every rank has opened it: the ranks
 report the last slot message they handled in a shared ``int64`` array (``Acks``).
+
+Every file of an engine is named ``manylora-<pid of rank 0>-...``. A process that ends by
+``os._exit`` (the engine core's process, always) runs no finalizer, and a killed one runs
+nothing: ``remove_files(pid)`` unlinks what is left, called by the core process before its
+``os._exit`` and by the front after the core process ended (before it is reaped, so that
+its pid cannot name another process yet).
 """
 
 from __future__ import annotations
@@ -58,6 +64,28 @@ def _release(path: Path, ptr: int, pinned: bool) -> None:
     path.unlink(missing_ok=True)
 
 
+def file_prefix(pid: int) -> str:
+    """The name prefix of the shared files of the engine whose rank 0 is process ``pid``."""
+    return f"manylora-{pid}-"
+
+
+def remove_files(pid: int) -> int:
+    """Unlink every shared file of the engine whose rank 0 is (or was) process ``pid``; the
+    ranks' existing mappings stay valid. Returns how many were removed; never raises."""
+    removed = 0
+    try:
+        paths = list(_SHM.glob(file_prefix(pid) + "*"))
+    except OSError:
+        return 0
+    for path in paths:
+        try:
+            path.unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 class SharedHostBuffers:
     """Rank 0's allocator of shared host buffers (``LoRAManager.host_alloc`` under tensor
     parallelism).
@@ -67,7 +95,7 @@ class SharedHostBuffers:
     """
 
     def __init__(self) -> None:
-        self.prefix = f"manylora-{os.getpid()}-{secrets.token_hex(4)}"
+        self.prefix = file_prefix(os.getpid()) + secrets.token_hex(4)
         self._count = itertools.count()
         self._names: weakref.WeakValueDictionary[str, torch.Tensor] = (
             weakref.WeakValueDictionary())

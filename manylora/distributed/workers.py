@@ -78,6 +78,7 @@ import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from manylora.distributed.broadcast import broadcast_tensor_dict
+from manylora.distributed.shared_host import remove_files
 
 logger = logging.getLogger(__name__)
 
@@ -501,6 +502,7 @@ class WorkerGroup:
             return
         logger.critical("rank 0 is still stuck %.1f s after SIGTERM; exiting with status %d",
                         after_s, HARD_EXIT_CODE)
+        remove_files(os.getpid())        # os._exit runs no finalizer of the shared files
         logging.shutdown()
         os._exit(HARD_EXIT_CODE)
 

@@ -15,6 +15,12 @@ from manylora.config import (
     LORA_TARGET_MODULES,
     check_fairness,
 )
+from manylora.structured.bad_words import DEFAULT_MAX_BAD_WORDS
+from manylora.structured.compiler import (
+    DEFAULT_GRAMMAR_CACHE_BYTES,
+    DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
+)
+from manylora.structured.grammar import DEFAULT_MAX_SPEC_BYTES
 
 
 @dataclass
@@ -80,10 +86,10 @@ class EngineArgs:
             sampled tokens on the device, so the host's planning and output handling overlap
             the GPU. Greedy and seeded outputs are the same on and off; a request that stops
             (EOS, stop id) computes one more token, which is discarded.
-        lora_load_timeout: seconds one adapter read from disk may take (parse, validate,
-            digest, pin; from the moment a loader thread starts it); a read that takes longer
-            fails alone (its requests end with the error, a run-time load answers 504) and
-            its loader thread is replaced. None: no bound.
+        lora_load_timeout: seconds one adapter read from disk (parse, validate, digest,
+            pin; from the moment a loader thread starts it) may go without progress (a
+            module read); a read stuck longer fails alone (its requests end with the error,
+            a run-time load answers 504) and its loader thread is replaced. None: no bound.
         scheduling_policy: ``fair``: share the running batch between client groups (the
             requests one HTTP request or one ``LLM.generate`` call fans out to): waiting
             requests join least-running group first, and a group over ``max_group_share``
@@ -95,6 +101,21 @@ class EngineArgs:
             ``"float32"``: the dtype of the adapter slots and of the LoRA shrink/expand
             operands (vLLM's); the model's or float32 (the delta computed in float32 and
             rounded once to the model's dtype).
+        max_grammar_compile_seconds: the longest one grammar's compile may run, seconds;
+            past it its requests alone end with an error naming the ``structured_outputs``
+            kind and this flag. xgrammar cannot stop a compile under way: its thread ends it
+            and drops the result, and is replaced so other grammars keep compiling. None
+            (from Python only): no bound.
+        grammar_cache_bytes: bytes of compiled grammars kept for reuse (xgrammar's
+            ``memory_size_bytes`` of each, plus its spec), least recently used out first
+            (vLLM's ``VLLM_XGRAMMAR_CACHE_MB``, 512 MiB).
+        max_structured_output_spec_bytes: the most UTF-8 bytes of one request's output
+            constraint: its JSON schema, regex, EBNF grammar, structural tag, ``choice``
+            (as the grammar it becomes), the tools' schema of a required or named tool
+            choice, or its ``bad_words`` together; larger ones are refused (400 naming the
+            field) before anything is compiled or tokenized.
+        max_bad_words: the most ``bad_words`` one request may carry (vLLM has no bound; each
+            word costs two tokenizations and a place in the per-step ban index).
     """
 
     model: str
@@ -132,6 +153,10 @@ class EngineArgs:
     scheduling_policy: str = "fair"
     max_group_share: float = 0.5
     lora_dtype: str = "auto"
+    max_grammar_compile_seconds: float | None = DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS
+    grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
+    max_structured_output_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES
+    max_bad_words: int = DEFAULT_MAX_BAD_WORDS
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -157,6 +182,14 @@ class EngineArgs:
         if self.lora_dtype not in LORA_DTYPE_NAMES:
             raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPE_NAMES)}, got "
                              f"{self.lora_dtype!r}")
+        if (self.max_grammar_compile_seconds is not None
+                and not self.max_grammar_compile_seconds > 0):
+            raise ValueError("max_grammar_compile_seconds must be > 0 seconds, got "
+                             f"{self.max_grammar_compile_seconds}")
+        for name in ("grammar_cache_bytes", "max_structured_output_spec_bytes",
+                     "max_bad_words"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -10,7 +10,9 @@ Every call into the front runs on the front's thread: callers put commands on a 
 abort, load or remove an adapter) and wake it; the thread takes all pending commands, takes
 what the core reported (its answers to adds, its steps' deltas), and hands each request's
 outputs to that request's ``asyncio.Queue`` on the caller's event loop. A core that dies
-ends every stream with ``EngineDeadError`` at once, and ``is_running`` turns False.
+ends every stream with ``EngineDeadError`` at once, ``is_running`` turns False (``errored``
+True), the engine is shut down (the core process reaped, nothing of it left behind), and
+the ``on_dead`` callbacks run (``manylora serve`` exits, as vLLM's server does).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -80,6 +82,8 @@ class AsyncLLM:
         tokenizer: the engine's tokenizer (None with ``skip_tokenizer_init``).
         max_model_len: the context length in tokens (prompt + output).
         max_loras: device adapter slots (0 when LoRA is off).
+        max_bad_words, max_structured_output_spec_bytes: the engine's bounds of one
+            request's ``bad_words`` and output constraint (``EngineArgs``').
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
@@ -90,6 +94,8 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_loras = engine.max_loras
+        self.max_bad_words = engine.max_bad_words
+        self.max_structured_output_spec_bytes = engine.max_structured_output_spec_bytes
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
@@ -102,6 +108,10 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._commands_ran = False        # a command ran since the last publish
         self._stopped = False
+        self._dead = False                # the loop ended on an error, its callbacks ran
+        self._drained: BaseException | None = None   # set when the loop takes no more commands
+        self._dead_callbacks: list[Callable[[BaseException], None]] = []
+        self._dead_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="manylora-engine", daemon=True)
         self._thread.start()
 
@@ -116,6 +126,28 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """True while the loop thread serves requests."""
         return self._thread.is_alive() and self._error is None and not self._stopped
+
+    @property
+    def errored(self) -> bool:
+        """True once the loop stopped on an error (the core died), not by ``shutdown``
+        (vLLM's ``AsyncLLM.errored``)."""
+        return self._error is not None
+
+    def on_dead(self, callback: Callable[[BaseException], None]) -> None:
+        """Call ``callback(error)`` once the engine has died and been shut down (its
+        streams ended with ``EngineDeadError``): on the engine's thread, or at once on this
+        one if it is dead already. Not called after ``shutdown``. What it raises is logged."""
+        with self._dead_lock:
+            if not self._dead:
+                self._dead_callbacks.append(callback)
+                return
+        self._call_dead(callback)
+
+    def _call_dead(self, callback: Callable[[BaseException], None]) -> None:
+        try:
+            callback(self._error)
+        except Exception:
+            logger.exception("on_dead callback %r failed", callback)
 
     def snapshot(self) -> EngineSnapshot:
         """The engine's state after its last step (any thread; no waiting)."""
@@ -132,6 +164,8 @@ class AsyncLLM:
         future = loop.create_future()
         self._commands.put(_Command(name, args, loop, future))
         self.engine.wake()
+        if self._drained is not None:   # the loop ended after the check: nobody takes it
+            self._fail_commands(self._drained)
         return await future
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
@@ -264,6 +298,21 @@ class AsyncLLM:
         finally:
             self._fail_all(EngineDeadError(
                 "the engine stopped" + (f": {self._error!r}" if self._error else "")))
+        if self._error is not None:
+            self._die()
+
+    def _die(self) -> None:
+        """After the loop's error: stop the engine (reap the core, remove its files), then
+        run the ``on_dead`` callbacks."""
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("shutting the dead engine down failed")
+        with self._dead_lock:
+            self._dead = True
+            callbacks, self._dead_callbacks = self._dead_callbacks, []
+        for callback in callbacks:
+            self._call_dead(callback)
 
     def _take_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when ``block``); False on stop."""
@@ -383,6 +432,11 @@ class AsyncLLM:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             _deliver(stream, error)
+        self._drained = error
+        self._fail_commands(error)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Answer every queued command with ``error`` (any thread, once the loop ended)."""
         while True:
             try:
                 cmd = self._commands.get_nowait()

@@ -62,7 +62,7 @@ from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
 from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
-from manylora.structured.manager import StructuredOutputManager
+from manylora.structured.manager import StructuredOutputManager, no_token_error
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
@@ -163,7 +163,9 @@ class EngineCore:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
         self.structured = StructuredOutputManager(
             None if args.skip_tokenizer_init else GrammarCompileService(
-                partial(_tokenizer_info, args, model_dir, cfg.vocab_size)),
+                partial(_tokenizer_info, args, model_dir, cfg.vocab_size),
+                cache_bytes=args.grammar_cache_bytes,
+                compile_seconds=args.max_grammar_compile_seconds),
             cfg.vocab_size, args.max_num_seqs, pin_memory=self.device.type == "cuda")
         if self.tp_driver is not None and self.async_scheduling:
             self.tp_driver.share_sampled = True
@@ -594,14 +596,20 @@ class EngineCore:
         got = self.scheduler.update(out, sampled.tokens)
         prompt = self._new_prompt_logprobs(sampled.prompt_logprobs) \
             if sampled.prompt_logprobs else {}
-        if self.structured.has_matchers:
-            for req in got:
-                self.structured.accept(req.request_id, req.token_ids[-1])
+        failed = self._constraint_failures(got, sampled.no_token)
         outputs = []
         finished: dict[RequestStatus, list[str]] = {}
         for req in got:
             rid = req.request_id
+            if rid in failed:
+                logger.info("request %s: %s", rid, failed[rid])
+                finished.setdefault(RequestStatus.FINISHED_ABORTED, []).append(rid)
+                outputs.append(EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR,
+                                                error=ErrorInfo.of(failed[rid])))
+                continue
             status = check_stop(req)
+            if status is None and self._grammar_ended(req):
+                status = RequestStatus.FINISHED_STOPPED
             lp = sampled.logprobs.get(rid)
             reason = None
             if status is not None:
@@ -616,6 +624,29 @@ class EngineCore:
         for status, ids in finished.items():
             self._finish(ids, status)
         return outputs
+
+    def _constraint_failures(self, got: list[Request], no_token: frozenset[str]
+                             ) -> dict[str, ValueError]:
+        """The requests of ``got`` (each with its newest token appended) that must end with
+        an error: their masks allowed no token (``no_token``), or their grammar rejects the
+        token. The others' tokens advance their matchers."""
+        failed = {}
+        structured = self.structured
+        for req in got:
+            rid = req.request_id
+            if rid in no_token:
+                failed[rid] = no_token_error(req, structured.has_matcher(rid),
+                                             req.num_output_tokens - 1)
+            elif structured.has_matchers and not structured.accept(rid, req.token_ids[-1]):
+                failed[rid] = ValueError(f"structured_outputs: the grammar rejects token "
+                                         f"{req.token_ids[-1]} sampled under its own mask")
+        return failed
+
+    def _grammar_ended(self, req: Request) -> bool:
+        """Whether ``req`` ends because its grammar has (a stop token accepted), below its
+        ``min_tokens`` too; with ``ignore_eos`` it goes on unconstrained."""
+        return (self.structured.has_matchers and not req.sampling_params.ignore_eos
+                and self.structured.terminated(req.request_id))
 
     def _new_prompt_logprobs(self, computed: dict) -> dict:
         """``{request_id: PromptLogprobs}`` of a step's prompt log-probabilities that are

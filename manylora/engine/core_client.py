@@ -20,7 +20,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +35,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from manylora.distributed.shared_host import remove_files
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
 from manylora.engine.protocol import (
@@ -101,6 +104,7 @@ class InprocClient:
         self._wakeup = threading.Event()
         self.engine_core.set_load_notify(self._wakeup.set)
         self._calls: list[Future] = []
+        self._closed = False
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
@@ -185,7 +189,10 @@ class InprocClient:
         self._wakeup.set()
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        """Stop the core's workers and loader threads (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self.engine_core.shutdown()
 
 
 class MPClient:
@@ -195,7 +202,10 @@ class MPClient:
     Start-up waits for the core's ``READY`` (its model loaded, graphs captured). Any thread
     may send (a lock orders the sends) and call ``wake``; one thread at a time receives.
     The core process's death is seen at once (a pidfd of it is polled with the socket)
-    and raised as ``EngineDeadError``.
+    and raised as ``EngineDeadError``, as is its report of a failed step (``DEAD``); either
+    way the client shuts itself down first (as vLLM's, whose monitor shuts the client down
+    when the core dies): the process is reaped (no zombie), its sockets' folder under the
+    temporary directory and its tensor-parallel shared files are removed.
 
     Raises:
         CheckpointError, ValueError, FileNotFoundError, ...: the core's start-up error.
@@ -232,6 +242,8 @@ class MPClient:
         self._kept: deque[AddDone | EngineCoreOutputs] = deque()
         self.error: EngineDeadError | None = None
         self._closed = False
+        self._exiting = False           # the core reported DEAD: it exits on its own
+        self._shutdown_lock = threading.Lock()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "manylora.engine.core_proc", input_address,
              output_address, str(os.getpid())], stdin=subprocess.PIPE)
@@ -261,10 +273,11 @@ class MPClient:
                 if kind is ReplyType.READY:
                     return message
                 if kind is ReplyType.DEAD:
+                    self._exiting = True
                     raise message.to_exception()
             elif self._pidfd in ready:
-                raise EngineDeadError("the engine core process died while starting (exit "
-                                      f"code {self.process.wait()})")
+                raise EngineDeadError("the engine core process died while starting ("
+                                      f"{self._exit_status()})")
             else:
                 self._drain_wake()
 
@@ -373,7 +386,8 @@ class MPClient:
 
     def _poll(self, block: bool) -> list[AddDone | EngineCoreOutputs]:
         if self.error is not None:
-            self._fail_calls(self.error)
+            self.shutdown()
+            raise self.error
         self._check_alive()
         ready = dict(self._poller.poll(None if block else 0))
         if self._wake_r in ready:
@@ -395,11 +409,11 @@ class MPClient:
                 self.error = EngineDeadError(f"the engine core failed: {message.type}: "
                                              f"{message.message}")
         if self.error is None and not messages and self._pidfd in ready:
-            self.error = EngineDeadError("the engine core process died (exit code "
-                                         f"{self.process.wait()})")
+            self.error = EngineDeadError(f"the engine core process died ({self._exit_status()})")
         if self.error is not None:
             self._fail_calls(self.error)
             if not messages:
+                self.shutdown()        # a core that reported its failure is exiting
                 raise self.error
         return messages
 
@@ -410,6 +424,8 @@ class MPClient:
 
     def wake(self) -> None:
         """Make a blocked ``get_messages`` return (any thread)."""
+        if self._closed:
+            return
         try:
             os.write(self._wake_w, b"\0")
         except (BlockingIOError, OSError):
@@ -422,27 +438,53 @@ class MPClient:
         except (BlockingIOError, OSError):
             pass
 
+    def _exit_status(self) -> str:
+        """How the ended core process ended, in words ("exit code 1", "killed by SIGKILL"),
+        without reaping it."""
+        info = os.waitid(os.P_PID, self.process.pid, os.WEXITED | os.WNOWAIT)
+        if info is not None and info.si_code == os.CLD_EXITED:
+            return f"exit code {info.si_status}"
+        if info is not None:
+            try:
+                return f"killed by {signal.Signals(info.si_status).name}"
+            except ValueError:
+                return f"killed by signal {info.si_status}"
+        return "exit status unknown"
+
+    def _exited(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: for ever) for the core process to end;
+        whether it has (it is not reaped: its pid stays its own)."""
+        return bool(select.select([self._pidfd], [], [], timeout)[0])
+
     def shutdown(self) -> None:
-        """Ask the core to stop (it stops its workers), wait for it, kill it if it hangs,
-        and release the sockets (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._fail_calls(EngineDeadError("the engine core was shut down"))
-        if self.process.poll() is None:
+        """Ask the core to stop (it stops its workers; SIGTERM while it starts), wait for
+        it, kill it if it hangs, remove the shared files it left, reap it, and release the
+        sockets and their folder (idempotent; a second caller waits for the first)."""
+        with self._shutdown_lock:
+            if not self._closed:
+                self._closed = True
+                self._shut_down()
+
+    def _shut_down(self) -> None:
+        self._fail_calls(self.error or EngineDeadError("the engine core was shut down"))
+        if not self._exited(0):
             try:
                 with self._send_lock:       # the core may be exiting: never block here
                     self._input.send_multipart([RequestType.SHUTDOWN.value, b""],
                                                flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            try:
-                self.process.wait(SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
+            except zmq.ZMQError:            # no peer: the core cannot read it
+                self.process.terminate()
+            else:
+                if not hasattr(self, "info") and not self._exiting:
+                    self.process.terminate()    # starting: it would read it once loaded
+            if not self._exited(SHUTDOWN_TIMEOUT_S):
                 logger.error("the engine core did not stop in %.0f s: killed",
                              SHUTDOWN_TIMEOUT_S)
                 self.process.kill()
-                self.process.wait()
+                self._exited(None)
+        # a killed core left its shared files; removed before the reaping frees its pid
+        remove_files(self.process.pid)
+        self.process.wait()
         self._input.close()
         self._output.close()
         self._ctx.term()

@@ -18,7 +18,10 @@ PUSHes ``ReplyType`` messages, in order (``engine/protocol.py``). The loop:
    state.
 
 A failed start-up or step sends ``DEAD`` with the error and ends the process (exit 1). The
-core also exits when its parent dies (checked once a second while idle).
+core also exits when its parent dies (checked once a second, idle or busy), and then
+removes the sockets' folder, which the dead front cannot. Before every exit it unlinks the
+tensor-parallel shared host files of its engine (``distributed/shared_host.py``): the
+process ends by ``os._exit``, which runs no finalizer.
 
 The front starts it as ``python -m manylora.engine.core_proc INPUT OUTPUT PARENT_PID`` with
 the msgpack-encoded ``EngineArgs`` on standard input: a fresh interpreter that imports
@@ -30,14 +33,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import time
 from concurrent.futures import Future
 
 import msgspec
 import torch
 import zmq
 
+from manylora.distributed.shared_host import remove_files
 from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import EngineCore
@@ -59,6 +65,8 @@ logger = logging.getLogger(__name__)
 
 
 _IDLE_POLL_MS = 1000
+# Seconds between looks at the parent's pid while the core is busy.
+_PARENT_CHECK_S = 1.0
 
 #: Seconds a core blocked past a tensor-parallel worker's death waits before ending itself.
 STUCK_EXIT_S = 10.0
@@ -82,12 +90,14 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
     ctx = zmq.Context()
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 10_000)
+    out.setsockopt(zmq.SNDHWM, 0)     # a send never blocks: a busy orphan still sees it is one
     out.connect(output_address)
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.LINGER, 0)
     inp.connect(input_address)
     encoder = Encoder()
     code = 0
+    orphaned = False
     try:
         try:
             core = EngineCore(Decoder(EngineArgs).decode(args))
@@ -100,6 +110,7 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
         proc = EngineCoreProc(core, inp, out, parent_pid)
         try:
             proc.run()
+            orphaned = proc.orphaned
         except BaseException as e:
             logger.exception("the engine core stopped")
             out.send_multipart([ReplyType.DEAD.value, encoder.encode(ErrorInfo.of(e))])
@@ -107,8 +118,12 @@ def run_engine_core(args: bytes, input_address: str, output_address: str,
             core.shutdown()
     finally:
         inp.close()
-        out.close()
+        out.close(linger=0 if orphaned else None)
         ctx.term()
+        remove_files(os.getpid())
+        if orphaned:          # the front died without removing its sockets' folder
+            shutil.rmtree(os.path.dirname(input_address.removeprefix("ipc://")),
+                          ignore_errors=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)        # this process's own end: no atexit work on a half-dead core
@@ -134,6 +149,8 @@ class EngineCoreProc:
                           RequestType.ABORT: Decoder(AbortRequests),
                           RequestType.UTILITY: Decoder(UtilityCall)}
         self._deferred: list[tuple[int, Future]] = []
+        #: True once ``run`` returned because the front is gone (not on ``SHUTDOWN``)
+        self.orphaned = False
         # a finished adapter read writes a byte here: it wakes a loop waiting for messages
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -156,13 +173,17 @@ class EngineCoreProc:
             Exception: whatever a step raised (the caller reports it as ``DEAD``).
         """
         core = self.core
+        next_parent_check = time.monotonic() + _PARENT_CHECK_S
         with torch.inference_mode():
             while True:
                 block = not core.has_unfinished_requests() or core.waiting_on_reads()
                 handled = self._take_messages(block)
-                if handled is None:
+                now = time.monotonic()
+                if handled is None or (now > next_parent_check and self._front_gone()):
                     core.shutdown()
                     return
+                if now > next_parent_check:
+                    next_parent_check = now + _PARENT_CHECK_S
                 if core.has_unfinished_requests():
                     outputs = core.step()
                 elif core.has_pending_loads() or self._deferred:
@@ -187,9 +208,7 @@ class EngineCoreProc:
                         return handled         # a read ended: poll it in
                     if ready:
                         break
-                    if os.getppid() != self.parent_pid:
-                        logger.error("the front (pid %d) is gone: the engine core exits",
-                                     self.parent_pid)
+                    if self._front_gone():
                         return None
             try:
                 kind, body = self.inp.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -200,6 +219,14 @@ class EngineCoreProc:
                 return None
             self._handle(kind, self._decoders[kind].decode(body.buffer))
             handled = True
+
+    def _front_gone(self) -> bool:
+        """Whether the front's process has died (this one was re-parented); sets
+        ``orphaned``."""
+        if os.getppid() != self.parent_pid:
+            logger.error("the front (pid %d) is gone: the engine core exits", self.parent_pid)
+            self.orphaned = True
+        return self.orphaned
 
     def _handle(self, kind: RequestType, message) -> None:
         core = self.core

@@ -40,7 +40,8 @@ from manylora.lora.request import LoRARequest
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
-from manylora.structured.bad_words import bad_words_token_ids
+from manylora.structured.bad_words import bad_words_token_ids, check_bad_words
+from manylora.structured.grammar import check_spec_size
 
 
 def _cache_salt(prompt: str | dict) -> str | None:
@@ -77,6 +78,9 @@ class LLMEngine:
         max_model_len: the context length in tokens (prompt + output).
         vocab_size: the model's vocabulary size.
         max_loras: adapter slots (0 when LoRA is off).
+        max_bad_words, max_structured_output_spec_bytes: the bounds of one request's
+            ``bad_words`` and output constraint (``EngineArgs``'), checked before either is
+            tokenized or sent to the core.
         engine_core: the ``EngineCore`` itself when it runs in this process
             (``MANYLORA_ENABLE_MULTIPROCESSING=0``: its scheduler, runner and adapter cache
             are there for tests and debugging), else None.
@@ -97,6 +101,8 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(
                 tok_dir, trust_remote_code=args.trust_remote_code)
         self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
+        self.max_bad_words = args.max_bad_words
+        self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = make_client(args)
         info = self.client.info
@@ -278,7 +284,11 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer, but the engine was started with "
                              "skip_tokenizer_init")
+        if params.structured_outputs is not None:
+            check_spec_size(params.structured_outputs, self.max_structured_output_spec_bytes)
         if params.bad_words:
+            check_bad_words(params.bad_words, self.max_bad_words,
+                            self.max_structured_output_spec_bytes)
             if self.tokenizer is None:
                 raise ValueError("bad_words need a tokenizer, but the engine was started with "
                                  "skip_tokenizer_init: pass bad_words_token_ids")
@@ -416,10 +426,13 @@ class LLMEngine:
             core_outputs = self._outputs.popleft()
             if core_outputs.scheduler_stats is not None:
                 self._stats = core_outputs.scheduler_stats
-            done, stopped = self.output_processor.process_outputs(core_outputs.outputs, stats)
+            done, stopped, failed = self.output_processor.process_outputs(
+                core_outputs.outputs, stats)
             outputs.extend(done)
             if stopped:          # stop strings the front found: the core stops them too
                 self.client.abort_requests(stopped, FinishReason.STOP)
+            if failed:           # their outputs could not be processed: the core ends them
+                self.client.abort_requests(failed)
         return outputs
 
     def wake(self) -> None:

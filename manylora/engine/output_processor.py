@@ -26,6 +26,7 @@ text a stop string might still cut away: an unfinished request's last
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 
@@ -37,6 +38,8 @@ from manylora.lora.request import LoRARequest
 from manylora.sample.prompt_logprobs import PromptLogprobs
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def stop_holdback(stop: Sequence[str], include_stop_str_in_output: bool) -> int:
@@ -173,8 +176,10 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: Iterable[EngineCoreOutput],
                         stats: IterationStats | None = None
-                        ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's deltas.
+                        ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one step's deltas. A delta that cannot be applied (its detokenization or
+        log-probabilities raise) ends its request alone, with the error and finish reason
+        ``"error"``; the others' deltas are applied as usual.
 
         Args:
             outputs: the core's ``EngineCoreOutput``s of the step; those of requests the
@@ -183,60 +188,84 @@ class OutputProcessor:
                 ``IterationStats``: timed here, per token, whatever the output kinds).
 
         Returns:
-            ``(request_outputs, stopped)``: the ``RequestOutput``s the requests' output
-            kinds report, and the ids of requests that a stop string ended while the core
-            still runs them (the caller ends them in the core with ``FinishReason.STOP``).
-            Finished requests are no longer tracked.
-
-        Raises:
-            ValueError: a request asked for log-probabilities and a token came without.
+            ``(request_outputs, stopped, failed)``: the ``RequestOutput``s the requests'
+            output kinds report, the ids of requests that a stop string ended while the
+            core still runs them (the caller ends them in the core with
+            ``FinishReason.STOP``), and the ids of requests whose delta failed (the caller
+            aborts them in the core; a request that asked for log-probabilities and got a
+            token without them is one). Finished requests are no longer tracked.
         """
         request_outputs: list[RequestOutput] = []
         stopped: list[str] = []
+        failed: list[str] = []
         now = time.monotonic()
         for out in outputs:
             state = self.states.get(out.request_id)
             if state is None:
                 continue
-            if stats is not None and out.new_token_ids:
-                _count_tokens(stats, state, len(out.new_token_ids), now)
-            lps = out.new_logprobs
-            if state.logprobs is not None and lps is None and out.new_token_ids:
-                raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
-                                 f"{out.new_token_ids} came without them")
-            if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
-                self._append_prompt_logprobs(state, out.new_prompt_logprobs)
-                if not out.new_token_ids and out.finish_reason is None:
-                    continue                   # a prefill chunk: nothing to report yet
-            hit = False
-            last = len(out.new_token_ids) - 1
-            core_stop = out.finish_reason is FinishReason.STOP
-            for i, token in enumerate(out.new_token_ids):
-                state.output_token_ids.append(token)
-                if state.logprobs is not None:
-                    self._append_logprobs(state, token, lps[i])
-                if self._add_text(state, token, not (core_stop and i == last)):
-                    hit = True
-                    break
-            if hit:
-                state.finish_reason = FinishReason.STOP.value
-                if out.finish_reason is None:
-                    stopped.append(out.request_id)
-            elif out.finish_reason is not None:
-                state.finish_reason = out.finish_reason.value
-                state.stop_reason = out.stop_reason
-                if out.error is not None:
-                    state.error = out.error.to_exception()
-                if state.detokenizer is not None:
-                    state.text += state.detokenizer.flush()
-            output = state.make_output()
-            if output is not None:
-                request_outputs.append(output)
-            if state.finish_reason is not None:
-                del self.states[out.request_id]
-                if stats is not None:
-                    _finished(stats, state, state.finish_reason, now)
-        return request_outputs, stopped
+            try:
+                self._apply(state, out, stats, now, request_outputs, stopped)
+            except Exception as e:         # this request's alone: the others go on
+                logger.exception("request %s: its output could not be processed",
+                                 out.request_id)
+                failed.append(out.request_id)
+                request_outputs.append(self._fail(state, e, stats, now))
+        return request_outputs, stopped, failed
+
+    def _fail(self, state: RequestState, error: Exception, stats: IterationStats | None,
+              now: float) -> RequestOutput:
+        """End ``state``'s request with ``error`` (finish reason ``"error"``)."""
+        state.finish_reason, state.error = FinishReason.ERROR.value, error
+        self.states.pop(state.request_id, None)
+        if stats is not None:
+            _finished(stats, state, state.finish_reason, now)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                             [CompletionOutput(0, "", [], state.finish_reason, None,
+                                               state.lora_request)],
+                             True, state.lora_request, error)
+
+    def _apply(self, state: RequestState, out: EngineCoreOutput,
+               stats: IterationStats | None, now: float,
+               request_outputs: list[RequestOutput], stopped: list[str]) -> None:
+        """One request's delta: tokens, text, log-probabilities, its end."""
+        if stats is not None and out.new_token_ids:
+            _count_tokens(stats, state, len(out.new_token_ids), now)
+        lps = out.new_logprobs
+        if state.logprobs is not None and lps is None and out.new_token_ids:
+            raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
+                             f"{out.new_token_ids} came without them")
+        if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
+            self._append_prompt_logprobs(state, out.new_prompt_logprobs)
+            if not out.new_token_ids and out.finish_reason is None:
+                return                     # a prefill chunk: nothing to report yet
+        hit = False
+        last = len(out.new_token_ids) - 1
+        core_stop = out.finish_reason is FinishReason.STOP
+        for i, token in enumerate(out.new_token_ids):
+            state.output_token_ids.append(token)
+            if state.logprobs is not None:
+                self._append_logprobs(state, token, lps[i])
+            if self._add_text(state, token, not (core_stop and i == last)):
+                hit = True
+                break
+        if hit:
+            state.finish_reason = FinishReason.STOP.value
+            if out.finish_reason is None:
+                stopped.append(out.request_id)
+        elif out.finish_reason is not None:
+            state.finish_reason = out.finish_reason.value
+            state.stop_reason = out.stop_reason
+            if out.error is not None:
+                state.error = out.error.to_exception()
+            if state.detokenizer is not None:
+                state.text += state.detokenizer.flush()
+        output = state.make_output()
+        if output is not None:
+            request_outputs.append(output)
+        if state.finish_reason is not None:
+            del self.states[out.request_id]
+            if stats is not None:
+                _finished(stats, state, state.finish_reason, now)
 
     def _add_text(self, state: RequestState, token: int, check_stop: bool) -> bool:
         """Detokenize one new token; True when it completed a stop string (the text is cut

@@ -1,16 +1,19 @@
-"""Loader threads for adapter reads, with a time bound per read.
+"""Loader threads for adapter reads, each failed when it stops making progress.
 
-A read stuck in the kernel (a hung network filesystem, a device) cannot be killed. So
-each read gets a deadline when a worker starts it (time in the queue does not count: a
-burst of registrations, e.g. hundreds of ``--lora-modules``, waits its turn): a watchdog
-fails its future with ``LoRALoadTimeoutError`` when the deadline passes (its caller moves
-on at once), and the worker stuck in it is written off and replaced, so the pool keeps its
-full number of working threads. Workers are daemon threads (a stuck one never holds the
-process at exit); at most ``max_abandoned`` stuck workers are replaced at a time, which
-bounds the threads a hostile adapter store can leak. When every worker is stuck and none
-may be replaced, the queued reads fail at once instead of waiting behind them. A replaced
-worker that comes back from its read drops the result and exits; one that was not
-replaced drops it and works on.
+A read stuck in the kernel (a hung network filesystem, a device) cannot be killed. So a
+read that has made no progress for ``timeout`` seconds fails: the read reports progress
+(``report_progress``, e.g. after each module it read) and a watchdog fails its future with
+``LoRALoadTimeoutError`` once ``timeout`` seconds pass since its start or its last report
+(time in the queue does not count: a burst of registrations, e.g. hundreds of
+``--lora-modules``, waits its turn; nor does a read that works on but slowly, as one
+starved of the GIL or the CPU by the engine's step loop right after start-up is), its
+caller moves on at once, and the worker stuck in it is written off and replaced, so the
+pool keeps its full number of working threads. Workers are daemon threads (a stuck one
+never holds the process at exit); at most ``max_abandoned`` stuck workers are replaced at
+a time, which bounds the threads a hostile adapter store can leak. When every worker is
+stuck and none may be replaced, the queued reads fail at once instead of waiting behind
+them. A replaced worker that comes back from its read drops the result and exits; one
+that was not replaced drops it and works on.
 """
 
 from __future__ import annotations
@@ -37,14 +40,29 @@ class _Job:
     args: tuple = field(compare=False)
     what: str = field(compare=False)
     started: float = field(compare=False)
+    progress: float = field(compare=False, default=0.0)    # its last report (monotonic)
+
+
+_current = threading.local()
+
+
+def report_progress() -> None:
+    """Tell the pool that the read running on this thread is making progress (its
+    ``timeout`` starts again); nothing outside a loader thread. Cheap: call it after each
+    unit of work (a module read and checked)."""
+    job = getattr(_current, "job", None)
+    if job is not None:
+        job.progress = time.monotonic()
 
 
 class LoaderPool:
-    """Worker threads that run reads, each bounded by ``timeout`` seconds from its start.
+    """Worker threads that run reads, each failed once it has made no progress for
+    ``timeout`` seconds.
 
     Args:
         workers: working threads (``loader_threads``).
-        timeout: seconds a read may take once a worker has started it; None: no bound.
+        timeout: seconds a read may go without progress (``report_progress``), counted
+            from its start on a worker; None: no bound.
         max_abandoned: stuck workers replaced at most (see the module docstring).
         name: the threads' name prefix.
     """
@@ -73,8 +91,8 @@ class LoaderPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any, what: str = "adapter read") -> Future:
         """Run ``fn(*args)`` on a worker; its future, failed with ``LoRALoadTimeoutError``
-        (naming ``what`` and the bound) if it has not ended within ``timeout`` seconds of
-        its start, or if every worker is stuck and none may be replaced.
+        (naming ``what`` and the bound) if it goes ``timeout`` seconds without progress
+        from its start on, or if every worker is stuck and none may be replaced.
 
         Raises:
             RuntimeError: the pool was shut down.
@@ -130,14 +148,18 @@ class LoaderPool:
                 if job.future.done() or not job.future.set_running_or_notify_cancel():
                     continue                   # failed (or cancelled) while queued
                 self._running[me] = job
+                job.progress = time.monotonic()
                 if self.timeout is not None:
-                    job.deadline = time.monotonic() + self.timeout
+                    job.deadline = job.progress + self.timeout
                     heapq.heappush(self._deadlines, job)
                     self._lock.notify_all()
+            _current.job = job
             try:
                 result, error = job.fn(*job.args), None
             except BaseException as e:     # the caller gets whatever the read raised
                 result, error = None, e
+            finally:
+                _current.job = None
             with self._lock:
                 self._running.pop(me, None)
                 self._stuck.discard(me)
@@ -164,6 +186,11 @@ class LoaderPool:
                     self._lock.wait(wait if wait is None else min(wait, 1.0))
                     continue
                 job = heapq.heappop(self._deadlines)
+                renewed = job.progress + self.timeout
+                if renewed > time.monotonic():         # it reported progress since
+                    job.deadline = renewed
+                    heapq.heappush(self._deadlines, job)
+                    continue
                 self._expire(job)
 
     def _expire(self, job: _Job) -> None:
@@ -179,7 +206,7 @@ class LoaderPool:
             self._replaced.add(worker)
             self._start_worker()
         job.future.set_exception(LoRALoadTimeoutError(
-            f"{job.what}: its read did not finish within {self.timeout:g} s "
+            f"{job.what}: its read made no progress for {self.timeout:g} s "
             "(lora_load_timeout)"))
         if self._alive <= self._stuck:         # no worker left to run the queued reads
             for queued in self._queue:

@@ -39,7 +39,7 @@ from manylora.lora.formats.loader import (
     load_adapter_dir,
 )
 from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.loader_pool import LoaderPool
+from manylora.lora.loader_pool import LoaderPool, report_progress
 from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
 from manylora.lora.request import LoRARequest
 from manylora.lora.slot_layout import SlotLayout
@@ -377,6 +377,7 @@ class LoRAManager:
         with stream:
             adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
                                        self.target)
+        report_progress()
         adapter = self._pack(adapter)
         with self._stats_lock:
             self.stats.host_load_seconds += time.perf_counter() - start

@@ -27,6 +27,7 @@ __all__ = [
     "SamplingTensors",
     "TokenLogprobs",
     "compute_logprobs",
+    "flag_empty_rows",
     "make_generator",
     "pack_tokens_and_logprobs",
     "tokens_and_logprobs_to_host",
@@ -366,11 +367,38 @@ class SampledTokens(NamedTuple):
         prompt_logprobs: ``{request_id: PromptLogprobs}``
             (``sample.prompt_logprobs``) of the requests whose prompt positions the step
             computed with ``SamplingParams.prompt_logprobs`` set (sampled or not).
+        no_token: the requests whose masks allowed no token this step
+            (``flag_empty_rows``); their entry in ``tokens`` is the id the device picked
+            anyway and must not be reported.
     """
 
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict = {}
+    no_token: frozenset[str] = frozenset()
+
+
+def flag_empty_rows(tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The sampled tokens as reported to the host, with the rows whose masks allowed no
+    token marked: ``r[i] = t[i]`` when ``l[i, t[i]]`` is finite, else ``-1 - t[i]``.
+
+    A row whose grammar bitmask, ``allowed_token_ids`` and ``bad_words`` together exclude
+    every token has every logit ``-inf``; the sampler still returns some id for it (argmax
+    of an all ``-inf`` or NaN row), which must not reach the request. The mark keeps the
+    id (``-1 - r``) so the host can still append what the device will read next step.
+    Any finite logit wins both greedy and random sampling, so a finite chosen logit means
+    the row had a token to choose.
+
+    Args:
+        tokens: int64 ``[N]`` sampled ids, on the logits' device.
+        logits: ``[N, V]`` the logits they were sampled from (masks applied, before
+            temperature).
+
+    Returns:
+        int64 ``[N]``, on the same device; no host sync.
+    """
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return torch.where(chosen > float("-inf"), tokens, -1 - tokens)
 
 
 def compute_logprobs(

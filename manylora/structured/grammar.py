@@ -10,7 +10,12 @@ from typing import Any
 
 from manylora.structured_params import StructuredOutputsParams
 
-__all__ = ["GrammarKey", "check_structured_outputs", "compile_grammar", "grammar_key"]
+__all__ = ["DEFAULT_MAX_SPEC_BYTES", "GrammarKey", "check_spec_size",
+           "check_structured_outputs", "compile_grammar", "grammar_key"]
+
+#: ``--max-structured-output-spec-bytes``: about OpenAI's bound on a structured-output
+#: schema's text (120,000 characters of names, enum and const values).
+DEFAULT_MAX_SPEC_BYTES = 128 * 2**10
 
 #: (kind, spec, disable_any_whitespace): what a compiled grammar is cached under.
 GrammarKey = tuple[str, str, bool]
@@ -59,6 +64,22 @@ def _ebnf_escape(text: str) -> str:
         else:
             out.append(ch)
     return "".join(out)
+
+
+def check_spec_size(params: StructuredOutputsParams, max_bytes: int) -> None:
+    """Bound the size of ``params``' grammar before it is parsed or compiled (the text
+    ``grammar_key`` gives: a schema as compact JSON, ``choice`` as its EBNF).
+
+    Raises:
+        ValueError: ``structured_outputs.<kind> is N bytes; ...`` over ``max_bytes``
+            (``--max-structured-output-spec-bytes``).
+    """
+    kind, spec, _ = grammar_key(params)
+    size = len(spec.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        what = " as a grammar" if kind == "choice" else ""
+        raise ValueError(f"structured_outputs.{kind} is {size} bytes{what}; the server "
+                         f"allows at most {max_bytes} (--max-structured-output-spec-bytes)")
 
 
 def check_structured_outputs(params: StructuredOutputsParams) -> None:

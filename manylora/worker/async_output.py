@@ -41,6 +41,9 @@ class AsyncSampledOutput:
             same copy.
         prompt_plan: the plan they follow (None with ``prompt`` None).
         vocab_size: V (the prompt log-probabilities' K is clamped to it).
+        reported: int64 ``[N]``, the ids copied to the host in place of ``tokens``
+            (``sample.sampler.flag_empty_rows``: rows that allowed no token marked); None:
+            ``tokens``. Log-probabilities are always those of ``tokens``.
 
     Raises:
         ValueError: ``lp_rows`` and ``lp_counts`` differ in length.
@@ -49,8 +52,14 @@ class AsyncSampledOutput:
     def __init__(self, tokens: torch.Tensor, logits: torch.Tensor, lp_rows: Sequence[int],
                  lp_counts: Sequence[int], copy_stream: torch.cuda.Stream | None,
                  prompt: torch.Tensor | None = None,
-                 prompt_plan: PromptLogprobsPlan | None = None, vocab_size: int = 0) -> None:
+                 prompt_plan: PromptLogprobsPlan | None = None, vocab_size: int = 0,
+                 reported: torch.Tensor | None = None) -> None:
         packed, self._k = pack_tokens_and_logprobs(logits, tokens, lp_rows, lp_counts)
+        if reported is not None:
+            if len(lp_rows):
+                packed[:tokens.shape[0]] = reported
+            else:
+                packed = reported
         self._prompt_plan, self._vocab_size = prompt_plan, vocab_size
         self._prompt_size = 0
         if prompt is not None:

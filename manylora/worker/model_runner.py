@@ -58,6 +58,7 @@ from manylora.sample.sampler import (
     SampledTokens,
     Sampler,
     SamplingTensors,
+    flag_empty_rows,
     make_generator,
 )
 from manylora.worker.async_output import AsyncSampledOutput
@@ -265,6 +266,9 @@ class ModelRunner:
             bitmask: int32 ``[k, 1 + ceil(V / 32)]`` host tensor
                 (``StructuredOutputManager.fill``: column 0 the sampled row, the rest its
                 bitmask), copied to the device in one copy; None: no row is constrained.
+
+        A row whose masks leave no token allowed is reported in ``get_output``'s
+        ``no_token``, not as a token.
         """
         info, logits, views, prompt = step
         if logits is None:
@@ -285,9 +289,10 @@ class ModelRunner:
         if self.on_sampled is not None:
             self.on_sampled(sampled)
         self._prev_sampled = sampled
+        reported = None if bitmask is None else flag_empty_rows(sampled, sample_logits)
         return LaunchedStep(info, AsyncSampledOutput(
             sampled, logits, [i for i, _ in info.logprobs], [k for _, k in info.logprobs],
-            self._copy_stream, prompt, info.prompt, self.vocab_size))
+            self._copy_stream, prompt, info.prompt, self.vocab_size, reported))
 
     def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
                         info: SampleInfo | None = None) -> torch.Tensor | None:
@@ -333,16 +338,25 @@ class ModelRunner:
             one copy; a step where no request asks does no log-probability work.
             ``prompt_logprobs`` is ``{request_id: PromptLogprobs}`` of the requests with
             ``SamplingParams.prompt_logprobs`` whose step computed prompt positions (empty
-            when none did), in the same copy.
+            when none did), in the same copy. ``no_token`` names the masked rows' requests
+            whose masks allowed no token (``flag_empty_rows``).
         """
         if step is None:
             return SampledTokens({}, {})
         info, output = step
         tokens, logprobs, prompt = output.result()
+        no_token = frozenset()
+        if info.masked is not None:
+            empty = [i for i in info.masked.tolist() if tokens[i] < 0]
+            if empty:
+                tokens = list(tokens)
+                for i in empty:
+                    tokens[i] = -1 - tokens[i]
+                no_token = frozenset(info.req_ids[i] for i in empty)
         self.input_batch.append_sampled(info, tokens)
         return SampledTokens(dict(zip(info.req_ids, tokens)),
                              {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)},
-                             prompt)
+                             prompt, no_token)
 
     def forward_step(self, inputs: StepInputs, prev_sampled: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:

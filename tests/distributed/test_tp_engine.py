@@ -12,12 +12,15 @@ import functools
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.distributed.shared_host import _SHM, file_prefix
 from manylora.distributed.workers import WorkerDiedError
+from manylora.engine.protocol import EngineDeadError
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
@@ -252,3 +255,32 @@ def test_prompt_logprobs_under_tensor_parallelism(base_dir, loras):
             assert d2[token].logprob == pytest.approx(d1[token].logprob, abs=1e-5)
             assert sorted(v.logprob for v in d2.values()) == pytest.approx(
                 sorted(v.logprob for v in d1.values()), abs=1e-5)
+
+
+def _shared_files(pid: int) -> list[str]:
+    return sorted(p.name for p in _SHM.glob(file_prefix(pid) + "*"))
+
+
+def test_core_process_leaves_no_shared_files(base_dir, loras, monkeypatch):
+    """The engine core in a process of its own (as ``manylora serve`` runs it) at TP 2 keeps
+    its adapters in ``/dev/shm``. That process ends by ``os._exit`` (no finalizer runs):
+    after a shutdown, and after the core is killed, none of its files is left; the killed
+    core's death reaches ``generate`` as ``EngineDeadError`` and the process is reaped."""
+    monkeypatch.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "1")
+    for kill in (False, True):
+        llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
+        client = llm.llm_engine.client
+        pid = client.pid
+        try:
+            assert pid != os.getpid()
+            llm.generate(PROMPTS[:2], GREEDY, [loras[0], loras[1]], use_tqdm=False)
+            assert len(_shared_files(pid)) >= 3        # two adapters, the acks
+            if kill:
+                os.kill(pid, signal.SIGKILL)
+                with pytest.raises(EngineDeadError, match="killed by SIGKILL"):
+                    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+                assert client.process.returncode == -signal.SIGKILL      # reaped
+        finally:
+            llm.llm_engine.shutdown()
+        assert _shared_files(pid) == []
+        assert not Path(client._dir).exists()

@@ -12,7 +12,9 @@ check while the read waits does not depend on timing.
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import shutil
 import threading
 from pathlib import Path
 
@@ -388,4 +390,88 @@ def test_streams_run_while_a_new_adapter_is_read_on_cuda(base_dir, adapters, mon
         ok, where = compare_greedy(finished[rid].outputs[0].token_ids, ref)
         assert ok, (rid, where)
     assert engine.lora_cache_stats().device_load_bytes > 0
+    engine.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# A cold burst of new adapters
+
+BURST = 64
+BURST_PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def write_random_adapters(root: Path, count: int, base_dir: Path,
+                          distinct: int | None = None) -> list[Path]:
+    """``count`` rank-4 q/v adapters in PEFT's layout (written directly, no model load:
+    cheap), weights large enough to change the greedy output; adapter ``n`` holds weight set
+    ``n % distinct`` (default: all distinct)."""
+    gen = torch.Generator().manual_seed(2028)
+    head = TINY["hidden_size"] // TINY["num_attention_heads"]
+    dims = {"q_proj": TINY["hidden_size"], "v_proj": TINY["num_key_value_heads"] * head}
+    paths: list[Path] = []
+    for n in range(count):
+        if distinct is not None and n >= distinct:
+            path = root / f"burst{n}"
+            shutil.copytree(paths[n % distinct], path)
+            paths.append(path)
+            continue
+        tensors = {}
+        for layer in range(TINY["num_hidden_layers"]):
+            for module, out in dims.items():
+                key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(
+                    4, TINY["hidden_size"], generator=gen) * 0.3
+                tensors[f"{key}.lora_B.weight"] = torch.randn(out, 4, generator=gen) * 0.3
+        path = root / f"burst{n}"
+        path.mkdir(parents=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        (path / "adapter_config.json").write_text(json.dumps(dict(
+            peft_type="LORA", r=4, lora_alpha=8, target_modules=list(dims), bias="none",
+            base_model_name_or_path=str(base_dir), task_type="CAUSAL_LM")))
+        paths.append(path)
+    return paths
+
+
+def test_a_burst_of_new_adapters_loads_while_the_engine_decodes(base_dir, root):
+    """64 adapters never seen (more than the host tier's 32 and the 16 slots; 64 paths and
+    ids over 8 weight sets, so that peft's reference loads 8) named at once
+    by requests arriving while base streams decode: every read succeeds, the base streams
+    keep producing tokens meanwhile, and every request's tokens equal transformers +
+    peft's (up to the reference's EOS, where greedy decoding there stops)."""
+    paths = write_random_adapters(root / "burst", BURST, base_dir, distinct=8)
+    prompts = {f"burst-{n}": [3 + n, 40 + n, 7, 99 - n] for n in range(BURST)}
+    names = {f"burst-{n}": paths[n % 8].name for n in range(BURST)}     # same weights
+    base_prompts = {"base-0": PROMPTS[0], "base-1": PROMPTS[1]}
+    refs = hf_greedy_reference(base_dir, {p.name: str(p) for p in paths[:8]},
+                               list(prompts.values()), list(names.values()),
+                               BURST_PARAMS.max_tokens)
+    expected = dict(zip(prompts, (r.token_ids for r in refs), strict=True))
+    base_refs = hf_greedy_reference(base_dir, {}, list(base_prompts.values()), [None, None],
+                                    LONG.max_tokens)
+    expected.update(zip(base_prompts, (r.token_ids for r in base_refs), strict=True))
+    assert len({tuple(t) for t in expected.values()}) > BURST // 2     # adapters matter
+
+    llm = LLM(str(base_dir), **{**ENGINE, "max_loras": 16})
+    engine = llm.llm_engine
+    for rid, prompt in base_prompts.items():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, LONG)
+    seen: dict[str, list[int]] = {}
+    for out in engine.step():                    # the base streams are decoding
+        seen[out.request_id] = list(out.outputs[0].token_ids)
+    for n, path in enumerate(paths):             # then the burst, all at once
+        engine.add_request(f"burst-{n}", {"prompt_token_ids": prompts[f"burst-{n}"]},
+                           BURST_PARAMS, lora(path))
+    before = {rid: len(seen.get(rid, [])) for rid in base_prompts}
+    engine.step()
+    progress: dict[str, list[int]] = {}
+    finished = run_until_done(engine, progress, max_steps=5000)
+    assert set(finished) == set(expected)
+    for rid, out in finished.items():
+        assert out.outputs[0].finish_reason == "length", (rid, out.outputs[0])
+        ref = expected[rid]
+        assert list(out.outputs[0].token_ids)[:len(ref)] == ref, rid
+    assert all(len(progress[rid]) > before[rid] for rid in base_prompts)
+    stats = engine.lora_cache_stats()
+    assert stats.host_load_failures == 0
+    assert stats.host_misses >= BURST
     engine.shutdown()

@@ -213,12 +213,19 @@ def test_waiting_queue_bound(base_dir):
 
 
 def test_a_failed_step_ends_every_stream(base_dir, monkeypatch):
+    """The streams end with the error, then the engine is shut down and the ``on_dead``
+    callbacks run once (one registered after the death at once); ``shutdown`` after it is
+    harmless."""
     async_llm = AsyncLLM.from_engine_args(EngineArgs(model=str(base_dir), **ENGINE))
+    core = async_llm.engine.engine_core
+    shut, dead, later = [], [], []
+    monkeypatch.setattr(core, "shutdown", lambda: shut.append(1))
+    async_llm.on_dead(lambda error: dead.append((error, list(shut))))
 
     def broken_step():
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(async_llm.engine.engine_core, "step", broken_step)
+    monkeypatch.setattr(core, "step", broken_step)
 
     async def main():
         with pytest.raises(EngineDeadError, match="device lost"):
@@ -227,8 +234,16 @@ def test_a_failed_step_ends_every_stream(base_dir, monkeypatch):
             await _collect(async_llm, "The quick", GREEDY, "after", None)
 
     asyncio.run(main())
-    assert not async_llm.is_running
+    assert not async_llm.is_running and async_llm.errored
+    async_llm._thread.join(60)
+    assert len(dead) == 1
+    error, shut_before = dead[0]
+    assert isinstance(error, RuntimeError) and "device lost" in str(error)
+    assert shut_before == [1]              # the engine was stopped before the callback
+    async_llm.on_dead(later.append)
+    assert later == [error]
     async_llm.shutdown()
+    assert shut == [1] and len(dead) == 1
 
 
 @pytest.mark.gpu

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter as Tally
+from types import SimpleNamespace
 
 import pytest
 from fastapi import FastAPI, Request
@@ -18,6 +20,7 @@ from ray.exceptions import ActorDiedError
 
 from manylora.engine.arg_utils import EngineArgs
 from manylora.entrypoints.ray_serve import control as control_mod
+from manylora.entrypoints.ray_serve import replica as replica_mod
 from manylora.entrypoints.ray_serve.app import (
     argv_of,
     engine_deployment_options,
@@ -28,6 +31,7 @@ from manylora.entrypoints.ray_serve.bridge import HTTPRequest, ResponseHead, cal
 from manylora.entrypoints.ray_serve.control import AdapterControl
 from manylora.entrypoints.ray_serve.ingress import IngressConfig, OpenAIIngress
 from manylora.entrypoints.ray_serve.relabel import merge_replica_metrics
+from manylora.entrypoints.ray_serve.replica import EngineReplica
 
 
 def _request(method="POST", path="/echo", body=b"", headers=()) -> HTTPRequest:
@@ -183,6 +187,115 @@ def test_a_restarted_control_replica_gets_the_adapters_back_from_the_replicas():
 
     control, snap = asyncio.run(run())
     assert snap.epoch == control.epoch and snap.adapters["ad6"].path == "/p/ad6"
+
+
+async def _turns(n: int = 500) -> None:
+    """Let the event loop run ``n`` times: every task not waiting on something gets on."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_a_waiting_poll_is_ended_by_a_change_not_by_another_replicas_poll(monkeypatch):
+    monkeypatch.setattr(control_mod, "POLL_S", 3600)      # no poll times out here
+
+    async def run():
+        control = AdapterControl()
+        snap = await control.poll("r1", "", -1, -1, "")
+        waiting = asyncio.ensure_future(
+            control.poll("r1", snap.epoch, snap.version, snap.version, ""))
+        for _ in range(20):         # r2 keeps polling: r1's wait goes on
+            r2 = asyncio.ensure_future(
+                control.poll("r2", snap.epoch, snap.version, snap.version, "", wait=False))
+            await _turns(20)
+            assert r2.done() and not waiting.done()
+        publish = asyncio.ensure_future(control.publish("ad", "/p", "", timeout=600))
+        got = await asyncio.wait_for(waiting, 60)           # the change ends the wait
+        assert got.version == snap.version + 1 and got.adapters["ad"].path == "/p"
+        assert not publish.done()
+        publish.cancel()
+
+    asyncio.run(run())
+
+
+class _Models:
+    """A stand-in for a replica's served models: a dict of name → shown path."""
+
+    def __init__(self) -> None:
+        self.static_loras: list = []
+        self.loras: dict = {}
+
+    async def load_lora_adapter(self, name: str, path: str, load_inplace: bool) -> None:
+        self.loras[name] = SimpleNamespace(shown_path=path)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        del self.loras[name]
+
+
+class _ControlHandle:
+    """A deployment handle to an in-process :class:`AdapterControl` that counts the polls
+    each replica makes and how many of them are waiting."""
+
+    def __init__(self, control: AdapterControl) -> None:
+        self.control = control
+        self.calls: Tally[str] = Tally()
+        self.waiting: Tally[str] = Tally()
+
+    @property
+    def poll(self) -> _ControlHandle:
+        return self
+
+    def remote(self, replica_id: str, *args):
+        self.calls[replica_id] += 1
+
+        async def call():
+            self.waiting[replica_id] += 1
+            try:
+                return await self.control.poll(replica_id, *args)
+            finally:
+                self.waiting[replica_id] -= 1
+        return call()
+
+
+async def _replica(monkeypatch, replica_id: str, control: _ControlHandle) -> EngineReplica:
+    """An :class:`EngineReplica` of fake models and no engine, following ``control``."""
+    server = SimpleNamespace(models=_Models(), registry=CollectorRegistry(),
+                             shutdown=lambda: None)
+    monkeypatch.setattr(replica_mod, "create_server", lambda args: server)
+    monkeypatch.setattr(replica_mod, "serve", SimpleNamespace(
+        get_replica_context=lambda: SimpleNamespace(
+            replica_id=SimpleNamespace(unique_id=replica_id)),
+        multiplexed=lambda **_: lambda f: f))
+    replica = EngineReplica.__new__(EngineReplica)
+    await replica.__init__(["--model", "/m"], control)     # Ray Serve awaits it so too
+    return replica
+
+
+def test_idle_replicas_wait_in_their_polls_and_a_publish_reaches_them_at_once(monkeypatch):
+    monkeypatch.setattr(control_mod, "POLL_S", 3600)      # no poll times out here
+
+    async def run():
+        handle = _ControlHandle(AdapterControl())
+        replicas = [await _replica(monkeypatch, r, handle) for r in ("r1", "r2")]
+        try:
+            await _turns()
+            idle = dict(handle.calls)
+            await _turns()
+            # idle: each replica has one poll waiting and makes no other call
+            assert handle.calls == idle and handle.waiting == {"r1": 1, "r2": 1}
+            failed = await asyncio.wait_for(
+                handle.control.publish("ad", "/p/ad", "", timeout=600), 60)
+            assert failed == {}
+            assert [r.server.models.loras["ad"].shown_path for r in replicas] == ["/p/ad"] * 2
+            await _turns()
+            idle = dict(handle.calls)
+            await _turns()
+            assert handle.calls == idle and handle.waiting == {"r1": 1, "r2": 1}
+        finally:
+            for replica in replicas:
+                for task in replica._tasks:
+                    task.cancel()
+
+    asyncio.run(run())
 
 
 # --- the metrics merge -----------------------------------------------------------------

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
@@ -36,9 +40,9 @@ class City(BaseModel):
 def server(tmp_path_factory):
     base = make_checkpoint(tmp_path_factory.mktemp("so-server") / "base", "llama", seed=2,
                            **{**TINY, "max_position_embeddings": 512})
-    with running_server(base, max_model_len=512, block_size=8) as (_, url):
+    with running_server(base, max_model_len=512, block_size=8) as (served, url):
         yield (openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0),
-               httpx.Client(base_url=url, timeout=120), str(base))
+               httpx.Client(base_url=url, timeout=120), str(base), served)
 
 
 def _loads(text: str):
@@ -168,3 +172,257 @@ def test_bad_words(server):
                          ("/v1/chat/completions", {"messages": MESSAGES})):
         r = http.post(route, json={"model": BASE, "bad_words": [""], **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+_BIG_ENUM = {"type": "string", "enum": [f"{i:06d}" * 20 for i in range(1200)]}   # 150 KB
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("route, body, param, bound", [
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a" * (2**17 + 1)}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "structured_outputs": {
+        "grammar": 'root ::= "' + "a" * 2**17 + '"'}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {
+        "choice": [f"{i:04d}" * 30 for i in range(1200)]}},
+     "structured_outputs", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": _BIG_ENUM}}},
+     "response_format", "--max-structured-output-spec-bytes"),
+    ("/v1/responses", {"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "x", "schema": _BIG_ENUM}}},
+     "text", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {
+            "type": "object", "properties": {"x": {"enum": [f"{i:05d}" * 40] * 1}}}}}
+        for i in range(120)] + [
+        {"type": "function", "function": {"name": "big", "parameters": {
+            "type": "object", "properties": {"x": _BIG_ENUM}}}}]},
+     "tools", "--max-structured-output-spec-bytes"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [
+        {"type": "function", "function": {**_TOOL["function"], "name": f"f{i}"}}
+        for i in range(129)], "tool_choice": "none"}, "tools", "--max-tools"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["a"] * 4097}, "bad_words",
+     "--max-bad-words"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "bad_words": ["a" * 2**16] * 3},
+     "bad_words", "--max-structured-output-spec-bytes"),
+])
+def test_bounds_are_400s_naming_the_field_and_flag(server, route, body, param, bound):
+    http = server[1]
+    r = http.post(route, json={"model": BASE, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and bound in error["message"], error
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+_REF = {"$ref": "#"}
+_MUTUAL = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+           "$ref": "#/$defs/a"}
+
+
+def _engine_killers(tok):
+    """Bodies whose output constraints admit no token (each took the engine down once)."""
+    a = tok.encode("a", add_special_tokens=False)[0]
+    completions = [
+        {"prompt": "x", "structured_outputs": {"json": _REF}},
+        {"prompt": "x", "structured_outputs": {"json": _MUTUAL}},
+        {"prompt": "x", "structured_outputs": {"regex": "[^\\s\\S]"}},
+        {"prompt": "x", "structured_outputs": {"grammar": "root ::= [^\\x00-\\U0010FFFF]"}},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "allowed_token_ids": [a + 1]},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}, "bad_words": ["a"]},
+        {"prompt": "x", "structured_outputs": {"json_object": True}, "allowed_token_ids": [a]},
+    ]
+    chat = {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "loop", "schema": _REF}}}
+    responses = {"input": "x", "text": {"format": {"type": "json_schema", "name": "loop",
+                                                   "schema": _REF}}}
+    return ([("/v1/completions", b) for b in completions]
+            + [("/v1/chat/completions", chat), ("/v1/responses", responses)])
+
+
+def test_constraints_that_admit_no_token_fail_alone(server):
+    """Each body gets an error of its own (a 400, or an error event on its stream) while
+    another client's stream goes on to its full length, equal to the same stream alone;
+    /health stays 200 and the server serves again."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    long = {"model": BASE, "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+    def stream_text() -> tuple[str, str | None]:
+        text, reason = [], None
+        with httpx.Client(base_url=str(http.base_url), timeout=300) as c, \
+                c.stream("POST", "/v1/completions", json=long) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    reason = choice["finish_reason"] or reason
+        return "".join(text), reason
+
+    alone = stream_text()
+    assert alone[1] == "length"
+    result = {}
+    other = threading.Thread(target=lambda: result.update(out=stream_text()))
+    other.start()
+    try:
+        for route, body in _engine_killers(tok):
+            for stream in (False, True):
+                r = http.post(route, json={"model": BASE, "max_tokens": 8, "stream": stream,
+                                           **body})
+                if r.status_code == 200:       # a stream that began: its error event
+                    assert stream and '"error"' in r.text, (route, body, r.text)
+                else:
+                    assert r.status_code == 400, (route, body, r.text)
+                    assert "no token" in r.json()["error"]["message"], r.text
+                assert http.get("/health").status_code == 200
+    finally:
+        other.join(timeout=600)
+    assert result["out"] == alone
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
+def test_max_bad_words_while_another_stream_runs(server):
+    # a request with the most bad_words allowed streams alongside another client's stream:
+    # the other stream's chunks arrive between the first and the last chunk of the
+    # bad_words one, and no always-banned token (a one-token word) is generated
+    from transformers import AutoTokenizer
+
+    http, tok = server[1], AutoTokenizer.from_pretrained(server[2])
+    singles = [w for w in (tok.decode([t]).strip() for t in range(3, tok.vocab_size))
+               if w.isalpha() and len(tok.encode(w, add_special_tokens=False)) == 1][:2000]
+    words = singles + [f"w{i}" for i in range(4096 - len(singles))]
+    banned = {tok.encode(w, add_special_tokens=False)[0] for w in singles}
+    events: list[str] = []
+    long_started = threading.Event()
+
+    def stream(name, body):
+        with http.stream("POST", "/v1/completions", json={
+                "model": BASE, "stream": True, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0, "return_tokens_as_token_ids": True, **body}) as r:
+            assert r.status_code == 200
+            tokens = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens += [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]]
+                    events.append(name)
+                    long_started.set()
+            return tokens
+
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(stream, "other", {"prompt": "Hi", "max_tokens": 480})
+        assert long_started.wait(120)
+        tokens = pool.submit(stream, "bad", {"prompt": "Answer:", "max_tokens": 24,
+                                             "bad_words": words}).result(120)
+        assert len(other.result(120)) == 480
+    first, last = events.index("bad"), len(events) - 1 - events[::-1].index("bad")
+    assert "other" in events[first:last]
+    assert len(tokens) == 24 and not banned & set(tokens)
+
+
+def test_min_tokens_does_not_outlive_the_grammar(server):
+    body = {"model": BASE, "prompt": "Hi", "max_tokens": 8, "min_tokens": 5,
+            "structured_outputs": {"choice": ["a"]}}
+    for temperature in (0, 1):
+        r = server[1].post("/v1/completions", json={**body, "temperature": temperature})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("a", "stop")
+
+
+def _gate_compiles(monkeypatch, spec: str) -> tuple[threading.Event, threading.Event]:
+    """The engine's compiles of ``spec`` (its core runs in this process) wait for the first
+    event; the second is set when such a compile starts."""
+    from manylora.structured import compiler as compiler_module
+
+    gate, started = threading.Event(), threading.Event()
+    compile_one = compiler_module.compile_grammar
+
+    def gated(compiler, key):
+        if key[1] == spec:
+            started.set()
+            gate.wait()
+        return compile_one(compiler, key)
+
+    monkeypatch.setattr(compiler_module, "compile_grammar", gated)
+    return gate, started
+
+
+def _long_stream(http, events: list[str], first: threading.Event) -> int:
+    """Stream 480 greedy tokens; append "other" to ``events`` per chunk; their count."""
+    with http.stream("POST", "/v1/completions", json={
+            "model": BASE, "prompt": "Hi", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks += 1
+                events.append("other")
+                first.set()
+        return chunks
+
+
+def test_a_compile_past_its_time_limit_fails_only_its_request(server, monkeypatch):
+    # the grammar's compile never ends (held on an event) and the engine's limit is 1 s:
+    # that request gets a 400 naming the limit while another client's stream goes on
+    http, served = server[1], server[3]
+    compiler = served.engine.engine.engine_core.structured.compiler
+    gate, _ = _gate_compiles(monkeypatch, "[0-9]{7}")
+    monkeypatch.setattr(compiler, "compile_seconds", 1.0)
+    events: list[str] = []
+    first = threading.Event()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            other = pool.submit(_long_stream, http, events, first)
+            assert first.wait(120)
+            events.append("submitted")
+            r = http.post("/v1/completions", json={
+                "model": BASE, "prompt": "x", "max_tokens": 5,
+                "structured_outputs": {"regex": "[0-9]{7}"}})
+            events.append("answered")
+            assert r.status_code == 400, r.text
+            message = r.json()["error"]["message"]
+            assert message.startswith("structured_outputs.regex: the grammar did not compile "
+                                      "within 1 s (--max-grammar-compile-seconds)"), message
+            assert http.get("/health").status_code == 200
+            assert other.result(120) > 0
+    finally:
+        gate.set()
+    assert "other" in events[events.index("submitted"):events.index("answered")]
+
+
+def test_a_client_leaving_drops_its_compile(server, monkeypatch):
+    http, served = server[1], server[3]
+    compiler = served.engine.engine.engine_core.structured.compiler
+    gate, started = _gate_compiles(monkeypatch, "[0-9]{8}")
+    key = ("regex", "[0-9]{8}", True)
+    body = json.dumps({"model": BASE, "prompt": "x", "max_tokens": 5, "stream": True,
+                       "structured_outputs": {"regex": "[0-9]{8}"}}).encode()
+    url = httpx.URL(str(http.base_url))
+    try:
+        with socket.create_connection((url.host, url.port), timeout=120) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert started.wait(120) and compiler.cached(key)
+        # the client left: the request is aborted, the compile nobody waits for dropped
+        deadline = time.monotonic() + 120
+        while compiler.cached(key):
+            assert time.monotonic() < deadline, "the compile was not dropped"
+            time.sleep(0.01)
+    finally:
+        gate.set()
+    ok = http.post("/v1/completions", json={"model": BASE, "prompt": "x", "max_tokens": 3,
+                                            "structured_outputs": {"regex": "[0-9]{8}"}})
+    assert ok.status_code == 200 and re.fullmatch("[0-9]{3,8}", ok.json()["choices"][0]["text"])

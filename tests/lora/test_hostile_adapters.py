@@ -244,12 +244,13 @@ def test_literal_keys_match_as_the_regex_does():
 
 def test_pathological_pattern_is_bounded(good, tmp_path, adapter_target):
     """The issue's key took 8 s under ``re`` and held the GIL; it cannot match (no module
-    name holds an X), so every module keeps the default scaling."""
+    name holds an X), so it is refused as a key that matches nothing, within its budget."""
     slow = _copy(good, tmp_path, "slow")
-    _edit_config(slow, alpha_pattern={"(.?)*(.?)*(.?)*(.?)*(.?)*X": 1000})
-    ref = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
-    got = load_peft_adapter(LoRARequest(NAME, 1, str(slow)), slow, adapter_target)
-    assert ref.digest == got.digest
+    key = "(.?)*(.?)*(.?)*(.?)*(.?)*X"
+    _edit_config(slow, alpha_pattern={key: 1000})
+    with pytest.raises(LoRAAdapterError, match=re.escape(f"alpha_pattern keys [{key!r}] match "
+                                                         "no module")):
+        load_peft_adapter(LoRARequest(NAME, 1, str(slow)), slow, adapter_target)
 
 
 def test_backtracking_pattern_fails_within_its_budget(good, tmp_path, adapter_target):
@@ -284,3 +285,247 @@ def test_huge_trtllm_rows_are_refused(good, adapter_target):
     adapter_from_trtllm(1, NAME, weights, config, adapter_target)
     with pytest.raises(LoRAAdapterError, match=r"'hostile': row 0: its weights are too large"):
         adapter_from_trtllm(1, NAME, torch.full_like(weights, 1e38), config, adapter_target)
+
+
+# ---------------------------------------------------------------- structure before data
+
+#: A tensor of 2 GiB as a safetensors header declares it (float32 [16384, 32768]).
+BIG = ([16384, 32768], 4 * 16384 * 32768)
+PREFIX = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+def _sparse_safetensors(path: Path, tensors: dict[str, tuple[list[int], int]],
+                        data_bytes: int | None = None) -> None:
+    """Write ``path`` as a safetensors file whose header declares ``tensors`` (``{key:
+    (shape, bytes)}``, float32, back to back) and whose data is a hole (a sparse file: no
+    disk, no memory), ``data_bytes`` long (default: what the header declares)."""
+    header, offset = {}, 0
+    for key, (shape, nbytes) in tensors.items():
+        header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + (offset if data_bytes is None else data_bytes))
+
+
+def _rss() -> int:
+    """This process's resident memory, bytes (``VmRSS``)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024
+
+
+def _refused_without_reading(monkeypatch, path: Path, target, pattern: str) -> None:
+    """The load of ``path`` fails with ``pattern`` having read no tensor's data: no
+    ``PeftWeights.read`` call, and resident memory grows by far less than the 2 GiB the
+    header declares."""
+    from manylora.lora.formats import peft as peft_format
+
+    reads: list[str] = []
+    original = peft_format.PeftWeights.read
+    monkeypatch.setattr(peft_format.PeftWeights, "read",
+                        lambda self, key: reads.append(key) or original(self, key))
+    before = _rss()
+    with pytest.raises(LoRAAdapterError, match=pattern) as info:
+        _load(path, target)
+    assert reads == []
+    assert _rss() - before < 256 << 20
+    assert str(info.value).count(f"adapter {NAME!r}") == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS")
+def test_sparse_weights_without_b_are_refused_from_the_header(good, tmp_path, adapter_target,
+                                                              monkeypatch):
+    """The issue's file: 2 GiB declared for lora_A, no lora_B. Its header says enough."""
+    bad = _copy(good, tmp_path)
+    _sparse_safetensors(bad / "adapter_model.safetensors",
+                        {f"{PREFIX}.lora_A.weight": BIG})
+    assert (bad / "adapter_model.safetensors").stat().st_size > 2 << 30
+    _refused_without_reading(monkeypatch, bad, adapter_target,
+                             r"model.layers.0.self_attn.q_proj has lora_A but not both A and B")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS")
+def test_header_claiming_more_than_the_file_is_refused(good, tmp_path, adapter_target,
+                                                       monkeypatch):
+    bad = _copy(good, tmp_path)
+    weights = bad / "adapter_model.safetensors"
+    _sparse_safetensors(weights, {f"{PREFIX}.lora_A.weight": BIG,
+                                  f"{PREFIX}.lora_B.weight": ([32, 16384], 4 * 32 * 16384)},
+                        data_bytes=1 << 20)
+    size = weights.stat().st_size
+    _refused_without_reading(monkeypatch, bad, adapter_target,
+                             rf"adapter_model.safetensors: its safetensors header places tensor "
+                             rf"data up to byte \d+, but the file holds {size} bytes")
+    weights.write_bytes((1 << 40).to_bytes(8, "little") + b"{}")
+    _refused_without_reading(monkeypatch, bad, adapter_target,
+                             r"its safetensors header claims 1099511627776 bytes, more than")
+    weights.write_bytes((100).to_bytes(8, "little") + b"{}")
+    _refused_without_reading(monkeypatch, bad, adapter_target,
+                             r"its safetensors header claims 100 bytes, but the file holds 10")
+
+
+def test_shapes_are_checked_before_data(good, tmp_path, adapter_target, monkeypatch):
+    """A and B of 2 GiB that the base projection cannot take: refused by shape, unread."""
+    bad = _copy(good, tmp_path)
+    _sparse_safetensors(bad / "adapter_model.safetensors",
+                        {f"{PREFIX}.lora_A.weight": BIG,
+                         f"{PREFIX}.lora_B.weight": ([32, 16384], 4 * 32 * 16384)})
+    _refused_without_reading(monkeypatch, bad, adapter_target,
+                             r"has lora_A \(16384, 32768\) and lora_B \(32, 16384\), but the "
+                             r"base projection needs")
+
+
+def test_trtllm_npy_header_claiming_more_than_the_file_is_refused(good, tmp_path,
+                                                                 adapter_target):
+    """A ``.npy`` whose header declares 2 GiB over a 1 MiB file: refused from the header
+    (``np.load`` would have allocated the array first)."""
+    import numpy as np
+
+    from manylora.lora.formats.trtllm import WEIGHTS_FILE, write_trtllm_dir
+
+    adapter = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
+    out = write_trtllm_dir(tmp_path / "trt", *adapter_to_trtllm(adapter, torch.float32))
+    header = {"descr": "<f4", "fortran_order": False, "shape": (1, 16384, 32768)}
+    with open(out / WEIGHTS_FILE, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        f.truncate(f.tell() + (1 << 20))
+    before = _rss()
+    with pytest.raises(LoRAAdapterError, match=r"model.lora_weights.npy: its header declares "
+                       r"a float32 array of shape \[1, 16384, 32768\] \(2147483648 bytes\), "
+                       r"but the file holds 1048576 bytes of data"):
+        _load(out, adapter_target)
+    assert _rss() - before < 256 << 20
+
+
+def test_trtllm_rows_are_read_only_where_used(good, tmp_path, adapter_target):
+    """Rows padded to a sparse 2 GiB width load as the unpadded adapter: only the used
+    part of each row is read."""
+    import numpy as np
+
+    from manylora.lora.formats.trtllm import CONFIG_FILE, WEIGHTS_FILE
+
+    adapter = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
+    weights, config = adapter_to_trtllm(adapter, torch.float32)
+    rows, width = weights.shape[-2], (2 << 30) // 4 // weights.shape[-2]
+    out = tmp_path / "trt_wide"
+    out.mkdir()
+    np.save(out / CONFIG_FILE, config.numpy())
+    with open(out / WEIGHTS_FILE, "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<f4", "fortran_order": False, "shape": (1, rows, width)})
+        start = f.tell()
+        for i, row in enumerate(weights.reshape(rows, -1).numpy()):
+            f.seek(start + i * width * 4)
+            f.write(row.tobytes())
+        f.truncate(start + rows * width * 4)
+    before = _rss()
+    got = _load(out, adapter_target)
+    assert _rss() - before < 256 << 20
+    assert got.digest == adapter_from_trtllm(1, NAME, weights, config, adapter_target).digest
+
+
+# ---------------------------------------------------------------- what peft refuses
+
+@pytest.fixture(scope="module")
+def peft_base(base_dir):
+    from transformers import AutoModelForCausalLM
+    return lambda: AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+
+
+PEFT_CASES = [
+    # (case, config changes, peft's reaction: raises / warns, what ours says)
+    ("layer_past_the_model", dict(layers_to_transform=[99]), "raises",
+     r"layers_to_transform names layers \[99\], which the base model does not have "
+     r"\(it has 2 layers\)"),
+    ("layers_pattern_matching_nothing", dict(layers_to_transform=[0], layers_pattern="h"),
+     "raises", r"target modules \[('\w+', ){2}'\w+'\] not found in the base model .*"
+     r"layers_to_transform is \[0\], layers_pattern 'h'"),
+    ("regex_matching_nothing", dict(target_modules=r".*\.nothing_proj"), "raises",
+     r"target modules '\.\*\\\\.nothing_proj' not found in the base model"),
+    ("rank_key_matching_nothing", dict(rank_pattern={"nothing_proj": 4}), "warns",
+     r"rank_pattern keys \['nothing_proj'\] match no module the adapter targets"),
+    ("alpha_key_not_targeted", dict(alpha_pattern={"q_proj": 4, "o_proj": 2}), "warns",
+     r"alpha_pattern keys \['o_proj'\] match no module the adapter targets"),
+]
+
+
+@pytest.mark.parametrize("case,changes,reaction,pattern", PEFT_CASES,
+                         ids=[c[0] for c in PEFT_CASES])
+def test_what_peft_refuses_is_refused(good, tmp_path, adapter_target, peft_base, case,
+                                      changes, reaction, pattern):
+    """The reference is peft's own ``get_peft_model`` on the same config and base: it raises
+    (``Target modules ... not found in the base model``) or warns that the keys matched
+    nothing and were ignored; ours refuses, naming them."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = {**json.loads((good / "adapter_config.json").read_text()), **changes}
+    fields = {k: cfg[k] for k in ("r", "lora_alpha", "target_modules", "layers_to_transform",
+                                  "layers_pattern", "rank_pattern", "alpha_pattern")}
+    if reaction == "raises":
+        with pytest.raises(ValueError, match="not found in the base model"):
+            get_peft_model(peft_base(), LoraConfig(**fields))
+    else:
+        with pytest.warns(RuntimeWarning, match="did not match any targeted module"):
+            get_peft_model(peft_base(), LoraConfig(**fields))
+    bad = _copy(good, tmp_path)
+    _edit_config(bad, **changes)
+    with pytest.raises(LoRAAdapterError, match=pattern) as info:
+        _load(bad, adapter_target)
+    assert str(info.value).count(f"adapter {NAME!r}") == 1
+
+
+def test_rank_pattern_past_max_lora_rank_is_refused_on_arrival(good, tmp_path, adapter_target,
+                                                               peft_base):
+    """peft builds q_proj at rank 100000 and then cannot load the rank-4 weights; ours
+    refuses the rank at once, as vLLM refuses an ``r`` past ``max_lora_rank``."""
+    from peft import PeftModel
+
+    bad = _copy(good, tmp_path)
+    _edit_config(bad, rank_pattern={"q_proj": 100000})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(peft_base(), bad)
+    with pytest.raises(LoRAAdapterError, match=r"rank_pattern\['q_proj'\] = 100000 exceeds "
+                       r"max_lora_rank=16"):
+        check_adapter_dir(LoRARequest(NAME, 1, str(bad)), bad, adapter_target)
+
+
+def test_weights_for_modules_the_config_does_not_target_are_refused(good, tmp_path,
+                                                                    adapter_target, peft_base):
+    """peft loads only the layers ``layers_to_transform`` names (the others' weights are
+    unused); ours refuses weights it would have to drop."""
+    bad = _copy(good, tmp_path)
+    _edit_config(bad, layers_to_transform=[1])
+    with pytest.raises(LoRAAdapterError, match=r"has weights for model.layers.0.\w+.\w+_proj"
+                       r", which its config's target_modules / layers_to_transform do "
+                       r"not target"):
+        _load(bad, adapter_target)
+
+
+def test_bin_weights_load_as_safetensors_do(base_dir, tmp_path, adapter_target):
+    """``adapter_model.bin`` (torch's zip format) and the legacy pickle format read the same
+    adapter as ``adapter_model.safetensors``."""
+    kwargs = dict(r=4, target_modules=["q_proj", "down_proj"], seed=62)
+    st = make_peft_adapter(base_dir, tmp_path / "st", **kwargs)
+    as_bin = make_peft_adapter(base_dir, tmp_path / "bin", safe_serialization=False, **kwargs)
+    ref = _load(st, adapter_target)
+    assert _load(as_bin, adapter_target).digest == ref.digest
+    tensors = load_file(st / "adapter_model.safetensors")
+    torch.save(tensors, as_bin / "adapter_model.bin", _use_new_zipfile_serialization=False)
+    assert _load(as_bin, adapter_target).digest == ref.digest
+
+
+def test_weights_truncated_while_read_are_an_error(good, tmp_path):
+    """Tensor data is read from the file, not through a memory map: a file cut short after
+    its header was checked is a named error, not SIGBUS."""
+    from manylora.lora.formats.peft import open_peft_weights
+
+    bad = _copy(good, tmp_path)
+    weights = bad / "adapter_model.safetensors"
+    with open_peft_weights(bad, NAME) as stored:
+        key = max(stored.meta)
+        os.truncate(weights, 64)
+        with pytest.raises(LoRAAdapterError, match=rf"adapter_model.safetensors: the file ended "
+                           rf"within tensor {re.escape(repr(key))}'s data"):
+            stored.read(key)

@@ -1,6 +1,7 @@
 """``LoaderPool``: a read past its deadline fails alone with ``LoRALoadTimeoutError`` and
 its stuck worker is replaced, so later reads still run; the bound runs from a read's start
-(reads queued behind slow ones wait their turn); reads queued behind workers that are all
+(reads queued behind slow ones wait their turn) and from each progress it reports (a read
+that works on outlives it); reads queued behind workers that are all
 stuck, with none to replace them, fail at once; results of written-off reads are dropped.
 The stuck read is an event the test holds, so no assertion depends on how fast the machine
 is."""
@@ -8,11 +9,12 @@ is."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
-from manylora.lora.loader_pool import LoaderPool
+from manylora.lora.loader_pool import LoaderPool, report_progress
 
 
 def _blocked(release: threading.Event, started: threading.Event | None = None) -> str:
@@ -29,7 +31,7 @@ def test_stuck_read_times_out_alone_and_its_worker_is_replaced():
         stuck = pool.submit(_blocked, release, started, what="adapter 'slow'")
         assert started.wait(30)
         with pytest.raises(LoRALoadTimeoutError,
-                           match=r"adapter 'slow': its read did not finish within 0.3 s"):
+                           match=r"adapter 'slow': its read made no progress for 0.3 s"):
             stuck.result(timeout=60)
         assert isinstance(stuck.exception(), LoRAAdapterError)
         assert pool.stuck == 1
@@ -90,3 +92,40 @@ def test_errors_and_results_pass_through_without_timeout():
     pool.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         pool.submit(lambda: 1)
+
+
+def test_a_read_that_works_on_outlives_the_bound():
+    """A read that reports progress (``report_progress``, a module at a time) is not failed
+    however long it takes in all, as one starved of the GIL by the engine's step loop; it
+    fails once its reports stop for the bound. The watchdog renews its deadline twice
+    (seen in the pool), so the read ran past two bounds; reports come every 10 ms against
+    a 1 s bound."""
+    pool = LoaderPool(1, timeout=1.0)
+    stop_reporting, stopped = threading.Event(), threading.Event()
+
+    def working(renewals_wanted: int) -> str:
+        me = threading.current_thread()
+        seen: set[float] = set()
+        while len(seen) <= renewals_wanted:
+            report_progress()
+            with pool._lock:
+                seen.add(pool._running[me].deadline)
+            time.sleep(0.01)
+        return "done"
+
+    assert pool.submit(working, 2, what="adapter 'slow'").result(timeout=120) == "done"
+    assert pool.stuck == 0
+
+    def works_then_hangs() -> str:
+        working(1)
+        stop_reporting.wait(120)
+        stopped.set()
+        return "late"
+
+    hung = pool.submit(works_then_hangs, what="adapter 'hung'")
+    with pytest.raises(LoRALoadTimeoutError, match="adapter 'hung': its read made no progress"):
+        hung.result(timeout=120)
+    stop_reporting.set()
+    assert stopped.wait(60)
+    report_progress()                    # outside a loader thread: nothing
+    pool.shutdown()

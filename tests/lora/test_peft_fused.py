@@ -76,6 +76,12 @@ def test_fused_and_component_module_together(fused_adapters, adapter_target, tmp
     src = load_file(fused_adapters["lora"][0] / "adapter_model.safetensors")
     extra = {k: v for k, v in src.items() if ".layers.0.self_attn.k_proj." in k}
     _edit_tensors(bad, lambda t: t.update(extra))
+    with pytest.raises(LoRAAdapterError, match=r"has weights for model.layers.0.self_attn.k_proj"
+                                               r", which its config's target_modules"):
+        load(bad, adapter_target)
+    cfg = json.loads((bad / "adapter_config.json").read_text())
+    cfg["target_modules"] = [*cfg["target_modules"], "k_proj"]
+    (bad / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(LoRAAdapterError, match=r"layer 0 has weights for k_proj twice"):
         load(bad, adapter_target)
 

@@ -6,10 +6,14 @@ and off; unconstrained rows of the batch come out as they do alone."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
 from manylora import LLM, SamplingParams
+from manylora.structured.bad_words import DEFAULT_MAX_BAD_WORDS, BadWords, clear_tokens
 from manylora.testing import make_checkpoint
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -105,3 +109,66 @@ def test_bad_words_token_ids_without_tokenizer(base_dir, hf):
 def test_bad_words_validation(fields):
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(**fields)
+
+
+def _banned_reference(sequences, output):
+    """vLLM's rule, scanning every sequence: ``seq[-1]`` when ``seq[:-1]`` ends ``output``."""
+    return {s[-1] for s in sequences
+            if len(s) == 1 or (len(output) >= len(s) - 1 and output[len(output) - len(s) + 1:]
+                               == s[:-1])}
+
+
+def _allowed(row: np.ndarray, vocab: int) -> set[int]:
+    """The tokens a bitmask row allows, its bits unpacked with torch."""
+    bits = (torch.from_numpy(row.view(np.int32)).long().unsqueeze(1) >> torch.arange(32)) & 1
+    return set(torch.nonzero(bits.flatten()[:vocab]).flatten().tolist())
+
+
+def test_index_bans_what_a_full_scan_bans():
+    rng, vocab = random.Random(0), 40
+    for _ in range(300):
+        sequences = [[rng.randrange(6) if rng.random() < 0.8 else rng.randrange(vocab)
+                      for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 12))]
+        bad = BadWords(sequences, vocab)
+        prompt = [rng.randrange(6) for _ in range(rng.randint(0, 3))]
+        output = [rng.randrange(6) for _ in range(rng.randint(0, 6))]
+        expected = _banned_reference(sequences, output)
+        more = bad.bans(prompt + output, len(prompt))
+        if more is None:
+            assert not expected
+            continue
+        row = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
+        bad.clear(row, more)
+        assert set(range(vocab)) - _allowed(row, vocab) == expected
+
+
+def test_clear_tokens_clears_exactly_those_bits():
+    vocab = 100
+    row = np.full(-(-vocab // 32), 0xFFFFFFFF, dtype=np.uint32)
+    tokens = np.array([0, 31, 32, 63, 64, 99, 31], dtype=np.int64)
+    clear_tokens(row, tokens)
+    assert set(range(vocab)) - _allowed(row, vocab) == {0, 31, 32, 63, 64, 99}
+
+
+def test_the_most_bad_words_allowed_ban_as_the_reference(base_dir, hf):
+    # DEFAULT_MAX_BAD_WORDS words: two seen in the unconstrained output, the rest fillers
+    # of one or more tokens; then one word more, and words over the byte bound, are refused
+    tok = hf[1]
+    llm = LLM(str(base_dir), **ENGINE)
+    plain = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:1], plain, use_tqdm=False)[0].outputs[0].token_ids
+    seen = [tok.decode(alone[4:6]), tok.decode(alone[10:11])]
+    words = seen + [f"w{i}" for i in range(DEFAULT_MAX_BAD_WORDS - len(seen))]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True,
+                            bad_words=words)
+    out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    expected = _reference(hf, PROMPTS[0], words)
+    assert list(out) == expected and expected != list(alone)
+    with pytest.raises(ValueError, match=f"bad_words holds {DEFAULT_MAX_BAD_WORDS + 1} "
+                                         f"words; the server allows at most "
+                                         f"{DEFAULT_MAX_BAD_WORDS} \\(--max-bad-words\\)"):
+        llm.generate(PROMPTS[:1], SamplingParams(bad_words=words + ["one more"]),
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match="--max-structured-output-spec-bytes"):
+        llm.generate(PROMPTS[:1], SamplingParams(bad_words=["x" * 2**16] * 3),
+                     use_tqdm=False)

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 import torch
 
 from manylora import LLM, SamplingParams
+from manylora.sampling_params import RequestOutputKind
 from manylora.structured_params import StructuredOutputsParams
 from manylora.testing import make_checkpoint
 
@@ -224,23 +226,79 @@ def test_preemption_keeps_the_matcher(base_dir):
         jsonschema.validate(_loads(out.outputs[0].text), SCHEMAS[4])
 
 
-def test_abort_while_compiling(base_dir):
-    import threading
+def _gate_compiles(monkeypatch, spec: str) -> tuple[threading.Event, threading.Event]:
+    """Compiles of ``spec`` wait for the first event (set it to let them go on), and set
+    the second when they end; other specs compile as usual."""
+    from manylora.structured import compiler as compiler_module
 
+    gate, ended = threading.Event(), threading.Event()
+    compile_one = compiler_module.compile_grammar
+
+    def gated(compiler, key):
+        if key[1] != spec:
+            return compile_one(compiler, key)
+        gate.wait()
+        try:
+            return compile_one(compiler, key)
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(compiler_module, "compile_grammar", gated)
+    return gate, ended
+
+
+def test_abort_while_compiling(base_dir, monkeypatch):
+    # the abort drops the compile: its key leaves the cache, and the result of the compile
+    # under way is not kept when it ends
+    gate, ended = _gate_compiles(monkeypatch, "[a-z]{3}")
     llm = LLM(str(base_dir), **ENGINE)
     core = llm.llm_engine.engine_core
-    gate = threading.Event()
-    compile_one = core.structured.compiler._compile
-    core.structured.compiler._compile = lambda key: (gate.wait(), compile_one(key))[1]
+    compiler = core.structured.compiler
     engine = llm.llm_engine
     engine.add_request("held", "x", _so(regex="[a-z]{3}"))
     engine.add_request("plain", "y", SamplingParams(max_tokens=3, ignore_eos=True))
     while not any(o.finished for o in engine.step()):
         pass                               # "plain" finishes while "held" compiles
     assert core.structured.is_held("held") and "held" not in core.scheduler.requests
+    assert compiler.cached(("regex", "[a-z]{3}", True))
     engine.abort_request(["held"])
+    assert not compiler.cached(("regex", "[a-z]{3}", True))
     gate.set()
+    assert ended.wait(60)
     assert not core.structured.is_held("held") and not core.has_unfinished_requests()
+    assert not compiler.cached(("regex", "[a-z]{3}", True)) and compiler.cached_bytes == 0
+
+
+def test_compile_time_limit_ends_only_its_request(base_dir, monkeypatch):
+    # a compile that does not end within max_grammar_compile_seconds ends its request with
+    # an error naming the field and the flag; the plain request in the same engine keeps
+    # generating meanwhile and comes out as it does alone
+    gate, ended = _gate_compiles(monkeypatch, "[a-z]{4}")
+    llm = LLM(str(base_dir), max_grammar_compile_seconds=1.0, **ENGINE)
+    engine = llm.llm_engine
+    plain = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                           output_kind=RequestOutputKind.CUMULATIVE)
+    alone = llm.generate(["y"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("slow", "x", _so(regex="[a-z]{4}"))
+    engine.add_request("plain", "y", plain)
+    plain_tokens_before_error, error, outputs = None, None, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+            if out.request_id == "slow" and out.finished:
+                error = out
+                plain_tokens_before_error = len(outputs.get("plain").outputs[0].token_ids
+                                                if "plain" in outputs else ())
+    gate.set()
+    assert error.outputs[0].finish_reason == "error"
+    assert "structured_outputs.regex" in str(error.error)
+    assert "--max-grammar-compile-seconds" in str(error.error)
+    assert plain_tokens_before_error > 0                 # it ran while "slow" waited
+    assert list(outputs["plain"].outputs[0].token_ids) == list(alone)
+    assert ended.wait(60)
+    compiler = engine.engine_core.structured.compiler
+    # the failure is kept (the same spec does not take another thread), the result is not
+    assert compiler.cached_bytes == len("[a-z]{4}")
 
 
 def test_engine_process(base_dir, monkeypatch):

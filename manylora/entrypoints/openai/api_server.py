@@ -72,6 +72,7 @@ from manylora.entrypoints.openai.serving_models import (
 )
 from manylora.entrypoints.openai.serving_responses import OpenAIServingResponses
 from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
 from manylora.sampling_params import MAX_LOGPROBS
@@ -100,6 +101,7 @@ class ServerConfig:
         sampling_defaults: defaults of the sampling fields requests leave unset
             (``--generation-config``); ``max_tokens`` caps every request's.
         max_logprobs: the most log-probabilities per token a request may ask for.
+        max_tools: the most ``tools`` one chat request may carry.
     """
 
     api_keys: tuple[str, ...] = ()
@@ -113,6 +115,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
+    max_tools: int = DEFAULT_MAX_TOOLS
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -284,7 +287,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     chat = OpenAIServingChat(engine, models, config.chat_template,
                              config.trust_request_chat_template, **shared,
                              enable_auto_tool_choice=config.enable_auto_tool_choice,
-                             tool_call_parser=config.tool_call_parser)
+                             tool_call_parser=config.tool_call_parser,
+                             max_tools=config.max_tools)
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
     responses = OpenAIServingResponses(engine, models, chat, prompt_tokenizer=prompts,
                                        max_choices=config.max_choices_per_request)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from manylora.entrypoints.openai.http_limits import (
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS
 from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.validation import check_name
 from manylora.metrics.log_stats import LoggingStatLogger
@@ -112,6 +114,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                         help="the most log-probabilities a request may ask for per token "
                              f"(logprobs, top_logprobs); at most {MAX_LOGPROBS}")
+    parser.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
+                        help="the most tools one chat request may carry (default "
+                             f"{DEFAULT_MAX_TOOLS}, OpenAI's bound); more get 400")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_frontend_args(parser)
@@ -152,6 +157,8 @@ def create_server(args: argparse.Namespace) -> Server:
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
+    if args.max_tools < 0:
+        raise ValueError(f"--max-tools must be ≥ 0, got {args.max_tools}")
     if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most this "
                          f"engine returns per token), got {args.max_logprobs}")
@@ -205,6 +212,9 @@ def create_server(args: argparse.Namespace) -> Server:
     except OpenAIError as e:
         engine.shutdown()
         raise ValueError(f"--lora-modules: {e.message}") from None
+    except BaseException:         # a stop signal while the adapters load
+        engine.shutdown()
+        raise
     config = ServerConfig(tuple(keys), args.max_request_body_bytes,
                           runtime_updates, args.chat_template,
                           args.max_choices_per_request, frontend=frontend,
@@ -212,7 +222,7 @@ def create_server(args: argparse.Namespace) -> Server:
                           tool_call_parser=args.tool_call_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           sampling_defaults=sampling_defaults,
-                          max_logprobs=args.max_logprobs)
+                          max_logprobs=args.max_logprobs, max_tools=args.max_tools)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry,
@@ -224,18 +234,81 @@ def serve_parser() -> argparse.ArgumentParser:
     return add_serve_args(argparse.ArgumentParser(prog="manylora serve"))
 
 
+#: Exit status of ``manylora serve`` when its engine died (the core process failed or was
+#: killed): the server stops so that a supervisor starts a new one.
+ENGINE_DEAD_EXIT_CODE = 1
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM as stop requests, inside a ``with`` block. While the server starts
+    (``http`` None) the first one raises ``KeyboardInterrupt``: what is built so far is
+    stopped. Once ``http`` is set, a signal only asks it to stop; while it serves, uvicorn
+    takes the signals itself (a graceful stop) and, after its shutdown, raises them again,
+    into this handler, which then only records them: the engine's stop still runs, where
+    Python's default SIGTERM action would end the process at once.
+
+    Attributes:
+        received: the signals received, in order.
+        http: the uvicorn server, once built.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.http: uvicorn.Server | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        if self.http is not None:
+            self.http.should_exit = True
+        elif len(self.received) == 1:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> _StopSignals:
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def run_server(args: argparse.Namespace) -> int:
-    """``manylora serve``: serve in the foreground until interrupted. The process is the
-    server's alone, so it opts in to ending itself if the engine does not take a dead
-    tensor-parallel worker's error (``STUCK_ENGINE_EXIT_S``)."""
+    """``manylora serve``: serve in the foreground until SIGINT or SIGTERM, or until the
+    engine dies. The process is the server's alone, so it opts in to ending itself if the
+    engine does not take a dead tensor-parallel worker's error (``STUCK_ENGINE_EXIT_S``).
+
+    A stop signal (also while starting) stops uvicorn gracefully, then the engine: its core
+    process is reaped and its sockets' folder and shared files removed. When the engine
+    dies, in-flight requests end with an error at once, ``/health`` answers 503, and the
+    server stops the same way (vLLM's server shuts down when its engine is dead).
+
+    Returns:
+        the exit status: 0 after a stop signal, ``ENGINE_DEAD_EXIT_CODE`` when the engine
+        died.
+    """
     exit_when_stuck(STUCK_ENGINE_EXIT_S)
-    server = create_server(args)
-    try:
-        uvicorn.run(server.app, host=args.host, port=args.port,
-                    log_level=args.uvicorn_log_level, **server.limits.uvicorn_options(),
-                    **uvicorn_tls_options(args))
-    finally:
-        server.shutdown()
+    with _StopSignals() as stop:
+        try:
+            server = create_server(args)
+        except KeyboardInterrupt:
+            logger.warning("stopped while starting")
+            return 0
+        http = uvicorn.Server(uvicorn.Config(
+            server.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            **server.limits.uvicorn_options(), **uvicorn_tls_options(args)))
+        stop.http = http
+        http.should_exit = bool(stop.received)
+        server.engine.on_dead(lambda error: setattr(http, "should_exit", True))
+        try:
+            http.run()
+        finally:
+            server.shutdown()
+    if server.engine.errored:
+        logger.error("the engine died: the server exits with status %d",
+                     ENGINE_DEAD_EXIT_CODE)
+        return ENGINE_DEAD_EXIT_CODE
     return 0
 
 

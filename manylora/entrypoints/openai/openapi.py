@@ -46,7 +46,7 @@ _WHY = {
     413: "The request body is over --max-request-body-bytes, or the prompt fills the "
          "context.",
     503: "The engine is overloaded (its waiting queue is full) or not serving.",
-    504: "The adapter's read from disk did not finish within --lora-load-timeout.",
+    504: "The adapter's read from disk made no progress for --lora-load-timeout seconds.",
 }
 
 

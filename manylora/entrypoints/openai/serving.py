@@ -46,7 +46,16 @@ from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora.request import LoRARequest
 from manylora.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
-from manylora.structured.grammar import check_structured_outputs
+from manylora.structured.bad_words import (
+    DEFAULT_MAX_BAD_WORDS,
+    bad_words_token_ids,
+    check_bad_words,
+)
+from manylora.structured.grammar import (
+    DEFAULT_MAX_SPEC_BYTES,
+    check_spec_size,
+    check_structured_outputs,
+)
 from manylora.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -82,7 +91,7 @@ _SAMPLING_FIELDS = frozenset({
 # What an engine ValueError's first word names, as the request's parameter: the engine
 # core checks token ids against the vocabulary (the server does not know its size).
 _ENGINE_PARAMS = {"prompt_token_ids": "prompt", "logit_bias": "logit_bias",
-                  "allowed_token_ids": "allowed_token_ids"}
+                  "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words"}
 
 
 def random_id(prefix: str) -> str:
@@ -236,6 +245,9 @@ class OpenAIServing:
         self.max_choices = max_choices
         self.prompts = (prompt_tokenizer if prompt_tokenizer is not None
                         else PromptTokenizer(getattr(engine, "tokenizer", None)))
+        self.max_spec_bytes = getattr(engine, "max_structured_output_spec_bytes",
+                                      DEFAULT_MAX_SPEC_BYTES)
+        self.max_bad_words = getattr(engine, "max_bad_words", DEFAULT_MAX_BAD_WORDS)
 
     @property
     def tokenizer(self) -> Any:
@@ -289,19 +301,46 @@ class OpenAIServing:
 
     async def check_structured(self, params: StructuredOutputsParams | None,
                                param: str | None) -> None:
-        """Parse a request's grammar without a tokenizer on the tokenization worker (never
-        the event loop), before the request is queued; nothing for None.
+        """Bound a request's grammar in size (the engine's
+        ``max_structured_output_spec_bytes``), then parse it without a tokenizer on the
+        tokenization worker (never the event loop), before the request is queued; nothing
+        for None.
 
         Raises:
-            OpenAIError: 400 naming ``param`` (``response_format`` or
-                ``structured_outputs``) for an invalid schema, regex or grammar.
+            OpenAIError: 400 naming ``param`` (``response_format``, ``structured_outputs``,
+                ``tools``) for a spec over the size bound or an invalid schema, regex or
+                grammar.
         """
         if params is None:
             return
         try:
+            check_spec_size(params, self.max_spec_bytes)
             await self.prompts.run(check_structured_outputs, params)
         except ValueError as e:
             raise bad_request(str(e), param=param) from None
+
+    async def bad_words_ids(self, words: list[str] | None) -> list[list[int]] | None:
+        """A request's ``bad_words`` as ``SamplingParams.bad_words_token_ids`` (each word
+        with and without a leading space, vLLM's rule: ``bad_words_token_ids``), bounded
+        first (the engine's ``max_bad_words`` and ``max_structured_output_spec_bytes``)
+        and tokenized on the tokenization worker, so neither the event loop nor the
+        engine's thread pays for them. None for none.
+
+        Raises:
+            OpenAIError: 400 (``bad_words``): too many or too large words, no tokenizer,
+                or a word that encodes to no token.
+        """
+        if not words:
+            return None
+        try:
+            check_bad_words(words, self.max_bad_words, self.max_spec_bytes)
+        except ValueError as e:
+            raise bad_request(str(e), param="bad_words") from None
+        tokenizer = self.require_tokenizer("bad_words", param="bad_words")
+        try:
+            return await self.prompts.run(bad_words_token_ids, tokenizer, words)
+        except ValueError as e:
+            raise bad_request(str(e), param="bad_words") from None
 
     def check_text_length(self, text: str, param: str = "prompt") -> None:
         """Refuse a text that is certainly longer than the context, without tokenizing it:

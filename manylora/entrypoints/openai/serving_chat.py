@@ -39,7 +39,12 @@ from manylora.entrypoints.openai.serving import (
     output_kind,
     token_text,
 )
-from manylora.entrypoints.openai.serving_tools import ToolPlan, ToolStream, template_tools
+from manylora.entrypoints.openai.serving_tools import (
+    DEFAULT_MAX_TOOLS,
+    ToolPlan,
+    ToolStream,
+    template_tools,
+)
 from manylora.entrypoints.openai.sse import (
     SSE_DONE,
     chunk_event,
@@ -160,6 +165,8 @@ class OpenAIServingChat(OpenAIServing):
             ``--enable-auto-tool-choice``; needs ``tool_call_parser``).
         tool_call_parser: the format auto tool calls are read in (``--tool-call-parser``:
             ``hermes``, ``llama3_json``, ``mistral``), or None.
+        max_tools: the most ``tools`` one request may carry (``--max-tools``; OpenAI's
+            bound, 128, by default).
         kwargs: ``max_choices``, ``prompt_tokenizer``, ``sampling_defaults`` and
             ``max_logprobs`` of :class:`OpenAIServing`.
 
@@ -172,7 +179,7 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
                  trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 **kwargs: Any) -> None:
+                 max_tools: int = DEFAULT_MAX_TOOLS, **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
         self.chat_template = load_chat_template(chat_template)
         self.trust_request_chat_template = trust_request_chat_template
@@ -182,6 +189,7 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
+        self.max_tools = max_tools
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The messages as prompt text, through the chat template: the chat request's own
@@ -262,6 +270,9 @@ class OpenAIServingChat(OpenAIServing):
         """
         request.check()
         check_fields(request, "chat", self.trust_request_chat_template, self.max_logprobs)
+        if request.tools and len(request.tools) > self.max_tools:
+            raise bad_request(f"tools holds {len(request.tools)} functions; the server "
+                              f"allows at most {self.max_tools} (--max-tools)", param="tools")
         tools = ToolPlan.for_request(request, self.tool_call_parser,
                                      self.enable_auto_tool_choice)
         structured, structured_param = structured_params(request)
@@ -270,6 +281,8 @@ class OpenAIServingChat(OpenAIServing):
         model_name, lora_request = self.resolve_model(request.model)
         self.require_tokenizer("chat", param="messages")
         await self.check_structured(structured, structured_param)
+        await self.check_structured(tools.structured, "tools")
+        bad_words = await self.bad_words_ids(request.bad_words)
         text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
@@ -287,7 +300,7 @@ class OpenAIServingChat(OpenAIServing):
             spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
             prompt_logprobs=request.prompt_logprobs,
-            structured_outputs=structured, bad_words=request.bad_words,
+            structured_outputs=structured, bad_words_token_ids=bad_words,
             output_kind=output_kind(bool(request.stream)))
         params = tools.apply(params)
         base_id, engine_id = response_ids("chatcmpl", request.request_id)

@@ -182,6 +182,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_choices(len(items), n)
         model_name, lora_request = self.resolve_model(request.model)
         await self.check_structured(structured, structured_param)
+        bad_words = await self.bad_words_ids(request.bad_words)
         prompts = await self._prompts(items, request)
         base_id, engine_id = response_ids("cmpl", request.request_id)
         children: list[ChildRequest] = []
@@ -201,7 +202,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs=request.logprobs,
                 prompt_logprobs=engine_prompt_logprobs(request.prompt_logprobs, request.echo,
                                                        request.logprobs),
-                structured_outputs=structured, bad_words=request.bad_words,
+                structured_outputs=structured, bad_words_token_ids=bad_words,
                 output_kind=output_kind(bool(request.stream)))
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{engine_id}-{p * n + i}", p, prompt.token_ids,

@@ -67,6 +67,7 @@ from manylora.entrypoints.openai.serving import (
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream, guard_stream
 from manylora.sampling_params import SamplingParams
+from manylora.structured.grammar import check_spec_size
 from manylora.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -158,18 +159,21 @@ def _input_messages(request: ResponsesRequest) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in request.input]
 
 
-def _structured(request: ResponsesRequest) -> StructuredOutputsParams | None:
+def _structured(request: ResponsesRequest, max_bytes: int) -> StructuredOutputsParams | None:
     """The output constraint of ``text.format`` (vLLM's mapping: a JSON schema without
     optional whitespace or properties it does not name; ``json_object``: any object).
 
     Raises:
-        OpenAIError: 400 (``text``) for a schema the constraint refuses.
+        OpenAIError: 400 (``text``) for a schema the constraint refuses or one over
+            ``max_bytes`` (``--max-structured-output-spec-bytes``).
     """
     fmt = request.text.format if request.text is not None else None
     try:
         if isinstance(fmt, TextFormatJSONSchema):
-            return StructuredOutputsParams(json=fmt.schema_, disable_any_whitespace=True,
-                                           disable_additional_properties=True)
+            params = StructuredOutputsParams(json=fmt.schema_, disable_any_whitespace=True,
+                                             disable_additional_properties=True)
+            check_spec_size(params, max_bytes)
+            return params
         if isinstance(fmt, TextFormatJSONObject):
             return StructuredOutputsParams(json_object=True)
     except ValueError as e:
@@ -268,7 +272,7 @@ class OpenAIServingResponses(OpenAIServing):
                                 else request.repetition_penalty),
             logit_bias=_logit_bias(request.logit_bias),
             logprobs=(request.top_logprobs or 0) if request.wants_logprobs() else None,
-            structured_outputs=_structured(request),
+            structured_outputs=_structured(request, self.max_spec_bytes),
             output_kind=output_kind(bool(request.stream)))
 
     def _fit(self, request: ResponsesRequest, token_ids: list[int]) -> tuple[list[int], int]:

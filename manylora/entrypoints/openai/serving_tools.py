@@ -48,7 +48,10 @@ from manylora.entrypoints.openai.tool_parsers import (
 from manylora.sampling_params import SamplingParams
 from manylora.structured_params import StructuredOutputsParams
 
-__all__ = ["ToolPlan", "ToolStream", "merge_deltas", "template_tools"]
+__all__ = ["DEFAULT_MAX_TOOLS", "ToolPlan", "ToolStream", "merge_deltas", "template_tools"]
+
+#: The most ``tools`` of one request (``--max-tools``): OpenAI's API allows 128 functions.
+DEFAULT_MAX_TOOLS = 128
 
 Mode = Literal["none", "auto", "required", "named"]
 

@@ -202,9 +202,11 @@ def build_app(args: Sequence[str] | Mapping[str, Any]):
 
     ns, argv = parse(args)
     engine = EngineArgs.from_cli_args(ns)
+    # no access log line per call: each engine replica polls it at least once per POLL_S
     control = serve.deployment(AdapterControl, name="AdapterControl", num_replicas=1,
                                max_ongoing_requests=FRONT_MAX_ONGOING,
-                               ray_actor_options={"num_cpus": 0}).bind()
+                               ray_actor_options={"num_cpus": 0},
+                               logging_config={"enable_access_log": False}).bind()
     engines = serve.deployment(EngineReplica, name="EngineReplica",
                                **engine_deployment_options(ns, engine)).bind(argv, control)
     config = IngressConfig(

@@ -7,7 +7,10 @@ replica of a deployment (nor one that says what each replica serves), while ``PO
 started later included, and ``GET /metrics`` must show each one. So every engine replica
 long-polls this one (:meth:`AdapterControl.poll`, at least once per ``POLL_S``): each poll
 carries the replica's metrics and the last change it applied, and returns as soon as there
-is a newer change. A change is a new version of the **desired adapter set**: per name the
+is a newer change, and only then (another replica's poll wakes no one but a waiting
+:meth:`AdapterControl.publish`), so an idle application makes one call per replica per
+``POLL_S``. A replica that has applied a change says so at once with a poll that does not
+wait. A change is a new version of the **desired adapter set**: per name the
 path it is served from, or a tombstone for a name unloaded (a ``--lora-modules`` adapter
 unloaded at run time stays unloaded on a replica that restarts).
 :meth:`AdapterControl.publish` makes a change and waits until every live replica has applied
@@ -29,10 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: Seconds an engine replica's poll waits for a change before it returns (and the replica
-#: polls again with fresh metrics).
-POLL_S = 1.0
+#: polls again with fresh metrics): how old a replica's ``/metrics`` may be. Each poll costs
+#: a Ray Serve call (a few ms of CPU on each side).
+POLL_S = 2.0
 #: Seconds without a poll after which an engine replica counts as gone.
-LIVE_S = 6.0
+LIVE_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,8 @@ class AdapterControl:
         self.version = 0
         self.adapters: dict[str, AdapterEntry] = {}
         self.seen: dict[str, _Seen] = {}
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()     # set, then replaced, at each new version
+        self._reported = asyncio.Event()    # set, then replaced, at each poll
 
     def _snapshot(self) -> DesiredAdapters:
         return DesiredAdapters(self.epoch, self.version, dict(self.adapters))
@@ -101,10 +106,12 @@ class AdapterControl:
                    metrics: str,
                    errors: dict[int, tuple[int, str]] | None = None,
                    held: dict[str, str] | None = None,
-                   served: list[str] | None = None) -> DesiredAdapters:
+                   served: list[str] | None = None,
+                   wait: bool = True) -> DesiredAdapters:
         """An engine replica's heartbeat: record what it says, then return the desired set
-        at once if the replica has not received the newest version of this epoch, else
-        after at most ``POLL_S`` seconds or at the next change.
+        at once if the replica has not received the newest version of this epoch (or
+        ``wait`` is false), else at the next change or after ``POLL_S`` seconds, whichever
+        comes first. Polls of other replicas do not end the wait.
 
         Args:
             replica_id: the engine replica's id (Ray Serve's ``unique_id``).
@@ -117,6 +124,7 @@ class AdapterControl:
             held: on a new epoch, the adapters it loaded at run time (name → path): they
                 rejoin the set when this replica restarted and lost it.
             served: the adapter names its server answers to now.
+            wait: False to report only (a replica that has just applied a change).
         """
         now = self.clock()
         seen = self.seen.setdefault(replica_id, _Seen(now))
@@ -128,21 +136,27 @@ class AdapterControl:
             seen.errors.update(errors or {})
         elif held:
             self._claim(held)
-        async with self._changed:
-            self._changed.notify_all()      # publish() re-checks who has applied
-            if epoch != self.epoch or received < self.version:
-                return self._snapshot()
+        self._reported.set()                # publish() re-checks who has applied
+        self._reported = asyncio.Event()
+        if wait and epoch == self.epoch and received >= self.version:
             try:
                 await asyncio.wait_for(self._changed.wait(), POLL_S)
             except TimeoutError:
                 pass
-            return self._snapshot()
+        return self._snapshot()
+
+    def _new_version(self) -> int:
+        """Count one more change and end the waiting polls; the new version."""
+        self.version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+        return self.version
 
     def _claim(self, held: dict[str, str]) -> None:
         new = {name: path for name, path in held.items() if name not in self.adapters}
         if new:
-            self.version += 1
-            self.adapters.update({n: AdapterEntry(p, self.version) for n, p in new.items()})
+            version = self._new_version()
+            self.adapters.update({n: AdapterEntry(p, version) for n, p in new.items()})
 
     async def publish(self, name: str, path: str | None, origin: str,
                       timeout: float) -> dict[str, tuple[int, str]]:
@@ -159,22 +173,19 @@ class AdapterControl:
             Per replica that could not apply the change: (HTTP status, message); empty
             when all did. A replica still working on it at ``timeout`` is reported with 504.
         """
-        self.version += 1
-        version = self.version
+        version = self._new_version()
         self.adapters[name] = AdapterEntry(path, version, origin)
         deadline = self.clock() + timeout
-        async with self._changed:
-            self._changed.notify_all()
-            while True:
-                live = self._live()
-                pending = [r for r, s in live.items() if s.applied < version]
-                left = deadline - self.clock()
-                if not pending or left <= 0:
-                    break
-                try:
-                    await asyncio.wait_for(self._changed.wait(), min(left, POLL_S))
-                except TimeoutError:
-                    pass
+        while True:
+            live = self._live()
+            pending = [r for r, s in live.items() if s.applied < version]
+            left = deadline - self.clock()
+            if not pending or left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._reported.wait(), min(left, POLL_S))
+            except TimeoutError:
+                pass
         failed = {r: s.errors[version] for r, s in live.items() if version in s.errors}
         failed.update({r: (504, f"replica {r} did not apply the change within {timeout:g} "
                                 "s") for r in pending})

@@ -74,6 +74,7 @@ class EngineReplica:
         self._control = control
         self._desired: DesiredAdapters | None = None
         self._wake = asyncio.Event()
+        self._received: tuple[str, int] = ("", -1)        # (epoch, version) given to us
         self._applied: dict[str, tuple[str, int]] = {}     # name → (epoch, version)
         self._applied_version = ("", -1)
         self._errors: dict[int, tuple[int, str]] = {}
@@ -121,33 +122,38 @@ class EngineReplica:
         return {name: s.shown_path for name, s in self.server.models.loras.items()
                 if self._static.get(name) != s.shown_path}
 
+    async def _poll(self, wait: bool) -> None:
+        """One call of the control replica's ``poll``: report, then take what it returns."""
+        epoch, received = self._received
+        applied_epoch, applied = self._applied_version
+        errors = dict(self._errors)
+        desired: DesiredAdapters = await self._control.poll.remote(
+            self.replica_id, epoch, received, applied if applied_epoch == epoch else -1,
+            generate_latest(self.server.registry).decode(), errors,
+            self._runtime_adapters() if not epoch else None,
+            list(self.server.models.loras), wait)
+        for version in errors:              # the control replica has them now
+            self._errors.pop(version, None)
+        epoch, received = self._received    # a concurrent call may have moved them on
+        if desired.epoch != epoch:
+            epoch, received = desired.epoch, -1
+            self._errors.clear()
+        if desired.version > received:
+            received = desired.version
+            self._desired = desired
+            self._wake.set()
+        self._received = (epoch, received)
+
     async def _follow_control(self) -> None:
-        epoch, received = "", -1
         while True:
-            applied_epoch, applied = self._applied_version
-            errors = dict(self._errors)
             try:
-                desired: DesiredAdapters = await self._control.poll.remote(
-                    self.replica_id, epoch, received, applied if applied_epoch == epoch else -1,
-                    generate_latest(self.server.registry).decode(), errors,
-                    self._runtime_adapters() if not epoch else None,
-                    list(self.server.models.loras))
+                await self._poll(wait=True)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the control replica restarting
                 logger.warning("replica %s: the control replica did not answer: %s",
                                self.replica_id, e)
                 await asyncio.sleep(POLL_S)
-                continue
-            for version in errors:              # the control replica has them now
-                self._errors.pop(version, None)
-            if desired.epoch != epoch:
-                epoch, received = desired.epoch, -1
-                self._errors.clear()
-            if desired.version > received:
-                received = desired.version
-                self._desired = desired
-                self._wake.set()
 
     async def _apply_changes(self) -> None:
         while True:
@@ -162,6 +168,13 @@ class EngineReplica:
                     self._errors[entry.version] = error
                 self._applied[name] = (desired.epoch, entry.version)
             self._applied_version = (desired.epoch, desired.version)
+            try:                # say so now: the long poll waits for the next change
+                await self._poll(wait=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the next long poll reports it
+                logger.warning("replica %s: the control replica did not answer: %s",
+                               self.replica_id, e)
 
     async def _apply(self, name: str, entry: AdapterEntry) -> tuple[int, str] | None:
         """Bring ``name`` to ``entry`` on this replica: (status, message) when it cannot."""

@@ -71,7 +71,7 @@ def load_adapter_dir(request: LoRARequest, path: str | os.PathLike,
             ``.npy`` files missing, too), or as ``load_peft_adapter``.
     """
     if is_trtllm_dir(path):
-        weights, config = read_trtllm_dir(path, request.lora_name)
+        weights, config = read_trtllm_dir(path, request.lora_name, target)
         return adapter_from_trtllm(request.lora_int_id, request.lora_name, weights, config,
                                    target)
     return load_peft_adapter(request, path, target)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import regex
 
@@ -88,13 +88,7 @@ class PatternTable:
         if self._regex_chars > MAX_REGEX_CHARS:
             raise LoRAAdapterError(f"{self.what}: the regex keys of {self.field} hold more "
                                    f"than {MAX_REGEX_CHARS} characters in all")
-        full = rf"(.*\.)?({key})$"
-        try:
-            re.compile(full)
-            return regex.compile(full)
-        except (re.error, regex.error, RecursionError, OverflowError) as e:
-            raise LoRAAdapterError(f"{self.what}: {self.field} key {key!r} is not a valid "
-                                   f"regular expression ({e})") from None
+        return compile_bounded(rf"(.*\.)?({key})$", f"{self.what}: {self.field} key {key!r}")
 
     def _check_value(self, key: str, value: object) -> float:
         if self.field == "rank_pattern":
@@ -108,6 +102,10 @@ class PatternTable:
                                    "finite number")
         return value
 
+    def items(self) -> list[tuple[str, float]]:
+        """``(key, value)`` in the config's order."""
+        return [(key, value) for key, _, value in self._keys]
+
     def value(self, module: str, default: float) -> float:
         """The value of the first key that matches ``module`` (PEFT's ``get_pattern_key``),
         else ``default``.
@@ -120,16 +118,47 @@ class PatternTable:
                 if _literal_match(key, module):
                     return value
                 continue
-            try:
-                hit = pattern.match(module, timeout=self.budget.left(), concurrent=True)
-            except TimeoutError:
-                raise LoRAAdapterError(
-                    f"{self.what}: matching {self.field} key {key!r} against the module names "
-                    f"took more than {self.budget.seconds:g} s (a pattern that backtracks "
-                    "without bound)") from None
-            if hit:
+            if self.budget.match(pattern, module, f"{self.what}: matching {self.field} key "
+                                 f"{key!r}"):
                 return value
         return default
+
+    def unmatched(self, modules: Iterable[str]) -> list[str]:
+        """The keys that match none of ``modules`` (peft warns of them and ignores them).
+
+        Raises:
+            LoRAAdapterError: the adapter's matching budget ran out (naming the key).
+        """
+        modules = list(modules)
+        out = []
+        for key, pattern, _ in self._keys:
+            what = f"{self.what}: matching {self.field} key {key!r}"
+            if pattern is None:
+                hit = False
+                for module in modules:
+                    if _literal_match(key, module):
+                        hit = True
+                        break
+                    self.budget.check(what)
+            else:
+                hit = any(self.budget.match(pattern, module, what) for module in modules)
+            if not hit:
+                out.append(key)
+        return out
+
+
+def compile_bounded(pattern: str, what: str) -> regex.Pattern:
+    """``pattern`` compiled with the ``regex`` package (matched with ``MatchBudget.match``)
+    once ``re`` (peft's engine) accepts it.
+
+    Raises:
+        LoRAAdapterError: ``re`` or ``regex`` refuses it (``what`` names it).
+    """
+    try:
+        re.compile(pattern)
+        return regex.compile(pattern)
+    except (re.error, regex.error, RecursionError, OverflowError) as e:
+        raise LoRAAdapterError(f"{what} is not a valid regular expression ({e})") from None
 
 
 def _literal_match(key: str, module: str) -> bool:
@@ -155,3 +184,26 @@ class MatchBudget:
     def left(self) -> float:
         """Seconds left (at least a microsecond: ``regex`` reads 0 as "no timeout")."""
         return max(self._deadline - time.monotonic(), 1e-6)
+
+    def _spent(self, what: str) -> LoRAAdapterError:
+        return LoRAAdapterError(f"{what} against the module names took more than "
+                                f"{self.seconds:g} s (a pattern that backtracks without bound)")
+
+    def check(self, what: str) -> None:
+        """Raises ``LoRAAdapterError`` (naming ``what``) once the budget is spent."""
+        if time.monotonic() > self._deadline:
+            raise self._spent(what)
+
+    def match(self, pattern: regex.Pattern, module: str, what: str,
+              full: bool = False) -> regex.Match | None:
+        """``pattern`` matched at the start of ``module`` (all of it with ``full``), the
+        ``regex`` package releasing the GIL, within the budget left; None: no match.
+
+        Raises:
+            LoRAAdapterError: the budget ran out (``what`` names the pattern).
+        """
+        method = pattern.fullmatch if full else pattern.match
+        try:
+            return method(module, timeout=self.left(), concurrent=True)
+        except TimeoutError:
+            raise self._spent(what) from None
