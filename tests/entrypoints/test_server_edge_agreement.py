@@ -88,6 +88,19 @@ REFUSED = [
                        "include": ["reasoning.encrypted_content"]}, "include"),
     ("/v1/responses", {"model": BASE, "input": "hi", "reasoning": {"effort": "high"}},
      "reasoning"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "structured_outputs": {}},
+     "structured_outputs"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi",
+                         "structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "structured_outputs": {"regex": ""}},
+     "structured_outputs"),
+    # this server runs without --trust-request-chat-template
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+     "chat_template_kwargs"),
 ]
 ACCEPTED = [
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
@@ -109,7 +122,10 @@ ACCEPTED = [
     ("/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 1,
                        "seed": -(2**63), "reasoning": {"effort": "none"}}),
     ("/v1/chat/completions", {"model": BASE, "messages": [{"role": "user", "content": "hi"}],
-                              "max_tokens": 1, "tools": [TOOL], "tool_choice": "none"}),
+                              "max_tokens": 1, "tools": [TOOL], "tool_choice": "none",
+                              "chat_template_kwargs": {"enable_thinking": False}}),
+    ("/v1/completions", {"model": BASE, "prompt": "hi", "max_tokens": 1,
+                         "structured_outputs": {"choice": ["a", "b"], "json_object": False}}),
 ]
 
 

@@ -47,6 +47,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     publish_no_auto_tool_choice,
+    publish_no_request_chat_template,
 )
 from manylora.entrypoints.openai.protocol_responses import (
     STREAM_EVENTS,
@@ -258,6 +259,15 @@ def _respond(result) -> Response:
     return SafeJSONResponse(result)
 
 
+def _publish_flags(doc: dict[str, Any], config: ServerConfig) -> None:
+    """What the OpenAPI document ``doc`` says that depends on the server's flags: auto tool
+    choice and a per-request chat template refused unless the flags serve them."""
+    if not (config.enable_auto_tool_choice and config.tool_call_parser):
+        publish_no_auto_tool_choice(doc)
+    if not config.trust_request_chat_template:
+        publish_no_request_chat_template(doc)
+
+
 def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfig,
               registry: CollectorRegistry) -> FastAPI:
     """The app for one engine.
@@ -416,8 +426,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     install_openapi(app, api_keys=bool(config.api_keys),
                     stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse,
                                    *STREAM_EVENTS),
-                    narrow=None if config.enable_auto_tool_choice and config.tool_call_parser
-                    else publish_no_auto_tool_choice)
+                    narrow=lambda doc: _publish_flags(doc, config))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
     app.add_middleware(CORSMiddleware, **config.frontend.cors_options())

@@ -133,6 +133,20 @@ def _publish_generation(schema: dict[str, Any], model: type) -> None:
                      otherwise={"tool_choice": {"enum": ["none", None]}})
 
 
+def publish_no_request_chat_template(doc: dict[str, Any]) -> None:
+    """Narrow the OpenAPI document ``doc`` of a server without
+    ``--trust-request-chat-template``: a chat request's ``chat_template`` is null and its
+    ``chat_template_kwargs`` hold no ``chat_template`` (both refused, as vLLM refuses them)."""
+    props = (doc.get("components", {}).get("schemas", {}).get("ChatCompletionRequest", {})
+             .get("properties", {}))
+    if "chat_template" in props:
+        props["chat_template"] = {"type": "null", "description": "refused: the server runs "
+                                  "without --trust-request-chat-template"}
+    for member in props.get("chat_template_kwargs", {}).get("anyOf", ()):
+        if member.get("type") == "object":
+            member["properties"] = {"chat_template": False}
+
+
 def publish_no_auto_tool_choice(doc: dict[str, Any]) -> None:
     """Narrow the OpenAPI document ``doc`` of a server without ``--enable-auto-tool-choice``
     (and a ``--tool-call-parser``): a chat request with tools then needs a ``tool_choice``
