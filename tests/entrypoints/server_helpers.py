@@ -45,7 +45,7 @@ def running_server(base_dir, *extra: str, lora_modules=(), engine_process: bool 
         mp.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "1" if engine_process else "0")
         server = create_server(serve_parser().parse_args(argv))
     try:
-        with ServerThread(server.app) as http:
+        with ServerThread(server.app, limits=server.limits) as http:
             yield server, http.url
     finally:
         server.shutdown()

@@ -358,6 +358,8 @@ def test_a_serve_config_mapping_is_the_command_line_it_stands_for():
     (["--max-replicas", "4"], "needs both --min-replicas and --max-replicas"),
     (["--min-replicas", "5", "--max-replicas", "4"], "--min-replicas <= --max-replicas"),
     (["--ssl-cert-reqs", "2"], "--ssl-cert-reqs"),
+    (["--timeout-keep-alive", "9", "--backlog", "4"],
+     "--timeout-keep-alive, --backlog: Ray Serve's proxy"),
     (["--no-such-flag"], "bad flags"),
 ])
 def test_bad_ray_flags_are_named(flags, message):

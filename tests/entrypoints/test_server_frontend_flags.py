@@ -229,6 +229,8 @@ def test_vllm_resolver_env_alias(base_dir, lora_root, adapters, monkeypatch):
     (["--enable-lora-runtime-updates"], {"VLLM_PLUGINS": "lora_filesystem_resolver"},
      "VLLM_LORA_RESOLVER_CACHE_DIR is not set"),
     (["--served-model-name", BASE, "bad\nname"], {}, "--served-model-name .*control"),
+    (["--timeout-request-head", "0"], {}, "--timeout-request-head must be > 0"),
+    (["--limit-concurrency", "-1"], {}, "--limit-concurrency must be > 0"),
 ])
 def test_flag_errors(base_dir, monkeypatch, flags, env, match):
     for name, value in env.items():

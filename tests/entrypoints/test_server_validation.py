@@ -111,14 +111,14 @@ def test_issue18_text_that_cannot_encode_is_400(served, path, body, param):
     ("completions", {"prompt": [True]}, "prompt"),
     ("completions", {"prompt": [[1, True]]}, "prompt"),
     ("completions", {"n": True}, "n"),
-    ("completions", {"min_tokens": 0.0}, "min_tokens"),
-    ("completions", {"max_tokens": 5.0}, "max_tokens"),
+    ("completions", {"min_tokens": 0.5}, "min_tokens"),
+    ("completions", {"max_tokens": 5.5}, "max_tokens"),
     ("completions", {"echo": 1}, "echo"),
     ("completions", {"logprobs": "2"}, "logprobs"),
     ("completions", {"temperature": True}, "temperature"),
     ("chat/completions", {"messages": CHAT, "stream": "true"}, "stream"),
     ("chat/completions", {"messages": CHAT, "logprobs": 1}, "logprobs"),
-    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 3.0},
+    ("chat/completions", {"messages": CHAT, "max_completion_tokens": 3.5},
      "max_completion_tokens"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": False}, "top_logprobs"),
     ("load_lora_adapter", {"lora_name": 7, "lora_path": "ad6"}, "lora_name"),
@@ -134,6 +134,21 @@ def test_integer_numbers_stay_valid(served):
     r = _post(f"{served[1]}/v1/completions", {"model": BASE, "prompt": "hi", "max_tokens": 2,
                                               "temperature": 1, "top_p": 1, "seed": 3})
     assert r.status_code == 200, r.text
+
+
+def test_whole_number_floats_are_integers(served):
+    # the JSON text says 2.0 (httpx writes Python floats so): the integer 2, as JSON Schema
+    # and vLLM read it
+    url = served[1]
+    r = _post(f"{url}/v1/completions", {"model": BASE, "prompt": [5.0, 6.0], "n": 2.0,
+                                        "max_tokens": 2.0, "seed": 3.0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 2 and body["usage"]["completion_tokens"] == 4
+    assert body["usage"]["prompt_tokens"] == 2
+    r = _post(f"{url}/detokenize", {"model": BASE, "tokens": [5.0, 6]})
+    assert r.status_code == 200 and r.json() == _post(
+        f"{url}/detokenize", {"model": BASE, "tokens": [5, 6]}).json()
 
 
 def test_issue18_choices_bound_answers_before_tokenizing(served, counting):

@@ -80,7 +80,8 @@ def test_completion_request_parses_prompt_forms_and_ignores_unknown_fields():
     ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": []}, "prompt"), ({"seed": 2**63}, "seed"), ({"seed": 2**63 - 1, "n": 2}, "seed"),
+    ({"prompt": []}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
+    ({"seed": 2**63}, "seed"), ({"seed": -(2**63) - 1}, "seed"),
 ])
 def test_completion_request_check_rejects(fields, param):
     req = CompletionRequest(**{"prompt": "x", **fields})
@@ -92,6 +93,7 @@ def test_completion_request_check_accepts_supported_values():
     CompletionRequest(prompt="x", n=3, best_of=3, logprobs=20, presence_penalty=0,
                       logit_bias={}, stream=True, stream_options={"include_usage": True},
                       seed=-(2**63)).check()
+    CompletionRequest(prompt="x", n=2, seed=2**63 - 1).check()
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -218,6 +220,9 @@ def test_sampling_params_errors_and_child_seeds():
     assert (error.status, error.param) == (400, "top_p")
     params = make_sampling_params(seed=7, max_tokens=3)
     assert [p.seed for p in child_sampling_params(params, 3)] == [7, 8, 9]
+    # seed + i wraps as a signed 64-bit addition: every child seed stays a torch seed
+    top = make_sampling_params(seed=2**63 - 2)
+    assert [p.seed for p in child_sampling_params(top, 3)] == [2**63 - 2, 2**63 - 1, -(2**63)]
     assert [p.max_tokens for p in child_sampling_params(params, 3)] == [3, 3, 3]
     unseeded = make_sampling_params()
     assert child_sampling_params(unseeded, 2) == [unseeded, unseeded]

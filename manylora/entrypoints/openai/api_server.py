@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,6 +46,8 @@ from manylora.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    publish_no_auto_tool_choice,
+    publish_no_request_chat_template,
 )
 from manylora.entrypoints.openai.protocol_responses import (
     STREAM_EVENTS,
@@ -118,11 +120,12 @@ class ServerConfig:
 
 
 class LoadLoRAAdapterRequest(RequestModel):
-    """Body of ``POST /v1/load_lora_adapter`` (vLLM's); an empty path is a 400 from the route.
+    """Body of ``POST /v1/load_lora_adapter`` (vLLM's); an empty name or path is a 400 from
+    the route (the published schema says so: ``minLength``).
     ``load_inplace``: a name already served gets the new weights instead of a 400."""
 
-    lora_name: ClientName
-    lora_path: str
+    lora_name: ClientName = Field(json_schema_extra={"minLength": 1})
+    lora_path: str = Field(json_schema_extra={"minLength": 1})
     load_inplace: bool = False
 
 
@@ -130,7 +133,7 @@ class UnloadLoRAAdapterRequest(RequestModel):
     """Body of ``POST /v1/unload_lora_adapter`` (vLLM's); ``lora_int_id`` is accepted and
     ignored, as vLLM does."""
 
-    lora_name: ClientName
+    lora_name: ClientName = Field(json_schema_extra={"minLength": 1})
     lora_int_id: int | None = None
 
 
@@ -194,24 +197,33 @@ def _replay(first: dict, receive):
 class AuthMiddleware:
     """ASGI middleware: with ``keys``, every route :func:`needs_key` names (``/v1``, the
     tokenizer routes) wants ``Authorization: Bearer <key>`` (compared in constant time) and
-    answers 401 otherwise. The route is the path without the app's ``root_path``, as the
-    router matches it, so a prefixed path is guarded like the bare one."""
+    answers 401 otherwise, and to a request with more than one ``Authorization`` header
+    (which one a proxy or framework would read differs). The route is the path without the
+    app's ``root_path``, as the router matches it, so a prefixed path is guarded like the
+    bare one."""
 
     def __init__(self, app, keys: tuple[str, ...]) -> None:
         self.app = app
         self.keys = tuple(k.encode() for k in keys)
 
     async def __call__(self, scope, receive, send) -> None:
-        if (self.keys and scope["type"] == "http" and needs_key(get_route_path(scope))
-                and not self._authorized(dict(scope.get("headers") or ()))):
-            error = OpenAIError(401, "a valid API key is needed: 'Authorization: Bearer "
-                                "<key>'", code="invalid_api_key")
-            await _error_response(error)(scope, receive, send)
-            return
+        if self.keys and scope["type"] == "http" and needs_key(get_route_path(scope)):
+            values = [v for k, v in scope.get("headers") or () if k == b"authorization"]
+            error = None
+            if len(values) > 1:
+                error = OpenAIError(401, f"the request has {len(values)} Authorization "
+                                    "headers; send exactly one: 'Authorization: Bearer "
+                                    "<key>'", code="invalid_api_key")
+            elif not self._authorized(values[0] if values else b""):
+                error = OpenAIError(401, "a valid API key is needed: 'Authorization: "
+                                    "Bearer <key>'", code="invalid_api_key")
+            if error is not None:
+                await _error_response(error)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
-    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
         token = token.strip()
         # every key is compared, so the time taken does not say which one was close
         matches = [secrets.compare_digest(token, k) for k in self.keys]
@@ -245,6 +257,15 @@ def _respond(result) -> Response:
     if isinstance(result, BaseModel):
         return SafeJSONResponse(result.model_dump(mode="json"))
     return SafeJSONResponse(result)
+
+
+def _publish_flags(doc: dict[str, Any], config: ServerConfig) -> None:
+    """What the OpenAPI document ``doc`` says that depends on the server's flags: auto tool
+    choice and a per-request chat template refused unless the flags serve them."""
+    if not (config.enable_auto_tool_choice and config.tool_call_parser):
+        publish_no_auto_tool_choice(doc)
+    if not config.trust_request_chat_template:
+        publish_no_request_chat_template(doc)
 
 
 def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfig,
@@ -404,7 +425,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     install_openapi(app, api_keys=bool(config.api_keys),
                     stream_chunks=(CompletionStreamResponse, ChatCompletionStreamResponse,
-                                   *STREAM_EVENTS))
+                                   *STREAM_EVENTS),
+                    narrow=lambda doc: _publish_flags(doc, config))
     app.add_middleware(BodyLimitMiddleware, limit=config.max_request_body_bytes)
     app.add_middleware(AuthMiddleware, keys=config.api_keys)
     app.add_middleware(CORSMiddleware, **config.frontend.cors_options())

@@ -93,7 +93,9 @@ class FrontendConfig:
     Attributes:
         allowed_origins, allowed_methods, allowed_headers, allow_credentials: Starlette's
             ``CORSMiddleware`` settings (vLLM's defaults: any origin, method and header,
-            no credentials).
+            no credentials). Credentials need a list of origins: with ``*`` Starlette
+            would echo whatever ``Origin`` a request sends, which the CORS standard
+            forbids, and ``null`` is the origin of any sandboxed page or local file.
         root_path: FastAPI's ``root_path`` (``""``: none): the prefix a proxy serves the
             app under; routes are served with and without it.
         log_requests: log one line per engine request (``RequestLogger``).
@@ -113,6 +115,13 @@ class FrontendConfig:
                                or self.root_path.endswith("/")):
             raise ValueError(f"--root-path {self.root_path!r} must start with '/' and not "
                              "end with one")
+        if self.allow_credentials and ({"*", "null"} & set(self.allowed_origins)):
+            bad = "'*'" if "*" in self.allowed_origins else "'null'"
+            raise ValueError(
+                f"--allow-credentials with --allowed-origins {bad}: the CORS standard "
+                "forbids credentials for any origin (and 'null' is the origin of every "
+                "sandboxed page and local file); list the origins that may send "
+                "credentials, e.g. --allowed-origins https://app.example")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be ≥ 0, got {self.max_log_len}")
 
@@ -129,7 +138,8 @@ def frontend_config(args: argparse.Namespace) -> FrontendConfig:
 
     Raises:
         ValueError: a list flag that is not strings or JSON lists of strings, a root path
-            that does not start with ``/`` or ends with one, a negative ``--max-log-len``.
+            that does not start with ``/`` or ends with one, a negative ``--max-log-len``,
+            ``--allow-credentials`` with the origin ``*`` (the default) or ``null``.
     """
     try:
         lists = {name: tuple(_string_list(getattr(args, name))) for name in

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -33,6 +33,11 @@ from manylora.entrypoints.openai.frontend_args import (
     uvicorn_tls_options,
 )
 from manylora.entrypoints.openai.generation_config import generation_defaults, parse_override
+from manylora.entrypoints.openai.http_limits import (
+    ConnectionLimits,
+    add_connection_args,
+    connection_limits,
+)
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
@@ -115,17 +120,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     add_frontend_args(parser)
+    add_connection_args(parser)
     return parser
 
 
 @dataclass
 class Server:
-    """The parts of one server: the engine front, the served models, the app, the metrics."""
+    """The parts of one server: the engine front, the served models, the app, the metrics,
+    and the limits uvicorn serves the app's connections with (``http_limits.py``)."""
 
     engine: AsyncLLM
     models: OpenAIServingModels
     app: FastAPI
     registry: CollectorRegistry
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
 
     def shutdown(self) -> None:
         """Stop the engine loop."""
@@ -143,7 +151,8 @@ def create_server(args: argparse.Namespace) -> Server:
             ``--lora-modules`` adapter that cannot be served, ``--max-logprobs`` outside
             ``[0, MAX_LOGPROBS]``, a bad ``--generation-config`` or
             ``--override-generation-config``; the front-end flags' errors
-            (``frontend_args.py``); the LoRA resolver without runtime updates.
+            (``frontend_args.py``) and the connection limits' (``http_limits.py``); the
+            LoRA resolver without runtime updates.
     """
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
@@ -179,6 +188,7 @@ def create_server(args: argparse.Namespace) -> Server:
                          "adapters may be loaded from")
     frontend = frontend_config(args)
     uvicorn_tls_options(args)          # bad --ssl-* flags refused before the engine starts
+    limits = connection_limits(args)
     roots = [Path(r) for r in lora_roots]
     missing = [r for r in roots if not r.is_dir()]
     if missing:
@@ -215,7 +225,8 @@ def create_server(args: argparse.Namespace) -> Server:
                           max_logprobs=args.max_logprobs, max_tools=args.max_tools)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
-    return Server(engine, models, build_app(engine, models, config, registry), registry)
+    return Server(engine, models, build_app(engine, models, config, registry), registry,
+                  limits)
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -286,7 +297,7 @@ def run_server(args: argparse.Namespace) -> int:
             return 0
         http = uvicorn.Server(uvicorn.Config(
             server.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-            timeout_keep_alive=5, **uvicorn_tls_options(args)))
+            **server.limits.uvicorn_options(), **uvicorn_tls_options(args)))
         stop.http = http
         http.should_exit = bool(stop.received)
         server.engine.on_dead(lambda error: setattr(http, "should_exit", True))
@@ -311,6 +322,8 @@ class ServerThread:
         port: 0 for a free port.
         tls: uvicorn's TLS keywords (``frontend_args.uvicorn_tls_options``); empty: plain
             HTTP.
+        limits: the connection limits (``Server.limits``; default: the flags' defaults),
+            as ``run_server`` serves with them.
 
     Attributes:
         url: ``http://host:port``, or ``https://`` with ``tls``.
@@ -320,14 +333,16 @@ class ServerThread:
     """
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", tls: dict | None = None) -> None:
+                 log_level: str = "warning", tls: dict | None = None,
+                 limits: ConnectionLimits | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         scheme = "https" if tls else "http"
         self.url = f"{scheme}://{host}:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                    timeout_keep_alive=5, **(tls or {})))
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level, **(limits or ConnectionLimits()).uvicorn_options(),
+            **(tls or {})))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="uvicorn", daemon=True)
 

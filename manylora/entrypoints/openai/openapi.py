@@ -15,6 +15,7 @@ Statuses not documented, on purpose: 405 (answered for a method a path does not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -79,7 +80,8 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def install_openapi(app: FastAPI, api_keys: bool,
-                    stream_chunks: tuple[type[BaseModel], ...] = ()) -> None:
+                    stream_chunks: tuple[type[BaseModel], ...] = (),
+                    narrow: Callable[[dict[str, Any]], None] | None = None) -> None:
     """Make ``app.openapi()`` return the document as the server behaves (see the module
     docstring); built once, on first use.
 
@@ -88,14 +90,47 @@ def install_openapi(app: FastAPI, api_keys: bool,
         api_keys: whether the ``/v1`` routes want ``Authorization: Bearer <key>``.
         stream_chunks: the chunk models :func:`sse_content` refers to, added to the
             components (no route returns them, so FastAPI does not).
+        narrow: edits the finished document with what depends on the server's flags.
     """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             app.openapi_schema = _document(app, api_keys, stream_chunks)
+            if narrow is not None:
+                narrow(app.openapi_schema)
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+_NUMERIC_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                     "multipleOf")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _exact_bounds(node: Any) -> None:
+    """Give back the integer bounds FastAPI's document model turned into floats (its
+    ``Schema.maximum`` is a float: 128 becomes 128.0, and 2**63 - 1 becomes 2**63): whole
+    numbers as integers, and an ``int64`` schema's bounds as the exact int64 range (as
+    generators and validators that read the JSON as decimals would see them otherwise,
+    2**63 would be admitted)."""
+    pending = [node]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending += item
+        if not isinstance(item, dict):
+            continue
+        for key in _NUMERIC_KEYWORDS:
+            value = item.get(key)
+            if type(value) is float and value.is_integer():
+                item[key] = int(value)
+        if item.get("format") == "int64":
+            if isinstance(item.get("minimum"), int):
+                item["minimum"] = max(item["minimum"], _INT64[0])
+            if isinstance(item.get("maximum"), int):
+                item["maximum"] = min(item["maximum"], _INT64[1])
+        pending += item.values()
 
 
 def _document(app: FastAPI, api_keys: bool,
@@ -127,6 +162,7 @@ def _document(app: FastAPI, api_keys: bool,
     schemas = doc.get("components", {}).get("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    _exact_bounds(doc)
     if api_keys:
         doc.setdefault("components", {})["securitySchemes"] = {
             "bearer": {"type": "http", "scheme": "bearer",

@@ -17,9 +17,16 @@ client-chosen name (:mod:`~manylora.entrypoints.openai.validation`);
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 
 from manylora.entrypoints.openai.echo import PromptLogprobEntry, check_prompt_logprobs
 from manylora.entrypoints.openai.errors import bad_request
@@ -32,17 +39,125 @@ from manylora.entrypoints.openai.protocol_tools import (
     ToolCallParam,
     check_tool_request,
 )
-from manylora.entrypoints.openai.validation import ClientName, RequestModel
-from manylora.entrypoints.openai.vllm_fields import ChatFields, CompletionFields
+from manylora.entrypoints.openai.validation import (
+    ClientName,
+    RequestModel,
+    publish_bounds,
+    publish_rule,
+    published_bounds,
+)
+from manylora.entrypoints.openai.vllm_fields import (
+    ChatFields,
+    CompletionFields,
+    _publish_refusals,
+)
 from manylora.sampling_params import MAX_LOGPROBS
 
 # The most choices one request may ask for (``n``).
 MAX_N = 128
 
 # Seeds must fit a signed 64-bit integer (a torch generator's seed), as in vLLM; choice
-# ``i`` of a prompt is seeded with ``seed + i``.
+# ``i`` of a prompt is seeded with ``seed + i``, wrapped into that range.
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
+
+_SEED_BOUNDS = published_bounds(format="int64", minimum=INT64_MIN, maximum=INT64_MAX)
+_N_BOUNDS = published_bounds(minimum=1, maximum=MAX_N)
+
+#: The bounds of the sampling fields, as ``SamplingParams`` and the checks here enforce them
+#: (published on both generation routes, and on ``/v1/responses`` for the fields it has).
+SAMPLING_BOUNDS: dict[str, dict[str, Any]] = {
+    "temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1}, "min_p": {"minimum": 0, "maximum": 1},
+    "max_tokens": {"minimum": 1}, "max_completion_tokens": {"minimum": 1},
+    "min_tokens": {"minimum": 0}, "frequency_penalty": {"minimum": -2, "maximum": 2},
+    "presence_penalty": {"minimum": -2, "maximum": 2},
+    "repetition_penalty": {"exclusiveMinimum": 0},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+}
+_NOT_EMPTY = {"type": "string", "minLength": 1}
+_TRUE, _NOT_TRUE = {"const": True}, {"enum": [False, None]}
+
+
+def publish_sampling(schema: dict[str, Any]) -> None:
+    """Narrow a generation body's published schema to what the server accepts of its
+    sampling fields (:data:`SAMPLING_BOUNDS`; non-empty ``stop`` strings; ``logit_bias``
+    keyed by token ids, biases in [-100, 100]; ``allowed_token_ids`` not empty, none below
+    0) and state the rules between fields: ``stream_options`` only with ``stream``,
+    ``prompt_logprobs`` above 0 only without it. What no schema states stays with the
+    checks: a token id's upper bound (the vocabulary), ``min_tokens`` above ``max_tokens``,
+    the prompt and ``max_tokens`` over the context."""
+    publish_bounds(schema, SAMPLING_BOUNDS)
+    props = schema["properties"]
+    for member in props.get("stop", {}).get("anyOf", ()):
+        if member.get("type") == "string":
+            member.update(minLength=1)
+        elif member.get("type") == "array":
+            member["items"] = _NOT_EMPTY
+    for member in props.get("allowed_token_ids", {}).get("anyOf", ()):
+        if member.get("type") == "array":
+            member.update(items={"type": "integer", "minimum": 0}, minItems=1)
+    for member in props.get("logit_bias", {}).get("anyOf", ()):
+        if member.get("type") == "object":
+            member.update(propertyNames={"pattern": "^[0-9]+$"}, additionalProperties={
+                "type": "number", "minimum": -100, "maximum": 100})
+    # one rule on stream: with it no prompt_logprobs above 0, without it no stream_options
+    publish_rule(schema, {"stream": _TRUE},
+                 {"prompt_logprobs": {"maximum": 0}} if "prompt_logprobs" in props else {},
+                 required=False, otherwise={"stream_options": {"type": "null"}})
+
+
+def _publish_generation(schema: dict[str, Any], model: type) -> None:
+    """The published schema of a generation body: vLLM's refused fields narrowed to their
+    unset values (``_publish_refusals``), the sampling fields' bounds and rules
+    (:func:`publish_sampling`), ``truncate_prompt_tokens`` -1 or at least 1, on completions
+    ``max_tokens`` 0 only with ``echo``, and on chat
+    ``top_logprobs`` above 0 only with ``logprobs``, ``continue_final_message`` only without
+    ``add_generation_prompt``, a ``tool_choice`` other than ``none`` only with ``tools``
+    (one rule, whose other branch :func:`publish_no_auto_tool_choice` fills)."""
+    _publish_refusals(schema, model)
+    publish_sampling(schema)
+    props = schema["properties"]
+    props["truncate_prompt_tokens"]["anyOf"] = [
+        {"const": -1}, {"type": "integer", "minimum": 1}, {"type": "null"}]
+    if "prompt" in props:           # max_tokens 0 echoes the prompt alone (vLLM's)
+        publish_bounds(schema, {"max_tokens": {"minimum": 0}})
+        publish_rule(schema, {"max_tokens": {"const": 0}}, {"echo": _TRUE})
+    if "messages" in props:
+        publish_rule(schema, {"top_logprobs": {"type": "integer", "minimum": 1}},
+                     {"logprobs": _TRUE})
+        publish_rule(schema, {"continue_final_message": _TRUE},
+                     {"add_generation_prompt": _NOT_TRUE})
+        # without tools, no tool_choice but none; with tools, see publish_no_auto_tool_choice
+        publish_rule(schema, {"tools": {"type": "array", "minItems": 1}}, {}, required=False,
+                     otherwise={"tool_choice": {"enum": ["none", None]}})
+
+
+def publish_no_request_chat_template(doc: dict[str, Any]) -> None:
+    """Narrow the OpenAPI document ``doc`` of a server without
+    ``--trust-request-chat-template``: a chat request's ``chat_template`` is null and its
+    ``chat_template_kwargs`` hold no ``chat_template`` (both refused, as vLLM refuses them)."""
+    props = (doc.get("components", {}).get("schemas", {}).get("ChatCompletionRequest", {})
+             .get("properties", {}))
+    if "chat_template" in props:
+        props["chat_template"] = {"type": "null", "description": "refused: the server runs "
+                                  "without --trust-request-chat-template"}
+    for member in props.get("chat_template_kwargs", {}).get("anyOf", ()):
+        if member.get("type") == "object":
+            member["properties"] = {"chat_template": False}
+
+
+def publish_no_auto_tool_choice(doc: dict[str, Any]) -> None:
+    """Narrow the OpenAPI document ``doc`` of a server without ``--enable-auto-tool-choice``
+    (and a ``--tool-call-parser``): a chat request with tools then needs a ``tool_choice``
+    of ``none``, ``required`` or a named function (the auto default is refused, as vLLM
+    refuses it)."""
+    schema = doc.get("components", {}).get("schemas", {}).get("ChatCompletionRequest", {})
+    for rule in schema.get("allOf", ()):
+        if "tools" in rule.get("if", {}).get("properties", {}):
+            rule["then"] = {"properties": {"tool_choice": {"anyOf": [
+                {"enum": ["none", "required"]}, {"type": "object"}]}},
+                "required": ["tool_choice"]}
 
 __all__ = [
     "INT64_MAX",
@@ -86,18 +201,29 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest) -> None:
 
     Raises:
         OpenAIError: 400 naming the parameter: ``n`` outside ``[1, MAX_N]``, a ``seed``
-            whose ``seed + n - 1`` leaves the signed 64-bit range, a non-zero
+            outside the signed 64-bit range, a non-zero
             ``presence_penalty`` or ``frequency_penalty``, a non-empty ``logit_bias``, or
             ``stream_options`` without ``stream``.
     """
     if req.n is not None and not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got n={req.n}", param="n")
-    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX - ((req.n or 1) - 1):
-        raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}] (less n - 1), got "
-                          f"seed={req.seed}", param="seed")
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise bad_request(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got seed={req.seed}",
+                          param="seed")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
+
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+# what check() admits: no prompt, text or token-id list is empty (the upper bound of a token
+# id, the vocabulary's size, is checked with the tokenizer)
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _TOKEN_IDS, {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+    "title": "Prompt", "description": "a text, texts, a list of token ids, or lists of token "
+                                      "ids; none of them empty"}
 
 
 class CompletionRequest(StructuredFields, CompletionFields):
@@ -107,17 +233,21 @@ class CompletionRequest(StructuredFields, CompletionFields):
     token ids; every prompt gets ``n`` choices, choice index ``prompt_index * n + i``.
     """
 
+    model_config = ConfigDict(json_schema_extra=_publish_generation)
+
     model: ClientName | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]],
+                      WithJsonSchema(_PROMPT_SCHEMA)]
     best_of: int | None = None
     echo: bool | None = False
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        default=None, json_schema_extra=published_bounds(minimum=0, maximum=MAX_LOGPROBS))
     max_tokens: int | None = 16
-    n: int | None = 1
+    n: int | None = Field(default=1, json_schema_extra=_N_BOUNDS)
     presence_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, json_schema_extra=_SEED_BOUNDS)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -148,7 +278,8 @@ class CompletionRequest(StructuredFields, CompletionFields):
                 None or ``n``, a non-null ``suffix``, ``logprobs`` outside
                 ``[0, MAX_LOGPROBS]``, ``prompt_logprobs`` as
                 :func:`~manylora.entrypoints.openai.echo.check_prompt_logprobs`, or an
-                empty ``prompt`` list.
+                empty ``prompt``, ``prompt`` list or text or token-id list in it (as the
+                published schema says, whatever the tokenizer would add to it).
         """
         _check_common(self)
         n = self.n or 1
@@ -163,25 +294,70 @@ class CompletionRequest(StructuredFields, CompletionFields):
         check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("prompt must not be an empty list", param="prompt")
+        if not self.prompt:
+            raise bad_request("prompt must not be empty", param="prompt")
+        if isinstance(self.prompt, list) and not isinstance(self.prompt[0], int):
+            empty = next((i for i, item in enumerate(self.prompt) if not item), None)
+            if empty is not None:
+                raise bad_request(f"prompt[{empty}] must not be empty", param="prompt")
+
+
+def _publish_text_part(schema: dict[str, Any]) -> None:
+    """Publish what :meth:`ChatCompletionMessageParam.text` accepts of a content part: a
+    text part (validation stays wider so that the 400 says which part type is refused)."""
+    schema["properties"]["type"] = {"const": "text", "type": "string"}
+    schema["properties"]["text"] = {"type": "string"}
+    schema["required"] = ["type", "text"]
 
 
 class ContentPart(RequestModel):
     """One part of a message's ``content`` list; only ``{"type": "text", "text": ...}`` is
-    supported (checked by :meth:`ChatCompletionRequest.check`)."""
+    supported (checked by :meth:`ChatCompletionRequest.check`; the published schema admits
+    only that)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_text_part)
 
     type: str
     text: str | None = None
 
 
+def _publish_roles(schema: dict[str, Any]) -> None:
+    """Publish the rules of :meth:`ChatCompletionMessageParam._role_fields` as one object
+    schema per kind of message (``anyOf``; the roles tell them apart), as OpenAI's document
+    has one per role: ``content`` required (not null) but on an assistant message,
+    ``tool_call_id`` required on a tool message and null elsewhere, ``tool_calls`` null but
+    on an assistant message."""
+    props, null = schema.pop("properties"), {"type": "null"}
+    schema.pop("required", None)
+    content = {"anyOf": [s for s in props["content"]["anyOf"] if s != null]}
+    call_id = next(s for s in props["tool_call_id"]["anyOf"] if s != null)
+
+    def kind(roles: list[str], required: list[str], **narrowed: Any) -> dict[str, Any]:
+        return {"type": "object", "title": f"{' or '.join(roles)} message",
+                "properties": {**props, "role": {"enum": roles, "type": "string"},
+                               **narrowed}, "required": ["role", *required]}
+
+    schema["anyOf"] = [
+        kind(["system", "user", "developer"], ["content"], content=content,
+             tool_call_id=null, tool_calls=null),
+        kind(["assistant"], [], tool_call_id=null),
+        kind(["tool"], ["content", "tool_call_id"], content=content,
+             tool_call_id=call_id, tool_calls=null),
+    ]
+
+
 class ChatCompletionMessageParam(RequestModel):
     """One message of a chat request. ``tool_calls`` (the calls an assistant made) only on
     an assistant message, ``tool_call_id`` (the call a result answers) only on, and
-    required by, a tool message; every role but ``assistant`` needs ``content``.
+    required by, a tool message; every role but ``assistant`` needs ``content``. The
+    published schema states these rules (one schema per kind of message).
 
     Raises:
         pydantic.ValidationError: a message breaking those rules (the 400 names
             ``messages[i]``), or a malformed tool call (naming its field).
     """
+
+    model_config = ConfigDict(json_schema_extra=_publish_roles)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
@@ -242,18 +418,21 @@ class ChatCompletionMessageParam(RequestModel):
 class ChatCompletionRequest(StructuredFields, ChatFields):
     """Body of ``POST /v1/chat/completions`` (OpenAI's, with vLLM's extras)."""
 
+    model_config = ConfigDict(json_schema_extra=_publish_generation)
+
     model: ClientName | None = None
-    messages: list[ChatCompletionMessageParam]
+    messages: list[ChatCompletionMessageParam] = Field(json_schema_extra={"minItems": 1})
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(
+        default=None, json_schema_extra=published_bounds(minimum=0, maximum=MAX_LOGPROBS))
     max_tokens: int | None = Field(default=None, description="deprecated by OpenAI")
     max_completion_tokens: int | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, json_schema_extra=_N_BOUNDS)
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, json_schema_extra=_SEED_BOUNDS)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -295,7 +474,8 @@ class ChatCompletionRequest(StructuredFields, ChatFields):
 
         Raises:
             OpenAIError: 400 naming the parameter: those of the shared checks (``n``,
-                ``seed``, ``stream_options``), no ``messages``, a non-text
+                ``seed``, ``stream_options``), no ``messages``, ``max_tokens`` or
+                ``max_completion_tokens`` below 1 (either, as published), a non-text
                 content part, ``top_logprobs`` outside ``[0, MAX_LOGPROBS]`` or above 0
                 without ``logprobs``, a ``tool_choice`` that ``check_tool_request``
                 refuses (no tools, an unknown name, with another constraint) or tools of
@@ -305,6 +485,11 @@ class ChatCompletionRequest(StructuredFields, ChatFields):
         _check_common(self)
         if not self.messages:
             raise bad_request("messages must not be empty", param="messages")
+        for name in ("max_tokens", "max_completion_tokens"):   # each, even when overridden
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {name}={value}",
+                                  param=name)
         for message in self.messages:
             message.text()
         if self.top_logprobs is not None:

@@ -17,15 +17,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
     ChatCompletionLogProbsContent,
+    publish_sampling,
 )
-from manylora.entrypoints.openai.validation import ClientName, RequestModel
+from manylora.entrypoints.openai.validation import (
+    ClientName,
+    RequestModel,
+    publish_rule,
+    published_bounds,
+)
 from manylora.sampling_params import MAX_LOGPROBS
 
 __all__ = [
@@ -141,8 +147,22 @@ class ResponseTextConfig(RequestModel):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
+def _publish_no_reasoning(schema: dict[str, Any]) -> None:
+    """Publish what ``ResponsesRequest.check`` accepts of ``reasoning``: no effort but
+    ``none``, no summary (validation stays wider, so that the 400 gives the reason)."""
+    null, props = {"type": "null"}, schema["properties"]
+    props["effort"] = {"anyOf": [{"const": "none", "type": "string"}, null], "default": None,
+                       "description": "only 'none' is supported (no reasoning parser)"}
+    for name in ("summary", "generate_summary"):
+        props[name] = {**null, "default": None,
+                       "description": "not supported (no reasoning parser)"}
+
+
 class ReasoningConfig(RequestModel):
-    """``reasoning``; a set ``effort`` or ``summary`` is refused (no reasoning parser)."""
+    """``reasoning``; a set ``effort`` or ``summary`` is refused (no reasoning parser; the
+    published schema admits only their unset values)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_no_reasoning)
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -156,10 +176,49 @@ class ResponseStreamOptions(RequestModel):
     include_obfuscation: bool | None = None
 
 
+def _publish_checks(schema: dict[str, Any]) -> None:
+    """Narrow the published schema of :class:`ResponsesRequest` to what ``check`` accepts
+    (bounds, and only the unset values of the unsupported fields, the reason in their
+    description): the document says what the server enforces, while validation stays
+    permissive so that ``check`` answers with the reason."""
+    props = schema["properties"]
+    bounds = {"max_output_tokens": {"minimum": 1}, "max_tool_calls": {"minimum": 1},
+              "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+              "seed": {"format": "int64", "minimum": INT64_MIN, "maximum": INT64_MAX}}
+    for name, bound in bounds.items():
+        published_bounds(**bound)(props[name])
+    publish_sampling(schema)
+    publish_rule(schema, {"previous_response_id": {"type": "string"}},
+                 {"store": {"enum": [True, None]}}, required=False)
+    for member in props["include"]["anyOf"]:
+        if member.get("type") == "array":
+            member["items"] = {"const": "message.output_text.logprobs", "type": "string"}
+    props["input"]["anyOf"] = [{**o, "minItems": 1} if o.get("type") == "array" else o
+                               for o in props["input"]["anyOf"]]
+    null, empty_list = {"type": "null"}, {"type": "array", "maxItems": 0}
+    empty_object = {"type": "object", "maxProperties": 0}
+    unset = {"tools": [null, empty_list],
+             "tool_choice": [null, {"enum": ["none", "auto"]}],
+             "background": [null, {"const": False}],
+             "prompt": [null, empty_object],
+             "conversation": [null, {"const": ""}, empty_object],
+             "context_management": [null, empty_list],
+             "service_tier": [null, {"enum": ["auto", "default"]}],
+             "prompt_cache_retention": [null, {"const": "in_memory"}],
+             "priority": [null, {"const": 0}]}
+    for name, options in unset.items():
+        props[name] = {"anyOf": options, "description": "only these values are supported",
+                       **({"default": props[name]["default"]} if "default" in props[name]
+                          else {})}
+
+
 class ResponsesRequest(RequestModel):
     """Body of ``POST /v1/responses``: OpenAI's ``responses.create`` for text, with vLLM's
     extras. ``input`` is one user text or a list of messages; ``instructions`` becomes a
-    leading system message (OpenAI's and vLLM's rendering)."""
+    leading system message (OpenAI's and vLLM's rendering). The published schema is
+    narrowed to what :meth:`check` accepts (``_publish_checks``)."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_checks)
 
     model: ClientName | None = None
     input: str | list[ResponseInputMessage]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.validation import RequestModel
@@ -49,13 +49,39 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _publish_one_kind(schema: dict[str, Any]) -> None:
+    """Publish what ``StructuredOutputsParams`` accepts: exactly one kind of constraint set
+    (one schema per kind, ``anyOf``; ``json_object`` counts when true), non-empty ``regex``,
+    ``grammar``, ``structural_tag`` and ``choice``, no ``whitespace_pattern``. Validation
+    stays wider, so that the 400 gives the reason; what no schema states (a regex or grammar
+    that does not compile, ``json`` text that is not JSON) stays with the checks."""
+    props, null = schema["properties"], {"type": "null"}
+    text = {"type": "string", "minLength": 1}
+    kinds = {"json": {"anyOf": [m for m in props["json"]["anyOf"] if m != null]},
+             "regex": text, "choice": {"type": "array", "items": {"type": "string"},
+                                        "minItems": 1},
+             "grammar": text, "json_object": {"const": True}, "structural_tag": text}
+    for name, member in kinds.items():
+        props[name] = {"anyOf": [{"type": "boolean"} if name == "json_object" else member,
+                                 null], "default": None}
+    props["whitespace_pattern"] = {**null, "default": None,
+                                   "description": "not supported by xgrammar: use "
+                                                  "disable_any_whitespace"}
+    unset = {name: {"enum": [False, None]} if name == "json_object" else null
+             for name in kinds}
+    schema["anyOf"] = [{"properties": {**unset, name: member}, "required": [name]}
+                       for name, member in kinds.items()]
+
+
 class StructuredOutputsRequest(RequestModel):
     """vLLM's ``structured_outputs`` extra: exactly one of ``json`` (a schema, an object or
     its JSON text), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object``,
     ``structural_tag`` (xgrammar's, as JSON text); ``disable_any_whitespace``,
     ``disable_additional_properties``, and ``disable_fallback`` (accepted: xgrammar is the
     only backend, there is nothing to fall back to). ``whitespace_pattern`` is a 400: it is
-    not an xgrammar option."""
+    not an xgrammar option. The published schema states these rules."""
+
+    model_config = ConfigDict(json_schema_extra=_publish_one_kind)
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import ChatCompletionMessageParam
 from manylora.entrypoints.openai.protocol_tools import ChatCompletionToolsParam
-from manylora.entrypoints.openai.validation import ClientName, RequestModel
+from manylora.entrypoints.openai.validation import ClientName, RequestModel, publish_rule
 
 __all__ = [
     "DetokenizeRequest",
@@ -30,7 +30,7 @@ __all__ = [
 
 #: A token id as a client sends it: a non-negative integer (the upper bound, the
 #: tokenizer's size, is checked by the route).
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, description="a token id")]
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -43,14 +43,23 @@ class TokenizeCompletionRequest(RequestModel):
     return_token_strs: bool | None = False
 
 
+def _publish_chat_rules(schema: dict[str, Any]) -> None:
+    """Publish the rule of :meth:`TokenizeChatRequest.check` between fields:
+    ``continue_final_message`` only with ``add_generation_prompt`` false."""
+    publish_rule(schema, {"continue_final_message": {"const": True}},
+                 {"add_generation_prompt": {"const": False}})
+
+
 class TokenizeChatRequest(RequestModel):
     """``/tokenize`` of chat messages: rendered by the chat template as
     ``/v1/chat/completions`` renders them, then encoded (no special tokens added by default:
     the template carries them, as in vLLM); ``tools`` reach the template as they do for a
     chat completion."""
 
+    model_config = ConfigDict(json_schema_extra=_publish_chat_rules)
+
     model: ClientName | None = None
-    messages: list[ChatCompletionMessageParam]
+    messages: list[ChatCompletionMessageParam] = Field(json_schema_extra={"minItems": 1})
     tools: list[ChatCompletionToolsParam] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -194,10 +194,13 @@ def output_kind(stream: bool) -> RequestOutputKind:
 
 def child_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The ``n`` children's parameters for one prompt: the same, but child ``i`` seeded
-    with ``seed + i`` when a seed is set (vLLM's parallel sampling)."""
+    with ``seed + i`` when a seed is set (vLLM's parallel sampling), wrapped into the
+    signed 64-bit range as a 64-bit addition wraps (any seed of that range takes any
+    ``n``)."""
     if params.seed is None:
         return [params] * n
-    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+    return [dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
+            for i in range(n)]
 
 
 class OpenAIServing:

@@ -2,12 +2,19 @@
 
 * :class:`RequestModel`: the base of every request body. Types are strict, as OpenAI's API
   validates them: no string-to-bool (``"stream": "yes"``), bool-to-int (``"n": true``,
-  ``"prompt": [true]``) or float-to-int (``"max_tokens": 5.0``) coercion, while an integer
-  stays a valid number (``"temperature": 1``); NaN and infinities are refused; unknown
-  fields are ignored. Every string anywhere in a body (dict keys and values of free-form
-  fields included) must be valid Unicode, i.e. encodable as UTF-8: JSON can carry a lone
-  UTF-16 surrogate (``"\\ud800"``) that no response, log line or metric label can encode,
-  and OpenAI refuses such bodies with a 400.
+  ``"prompt": [true]``) or fraction-to-int (``"max_tokens": 5.5``) coercion, while an integer
+  stays a valid number (``"temperature": 1``) and a whole number written with a fraction or
+  an exponent stays a valid integer (``"max_tokens": 5.0`` is 5: JSON and JSON Schema,
+  hence the published document, do not tell them apart, and vLLM's lax models take it);
+  NaN and infinities are refused; unknown fields are ignored, once checked by the same
+  rules as the rest (no NaN or infinity, no lone surrogate: a 400 naming the field). Every
+  string anywhere in a body (dict keys and values of free-form fields included) must be
+  valid Unicode, i.e. encodable as UTF-8: JSON can carry a lone UTF-16 surrogate
+  (``"\\ud800"``) that no response, log line or metric label can encode, and OpenAI refuses
+  such bodies with a 400.
+* :func:`published_bounds`, :func:`publish_bounds`, :func:`publish_rule`: what the
+  published schema of a body states beyond its types (bounds the checks enforce, rules
+  between fields), validation unchanged so that the checks' 400s keep their reasons.
 * :data:`ClientName`: the type of a name a client chooses that ends up as a registry key,
   a label or a log field (``model``, ``lora_name``, ``user``, a message's ``name``): on top
   of the above, no control characters (C0, DEL, C1), no line or paragraph separators, no
@@ -21,11 +28,21 @@ name, typed ``ClientName``).
 
 from __future__ import annotations
 
+import math
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from manylora.entrypoints.openai.errors import OpenAIError
 
@@ -36,6 +53,9 @@ __all__ = [
     "RequestModel",
     "check_name",
     "first_unencodable",
+    "publish_bounds",
+    "publish_rule",
+    "published_bounds",
     "validation_error",
 ]
 
@@ -99,13 +119,57 @@ def check_name(value: str) -> str:
 
 
 #: The rule of :func:`check_name` as a JSON-schema pattern (ECMA-262 and Python ``re``),
-#: published in ``openapi.json`` so that generated clients and fuzzers know it.
+#: published in ``openapi.json`` so that generated clients and fuzzers know it. Lone
+#: surrogates are left out: they are no Unicode text (JSON Schema's strings are sequences of
+#: code points, I-JSON forbids them), every string of every body refuses them, and a
+#: pattern naming them is one that regex engines of other languages (Rust's, which
+#: Schemathesis validates with) cannot compile.
 NAME_PATTERN = ("^[^\\u0000-\\u001f\\u007f-\\u009f\\u2028\\u2029\\u202a-\\u202e"
-                "\\u2066-\\u2069\\ud800-\\udfff]*$")
+                "\\u2066-\\u2069]*$")
 
 #: A name chosen by a client (see :func:`check_name`).
 ClientName = Annotated[str, AfterValidator(check_name), WithJsonSchema(
     {"type": "string", "maxLength": MAX_NAME_CHARS, "pattern": NAME_PATTERN})]
+
+
+def published_bounds(**keywords: Any) -> Callable[[dict[str, Any]], None]:
+    """A ``json_schema_extra`` for a number field, optional or not: ``keywords``
+    (``minimum``, ``maximum`` ...) on the number member of its published ``anyOf``, where
+    every generator and validator reads them (beside an ``anyOf`` some take them for the
+    whole union and some drop them); the field's validation is unchanged, the check that
+    enforces them naming the reason."""
+
+    def narrow(schema: dict[str, Any]) -> None:
+        for member in schema.get("anyOf", [schema]):
+            if member.get("type") in ("integer", "number"):
+                member.update(keywords)
+
+    return narrow
+
+
+def publish_bounds(schema: dict[str, Any], bounds: Mapping[str, Mapping[str, Any]]) -> None:
+    """In a model's published ``schema``, put each ``bounds[name]`` on the number member
+    of property ``name`` (:func:`published_bounds`); names the model lacks are skipped."""
+    props = schema.get("properties", {})
+    for name, keywords in bounds.items():
+        if name in props:
+            published_bounds(**keywords)(props[name])
+
+
+def publish_rule(schema: dict[str, Any], when: Mapping[str, Any],
+                 then: Mapping[str, Any], required: bool = True,
+                 otherwise: Mapping[str, Any] | None = None) -> None:
+    """Add to a model's published ``schema`` a rule between its fields (JSON Schema's
+    ``if``/``then``/``else``): a body whose fields ``when`` (name: schema) are all present
+    and match must have its fields ``then`` (name: schema) matching, and present if
+    ``required``; any other body its fields ``otherwise`` matching (when present). Each
+    rule doubles the cases a generator walks: Schemathesis gives up past four."""
+    rule = {"if": {"properties": dict(when), "required": list(when)},
+            "then": {"properties": dict(then), **({"required": list(then)} if required
+                                                  else {})}}
+    if otherwise:
+        rule["else"] = {"properties": dict(otherwise)}
+    schema.setdefault("allOf", []).append(rule)
 
 
 def _check_strings(value: Any, path: str) -> None:
@@ -130,9 +194,60 @@ def _check_strings(value: Any, path: str) -> None:
             _check_strings(item, f"{path}[{i}]")
 
 
+def _check_ignored(value: Any) -> None:
+    """Raise ValueError for the first NaN or infinity, or string or key that UTF-8 cannot
+    encode, in ``value`` (an unknown field's parsed JSON). Iterative: any depth the JSON
+    parser took."""
+    pending: list[tuple[Any, str]] = [(value, "")]
+    while pending:
+        item, path = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            where = f"item {path} " if path else ""
+            spelled = "NaN" if math.isnan(item) else "Infinity" if item > 0 else "-Infinity"
+            raise ValueError(f"{where}holds {spelled}: NaN and infinities are not JSON "
+                             "numbers")
+        if isinstance(item, str):
+            _check_strings(item, path)
+        elif isinstance(item, Mapping):
+            _check_strings(dict.fromkeys(item), path)      # the keys
+            pending += [(sub, f"{path}[{key!r}]") for key, sub in item.items()]
+        elif isinstance(item, list):
+            pending += [(sub, f"{path}[{i}]") for i, sub in enumerate(item)]
+
+
+def _whole(node: Any, loc: Sequence[Any], value: float) -> Any:
+    """``node`` with the float ``value`` at ``loc`` (a pydantic error's location relative to
+    ``node``; union members' tags, which name no key or index, are passed over) replaced by
+    the integer it equals, copying the dicts and lists on the way; ``node`` itself when
+    ``loc`` leads elsewhere."""
+    if not loc:
+        return int(node) if type(node) is float and node == value else node
+    part, rest = loc[0], loc[1:]
+    if isinstance(node, dict) and isinstance(part, str) and part in node:
+        new = _whole(node[part], rest, value)
+        return node if new is node[part] else {**node, part: new}
+    if isinstance(node, list) and type(part) is int and 0 <= part < len(node):
+        new = _whole(node[part], rest, value)
+        return node if new is node[part] else [*node[:part], new, *node[part + 1:]]
+    return _whole(node, rest, value)
+
+
+def _whole_numbers(data: Any, errors: Sequence[Mapping[str, Any]]) -> Any:
+    """``data`` with every whole-number float that strict validation refused as an integer
+    (``5.0`` for an ``int``) replaced by that integer; ``data`` itself when there is none."""
+    fixed = data
+    for error in errors:
+        value = error.get("input")
+        if error.get("type") == "int_type" and type(value) is float and value.is_integer():
+            fixed = _whole(fixed, tuple(error.get("loc", ())), value)
+    return fixed
+
+
 class RequestModel(BaseModel):
-    """Base of every request body: strict types (an integer is still a valid number), no
-    NaN or infinity, every string valid Unicode, unknown fields ignored.
+    """Base of every request body: strict types (an integer is still a valid number, and a
+    whole number written as ``5.0`` a valid integer, as JSON Schema's ``integer`` and
+    vLLM's lax models take it), no NaN or infinity, every string valid Unicode, unknown
+    fields ignored once they pass the same NaN, infinity and Unicode checks.
 
     Raises:
         pydantic.ValidationError: on validation, for any field breaking these rules; the
@@ -140,6 +255,42 @@ class RequestModel(BaseModel):
     """
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _whole_number_ints(cls, data: Any, handler: Any) -> Any:
+        # strict mode refuses 5.0 for an int; only when it did, validate once more with
+        # those values as the integers they are (a valid body pays nothing)
+        try:
+            return handler(data)
+        except ValidationError as e:
+            fixed = _whole_numbers(data, e.errors())
+            if fixed is data:
+                raise
+            return handler(fixed)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        known = set(cls.model_fields)
+        known.update(f.alias for f in cls.model_fields.values() if f.alias)
+        for key, value in data.items():
+            if key in known:
+                continue
+            try:
+                _check_strings(key, "")
+                _check_ignored(value)
+            except ValueError as e:
+                name = key if first_unencodable(key) is None else ascii(key)
+                reason = f"an unknown field (ignored) must still be valid JSON: {e}"
+                # a ValidationError raised here keeps the field's location (pydantic adds
+                # the enclosing fields' for a nested model)
+                raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                    type=PydanticCustomError("value_error", reason), loc=(name,),
+                    input=None)]) from None
+        return data
 
     @field_validator("*", mode="after")
     @classmethod
@@ -149,10 +300,16 @@ class RequestModel(BaseModel):
         return value
 
 
+#: pydantic's tag for a :class:`RequestModel` that is a member of a union (its wrap
+#: validator's, in place of the class name).
+_REQUEST_MODEL_TAG = "function-wrap[_whole_number_ints()]"
+
+
 def _model_tags() -> frozenset[str]:
-    """The names of every :class:`RequestModel` subclass: pydantic's tag for a model that
-    is a member of a union (a body that is one of several models, as ``/tokenize``'s)."""
-    names, pending = set(), [RequestModel]
+    """The names of every :class:`RequestModel` subclass and their union tag: pydantic's
+    tags for a model that is a member of a union (a body that is one of several models, as
+    ``/tokenize``'s)."""
+    names, pending = {_REQUEST_MODEL_TAG}, [RequestModel]
     while pending:
         for sub in pending.pop().__subclasses__():
             names.add(sub.__name__)
@@ -207,7 +364,8 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
         group = [g for g in group if g[0].get("type") == "value_error"][:1] or group
         messages = list(dict.fromkeys(_message(e) for e, _ in group))
         # the union member tag right after the field's own location parts
-        tags = [str(e["loc"][taken + 1]) for e, taken in group if len(e["loc"]) > taken + 1]
+        tags = [str(e["loc"][taken + 1]).replace(_REQUEST_MODEL_TAG, "object")
+                for e, taken in group if len(e["loc"]) > taken + 1]
         if len(messages) > 1 and tags:
             text = f"matches none of the accepted forms ({', '.join(dict.fromkeys(tags))})"
         else:

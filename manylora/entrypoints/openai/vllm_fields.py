@@ -331,17 +331,20 @@ def truncate_prompt(token_ids: list[int], truncate: int | None, side: str | None
 
     Args:
         token_ids: the prompt's ids.
-        truncate: None (no truncation), ``k >= 0`` (keep ``k`` tokens) or -1 (keep
+        truncate: None (no truncation), ``k >= 1`` (keep ``k`` tokens) or -1 (keep
             ``max_model_len`` tokens).
         side: ``"left"`` or None (keep the last ``k``) or ``"right"`` (keep the first).
         max_model_len: the context length, tokens.
 
     Raises:
-        OpenAIError: 400 (``truncate_prompt_tokens``) when ``truncate`` exceeds
-            ``max_model_len``.
+        OpenAIError: 400 (``truncate_prompt_tokens``) when ``truncate`` is 0 (no prompt
+            would be left; vLLM fails on the empty prompt) or exceeds ``max_model_len``.
     """
     if truncate is None:
         return token_ids
+    if truncate == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1: 0 would leave no "
+                          "prompt", param="truncate_prompt_tokens")
     if truncate > max_model_len:
         raise bad_request(f"truncate_prompt_tokens ({truncate}) is greater than the context "
                           f"length (max_model_len {max_model_len}); use -1 for the context "

@@ -24,9 +24,11 @@ import logging
 import ssl
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 from manylora.engine.arg_utils import EngineArgs
+from manylora.entrypoints.openai.http_limits import ConnectionLimits
 from manylora.entrypoints.openai.launcher import add_serve_args
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,8 @@ def parse(args: Sequence[str] | Mapping[str, Any]) -> tuple[argparse.Namespace, 
     """The flags of ``args`` (an argv list or a Serve config mapping), and the argv.
 
     Raises:
-        ValueError: an unknown or malformed flag, or a flag Ray Serve's proxy cannot honour.
+        ValueError: an unknown or malformed flag, or a flag Ray Serve's proxy cannot honour
+            (``--ssl-cert-reqs``, the connection limits of ``http_limits.py``).
     """
     parser = serve_ray_parser()
     argv = argv_of(args, parser) if isinstance(args, Mapping) else list(args)
@@ -126,6 +129,11 @@ def parse(args: Sequence[str] | Mapping[str, Any]) -> tuple[argparse.Namespace, 
     if ns.ssl_cert_reqs != int(ssl.CERT_NONE):
         raise ValueError("--ssl-cert-reqs: Ray Serve's proxy does not ask for client "
                          "certificates; leave it at 0")
+    changed = [f"--{f.name.replace('_', '-')}" for f in fields(ConnectionLimits)
+               if getattr(ns, f.name) != getattr(ConnectionLimits(), f.name)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)}: Ray Serve's proxy serves the connections "
+                         "with its own limits (serve.start's http_options); leave them unset")
     if ns.num_replicas < 1:
         raise ValueError(f"--num-replicas must be at least 1, got {ns.num_replicas}")
     if (ns.min_replicas is None) != (ns.max_replicas is None):
