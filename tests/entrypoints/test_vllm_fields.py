@@ -246,12 +246,12 @@ def test_truncate_prompt_semantics():
     assert truncate_prompt(ids, 3, None, 64) == [7, 8, 9]
     assert truncate_prompt(ids, 3, "left", 64) == [7, 8, 9]
     assert truncate_prompt(ids, 3, "right", 64) == [0, 1, 2]
-    assert truncate_prompt(ids, 0, None, 64) == []
     assert truncate_prompt(ids, 20, None, 64) == ids
     assert truncate_prompt(ids, -1, None, 4) == [6, 7, 8, 9]
-    with pytest.raises(OpenAIError) as info:
-        truncate_prompt(ids, 65, None, 64)
-    assert info.value.param == "truncate_prompt_tokens"
+    for bad in (65, 0):                   # past the context; no prompt left
+        with pytest.raises(OpenAIError) as info:
+            truncate_prompt(ids, bad, None, 64)
+        assert info.value.param == "truncate_prompt_tokens"
 
 
 def test_response_ids_keep_engine_ids_unique():
