@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from manylora.engine.request import Request
-from manylora.structured.bad_words import BadWords
+from manylora.structured.bad_words import BadWords, clear_tokens
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key
 
@@ -184,17 +184,15 @@ host mask.
 
         mask = xgr.allocate_token_bitmask(1, self.vocab_size)
         matcher.fill_next_token_bitmask(mask)
+        row = mask.numpy().view(np.uint32)[0]
         bad = self._bad_words_of(req.request_id, req)
         if bad is not None:          # the one-token words: nothing else is banned first
-            bad.clear(mask.numpy().view(np.uint32)[0], [])
-        allowed = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")
-        allowed = allowed[:self.vocab_size].astype(bool)
-        params = req.sampling_params
-        if params.allowed_token_ids is not None:
-            only = np.zeros(self.vocab_size, dtype=bool)
-            only[[t for t in params.allowed_token_ids if 0 <= t < self.vocab_size]] = True
-            allowed &= only
-        return bool(allowed.any())
+            bad.clear(row, [])
+        ids = req.sampling_params.allowed_token_ids
+        if ids is None:
+            return bool(row.any())
+        ids = np.array([t for t in ids if 0 <= t < self.vocab_size], dtype=np.int64)
+        return bool(((row[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1).any())
 
     def has_matcher(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -295,13 +293,13 @@ host mask.
                 req.sampling_params.bad_words_token_ids, self.vocab_size)
         return bad
 
+
 def _hold_stop_tokens(row: np.ndarray, stops: Iterable[int]) -> None:
     """Clear the bits of ``stops`` in one uint32 bitmask row (``min_tokens`` not reached),
     unless they are all the grammar allows: then the row is left as it is, and the request
     ends on the stop token."""
     kept = row.copy()
-    for t in stops:
-        if (t >> 5) < row.shape[0]:
-            row[t >> 5] &= np.uint32(0xFFFFFFFF ^ (1 << (t & 31)))
+    clear_tokens(row, np.fromiter((t for t in stops if (t >> 5) < row.shape[0]),
+                                  dtype=np.int64))
     if not row.any():
         row[:] = kept
