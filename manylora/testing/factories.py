@@ -396,9 +396,11 @@ def make_peft_adapter(
     use_dora: bool = False,
     bias: str = "none",
 ) -> Path:
-    """Write a random, non-trivial peft LoRA adapter for the checkpoint in ``base_dir``.
+    """Write a random, non-trivial peft LoRA adapter for the checkpoint in ``base_dir`` (a
+    folder, or a GGUF file).
 
-    Loads the base with ``AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)``,
+    Loads the base with ``AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)``
+    (``manylora.testing.hf.hf_causal_lm``),
     wraps it with ``peft.get_peft_model`` and a ``LoraConfig(task_type="CAUSAL_LM", ...)``, then
     re-draws every ``lora_A``/``lora_B`` weight from normal(0, ``init_std``) with a generator
     seeded by ``seed`` (peft initialises B to zero, which would make the adapter a no-op). With
@@ -419,10 +421,11 @@ def make_peft_adapter(
         ValueError: from peft, e.g. when ``target_modules`` matches nothing.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+
+    from manylora.testing.hf import hf_causal_lm
 
     out = Path(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = hf_causal_lm(base_dir, dtype=torch.float32)
     targets: list[str] | str = (
         target_modules if isinstance(target_modules, str) else list(target_modules)
     )

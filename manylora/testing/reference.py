@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from manylora.testing.hf import hf_causal_lm
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ReferenceOutput", "agreement", "compare_greedy", "hf_greedy_reference"]
@@ -39,13 +41,7 @@ def _load_reference_model(
     device: str | torch.device,
     dtype: torch.dtype,
 ) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    base = Path(base_dir)
-    where = ({"pretrained_model_name_or_path": str(base.parent), "gguf_file": base.name}
-             if base.suffix == ".gguf" else {"pretrained_model_name_or_path": str(base)})
-    model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype,
-                                                 attn_implementation="eager")
+    model = hf_causal_lm(base_dir, dtype=dtype, attn_implementation="eager")
     model.to(device)
     model.eval()
     if not adapters:
