@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device-machine benchmarks, each recorded in BENCHMARKS.md (copied to $OUT):
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
-#                                           prefix-cache serving tp (tp: two GPUs)
+#                                           prefix-cache serving tp demo-tasks (tp: two GPUs;
+#                                           demo-tasks: the GGUF in $MANYLORA_CACHE/smollm2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/manylora-gpu}
@@ -21,6 +22,7 @@ for part in "$@"; do
     prefix-cache) python3 -m benchmarks.bench_prefix_cache ;;
     serving) python3 -m benchmarks.bench_serving ;;
     tp) python3 -m benchmarks.bench_tp ;;
+    demo-tasks) python3 -m benchmarks.bench_demo_tasks ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac 2>&1 | tee "$out/bench_$part.log"
   cp BENCHMARKS.md "$out/" 2>/dev/null
