@@ -30,8 +30,7 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32
 SMOL_ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, block_size=16,
                    num_kv_blocks=64, max_num_seqs=4, enable_lora=False)
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Write a haiku about the sea."]
+QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
 @pytest.fixture(scope="module")
@@ -155,10 +154,10 @@ def test_smollm2_engine_greedy_equals_transformers(smol_llm, smollm2_hf_model,
     assert 2 in engine.eos_token_ids                         # <|im_end|>, from the GGUF
     assert engine.tokenizer.chat_template == smollm2_tokenizer.chat_template
     prompts = [_chat(smollm2_tokenizer, q) for q in QUESTIONS]
-    outs = smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16),
+    outs = smol_llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12),
                              use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        ref = _hf_greedy(smollm2_hf_model, smollm2_tokenizer, prompt, 16)
+        ref = _hf_greedy(smollm2_hf_model, smollm2_tokenizer, prompt, 12)
         assert list(out.outputs[0].token_ids) == ref, prompt
     assert "Paris" in outs[0].outputs[0].text
 
