@@ -18,9 +18,11 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
+from manylora.lora.formats.trtllm import _BaseWeights
 from manylora.model.gguf import GGUFCheckpoint, gguf_config, is_gguf
 from manylora.model.loader import load_hf_config
 from manylora.model.weight_loader import CheckpointError, ModelWeightsLoader, TPSlice
+from manylora.structured_params import StructuredOutputsParams
 from manylora.testing import make_checkpoint
 from manylora.testing.gguf import write_gguf
 
@@ -118,6 +120,8 @@ def test_weights_loader_reads_gguf(tiny):
     part = loader.load_part("model.layers.1.self_attn.k_proj.weight",
                             TPSlice(0, 16, 32, 32, 16))
     assert torch.equal(part, loader.load("model.layers.1.self_attn.k_proj.weight")[0][16:32])
+    dora_base = _BaseWeights(files["Q8_0"])           # DoRA's base weights read the GGUF too
+    assert torch.equal(dora_base.weight(1, "qkv_proj"), torch.cat(qkv))
 
 
 def test_smollm2_engine_weights_equal_transformers(smol_llm, smollm2_hf_model):
@@ -160,6 +164,18 @@ def test_smollm2_engine_greedy_equals_transformers(smol_llm, smollm2_hf_model,
         ref = _hf_greedy(smollm2_hf_model, smollm2_tokenizer, prompt, 12)
         assert list(out.outputs[0].token_ids) == ref, prompt
     assert "Paris" in outs[0].outputs[0].text
+
+
+def test_smollm2_structured_output_uses_gguf_tokenizer(smol_llm, smollm2_tokenizer):
+    """xgrammar's tokenizer info is built from the GGUF's tokenizer: the output is one of
+    the choices, in the GGUF tokenizer's tokens."""
+    choices = ["Paris", "London", "Berlin"]
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    out = smol_llm.generate([_chat(smollm2_tokenizer, QUESTIONS[0])], params, use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.text in choices
+    assert smollm2_tokenizer.decode(completion.token_ids, skip_special_tokens=True) in choices
 
 
 def test_tensor_parallel_gguf_equals_one_rank(tiny):
