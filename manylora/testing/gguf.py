@@ -46,7 +46,8 @@ def _gguf_name(hf_name: str) -> str:
 
 def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                qtype: Any = None, architecture: str | None = None,
-               metadata: dict[str, Any] | None = None) -> Path:
+               metadata: dict[str, Any] | None = None,
+               float64: tuple[str, ...] = ()) -> Path:
     """Write ``checkpoint_dir`` (a llama or qwen2 :func:`make_checkpoint`, one safetensors
     file) as the GGUF file ``out``.
 
@@ -59,6 +60,8 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
         architecture: ``general.architecture`` written (default the checkpoint's
             ``model_type``), e.g. one manylora or transformers does not serve.
         metadata: extra ``{key: int}`` metadata (e.g. ``{"split.count": 2}``).
+        float64: Hugging Face names of tensors stored as F64 (a type gguf-py 0.19 cannot
+            dequantize).
 
     Returns:
         ``out`` as a Path.
@@ -91,7 +94,9 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_cpp_permute(data, heads, kv_heads)
-        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if name in float64:
+            writer.add_tensor(_gguf_name(name), data.astype(np.float64))
+        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(_gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(name), data)

@@ -224,3 +224,19 @@ def test_split_and_corrupt_gguf_are_refused(tiny, tmp_path):
     garbage.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(CheckpointError, match="garbage.gguf"):
         ModelWeightsLoader(garbage)
+
+
+def test_undequantizable_tensor_is_named(tiny, tmp_path):
+    ckpt, _ = tiny["llama"]
+    key = "model.layers.0.input_layernorm.weight"
+    path = write_gguf(ckpt, tmp_path / "f64.gguf", float64=(key,))
+    checkpoint = GGUFCheckpoint(path)
+    try:
+        gguf.dequantize(checkpoint._tensors[key].data, gguf.GGMLQuantizationType.F64)
+    except NotImplementedError:
+        pass
+    else:
+        pytest.skip("this gguf package dequantizes F64")
+    with pytest.raises(CheckpointError, match="blk.0.attn_norm.weight.*F64.*cannot dequantize"):
+        checkpoint.get_tensor(key)
+
