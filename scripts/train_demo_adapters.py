@@ -36,6 +36,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from manylora.demo import tasks as demo_tasks
 from manylora.demo.model import fetch_smollm2
 
+#: The model the GGUF file quantizes, recorded in each ``adapter_config.json``.
+BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 ALL_SEVEN = ATTENTION + ["gate_proj", "up_proj", "down_proj"]
 
@@ -123,7 +125,7 @@ def autocast(device: str):
 
 
 @torch.no_grad()
-def generate(model, tok, prompts: list[str], args) -> list[str]:
+def generate(model, tok, prompts: list[str], args, max_new_tokens: int) -> list[str]:
     """Greedy completions of ``prompts`` (batched, left padding), special tokens removed."""
     model.eval()
     outputs: list[str] = []
@@ -137,25 +139,39 @@ def generate(model, tok, prompts: list[str], args) -> list[str]:
             mask[i, width - len(p):] = 1
         with autocast(args.device):
             out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
-                                 do_sample=False, max_new_tokens=args.max_new_tokens,
+                                 do_sample=False, max_new_tokens=max_new_tokens,
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
         outputs += tok.batch_decode(out[:, width:], skip_special_tokens=True)
     return outputs
 
 
 def accuracy(model, tok, task: str, args) -> float:
+    """Exact-match accuracy on the first ``args.eval_n`` held-out prompts of ``task``.
+
+    Generation stops at ``args.max_new_tokens`` or at 8 tokens past the longest expected
+    answer, whichever comes first: an output that long cannot equal any answer (unless its
+    tail were all whitespace), and the base model's long replies would otherwise dominate
+    the time on a CPU."""
     examples = demo_tasks.held_out(task, args.eval_n)
-    outputs = generate(model, tok, [p for p, _ in examples], args)
+    longest = max(len(encode(tok, p, a)[1]) for p, a in examples)
+    outputs = generate(model, tok, [p for p, _ in examples], args,
+                       min(args.max_new_tokens, longest + 8))
     return sum(demo_tasks.exact_match(a, o) for (_, a), o in zip(examples, outputs)) / len(examples)
 
 
 def save_float16(model: PeftModel, folder: Path) -> int:
     """``save_pretrained`` into ``folder``, then the saved tensors cast to float16 in place;
-    returns the safetensors file's size in bytes."""
+    returns the safetensors file's size in bytes.
+
+    ``base_model_name_or_path`` names the upstream model the GGUF file quantizes rather than
+    this machine's cache folder, and peft's model-card template (``README.md``) is dropped."""
+    model.peft_config["default"].base_model_name_or_path = BASE_MODEL
     model.save_pretrained(folder)
+    (folder / "README.md").unlink(missing_ok=True)
     path = folder / "adapter_model.safetensors"
     tensors = {k: v.to(torch.float16).contiguous() for k, v in load_file(path).items()}
     save_file(tensors, path, metadata={"format": "pt"})
+    path.chmod(0o644)
     return path.stat().st_size
 
 
