@@ -47,10 +47,10 @@ def run(model: str | None, device: str, dtype: str, per_task: int, max_tokens: i
     loras = {n: LoRARequest(n, i + 1, str(adapter_dir(n))) for i, n in enumerate(names)}
     jobs = []                             # (task, expected answer, adapter or None, prompt)
     for name in names:
-        for ex in held_out(name, per_task):
-            ids = tok.apply_chat_template(chat_messages(ex.prompt), add_generation_prompt=True,
+        for prompt, answer in held_out(name, per_task):
+            ids = tok.apply_chat_template(chat_messages(prompt), add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
-            jobs += [(name, ex.answer, loras[name], ids), (name, ex.answer, None, ids)]
+            jobs += [(name, answer, loras[name], ids), (name, answer, None, ids)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     # a short warm-up: compiles and graph captures are not part of the timed call
     llm.generate([{"prompt_token_ids": j[3]} for j in jobs[:8]], params,

@@ -97,8 +97,8 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
             for name, path in adapters.items():
                 print(f"  {name:<10} {_describe(path):<36} {TASKS[name].description}")
             shown = [(task, ex) for task in TASKS for ex in prompts[task][:SHOWN_PER_TASK]]
-            show_jobs = [(m, ex.prompt) for task, ex in shown for m in (BASE_NAME, task)]
-            batch_jobs = [(m, ex.prompt) for task in TASKS for ex in prompts[task]
+            show_jobs = [(m, ex[0]) for task, ex in shown for m in (BASE_NAME, task)]
+            batch_jobs = [(m, ex[0]) for task in TASKS for ex in prompts[task]
                           for m in (task, BASE_NAME)]
             show_answers, batch_answers, seconds = asyncio.run(
                 _session(http.url, show_jobs, batch_jobs, max_tokens))
@@ -107,9 +107,9 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
 
     print("\nThe same held-out prompts, the base model beside each task's adapter "
           "(chat route, greedy):")
-    for i, (task, ex) in enumerate(shown):
+    for i, (task, (prompt, _)) in enumerate(shown):
         base, tuned = show_answers[2 * i], show_answers[2 * i + 1]
-        print(f"\n[{task}] {ex.prompt}")
+        print(f"\n[{task}] {prompt}")
         print(f"  base      -> {base.choices[0].message.content!r}")
         print(f"  {task:<9} -> {tuned.choices[0].message.content!r}")
 
@@ -119,9 +119,9 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
     answers = iter(batch_answers)
     for task in TASKS:
         hits = {task: 0, BASE_NAME: 0}
-        for ex in prompts[task]:
+        for _, answer in prompts[task]:
             for m in (task, BASE_NAME):
-                hits[m] += exact_match(ex.answer, next(answers).choices[0].message.content)
+                hits[m] += exact_match(answer, next(answers).choices[0].message.content)
         n = len(prompts[task])
         print(f"  {task:<10} {hits[task] / n:>9.2f} {hits[BASE_NAME] / n:>9.2f}   "
               f"(exact match, {n} prompts)")
