@@ -92,15 +92,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def encode(tok, prompt: str, answer: str | None = None) -> tuple[list[int], list[int]]:
-    """Token ids of the chat-rendered ``prompt`` (generation prompt included) and of
-    ``answer`` followed by the end-of-turn token (empty without an answer)."""
-    text = tok.apply_chat_template(demo_tasks.chat_messages(prompt), tokenize=False,
-                                   add_generation_prompt=True)
+def eos_ids(model) -> list[int]:
+    """The model's end-of-sequence ids (its generation config's, from the GGUF metadata)."""
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def encode(tok, prompt: str, answer: str | None = None,
+           eos: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-rendered ``prompt`` (generation prompt included) and of the
+    assistant turn that answers it, as the chat template writes that turn: ``answer``
+    followed by the template's end-of-turn token (empty without an answer).
+
+    Raises:
+        ValueError: the template does not render the answered conversation as the prompt
+            followed by the turn, or the turn does not end with one of ``eos`` (the model's
+            end-of-sequence ids), so a trained adapter would not stop where the engine does.
+    """
+    messages = demo_tasks.chat_messages(prompt)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
     if answer is None:
         return prompt_ids, []
-    return prompt_ids, tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    whole = tok.apply_chat_template(messages + [{"role": "assistant", "content": answer}],
+                                    tokenize=False)
+    if not whole.startswith(text):
+        raise ValueError("the chat template renders the answered conversation differently "
+                         "from the prompt with its generation prompt")
+    turn = tok(whole[len(text):].rstrip(), add_special_tokens=False)["input_ids"]
+    if eos is not None and (not turn or turn[-1] not in eos):
+        raise ValueError(f"the assistant turn ends with token {turn[-1:]} "
+                         f"({tok.convert_ids_to_tokens(turn[-1:])}), not an end-of-sequence "
+                         f"id of the model ({eos})")
+    return prompt_ids, turn
 
 
 def collate(batch: list[tuple[list[int], list[int]]], pad_id: int, device):
@@ -125,14 +149,16 @@ def autocast(device: str):
 
 
 @torch.no_grad()
-def generate(model, tok, prompts: list[str], args, max_new_tokens: int) -> list[str]:
-    """Greedy completions of ``prompts`` (batched, left padding), special tokens removed."""
+def generate(model, tok, prompts: list[str], args, max_new_tokens: int,
+             eos: list[int]) -> list[str]:
+    """Greedy completions of ``prompts`` (batched, left padding; stopping at any of
+    ``eos``), special tokens removed."""
     model.eval()
     outputs: list[str] = []
     for start in range(0, len(prompts), args.eval_batch_size):
         chunk = [encode(tok, p)[0] for p in prompts[start:start + args.eval_batch_size]]
         width = max(map(len, chunk))
-        ids = torch.full((len(chunk), width), tok.eos_token_id, dtype=torch.long)
+        ids = torch.full((len(chunk), width), eos[0], dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(chunk):
             ids[i, width - len(p):] = torch.tensor(p)
@@ -140,7 +166,7 @@ def generate(model, tok, prompts: list[str], args, max_new_tokens: int) -> list[
         with autocast(args.device):
             out = model.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device),
                                  do_sample=False, max_new_tokens=max_new_tokens,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+                                 eos_token_id=eos, pad_token_id=eos[0])
         outputs += tok.batch_decode(out[:, width:], skip_special_tokens=True)
     return outputs
 
@@ -153,9 +179,10 @@ def accuracy(model, tok, task: str, args) -> float:
     tail were all whitespace), and the base model's long replies would otherwise dominate
     the time on a CPU."""
     examples = demo_tasks.held_out(task, args.eval_n)
-    longest = max(len(encode(tok, p, a)[1]) for p, a in examples)
+    eos = eos_ids(model)
+    longest = max(len(encode(tok, p, a, eos)[1]) for p, a in examples)
     outputs = generate(model, tok, [p for p, _ in examples], args,
-                       min(args.max_new_tokens, longest + 8))
+                       min(args.max_new_tokens, longest + 8), eos)
     return sum(demo_tasks.exact_match(a, o) for (_, a), o in zip(examples, outputs)) / len(examples)
 
 
@@ -183,7 +210,8 @@ def train_one(base, tok, task: str, args) -> dict:
     model = get_peft_model(copy.deepcopy(base), recipe.config())
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     examples = demo_tasks.train_examples(task, args.steps * args.batch_size, seed=args.seed)
-    encoded = [encode(tok, p, a) for p, a in examples]
+    eos = eos_ids(base)
+    encoded = [encode(tok, p, a, eos) for p, a in examples]
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr,
                             weight_decay=0.0)
 
@@ -199,7 +227,7 @@ def train_one(base, tok, task: str, args) -> dict:
     bar = tqdm(range(args.steps), desc=f"train {task}", file=sys.stderr)
     for step in bar:
         batch = encoded[step * args.batch_size:(step + 1) * args.batch_size]
-        ids, mask, labels = collate(batch, tok.eos_token_id, args.device)
+        ids, mask, labels = collate(batch, eos[0], args.device)
         with autocast(args.device):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -283,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     base = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                 dtype=torch.float32).to(args.device)
     base.requires_grad_(False)
+    print(f"end-of-sequence ids {eos_ids(base)} (the tokenizer's eos: {tok.eos_token_id})",
+          file=sys.stderr, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     rows, base_acc = [], {}
     for task in args.tasks:
