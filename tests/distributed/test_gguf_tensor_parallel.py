@@ -10,6 +10,10 @@ the ``gguf`` package; peft applies the adapters), each prompt alone.
 
 from __future__ import annotations
 
+import os
+
+import pytest
+import torch
 from peft.helpers import DoraCaching
 
 from manylora import LLM, LoRARequest, SamplingParams
@@ -32,8 +36,23 @@ def _drop_eos(ids) -> list[int]:
     return ids[:-1] if ids and ids[-1] == EOS else ids
 
 
+@pytest.fixture
+def threads_per_rank(monkeypatch):
+    """This process (rank 0) and the spawned worker (rank 1, reading ``OMP_NUM_THREADS``)
+    each compute on half the cores: two ranks of all-core OpenMP pools on a small machine
+    wait at every op for each other's descheduled threads (several times slower on 2
+    cores; vLLM's CPU backend binds each rank's threads to its own cores for the same
+    reason)."""
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", str(share))
+    before = torch.get_num_threads()
+    torch.set_num_threads(share)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_smollm2_gguf_tp2_mixed_batch_equals_transformers_peft(smollm2_gguf, smollm2_tokenizer,
-                                                               tmp_path):
+                                                               tmp_path, threads_per_rank):
     adapters = {name: make_peft_adapter(smollm2_gguf, tmp_path / name, init_std=0.02, **spec)
                 for name, spec in ADAPTERS.items()}
     prompt_ids = []
