@@ -231,7 +231,8 @@ class ModelConfig:
           and ``num_heads / tp_size`` query heads.
 
         Sharding a sharded config starts again from the whole model's sizes; ``shard(1)`` is
-        the whole model. The group ``num_heads / num_kv_heads`` is the same on every rank.
+        the whole model. Every rank's ``num_heads / num_kv_heads`` (its query heads per KV
+        head) is the same.
 
         Args:
             tp_size: the number of ranks (≥ 1).
