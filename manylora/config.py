@@ -117,10 +117,12 @@ class ModelConfig:
         max_model_len: the longest sequence (prompt + output) in tokens.
         hf_config: the ``transformers`` config, kept for RoPE parameters.
         tp_size: ranks the model is split over (Megatron-LM tensor parallelism). A config
-            from ``from_hf`` has 1; ``shard(tp_size)`` gives the per-rank config, whose
+            from ``from_hf`` has 1; ``shard(tp_size, rank)`` gives the per-rank config, whose
             ``num_heads``, ``num_kv_heads`` and ``intermediate_size`` (and so ``q_size``,
             ``kv_size``) are one rank's, so that code sizing a rank's tensors (attention,
-            ``worker.kv_cache``) reads the fields as they are.
+            ``worker.kv_cache``) reads the fields as they are; where the heads do not divide
+            evenly they differ between ranks (``shard``).
+        tp_rank: the rank this config is for (0 at ``tp_size`` 1).
         total_num_heads, total_num_kv_heads, total_intermediate_size: the whole model's
             (equal to the per-rank fields at ``tp_size`` 1; filled in when not given).
     """
@@ -143,6 +145,7 @@ class ModelConfig:
     dtype: torch.dtype
     hf_config: Any = field(repr=False, compare=False)
     tp_size: int = 1
+    tp_rank: int = 0
     total_num_heads: int | None = None
     total_num_kv_heads: int | None = None
     total_intermediate_size: int | None = None
@@ -150,6 +153,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be ≥ 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
         for name in ("num_heads", "num_kv_heads", "intermediate_size"):
             if getattr(self, f"total_{name}") is None:
                 object.__setattr__(self, f"total_{name}", getattr(self, name))
@@ -208,42 +213,65 @@ class ModelConfig:
             hf_config=hf_config,
         )
 
-    def shard(self, tp_size: int) -> ModelConfig:
-        """The config of one rank of ``tp_size`` (vLLM's / Megatron-LM's split).
+    def shard(self, tp_size: int, rank: int = 0) -> ModelConfig:
+        """The config of rank ``rank`` of ``tp_size`` (Megatron-LM's / vLLM's split; KV heads
+        that do not divide are partitioned as ``torch.tensor_split`` partitions a length).
 
-        Each rank gets ``num_heads / tp_size`` query heads, ``intermediate_size / tp_size``
-        MLP columns and ``num_kv_heads / tp_size`` KV heads; with fewer KV heads than ranks
-        each rank gets one KV head, rank ``r`` holding KV head ``r * num_kv_heads //
-        tp_size`` (replicated over ``tp_size / num_kv_heads`` ranks). Sharding a sharded
-        config starts again from the whole model's sizes; ``shard(1)`` is the whole model.
+        Every rank gets ``intermediate_size / tp_size`` MLP columns. Attention is split by
+        KV-head groups, each rank taking whole KV heads with the query heads of their groups:
+
+        * ``num_kv_heads ≥ tp_size``: the first ``num_kv_heads % tp_size`` ranks get
+          ``num_kv_heads // tp_size + 1`` KV heads, the others ``num_kv_heads // tp_size``,
+          in order (rank 0 holds the most); each rank's query heads are its KV heads' groups
+          (``num_heads / num_kv_heads`` per KV head). With SmolLM2's 9 query / 3 KV heads at
+          2 ranks, rank 0 holds KV heads 0-1 and query heads 0-5, rank 1 KV head 2 and query
+          heads 6-8. When the heads divide, this is the even split.
+        * ``num_kv_heads < tp_size``: each rank gets one KV head, rank ``r`` holding KV head
+          ``r * num_kv_heads // tp_size`` (replicated over ``tp_size / num_kv_heads`` ranks),
+          and ``num_heads / tp_size`` query heads.
+
+        Sharding a sharded config starts again from the whole model's sizes; ``shard(1)`` is
+        the whole model. Every rank's ``num_heads / num_kv_heads`` (its query heads per KV
+        head) is the same.
+
+        Args:
+            tp_size: the number of ranks (≥ 1).
+            rank: which rank's config, ``0 ≤ rank < tp_size``; rank 0's is the largest (what
+                sizes per-rank memory, e.g. KV cache blocks).
 
         Raises:
-            ValueError: ``tp_size < 1``, or ``num_heads`` or ``intermediate_size`` not
-                divisible by ``tp_size``, or ``num_kv_heads`` (when ≥ ``tp_size``) not
-                divisible by it, or (when below it) not dividing it.
+            ValueError: ``tp_size < 1``, a ``rank`` outside it, ``num_heads`` not a multiple
+                of ``num_kv_heads``, ``intermediate_size`` not divisible by ``tp_size``, or
+                (when ``num_kv_heads < tp_size``) ``num_heads`` not divisible by ``tp_size``
+                or ``num_kv_heads`` not dividing it; the message names the numbers.
         """
         heads, kv_heads = self.total_num_heads, self.total_num_kv_heads
         inter = self.total_intermediate_size
         if tp_size < 1:
             raise ValueError(f"tp_size must be ≥ 1, got {tp_size}")
-        if heads % tp_size:
-            raise ValueError(f"num_attention_heads={heads} is not divisible by "
-                             f"tensor_parallel_size={tp_size}")
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} is outside tensor_parallel_size={tp_size}")
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of "
+                             f"num_key_value_heads={kv_heads}")
         if inter % tp_size:
             raise ValueError(f"intermediate_size={inter} is not divisible by "
                              f"tensor_parallel_size={tp_size}")
-        if kv_heads >= tp_size and kv_heads % tp_size:
-            raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by "
-                             f"tensor_parallel_size={tp_size}")
+        if kv_heads < tp_size and heads % tp_size:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by "
+                             f"tensor_parallel_size={tp_size} (with num_key_value_heads="
+                             f"{kv_heads} below it, KV heads are replicated and query heads "
+                             "split evenly)")
         if kv_heads < tp_size and tp_size % kv_heads:
             raise ValueError(f"num_key_value_heads={kv_heads} is below "
                              f"tensor_parallel_size={tp_size} and does not divide it, so "
                              "its KV heads cannot be replicated evenly")
+        _, n_kv = _kv_head_range(kv_heads, tp_size, rank)
+        n_q = heads // tp_size if kv_heads < tp_size else n_kv * (heads // kv_heads)
         return dataclasses.replace(
-            self, tp_size=tp_size, num_heads=heads // tp_size,
-            num_kv_heads=max(kv_heads // tp_size, 1), intermediate_size=inter // tp_size,
-            total_num_heads=heads, total_num_kv_heads=kv_heads,
-            total_intermediate_size=inter)
+            self, tp_size=tp_size, tp_rank=rank, num_heads=n_q, num_kv_heads=n_kv,
+            intermediate_size=inter // tp_size, total_num_heads=heads,
+            total_num_kv_heads=kv_heads, total_intermediate_size=inter)
 
     @property
     def q_size(self) -> int:
@@ -271,11 +299,17 @@ class ModelConfig:
         return self.total_num_kv_heads < self.tp_size
 
     def kv_head_start(self, rank: int) -> int:
-        """The first of the whole model's KV heads that ``rank`` holds (it holds
-        ``num_kv_heads`` of them)."""
-        if self.kv_heads_replicated:
-            return rank * self.total_num_kv_heads // self.tp_size
-        return rank * self.num_kv_heads
+        """The first of the whole model's KV heads that ``rank`` holds (``shard``'s split;
+        it holds ``shard(tp_size, rank).num_kv_heads`` of them)."""
+        return _kv_head_range(self.total_num_kv_heads, self.tp_size, rank)[0]
+
+    def q_head_start(self, rank: int) -> int:
+        """The first of the whole model's query heads that ``rank`` holds (``shard``'s split;
+        it holds ``shard(tp_size, rank).num_heads`` of them)."""
+        heads, kv_heads = self.total_num_heads, self.total_num_kv_heads
+        if kv_heads < self.tp_size:
+            return rank * (heads // self.tp_size)
+        return self.kv_head_start(rank) * (heads // kv_heads)
 
     @property
     def vocab_per_rank(self) -> int:
@@ -293,6 +327,16 @@ class ModelConfig:
             "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i),
             "down_proj": (i, h),
         }
+
+
+def _kv_head_range(kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
+    """``(first KV head, count)`` of ``rank`` under ``ModelConfig.shard``'s split: one
+    replicated head when ``kv_heads < tp_size``, else ``kv_heads // tp_size`` each and one more
+    for each of the first ``kv_heads % tp_size`` ranks."""
+    if kv_heads < tp_size:
+        return rank * kv_heads // tp_size, 1
+    base, extra = divmod(kv_heads, tp_size)
+    return rank * base + min(rank, extra), base + (rank < extra)
 
 
 def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:

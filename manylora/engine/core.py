@@ -110,8 +110,9 @@ class EngineCore:
         slots_first = args.enable_lora and args.lora_device_cache_percent is None
         if slots_first:
             self._create_lora(args, model_dir, args.max_loras)
-        # this rank's heads under tensor parallelism; rank 0 sizes the cache for every rank
-        # (each holds the same shard sizes on the same kind of GPU)
+        # this rank's heads under tensor parallelism; rank 0 sizes the cache for every rank:
+        # it holds the most KV heads (ModelConfig.shard), so its blocks are the largest, and
+        # each worker allocates as many blocks of its own heads on the same kind of GPU
         rank_cfg = self.model.cfg
         num_blocks = args.num_kv_blocks or auto_num_blocks(
             rank_cfg, args.block_size, self.device, args.gpu_memory_utilization,

@@ -45,7 +45,8 @@ def dora_row_norm_tp(weight_shard: torch.Tensor, a: torch.Tensor, b: torch.Tenso
 
     * ``parallel="column"``: the rank has whole rows ``out_range`` of ``W``; it computes their
       norms and the ranks' norms are all-gathered into place (rows held by several ranks,
-      replicated KV heads, come out the same from each).
+      replicated KV heads, come out the same from each; ranks may hold different numbers of
+      rows, uneven attention heads).
     * ``parallel="row"``: the rank has columns ``in_range`` of every row; the partial squared
       sums ``||W_i + b @ a[:, in_range]||^2`` are all-reduced, then square-rooted.
     * None or one rank: ``dora_row_norm(weight_shard, a, b)``.
@@ -77,13 +78,16 @@ def dora_row_norm_tp(weight_shard: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         if hi - lo != weight_shard.shape[0]:
             raise ValueError(f"rows {(lo, hi)} do not match a weight shard of "
                              f"{tuple(weight_shard.shape)}")
-        local = dora_row_norm(weight_shard, a, b[lo:hi], rows_per_chunk)
-        norms = tp.all_gather(local, dim=0).view(tp.size, hi - lo)
-        starts = tp.all_gather(torch.tensor([lo], dtype=torch.int64,
-                                            device=weight_shard.device), dim=0).tolist()
+        ranges = tp.all_gather(torch.tensor([lo, hi], dtype=torch.int64,
+                                            device=weight_shard.device), dim=0)
+        ranges = ranges.view(tp.size, 2).tolist()
+        most = max(stop - start for start, stop in ranges)   # ranks may hold unequal rows
+        local = torch.zeros(most, dtype=torch.float32, device=weight_shard.device)
+        local[: hi - lo] = dora_row_norm(weight_shard, a, b[lo:hi], rows_per_chunk)
+        norms = tp.all_gather(local, dim=0).view(tp.size, most)
         out = torch.empty(b.shape[0], dtype=torch.float32, device=weight_shard.device)
-        for start, part in zip(starts, norms):
-            out[start: start + part.shape[0]] = part
+        for (start, stop), part in zip(ranges, norms):
+            out[start:stop] = part[: stop - start]
         return out
     lo, hi = in_range or tp.even_range(a.shape[1], "DoRA input")
     if hi - lo != weight_shard.shape[1]:

@@ -77,7 +77,10 @@ class LoRALinear(nn.Module):
             module only). Ignored on a group of one rank.
         tp: the tensor-parallel group (None: a single rank).
         output_ranges: column-parallel only: per module, the rows ``[start, stop)`` of the
-            whole module this rank holds (e.g. a replicated KV head); None: an even split.
+            whole module this rank holds (e.g. a replicated KV head, or an uneven share of
+            heads); None: an even split.
+        in_range: row-parallel only: the input columns ``[start, stop)`` this rank holds
+            (e.g. an uneven share of attention heads); None: an even split.
 
     Parameters: ``weight [sum(local output sizes), local in]`` and optionally ``bias`` (the
     local rows for column-parallel, whole for row-parallel). Under tensor parallelism each
@@ -92,14 +95,16 @@ class LoRALinear(nn.Module):
 
     Raises:
         ValueError: an unknown ``parallel``, a row-parallel projection of several modules,
-            ``output_ranges`` of another length or outside the modules, or a width not
-            divisible by the group size where an even split is needed.
+            ``output_ranges`` of another length or outside the modules, ``in_range`` outside
+            the input, either on a projection of another kind, or a width not divisible by
+            the group size where an even split is needed.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int],
                  module_names: Sequence[str], bias: bool, dtype: torch.dtype,
                  device: torch.device, parallel: str | None = None, tp: TPGroup | None = None,
-                 output_ranges: Sequence[tuple[int, int]] | None = None) -> None:
+                 output_ranges: Sequence[tuple[int, int]] | None = None,
+                 in_range: tuple[int, int] | None = None) -> None:
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
@@ -108,7 +113,7 @@ class LoRALinear(nn.Module):
         self.module_names = tuple(module_names)
         self.full_in_features = in_features
         self.full_output_sizes = tuple(output_sizes)
-        self.output_ranges, self.in_range = self._ranges(output_ranges)
+        self.output_ranges, self.in_range = self._ranges(output_ranges, in_range)
         self.output_sizes = tuple(hi - lo for lo, hi in self.output_ranges)
         self.in_features = self.in_range[1] - self.in_range[0]
         out = sum(self.output_sizes)
@@ -122,12 +127,15 @@ class LoRALinear(nn.Module):
         self.fully_sharded = False
         self._lora_cols: tuple[int, int] | None = None
 
-    def _ranges(self, output_ranges: Sequence[tuple[int, int]] | None
+    def _ranges(self, output_ranges: Sequence[tuple[int, int]] | None,
+                in_range: tuple[int, int] | None
                 ) -> tuple[tuple[tuple[int, int], ...], tuple[int, int]]:
         whole = tuple((0, n) for n in self.full_output_sizes)
         if output_ranges is not None and self.parallel != "column":
             raise ValueError("output_ranges are for column-parallel projections on several "
                              "ranks only")
+        if in_range is not None and self.parallel != "row":
+            raise ValueError("in_range is for row-parallel projections on several ranks only")
         if self.parallel == "column":
             if output_ranges is None:
                 output_ranges = [self.tp.even_range(n, f"{name} output")
@@ -143,8 +151,14 @@ class LoRALinear(nn.Module):
             if len(self.module_names) != 1:
                 raise ValueError(f"a row-parallel projection has one module, not "
                                  f"{self.module_names}")
-            names = "/".join(self.module_names)
-            return whole, self.tp.even_range(self.full_in_features, f"{names} input")
+            if in_range is None:
+                names = "/".join(self.module_names)
+                return whole, self.tp.even_range(self.full_in_features, f"{names} input")
+            lo, hi = int(in_range[0]), int(in_range[1])
+            if not 0 <= lo <= hi <= self.full_in_features:
+                raise ValueError(f"input range {(lo, hi)} does not fit the input of "
+                                 f"{self.full_in_features}")
+            return whole, (lo, hi)
         return whole, (0, self.full_in_features)
 
     def _mark_tp_params(self) -> None:

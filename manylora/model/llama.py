@@ -10,7 +10,8 @@ Tensor parallelism (Megatron-LM, Shoeybi et al. 2019, as vLLM lays it out): ``qk
 columns of gate and up), ``o_proj`` and ``down_proj`` row-parallel (all-reduced), the
 embedding and LM head vocabulary-parallel. Attention runs on the rank's heads only, so the
 model needs no other communication: two all-reduces per layer, one for the embedding, one
-all-gather for the logits. With fewer KV heads than ranks each rank holds one KV head
+all-gather for the logits. Heads are split by KV-head groups, unevenly where they do not
+divide (rank 0 holds the most); with fewer KV heads than ranks each rank holds one KV head
 (``ModelConfig.shard``).
 """
 
@@ -35,11 +36,18 @@ from manylora.ops.triton_skinny import base_linear
 
 def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...]:
     """Rows ``[start, stop)`` of the whole q, k and v projections that ``rank`` holds under
-    ``cfg`` (a per-rank config): its query heads, and its KV heads (one replicated head
-    when there are fewer KV heads than ranks)."""
-    q0 = rank * cfg.q_size
+    ``cfg`` (that rank's config, ``shard(tp_size, rank)``): its query heads, and its KV heads
+    (one replicated head when there are fewer KV heads than ranks)."""
+    q0 = cfg.q_head_start(rank) * cfg.head_dim
     kv0 = cfg.kv_head_start(rank) * cfg.head_dim
     return (q0, q0 + cfg.q_size), (kv0, kv0 + cfg.kv_size), (kv0, kv0 + cfg.kv_size)
+
+
+def o_input_range(cfg: ModelConfig, rank: int) -> tuple[int, int]:
+    """Columns ``[start, stop)`` of the whole ``o_proj`` that ``rank`` holds: its query
+    heads' (``cfg`` is that rank's config)."""
+    q0 = cfg.q_head_start(rank) * cfg.head_dim
+    return q0, q0 + cfg.q_size
 
 
 class LlamaAttention(nn.Module):
@@ -49,13 +57,14 @@ class LlamaAttention(nn.Module):
         self.cfg = cfg
         self.rotary = [rotary]  # shared table; a list keeps it out of this module's buffers
         self.sliding_window = cfg.sliding_windows[layer_idx]
-        ranges = qkv_output_ranges(cfg, tp.rank) if tp.size > 1 else None
+        sharded = tp.size > 1
         self.qkv_proj = LoRALinear(
             cfg.hidden_size, (cfg.total_q_size, cfg.total_kv_size, cfg.total_kv_size),
             ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, cfg.dtype, device, "column", tp,
-            ranges)
+            qkv_output_ranges(cfg, tp.rank) if sharded else None)
         self.o_proj = LoRALinear(cfg.total_q_size, (cfg.hidden_size,), ("o_proj",),
-                                 cfg.o_bias, cfg.dtype, device, "row", tp)
+                                 cfg.o_bias, cfg.dtype, device, "row", tp,
+                                 in_range=o_input_range(cfg, tp.rank) if sharded else None)
         self.scale = cfg.head_dim ** -0.5
 
     def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
@@ -144,8 +153,8 @@ class LlamaForCausalLM(nn.Module):
     """A LLaMA-family causal LM whose projections all run through ``LoRALinear``.
 
     Args:
-        cfg: the model shape and dtype; the whole model's, or already ``shard(tp.size)``.
-            ``self.cfg`` is the rank's (``cfg.shard(tp.size)``): its head counts and
+        cfg: the model shape and dtype; the whole model's, or sharded for ``tp.size`` ranks.
+            ``self.cfg`` is the rank's (``cfg.shard(tp.size, tp.rank)``): its head counts and
             intermediate size are this rank's, which is what KV cache allocation and the
             model runner read.
         device: where parameters are allocated (uninitialised; the weight loader fills them).
@@ -173,11 +182,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup.single()
-        if cfg.tp_size != self.tp.size:
-            if cfg.tp_size != 1:
-                raise ValueError(f"the config is sharded for {cfg.tp_size} ranks, the group "
-                                 f"has {self.tp.size}")
-            cfg = cfg.shard(self.tp.size)
+        if cfg.tp_size not in (1, self.tp.size):
+            raise ValueError(f"the config is sharded for {cfg.tp_size} ranks, the group "
+                             f"has {self.tp.size}")
+        cfg = cfg.shard(self.tp.size, self.tp.rank)
         self.cfg = cfg
         self.model = LlamaModel(cfg, device, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(

@@ -14,8 +14,9 @@ process computes the same on one rank and compares:
 
 Configurations: GQA (4 heads, 2 KV heads) at 2 and 4 ranks (4: KV heads replicated),
 MQA with attention and MLP biases and tied embeddings at 2 ranks (KV head replicated,
-row-parallel biases, DoRA shifts), and Qwen2 (q/k/v biases) with a vocabulary of 509 at
-2 and 4 ranks (padded vocabulary shards).
+row-parallel biases, DoRA shifts), Qwen2 (q/k/v biases) with a vocabulary of 509 at
+2 and 4 ranks (padded vocabulary shards), and SmolLM2's 9 query / 3 KV heads at 2 ranks
+(uneven heads: rank 0 holds two KV-head groups, rank 1 one).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ CASES = {
     "llama_mqa_bias": (dict(arch="llama", num_key_value_heads=1, attention_bias=True,
                             mlp_bias=True, tie_word_embeddings=True), None),
     "qwen2_vocab509": (dict(arch="qwen2", num_key_value_heads=2), 509),
+    "llama_uneven": (dict(arch="llama", hidden_size=144, num_attention_heads=9,
+                          num_key_value_heads=3), None),
 }
 ADAPTERS = {
     "all": dict(r=8, lora_alpha=16, target_modules=list(LORA_TARGET_MODULES), seed=1),
@@ -164,24 +167,35 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, adapter_dirs: d
 
 def _expected_slice(name: str, whole: torch.Tensor, cfg: ModelConfig, rank: int,
                     tp: int) -> torch.Tensor:
-    """Rank ``rank``'s part of the one-rank parameter ``whole``, by head arithmetic."""
+    """Rank ``rank``'s part of the one-rank parameter ``whole``, by head arithmetic: whole
+    KV heads with their query-head groups, the first ``kv_heads % tp`` ranks one KV head more
+    than the others (``torch.tensor_split``'s partition)."""
     hd, heads, kv_heads = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if kv_heads < tp:
+        q_heads = list(range(heads))[rank * heads // tp: (rank + 1) * heads // tp]
+        kv_held = [rank * kv_heads // tp]
+    else:
+        kv_held = torch.tensor_split(torch.arange(kv_heads), tp)[rank].tolist()
+        group = heads // kv_heads
+        q_heads = [h for kv in kv_held for h in range(kv * group, (kv + 1) * group)]
+
+    def rows(held: list[int]) -> list[int]:
+        return [h * hd + i for h in held for i in range(hd)]
+
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         rows = -(-cfg.vocab_size // tp)
         part = whole[rank * rows: (rank + 1) * rows]
         return torch.cat([part, whole.new_zeros(rows - part.shape[0], whole.shape[1])])
     if "qkv_proj" in name:
         q, k, v = whole.split([heads * hd, kv_heads * hd, kv_heads * hd])
-        per_q = heads // tp * hd
-        kv_head = rank * kv_heads // tp if kv_heads < tp else rank * (kv_heads // tp)
-        n_kv = max(kv_heads // tp, 1) * hd
-        kv_rows = slice(kv_head * hd, kv_head * hd + n_kv)
-        return torch.cat([q[rank * per_q: (rank + 1) * per_q], k[kv_rows], v[kv_rows]])
+        return torch.cat([q[rows(q_heads)], k[rows(kv_held)], v[rows(kv_held)]])
     if "gate_up_proj" in name:
         per = cfg.intermediate_size // tp
         gate, up = whole.chunk(2)
         return torch.cat([gate[rank * per: (rank + 1) * per], up[rank * per: (rank + 1) * per]])
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith("o_proj.weight"):
+        return whole[:, rows(q_heads)]
+    if name.endswith("down_proj.weight"):
         per = whole.shape[1] // tp
         return whole[:, rank * per: (rank + 1) * per]
     return whole                                    # norms, row-parallel biases
@@ -210,7 +224,7 @@ def cases(tmp_path_factory) -> dict[str, tuple[Path, dict[str, str]]]:
     root = tmp_path_factory.mktemp("tp_model")
     built = {}
     for name, (kwargs, vocab) in CASES.items():
-        base = make_checkpoint(root / name, seed=5, **TINY, **kwargs)
+        base = make_checkpoint(root / name, seed=5, **{**TINY, **kwargs})
         if vocab is not None:
             _cut_vocab(base, vocab)
         adapters = {a: str(make_peft_adapter(base, root / f"{name}_{a}", **spec))
@@ -261,13 +275,14 @@ def _check_ranks(cases, out_dir: Path, name: str, tp: int, backend: str) -> None
 
 @pytest.mark.parametrize("name, tp", [("llama_gqa", 2), ("llama_gqa", 4),
                                       ("llama_mqa_bias", 2), ("qwen2_vocab509", 2),
-                                      ("qwen2_vocab509", 4)])
+                                      ("qwen2_vocab509", 4), ("llama_uneven", 2)])
 def test_tp_ranks_match_one_rank(cases, tmp_path, name, tp):
     _check_ranks(cases, tmp_path, name, tp, "gloo")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_bias", "qwen2_vocab509"])
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_bias", "qwen2_vocab509",
+                                  "llama_uneven"])
 def test_tp_ranks_match_one_rank_on_gpus(cases, tmp_path, name):
     """The same over NCCL, one GPU per rank, through the Triton LoRA and attention kernels."""
     if torch.cuda.device_count() < 2:
@@ -295,14 +310,52 @@ def test_shard_validates_the_split():
     assert six.num_kv_heads == 1 and six.kv_heads_replicated
     assert [six.kv_head_start(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
     assert six.vocab_per_rank == 17
-    with pytest.raises(ValueError, match="num_attention_heads=6"):
-        cfg.shard(4)
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by "
+                                         "tensor_parallel_size=4"):
+        cfg.shard(4)                                    # 3 KV heads replicated over 4 ranks
     with pytest.raises(ValueError, match="intermediate_size=100"):
         _config(intermediate_size=100).shard(3)
-    with pytest.raises(ValueError, match="num_key_value_heads=6"):
-        _config(num_heads=12, num_kv_heads=6).shard(4)
     with pytest.raises(ValueError, match="num_key_value_heads=3 is below"):
         _config(num_heads=24).shard(8)
+    with pytest.raises(ValueError, match="num_attention_heads=10 is not a multiple of "
+                                         "num_key_value_heads=4"):
+        _config(num_heads=10, num_kv_heads=4).shard(2)
+    with pytest.raises(ValueError, match="rank 2 is outside tensor_parallel_size=2"):
+        cfg.shard(2, 2)
+
+
+def _split(cfg: ModelConfig, tp: int) -> list[tuple[int, int, int, int]]:
+    """Per rank: (first query head, query heads, first KV head, KV heads)."""
+    out = []
+    for rank in range(tp):
+        part = cfg.shard(tp, rank)
+        assert (part.tp_rank, part.total_num_heads, part.total_num_kv_heads) == (
+            rank, cfg.num_heads, cfg.num_kv_heads)
+        assert part.module_shapes() == cfg.module_shapes()
+        out.append((part.q_head_start(rank), part.num_heads, part.kv_head_start(rank),
+                    part.num_kv_heads))
+    return out
+
+
+def test_shard_splits_uneven_heads_by_kv_groups():
+    """Heads that do not divide: whole KV heads with their query groups, the first
+    ``kv % tp`` ranks one KV head more (``torch.tensor_split``'s partition)."""
+    smol = _config(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                   intermediate_size=1536)
+    assert _split(smol, 2) == [(0, 6, 0, 2), (6, 3, 2, 1)]
+    assert _split(smol, 3) == [(0, 3, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+    assert smol.shard(2, 1).q_size == 192 and smol.shard(2, 1).kv_size == 64
+    assert smol.shard(2) == smol.shard(2, 0) and smol.shard(2, 1).shard(1) == smol
+    assert _split(_config(num_heads=12, num_kv_heads=4), 3) == [
+        (0, 6, 0, 2), (6, 3, 2, 1), (9, 3, 3, 1)]
+    assert _split(_config(num_heads=12, num_kv_heads=6), 4) == [
+        (0, 4, 0, 2), (4, 4, 2, 2), (8, 2, 4, 1), (10, 2, 5, 1)]
+    # 2 KV heads over 4 ranks: replicated, query heads split evenly
+    assert _split(_config(num_heads=8, num_kv_heads=2), 4) == [
+        (0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]
+    with pytest.raises(ValueError, match="num_attention_heads=6 is not divisible by "
+                                         "tensor_parallel_size=4"):
+        _config(num_heads=6, num_kv_heads=2).shard(4)
 
 
 def test_single_rank_group_needs_no_process_group():
