@@ -49,11 +49,12 @@ def smollm2_gguf():
 def smollm2_hf_model(smollm2_gguf):
     """transformers' own float32 model of the SmolLM2 GGUF (``AutoModelForCausalLM.
     from_pretrained(folder, gguf_file=name)``, dequantized by the ``gguf`` package), in eval
-    mode: the reference the engine's GGUF loading is checked against."""
-    from transformers import AutoModelForCausalLM
+    mode with eager attention: the reference the engine's GGUF loading is checked against,
+    and the base ``hf_greedy_reference`` and ``make_peft_adapter`` copy instead of loading
+    it again."""
+    from manylora.testing.hf import hf_causal_lm
 
-    return AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32).eval()
+    return hf_causal_lm(smollm2_gguf, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 @pytest.fixture(scope="session")

@@ -58,6 +58,7 @@ from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.manager import AdapterLoadError, LoRACacheStats, LoRAManager
 from manylora.lora.request import LoRARequest
 from manylora.lora.sizing import slot_bytes, slots_for_memory
+from manylora.model.gguf import gguf_model_names
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
@@ -224,7 +225,7 @@ class EngineCore:
         target = AdapterTarget(
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
             self.lora_config.target_modules, self.lora_config.dtype,
-            (args.model, str(model_dir)),
+            (args.model, str(model_dir), *gguf_model_names(model_dir)),
             dora_norm=dora_norm)
         self.lora_manager = LoRAManager(self.lora_config, target, slots)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,21 @@ def is_gguf(path: str | os.PathLike) -> bool:
     """Whether ``path`` names a GGUF file (an existing file whose name ends in ``.gguf``)."""
     p = Path(path)
     return p.suffix.lower() == _SUFFIX and p.is_file()
+
+
+#: A file name's quantization suffix in llama.cpp's naming (``.Q4_1``, ``-Q4_K_M``,
+#: ``.IQ2_XS``, ``-f16``, ``.BF16``).
+_TYPE_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def gguf_model_names(path: str | os.PathLike) -> tuple[str, ...]:
+    """Names of the model a GGUF file holds, for matching an adapter's
+    ``base_model_name_or_path``: the file name without ``.gguf`` and without its
+    quantization suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` → ``SmolLM2-135M-Instruct``),
+    when it has one; otherwise none."""
+    stem = Path(path).name.removesuffix(_SUFFIX)
+    bare = _TYPE_SUFFIX.sub("", stem)
+    return (bare,) if bare and bare != stem else ()
 
 
 @functools.lru_cache(maxsize=4)

@@ -395,6 +395,7 @@ def make_peft_adapter(
     safe_serialization: bool = True,
     use_dora: bool = False,
     bias: str = "none",
+    base_model: Any = None,
 ) -> Path:
     """Write a random, non-trivial peft LoRA adapter for the checkpoint in ``base_dir`` (a
     folder, or a GGUF file).
@@ -413,6 +414,8 @@ def make_peft_adapter(
         target_modules: module names (list/tuple) or a regex string matched by peft.
         layers_to_transform / rank_pattern / alpha_pattern / use_rslora / use_dora / bias:
             passed to ``LoraConfig`` unchanged.
+        base_model: the base already loaded by transformers from ``base_dir`` (a copy is
+            wrapped), to skip loading it again.
 
     Returns:
         ``Path(out_dir)``.
@@ -425,7 +428,12 @@ def make_peft_adapter(
     from manylora.testing.hf import hf_causal_lm
 
     out = Path(out_dir)
-    model = hf_causal_lm(base_dir, dtype=torch.float32)
+    if base_model is not None:              # peft wraps in place: keep the caller's intact
+        import copy
+
+        model = copy.deepcopy(base_model).to(torch.float32)
+    else:
+        model = hf_causal_lm(base_dir, dtype=torch.float32)
     targets: list[str] | str = (
         target_modules if isinstance(target_modules, str) else list(target_modules)
     )

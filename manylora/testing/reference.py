@@ -40,8 +40,14 @@ def _load_reference_model(
     adapters: Mapping[str, str | Path],
     device: str | torch.device,
     dtype: torch.dtype,
+    base_model: Any = None,
 ) -> Any:
-    model = hf_causal_lm(base_dir, dtype=dtype, attn_implementation="eager")
+    if base_model is not None:              # peft wraps in place: keep the caller's intact
+        import copy
+
+        model = copy.deepcopy(base_model).to(dtype)
+    else:
+        model = hf_causal_lm(base_dir, dtype=dtype, attn_implementation="eager")
     model.to(device)
     model.eval()
     if not adapters:
@@ -68,6 +74,7 @@ def hf_greedy_reference(
     max_new_tokens: int,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    base_model: Any = None,
 ) -> list[ReferenceOutput]:
     """Greedy-decode each prompt with transformers (+ peft) and return tokens and logits.
 
@@ -88,6 +95,9 @@ def hf_greedy_reference(
         max_new_tokens: maximum number of generated tokens per prompt (>= 1).
         device: where to run.
         dtype: dtype to load the base in.
+        base_model: the base already loaded from ``base_dir`` as the reference loads it
+            (``hf_causal_lm(base_dir, attn_implementation="eager")``), to skip loading it
+            again; a copy is used, in ``dtype``.
 
     Returns:
         One :class:`ReferenceOutput` per prompt, in order.
@@ -106,37 +116,57 @@ def hf_greedy_reference(
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be non-empty")
 
-    model = _load_reference_model(base_dir, adapters, device, dtype)
+    model = _load_reference_model(base_dir, adapters, device, dtype, base_model)
     gen_cfg = model.generation_config
     pad_id = gen_cfg.pad_token_id if gen_cfg.pad_token_id is not None else gen_cfg.eos_token_id
 
     results: list[ReferenceOutput] = []
-    for prompt, name in zip(prompts, adapter_names, strict=True):
-        input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-        kwargs: dict[str, Any] = dict(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            num_beams=1,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad_id,
-        )
-        if name is None and adapters:
-            with model.disable_adapter():
-                out = model.generate(**kwargs)
-        else:
-            if name is not None:
-                model.set_adapter(name)
-            out = model.generate(**kwargs)
-        new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
-        logits = [step[0].detach().to("cpu", torch.float32) for step in out.logits]
-        if len(logits) != len(new_tokens):
-            raise RuntimeError(f"generate returned {len(new_tokens)} tokens, {len(logits)} logits")
-        results.append(ReferenceOutput(token_ids=new_tokens, logits=logits))
-        logger.debug("reference %s: %d prompt -> %d new tokens", name, len(prompt), len(new_tokens))
+    with _dora_caching():
+        for prompt, name in zip(prompts, adapter_names, strict=True):
+            results.append(_greedy_one(model, prompt, name, bool(adapters), max_new_tokens,
+                                       pad_id, device))
     return results
+
+
+def _dora_caching() -> Any:
+    """peft's ``DoraCaching`` (the weight norms of each DoRA adapter computed once, not at
+    every step: the same values, much faster), or a null context without DoRA support."""
+    import contextlib
+
+    try:
+        from peft.helpers import DoraCaching
+    except ImportError:
+        return contextlib.nullcontext()
+    return DoraCaching()
+
+
+def _greedy_one(model: Any, prompt: Sequence[int], name: str | None, has_adapters: bool,
+                max_new_tokens: int, pad_id: int | None, device: str | torch.device
+                ) -> ReferenceOutput:
+    input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    kwargs: dict[str, Any] = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=pad_id,
+    )
+    if name is None and has_adapters:
+        with model.disable_adapter():
+            out = model.generate(**kwargs)
+    else:
+        if name is not None:
+            model.set_adapter(name)
+        out = model.generate(**kwargs)
+    new_tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    logits = [step[0].detach().to("cpu", torch.float32) for step in out.logits]
+    if len(logits) != len(new_tokens):
+        raise RuntimeError(f"generate returned {len(new_tokens)} tokens, {len(logits)} logits")
+    logger.debug("reference %s: %d prompt -> %d new tokens", name, len(prompt), len(new_tokens))
+    return ReferenceOutput(token_ids=new_tokens, logits=logits)
 
 
 def compare_greedy(

@@ -14,7 +14,6 @@ import os
 
 import pytest
 import torch
-from peft.helpers import DoraCaching
 
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LORA_TARGET_MODULES
@@ -52,8 +51,10 @@ def threads_per_rank(monkeypatch):
 
 
 def test_smollm2_gguf_tp2_mixed_batch_equals_transformers_peft(smollm2_gguf, smollm2_tokenizer,
-                                                               tmp_path, threads_per_rank):
-    adapters = {name: make_peft_adapter(smollm2_gguf, tmp_path / name, init_std=0.02, **spec)
+                                                               smollm2_hf_model, tmp_path,
+                                                               threads_per_rank):
+    adapters = {name: make_peft_adapter(smollm2_gguf, tmp_path / name, init_std=0.02,
+                                        base_model=smollm2_hf_model, **spec)
                 for name, spec in ADAPTERS.items()}
     prompt_ids = []
     for question in QUESTIONS:
@@ -78,9 +79,8 @@ def test_smollm2_gguf_tp2_mixed_batch_equals_transformers_peft(smollm2_gguf, smo
         llm.llm_engine.shutdown()
     ours = [_drop_eos(o.outputs[0].token_ids) for o in outs]
 
-    with DoraCaching():       # peft's own: W + BA and its norm once per module, not per step
-        refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _ in batch],
-                                   [name for _, name in batch], MAX_NEW)
+    refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _ in batch],
+                               [name for _, name in batch], MAX_NEW, base_model=smollm2_hf_model)
     for (ids, name), got, ref in zip(batch, ours, refs, strict=True):
         ref = ref._replace(token_ids=_drop_eos(ref.token_ids))
         ok, pos = compare_greedy(got, ref)

@@ -19,7 +19,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
 from manylora.lora.formats.trtllm import _BaseWeights
-from manylora.model.gguf import GGUFCheckpoint, gguf_config, is_gguf
+from manylora.model.gguf import GGUFCheckpoint, gguf_config, gguf_model_names, is_gguf
 from manylora.model.loader import load_hf_config
 from manylora.model.weight_loader import CheckpointError, ModelWeightsLoader, TPSlice
 from manylora.structured_params import StructuredOutputsParams
@@ -240,3 +240,15 @@ def test_undequantizable_tensor_is_named(tiny, tmp_path):
     with pytest.raises(CheckpointError, match="blk.0.attn_norm.weight.*F64.*cannot dequantize"):
         checkpoint.get_tensor(key)
 
+
+
+@pytest.mark.parametrize("name, names", [
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", ("SmolLM2-135M-Instruct",)),
+    ("Meta-Llama-3-8B-Instruct-Q4_K_M.gguf", ("Meta-Llama-3-8B-Instruct",)),
+    ("qwen2-0_5b-instruct-iq2_xs.gguf", ("qwen2-0_5b-instruct",)),
+    ("mistral-7b.BF16.gguf", ("mistral-7b",)),
+    ("model.gguf", ()),
+])
+def test_gguf_model_names_drop_the_quantization_suffix(name, names):
+    # an adapter's base_model_name_or_path names the model, not the quantized file
+    assert gguf_model_names(f"/models/{name}") == names

@@ -1,0 +1,83 @@
+"""The shipped demo adapters on SmolLM2-135M-Instruct's GGUF, in one mixed batch with the
+base model and with adapters this test writes with other ranks and targets.
+
+Two independent references: each shipped adapter's answer to held-out prompts equals the
+task's expected answer (``manylora.demo.tasks``, which generates the answers, not the
+model), while the base model's does not; and every output, token for token, equals
+transformers + peft on the same GGUF (float32, greedy, each prompt alone).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from manylora import LLM, LoRARequest, SamplingParams
+from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
+from manylora.testing import compare_greedy, hf_greedy_reference, make_peft_adapter
+
+PER_TASK = 2
+MAX_NEW = 32
+EOS = 2
+#: Adapters written here: ranks and targets the shipped ones do not have.
+WRITTEN = {
+    "mlp_r2": dict(r=2, lora_alpha=64, target_modules=["gate_proj", "down_proj"], seed=31),
+    "rs_r12": dict(r=12, lora_alpha=24, target_modules=["k_proj", "o_proj", "up_proj"],
+                   use_rslora=True, seed=32),
+}
+
+
+def _drop_eos(ids) -> list[int]:
+    ids = [int(t) for t in ids]
+    return ids[:-1] if ids and ids[-1] == EOS else ids
+
+
+@pytest.fixture(scope="module")
+def written(smollm2_gguf, smollm2_hf_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    return {name: make_peft_adapter(smollm2_gguf, root / name, init_std=0.02,
+                                    base_model=smollm2_hf_model, **spec)
+            for name, spec in WRITTEN.items()}
+
+
+def test_shipped_and_written_adapters_in_one_batch_equal_peft(smollm2_gguf, smollm2_tokenizer,
+                                                              smollm2_hf_model, written):
+    adapters = {name: adapter_dir(name) for name in TASKS} | written
+    jobs = []                                    # (prompt ids, adapter or None, expected)
+    for task in TASKS:
+        for prompt, answer in held_out(task, PER_TASK):
+            ids = smollm2_tokenizer.apply_chat_template(
+                chat_messages(prompt), add_generation_prompt=True, tokenize=True,
+                return_dict=False)
+            jobs += [(ids, task, answer), (ids, None, answer)]
+    for i, name in enumerate(written):
+        jobs.append((jobs[2 * i][0], name, None))
+    requests = {name: LoRARequest(name, i + 1, str(path))
+                for i, (name, path) in enumerate(adapters.items())}
+    llm = LLM(model=str(smollm2_gguf), dtype="float32", device="cpu", max_loras=len(adapters),
+              max_lora_rank=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=len(jobs))
+    try:
+        outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in jobs],
+                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+                            [None if n is None else requests[n] for _, n, _ in jobs],
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+    base_of = {id(jobs[2 * i][0]): outs[2 * i + 1] for i in range(len(jobs) // 2)}
+    for (ids, name, answer), out in zip(jobs, outs, strict=True):
+        if answer is None:                       # a written adapter changes the base's answer
+            assert out.outputs[0].token_ids != base_of[id(ids)].outputs[0].token_ids, name
+            continue
+        text = out.outputs[0].text
+        if name is None:
+            assert not exact_match(answer, text), (answer, text)
+        else:
+            assert exact_match(answer, text), (name, answer, text)
+            assert out.outputs[0].finish_reason == "stop"
+
+    refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _, _ in jobs],
+                               [n for _, n, _ in jobs], MAX_NEW, base_model=smollm2_hf_model)
+    for (_, name, _), out, ref in zip(jobs, outs, refs, strict=True):
+        ours = _drop_eos(out.outputs[0].token_ids)
+        ok, at = compare_greedy(ours, type(ref)(_drop_eos(ref.token_ids), ref.logits))
+        assert ok, f"{name or 'base'}: differs from transformers + peft at token {at}"
