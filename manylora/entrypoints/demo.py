@@ -76,6 +76,7 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
     Returns:
         0 when every sampled answer agrees with transformers + peft, else 1.
     """
+    from manylora.config import resolve_device
     from manylora.demo.model import fetch_smollm2
     from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
     from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
@@ -136,7 +137,7 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
                                    return_dict=False) for _, p in show_jobs]
     refs = hf_greedy_reference(gguf, adapters, ids,
                                [None if m == BASE_NAME else m for m, _ in show_jobs],
-                               max_tokens)
+                               max_tokens, device=resolve_device(device))
     agree = []
     for answer, ref in zip(show_answers, refs, strict=True):
         ours = _without_eos(_token_ids(answer.choices[0]), eos)
