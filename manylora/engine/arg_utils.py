@@ -45,6 +45,17 @@ class EngineArgs:
         max_model_len: longest prompt + output; None means the model's limit.
         key_dict: extra checkpoint key translations (TensorRT-LLM's customized_key_dict).
         revision: hub revision for ``model``.
+        download_dir: the Hugging Face hub cache directory hub models are downloaded to
+            and read from (vLLM's ``--download-dir``); None: huggingface_hub's
+            (``HF_HUB_CACHE``).
+        tokenizer_mode: ``"auto"`` (transformers' fast tokenizer where there is one) or
+            ``"slow"`` (``use_fast=False``), vLLM's modes; its others (``mistral``,
+            ``custom``) are refused.
+        seed: the engine's global random seed (vLLM's ``--seed``): Python's, NumPy's and
+            torch's generators are seeded with it when the engine starts, so the sampling
+            of requests without a ``seed`` repeats from one start to the next for the same
+            requests in the same order (seeded requests draw from their own generators
+            either way); None: not seeded.
         trust_remote_code: passed to transformers for config and tokenizer.
         load_format: ``"auto"`` (read the checkpoint) or ``"dummy"`` (random weights of the
             checkpoint's shapes; config.json is still read), for benchmarks.
@@ -135,6 +146,9 @@ class EngineArgs:
     max_model_len: int | None = None
     key_dict: Mapping[str, str | list[str]] = field(default_factory=dict)
     revision: str | None = None
+    download_dir: str | None = None
+    tokenizer_mode: str = "auto"
+    seed: int | None = None
     trust_remote_code: bool = False
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
@@ -190,6 +204,10 @@ class EngineArgs:
                      "max_bad_words"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode {self.tokenizer_mode!r} is not supported: "
+                             "manylora loads transformers' tokenizers, fast ('auto') or "
+                             "slow ('slow')")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -236,6 +254,9 @@ class EngineArgs:
                 values[name] = tuple(values[name])
         return cls(**values)
 
+
+#: The ``tokenizer_mode`` values manylora takes (vLLM's names): transformers' ``use_fast``.
+TOKENIZER_MODES = ("auto", "slow")
 
 _SCALARS = {"str": str, "int": int, "float": float}
 

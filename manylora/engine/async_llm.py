@@ -116,9 +116,11 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        """Build the engine from ``args`` and start its loop; ``kwargs`` go to ``__init__``."""
-        return cls(LLMEngine.from_engine_args(args), **kwargs)
+    def from_engine_args(cls, args: EngineArgs, in_process: bool | None = None,
+                         **kwargs: Any) -> AsyncLLM:
+        """Build the engine from ``args`` and start its loop; ``in_process`` as
+        ``core_client.make_client``'s; ``kwargs`` go to ``__init__``."""
+        return cls(LLMEngine.from_engine_args(args, in_process), **kwargs)
 
     # ------------------------------------------------------------------ caller side
 

@@ -62,6 +62,7 @@ from manylora.model.gguf import gguf_model_names
 from manylora.model.hub import resolve_model_path
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
+from manylora.sample.sampler import set_random_seed
 from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
 from manylora.structured.manager import StructuredOutputManager, no_token_error
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
@@ -95,7 +96,9 @@ class EngineCore:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        model_dir = resolve_model_path(args.model, args.revision)
+        model_dir = resolve_model_path(args.model, args.revision, args.download_dir)
+        if args.seed is not None:
+            set_random_seed(args.seed)
         hf_config = load_hf_config(model_dir, args.trust_remote_code)
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device, hf_config)
@@ -802,7 +805,8 @@ def _lora_config(args: EngineArgs, max_loras: int, model_dtype: torch.dtype) -> 
 def _tokenizer_info(args: EngineArgs, model_dir, vocab_size: int):
     """The grammar compiler's ``xgrammar.TokenizerInfo``: the front's tokenizer (``tokenizer``
     or the checkpoint's) over the model's ``vocab_size`` (read on the grammar thread)."""
-    tok_dir = resolve_model_path(args.tokenizer, args.revision) if args.tokenizer else model_dir
+    tok_dir = (resolve_model_path(args.tokenizer, args.revision, args.download_dir)
+               if args.tokenizer else model_dir)
     return load_tokenizer_info(str(tok_dir), args.trust_remote_code, vocab_size)
 
 

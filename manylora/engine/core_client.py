@@ -70,14 +70,18 @@ def multiprocessing_enabled() -> bool:
     return os.environ.get("MANYLORA_ENABLE_MULTIPROCESSING", "1") not in ("0", "false", "")
 
 
-def make_client(args: EngineArgs) -> InprocClient | MPClient:
-    """The core for ``args``, started: in its own process unless multiprocessing is off.
+def make_client(args: EngineArgs, in_process: bool | None = None) -> InprocClient | MPClient:
+    """The core for ``args``, started: in this process with ``in_process`` True (vLLM's
+    ``--disable-frontend-multiprocessing``), in its own with False; None: in its own unless
+    ``MANYLORA_ENABLE_MULTIPROCESSING`` turns multiprocessing off.
 
     Raises:
         CheckpointError, ValueError, FileNotFoundError: the core could not start (raised
             again here from the core process).
     """
-    return MPClient(args) if multiprocessing_enabled() else InprocClient(args)
+    if in_process is None:
+        in_process = not multiprocessing_enabled()
+    return InprocClient(args) if in_process else MPClient(args)
 
 
 @dataclass

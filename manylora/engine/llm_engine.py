@@ -93,18 +93,19 @@ class LLMEngine:
         CheckpointError, ValueError, FileNotFoundError: the model or a setting is bad.
     """
 
-    def __init__(self, args: EngineArgs) -> None:
-        model_dir = resolve_model_path(args.model, args.revision)
+    def __init__(self, args: EngineArgs, in_process: bool | None = None) -> None:
+        model_dir = resolve_model_path(args.model, args.revision, args.download_dir)
         self.tokenizer = None
         if not args.skip_tokenizer_init:
-            tok_dir = (resolve_model_path(args.tokenizer, args.revision) if args.tokenizer
-                       else model_dir)
-            self.tokenizer = load_tokenizer(tok_dir, args.trust_remote_code)
+            tok_dir = (resolve_model_path(args.tokenizer, args.revision, args.download_dir)
+                       if args.tokenizer else model_dir)
+            self.tokenizer = load_tokenizer(tok_dir, args.trust_remote_code,
+                                            use_fast=args.tokenizer_mode != "slow")
         self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
         self.max_bad_words = args.max_bad_words
         self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = make_client(args)
+        self.client = make_client(args, in_process)
         info = self.client.info
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
@@ -118,8 +119,8 @@ class LLMEngine:
         self._next_id = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args)
+    def from_engine_args(cls, args: EngineArgs, in_process: bool | None = None) -> LLMEngine:
+        return cls(args, in_process)
 
     def shutdown(self) -> None:
         """Stop the core: its process, tensor-parallel workers and adapter loader threads

@@ -16,10 +16,13 @@ _BASE = ("base", "none", "-")
 
 def _parser() -> argparse.ArgumentParser:
     from manylora.entrypoints.openai.launcher import add_serve_args
+    from manylora.entrypoints.openai.vllm_flags import VllmArgumentParser
     from manylora.entrypoints.ray_serve.app import add_ray_args
 
     parser = argparse.ArgumentParser(prog="manylora", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # serve's parser reads --config files
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=VllmArgumentParser)
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, "
                            "adapters loaded at run time, Prometheus metrics)")
     add_serve_args(serve)

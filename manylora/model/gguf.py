@@ -137,9 +137,11 @@ def load_gguf_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False
                               f"{e}") from e
 
 
-def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
-    """A model's Hugging Face tokenizer: ``AutoTokenizer`` of a checkpoint folder, or of a
-    GGUF file (:func:`load_gguf_tokenizer`).
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False,
+                   use_fast: bool = True) -> Any:
+    """A model's Hugging Face tokenizer: ``AutoTokenizer`` of a checkpoint folder (transformers'
+    fast one where there is one, unless ``use_fast`` is False), or of a GGUF file
+    (:func:`load_gguf_tokenizer`).
 
     Raises:
         OSError, ValueError: the tokenizer cannot be read (CheckpointError for a GGUF).
@@ -148,7 +150,8 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
         return load_gguf_tokenizer(path, trust_remote_code)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                         use_fast=use_fast)
 
 
 class _Slice:

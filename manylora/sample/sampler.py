@@ -35,6 +35,18 @@ __all__ = [
 ]
 
 
+def set_random_seed(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's global generators (torch's seeds every device's
+    too), as vLLM's ``--seed`` does: the draws of unseeded requests come from torch's."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """Return a ``torch.Generator`` on ``device`` seeded with ``seed``.
 

@@ -46,6 +46,7 @@ from manylora.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
+    StreamOptions,
     publish_no_auto_tool_choice,
     publish_no_request_chat_template,
 )
@@ -103,6 +104,14 @@ class ServerConfig:
             (``--generation-config``); ``max_tokens`` caps every request's.
         max_logprobs: the most log-probabilities per token a request may ask for.
         max_tools: the most ``tools`` one chat request may carry.
+        response_role: the role of chat answers to requests that add a generation prompt
+            (vLLM's ``--response-role``).
+        return_tokens_as_token_ids: the default of requests' ``return_tokens_as_token_ids``
+            (vLLM's flag).
+        enable_force_include_usage: every stream ends with the usage chunk, as if it asked
+            for ``stream_options.include_usage`` (vLLM's flag).
+        chat_template_content_format: ``auto``, ``string`` or ``openai`` (vLLM's flag;
+            ``serving_chat.content_format``).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -117,6 +126,10 @@ class ServerConfig:
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
     max_tools: int = DEFAULT_MAX_TOOLS
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    chat_template_content_format: str = "auto"
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -298,7 +311,22 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                              config.trust_request_chat_template, **shared,
                              enable_auto_tool_choice=config.enable_auto_tool_choice,
                              tool_call_parser=config.tool_call_parser,
-                             max_tools=config.max_tools)
+                             max_tools=config.max_tools,
+                             response_role=config.response_role,
+                             chat_template_content_format=config.chat_template_content_format)
+
+    def server_defaults(body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The server-wide defaults of request fields (vLLM's flags): a request's own
+        ``return_tokens_as_token_ids`` wins; ``--enable-force-include-usage`` turns
+        ``stream_options.include_usage`` on for every stream."""
+        if body.return_tokens_as_token_ids is None or (
+                "return_tokens_as_token_ids" not in body.model_fields_set):
+            body.return_tokens_as_token_ids = config.return_tokens_as_token_ids
+        if config.enable_force_include_usage and body.stream:
+            options = body.stream_options
+            body.stream_options = StreamOptions(
+                include_usage=True,
+                continuous_usage_stats=bool(options and options.continuous_usage_stats))
     tokenization = OpenAIServingTokenization(engine, models, chat, prompt_tokenizer=prompts)
     responses = OpenAIServingResponses(engine, models, chat, prompt_tokenizer=prompts,
                                        max_choices=config.max_choices_per_request)
@@ -364,6 +392,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         **errors(400, 404, 503, 504)})
     async def create_completion(body: CompletionRequest, request: Request):
         await models.resolve_lora(body.model)
+        server_defaults(body)
         result = await _with_cancellation(request, completions.create_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 
@@ -375,6 +404,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
         **errors(400, 404, 503, 504)})
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         await models.resolve_lora(body.model)
+        server_defaults(body)
         result = await _with_cancellation(request, chat.create_chat_completion(body))
         return Response(status_code=499) if result is None else _respond(result)
 

@@ -40,10 +40,16 @@ from manylora.entrypoints.openai.http_limits import (
 )
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
+from manylora.entrypoints.openai.serving_chat import CONTENT_FORMATS
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS
-from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS, import_tool_parser_plugin
 from manylora.entrypoints.openai.validation import check_name
+from manylora.entrypoints.openai.vllm_flags import (
+    VllmArgumentParser,
+    add_vllm_flags,
+    check_vllm_flags,
+)
 from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.metrics.prometheus import PrometheusStatLogger
 from manylora.model.hub import resolve_model_path
@@ -99,8 +105,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='serve tool_choice "auto": tool calls parsed from the output '
                              "(needs --tool-call-parser)")
-    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                        help="the format the model writes tool calls in (vLLM's names)")
+    parser.add_argument("--tool-call-parser", default=None,
+                        help="the format the model writes tool calls in (vLLM's names: "
+                             f"{', '.join(sorted(TOOL_PARSERS))}, or one a "
+                             "--tool-parser-plugin registers)")
+    parser.add_argument("--tool-parser-plugin", default="", metavar="FILE",
+                        help="a Python file registering tool call parsers "
+                             "(tool_parsers.register_tool_parser), imported at start as vLLM "
+                             "imports its plugin file; its names may be --tool-call-parser's")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat template sent with a request (chat_template); "
                              "without it such requests get 400")
@@ -119,8 +131,40 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"{DEFAULT_MAX_TOOLS}, OpenAI's bound); more get 400")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    parser.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
+                        default=False, help="no uvicorn access log line per request")
+    parser.add_argument("--config", default=None, metavar="YAML",
+                        help="read flags from a YAML file (flag names with dashes or "
+                             "underscores, without --, to values); flags on the command "
+                             "line win (vLLM's --config)")
+    parser.add_argument("--response-role", default="assistant",
+                        help="the role of chat completion messages when the request adds a "
+                             "generation prompt (vLLM's)")
+    parser.add_argument("--return-tokens-as-token-ids", default=False,
+                        action=argparse.BooleanOptionalAction,
+                        help="the default of requests' return_tokens_as_token_ids: "
+                             "log-probability tokens as 'token_id:<id>'")
+    parser.add_argument("--enable-force-include-usage", default=False,
+                        action=argparse.BooleanOptionalAction,
+                        help="every streamed completion and chat completion ends with the "
+                             "usage chunk, as with stream_options.include_usage (vLLM's)")
+    parser.add_argument("--chat-template-content-format", default="auto",
+                        choices=CONTENT_FORMATS,
+                        help="how message content reaches the chat template: 'string' (the "
+                             "text), 'openai' (a list of {\"type\": \"text\", \"text\": "
+                             "...} parts) or 'auto' (openai when the template loops over a "
+                             "message's content, else string), vLLM's formats")
+    parser.add_argument("--enable-prompt-tokens-details", default=False,
+                        action=argparse.BooleanOptionalAction,
+                        help="usage.prompt_tokens_details (vLLM's flag): refused for now, "
+                             "the engine does not report prefix-cache hits per request")
+    parser.add_argument("--disable-frontend-multiprocessing", default=False,
+                        action=argparse.BooleanOptionalAction,
+                        help="run the engine core in the server's process (as "
+                             "MANYLORA_ENABLE_MULTIPROCESSING=0)")
     add_frontend_args(parser)
     add_connection_args(parser)
+    add_vllm_flags(parser)
     return parser
 
 
@@ -152,8 +196,20 @@ def create_server(args: argparse.Namespace) -> Server:
             ``[0, MAX_LOGPROBS]``, a bad ``--generation-config`` or
             ``--override-generation-config``; the front-end flags' errors
             (``frontend_args.py``) and the connection limits' (``http_limits.py``); the
-            LoRA resolver without runtime updates.
+            LoRA resolver without runtime updates; a vLLM flag refused (``vllm_flags.py``),
+            ``--enable-prompt-tokens-details``, a ``--tool-parser-plugin`` that cannot be
+            imported, a ``--tool-call-parser`` no parser is registered for.
     """
+    check_vllm_flags(args)
+    if args.enable_prompt_tokens_details:
+        raise ValueError("--enable-prompt-tokens-details is not supported yet: the engine "
+                         "does not report prefix-cache hits per request")
+    if args.tool_parser_plugin:
+        import_tool_parser_plugin(args.tool_parser_plugin)
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r}: no such parser (one "
+                         f"of {', '.join(sorted(TOOL_PARSERS))}, or a name a "
+                         "--tool-parser-plugin registers)")
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
@@ -197,11 +253,13 @@ def create_server(args: argparse.Namespace) -> Server:
                             if os.environ.get("MANYLORA_API_KEY") else [])
     engine_args = EngineArgs.from_cli_args(args)
     sampling_defaults = generation_defaults(
-        args.generation_config, str(resolve_model_path(args.model)),
+        args.generation_config,
+        str(resolve_model_path(args.model, args.revision, args.download_dir)),
         parse_override(args.override_generation_config))
     registry = CollectorRegistry()
-    engine = AsyncLLM.from_engine_args(engine_args,
-                                       max_waiting_requests=args.max_waiting_requests)
+    engine = AsyncLLM.from_engine_args(
+        engine_args, in_process=True if args.disable_frontend_multiprocessing else None,
+        max_waiting_requests=args.max_waiting_requests)
     engine.stat_loggers.append(PrometheusStatLogger(registry, name, engine.snapshot,
                                                     max_model_len=engine.max_model_len))
     models = OpenAIServingModels(engine, name, args.model, modules, roots,
@@ -222,7 +280,11 @@ def create_server(args: argparse.Namespace) -> Server:
                           tool_call_parser=args.tool_call_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           sampling_defaults=sampling_defaults,
-                          max_logprobs=args.max_logprobs, max_tools=args.max_tools)
+                          max_logprobs=args.max_logprobs, max_tools=args.max_tools,
+                          response_role=args.response_role,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          chat_template_content_format=args.chat_template_content_format)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry,
@@ -230,8 +292,9 @@ def create_server(args: argparse.Namespace) -> Server:
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    """A parser of ``manylora serve``'s flags alone (for callers that build servers)."""
-    return add_serve_args(argparse.ArgumentParser(prog="manylora serve"))
+    """A parser of ``manylora serve``'s flags alone (for callers that build servers); it
+    reads ``--config`` files (``vllm_flags.VllmArgumentParser``)."""
+    return add_serve_args(VllmArgumentParser(prog="manylora serve"))
 
 
 #: Exit status of ``manylora serve`` when its engine died (the core process failed or was
@@ -297,6 +360,7 @@ def run_server(args: argparse.Namespace) -> int:
             return 0
         http = uvicorn.Server(uvicorn.Config(
             server.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
             **server.limits.uvicorn_options(), **uvicorn_tls_options(args)))
         stop.http = http
         http.should_exit = bool(stop.received)

@@ -8,6 +8,7 @@ off the event loop. The ``n`` choices are each one engine request.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,33 @@ from manylora.entrypoints.openai.streams import (
 from manylora.entrypoints.openai.tool_parsers import get_tool_parser
 from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
-__all__ = ["OpenAIServingChat", "chat_logprobs", "load_chat_template"]
+__all__ = ["CONTENT_FORMATS", "OpenAIServingChat", "chat_logprobs", "content_format",
+           "load_chat_template"]
+
+#: vLLM's ``--chat-template-content-format`` values.
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+# a Jinja loop over a message's content (``for part in message['content']``,
+# ``... in m.content``): the template reads content as a list of parts
+_LOOPS_OVER_CONTENT = re.compile(
+    r"\bfor\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
+
+
+def content_format(flag: str, template: str | None) -> str:
+    """The form message content reaches a chat template in (vLLM's
+    ``--chat-template-content-format``): ``string`` (the text) or ``openai`` (a list of
+    ``{"type": "text", "text": ...}`` parts); ``auto`` is ``openai`` when the template loops
+    over a message's content (vLLM reads that from the template's Jinja syntax tree; here
+    from its text), else ``string``."""
+    if flag != "auto":
+        return flag
+    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
+def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A template message with its text content as OpenAI content parts."""
+    text = message.get("content") or ""
+    return {**message, "content": [{"type": "text", "text": text}] if text else []}
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -179,8 +206,15 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
                  trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 max_tools: int = DEFAULT_MAX_TOOLS, **kwargs: Any) -> None:
+                 max_tools: int = DEFAULT_MAX_TOOLS, response_role: str = "assistant",
+                 chat_template_content_format: str = "auto", **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError("--chat-template-content-format must be one of "
+                             f"{', '.join(CONTENT_FORMATS)}, got "
+                             f"{chat_template_content_format!r}")
+        self.response_role = response_role
+        self.content_format = chat_template_content_format
         self.chat_template = load_chat_template(chat_template)
         self.trust_request_chat_template = trust_request_chat_template
         if tool_call_parser is not None:
@@ -214,6 +248,9 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request("the model's tokenizer has no chat template, and the server "
                               "was started without --chat-template", param="messages")
         messages = [m.to_template() for m in request.messages]
+        if content_format(self.content_format,
+                          template or getattr(tokenizer, "chat_template", None)) == "openai":
+            messages = [_as_parts(m) for m in messages]
         kwargs = dict(request.chat_template_kwargs or {})
         for key, value in template_extras(request).items():
             if key != "enable_thinking" or key not in kwargs:
@@ -328,6 +365,7 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                          bool(request.return_tokens_as_token_ids))
             message, finish_reason = tools.message(out.text, out.finish_reason)
+            message.role = self.role_of(request)
             if echo:
                 message.content = echo + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -340,6 +378,13 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=prompt_logprobs_json(
                 finals[0].prompt_logprobs if finals else None, clamp_logprob),
             **_prompt_fields(request, prompt_ids, prompt_text))
+
+    def role_of(self, request: ChatCompletionRequest) -> str:
+        """The role of the answer, as vLLM's: ``--response-role`` when the request adds a
+        generation prompt, else the last message's (the answer continues it)."""
+        if request.add_generation_prompt:
+            return self.response_role
+        return request.messages[-1].role
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest], merged: MergedStream,
@@ -361,7 +406,8 @@ class OpenAIServingChat(OpenAIServing):
                     first = ChatCompletionStreamResponse(
                         id=base_id, created=created, model=model_name,
                         choices=[ChatCompletionStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content=""))],
+                            index=index, delta=DeltaMessage(role=self.role_of(request),
+                                                            content=""))],
                         **(prompt if index == 0 else {}))
                     yield chunk_event(first, options, _usage())
                     if echo:
