@@ -23,6 +23,7 @@ from manylora.entrypoints.openai.launcher import create_server, serve_parser
 from manylora.entrypoints.openai.serving_chat import content_format
 from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.vllm_flags import check_vllm_flags
+from manylora.entrypoints.ray_serve.app import parse as parse_serve_ray
 
 FLAGS_FILE = Path(__file__).parent / "data" / "vllm_serve_flags.txt"
 # added with the structured-outputs config (vLLM's StructuredOutputsConfig), not here
@@ -96,6 +97,10 @@ def test_config_file_under_the_command_line(tmp_path, base_dir):
     # the same through the manylora command's subparser
     args = _parser().parse_args(["serve", f"--config={config}", "--max-num-seqs", "5"])
     assert (args.command, args.model, args.max_num_seqs) == ("serve", str(base_dir), 5)
+    # serve-ray reads it too, and hands its replicas the flags, not the file
+    ns, argv = parse_serve_ray(["--config", str(config), "--num-replicas", "2"])
+    assert (ns.model, ns.max_num_seqs, ns.num_replicas) == (str(base_dir), 7, 2)
+    assert "--config" not in argv and "--max-num-seqs" in argv
 
 
 @pytest.mark.parametrize("name, text", [("c.json", "{}"), ("c.yaml", "- a list\n"),

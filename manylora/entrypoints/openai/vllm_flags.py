@@ -294,8 +294,8 @@ def _shown(flag: VllmFlag, value: object) -> str:
 
 
 def expand_config_file(parser: argparse.ArgumentParser, args: Sequence[str]) -> list[str]:
-    """``args`` with the flags of the YAML file that ``--config FILE`` names put before
-    them, as vLLM's ``FlexibleArgumentParser`` reads a config file: the file is a mapping
+    """``args`` with ``--config FILE`` replaced by the flags of that YAML file, put before
+    the others, as vLLM's ``FlexibleArgumentParser`` reads a config file: the file is a mapping
     of flag names (with dashes or underscores, without ``--``) to values; ``true`` gives the
     flag alone, ``false`` its ``--no-`` form where the parser has one (else nothing), a list
     its items after the flag, a mapping its JSON, anything else its ``str``. Flags on the
@@ -314,8 +314,9 @@ def expand_config_file(parser: argparse.ArgumentParser, args: Sequence[str]) -> 
         if i + 1 >= len(args):
             raise ValueError("--config needs a YAML file")
         path = args[i + 1]
+        del args[i:i + 2]
     else:
-        path = args[i].split("=", 1)[1]
+        path = args.pop(i).split("=", 1)[1]
     if Path(path).suffix not in (".yaml", ".yml"):
         raise ValueError(f"--config {path}: the config file must be YAML (.yaml or .yml)")
     import yaml

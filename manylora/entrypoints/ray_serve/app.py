@@ -30,6 +30,7 @@ from typing import Any
 from manylora.engine.arg_utils import EngineArgs
 from manylora.entrypoints.openai.http_limits import ConnectionLimits
 from manylora.entrypoints.openai.launcher import add_serve_args
+from manylora.entrypoints.openai.vllm_flags import expand_config_file
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +117,13 @@ def parse(args: Sequence[str] | Mapping[str, Any]) -> tuple[argparse.Namespace, 
     """The flags of ``args`` (an argv list or a Serve config mapping), and the argv.
 
     Raises:
-        ValueError: an unknown or malformed flag, or a flag Ray Serve's proxy cannot honour
+        ValueError: an unknown or malformed flag, a bad ``--config`` file (read here, as
+            ``manylora serve`` reads it), or a flag Ray Serve's proxy cannot honour
             (``--ssl-cert-reqs``, the connection limits of ``http_limits.py``).
     """
     parser = serve_ray_parser()
-    argv = argv_of(args, parser) if isinstance(args, Mapping) else list(args)
+    argv = expand_config_file(parser, argv_of(args, parser) if isinstance(args, Mapping)
+                              else args)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as e:
