@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 __all__ = ["VLLM_FLAGS", "VllmArgumentParser", "VllmFlag", "add_vllm_flags",
            "check_vllm_flags", "expand_config_file"]
@@ -319,8 +322,6 @@ def expand_config_file(parser: argparse.ArgumentParser, args: Sequence[str]) -> 
         path = args.pop(i).split("=", 1)[1]
     if Path(path).suffix not in (".yaml", ".yml"):
         raise ValueError(f"--config {path}: the config file must be YAML (.yaml or .yml)")
-    import yaml
-
     try:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -353,8 +354,6 @@ class VllmArgumentParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         if "--config" in self._option_string_actions:
-            import sys
-
             try:
                 args = expand_config_file(self, sys.argv[1:] if args is None else args)
             except ValueError as e:
