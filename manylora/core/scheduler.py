@@ -549,6 +549,8 @@ class Scheduler:
             n = min(req.num_tokens - computed, budget)
             if not kv.allocate_with_prefix(rid, computed + n, hit):
                 return None
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed
         lost = self._lost.pop(rid, 0) or (sess.lost_tokens if sess is not None else 0)
         if sess is not None:
             sess.lost_tokens = 0

@@ -623,7 +623,8 @@ class EngineCore:
             outputs.append(EngineCoreOutput(rid, [req.token_ids[-1]],
                                             None if lp is None else [lp], reason,
                                             req.stop_reason,
-                                            new_prompt_logprobs=prompt.pop(rid, None)))
+                                            new_prompt_logprobs=prompt.pop(rid, None),
+                                            num_cached_tokens=max(req.num_cached_tokens, 0)))
         outputs.extend(EngineCoreOutput(rid, [], new_prompt_logprobs=p)
                        for rid, p in prompt.items())
         for status, ids in finished.items():

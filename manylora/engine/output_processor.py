@@ -106,6 +106,7 @@ class RequestState:
         self.error: Exception | None = None
         self.answered = False
         self.last_token_time = 0.0
+        self.num_cached_tokens: int | None = None
 
     def make_output(self) -> RequestOutput | None:
         """The ``RequestOutput`` its ``output_kind`` reports now (None: nothing to report)."""
@@ -131,7 +132,8 @@ class RequestState:
                                       self.lora_request, self.cumulative_logprob, logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finished, self.lora_request, self.error,
-                             None if prompt_logprobs is None else list(prompt_logprobs))
+                             None if prompt_logprobs is None else list(prompt_logprobs),
+                             self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -234,6 +236,8 @@ class OutputProcessor:
         if state.logprobs is not None and lps is None and out.new_token_ids:
             raise ValueError(f"request {out.request_id!r} asked for logprobs, but tokens "
                              f"{out.new_token_ids} came without them")
+        if out.new_token_ids:
+            state.num_cached_tokens = max(state.num_cached_tokens or 0, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and state.prompt_logprobs is not None:
             self._append_prompt_logprobs(state, out.new_prompt_logprobs)
             if not out.new_token_ids and out.finish_reason is None:

@@ -77,6 +77,8 @@ class RequestOutput:
             the tokens before it, under the request's adapter, and its rank), then the N
             most likely tokens at that position; None unless asked. A ``DELTA`` request
             gets them in its first output only.
+        num_cached_tokens: the prompt tokens served from the prefix cache (vLLM's), known
+            from the first output token on; None before.
     """
 
     request_id: str
@@ -87,3 +89,4 @@ class RequestOutput:
     lora_request: LoRARequest | None = None
     error: Exception | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None

@@ -98,6 +98,8 @@ class EngineCoreOutput:
             ``sample.prompt_logprobs.PromptLogprobs``; in position order over the steps,
             none twice), else None. A prefill chunk that samples nothing reports them with
             ``new_token_ids`` empty.
+        num_cached_tokens: the prompt tokens the prefix cache held when the request was
+            first scheduled (``Request.num_cached_tokens``; 0 on outputs without a token).
     """
 
     request_id: str
@@ -107,6 +109,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     error: ErrorInfo | None = None
     new_prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ class Request:
         num_prompt_tokens: the prompt's length in tokens.
         num_computed_tokens: tokens whose K/V the cache holds (reset to 0 on preemption: the
             request keeps its tokens and is re-prefilled, TurboMind's eviction to token ids).
+        num_cached_tokens: prompt tokens whose K/V the prefix cache held when the request
+            was first scheduled (vLLM's ``num_cached_tokens``); -1 until then.
         max_total_tokens: prompt + output cap in tokens (max_tokens and max_model_len).
         lora_digest: the digest of the adapter's weights (None for the base model): with
             the adapter's id, what its cached state is keyed by, KV blocks included.
@@ -69,6 +71,7 @@ class Request:
     max_total_tokens: int
     arrival_time: float = field(default_factory=time.monotonic)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     stop_reason: int | str | None = None

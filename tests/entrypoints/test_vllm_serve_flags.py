@@ -128,7 +128,6 @@ def test_bad_config_file(tmp_path, name, text, capsys):
     (["--enable-lora-bias"], "--enable-lora-bias: manylora's adapters have no bias"),
     (["--reasoning-parser", "deepseek_r1"], "reasoning parsers are not supported yet"),
     (["--tokenizer-mode", "mistral"], "tokenizer_mode 'mistral' is not supported"),
-    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details is not supported"),
     (["--tool-call-parser", "nope"], "--tool-call-parser 'nope': no such parser"),
     (["--tool-parser-plugin", "/nonexistent.py"], "no such file"),
     (["--data-parallel-size", "2"], "manylora serve-ray"),
@@ -192,7 +191,8 @@ def test_honoured_flags_on_a_server(base_dir, tmp_path, monkeypatch):
              "--response-role", "bot", "--return-tokens-as-token-ids",
              "--enable-force-include-usage", "--chat-template", PARTS_TEMPLATE,
              "--tool-parser-plugin", str(tmp_path / "plugin.py"),
-             "--enable-auto-tool-choice", "--tool-call-parser", "plugin_hermes"]
+             "--enable-auto-tool-choice", "--tool-call-parser", "plugin_hermes",
+             "--enable-prompt-tokens-details"]
     runs = []
     for start in range(2):
         with running_server(base_dir, *flags) as (server, url):
@@ -228,11 +228,35 @@ def test_honoured_flags_on_a_server(base_dir, tmp_path, monkeypatch):
             expected = AutoTokenizer.from_pretrained(base_dir)("[hi]",
                                                                add_special_tokens=False)
             assert tok["tokens"] == expected["input_ids"]
+            _cached_tokens_reported(url)
     assert runs[0] == runs[1]
     assert runs[0][0] != runs[0][1]
 
 
+def _cached_tokens_reported(url: str) -> None:
+    """``usage.prompt_tokens_details.cached_tokens``: none the first time a prompt is seen,
+    whole KV blocks of it (4 tokens each, never its last token) the second time, streamed
+    or not."""
+    prompt = "a prompt long enough to fill several blocks of the prefix cache " * 2
+    usages = []
+    for stream in (False, True):
+        body = {"model": BASE, "prompt": prompt, "max_tokens": 2, "stream": stream}
+        if not stream:
+            usages.append(httpx.post(f"{url}/v1/completions", json=body, timeout=60
+                                     ).json()["usage"])
+            continue
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            usages.append([json.loads(line[6:]) for line in r.iter_lines()
+                           if line.startswith("data: {")][-1]["usage"])
+    first, second = (u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert first == 0
+    assert 0 < second < usages[1]["prompt_tokens"] and second % 4 == 0
+
+
 def test_disable_frontend_multiprocessing(base_dir):
     with running_server(base_dir, "--disable-frontend-multiprocessing",
-                        engine_process=True) as (server, _):
+                        engine_process=True) as (server, url):
         assert server.engine.engine.client.in_process
+        usage = httpx.post(f"{url}/v1/completions", json={
+            "model": BASE, "prompt": "hi", "max_tokens": 1}, timeout=60).json()["usage"]
+        assert "prompt_tokens_details" not in usage

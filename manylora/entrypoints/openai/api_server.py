@@ -112,6 +112,8 @@ class ServerConfig:
             for ``stream_options.include_usage`` (vLLM's flag).
         chat_template_content_format: ``auto``, ``string`` or ``openai`` (vLLM's flag;
             ``serving_chat.content_format``).
+        enable_prompt_tokens_details: usage has ``prompt_tokens_details.cached_tokens``,
+            the prompt tokens served from the prefix cache (vLLM's flag).
     """
 
     api_keys: tuple[str, ...] = ()
@@ -130,6 +132,7 @@ class ServerConfig:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     chat_template_content_format: str = "auto"
+    enable_prompt_tokens_details: bool = False
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -305,7 +308,8 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
     prompts = PromptTokenizer(engine.tokenizer)
     app.state.prompt_tokenizer = prompts
     shared = dict(prompt_tokenizer=prompts, max_choices=config.max_choices_per_request,
-                  sampling_defaults=config.sampling_defaults, max_logprobs=config.max_logprobs)
+                  sampling_defaults=config.sampling_defaults, max_logprobs=config.max_logprobs,
+                  enable_prompt_tokens_details=config.enable_prompt_tokens_details)
     completions = OpenAIServingCompletion(engine, models, **shared)
     chat = OpenAIServingChat(engine, models, config.chat_template,
                              config.trust_request_chat_template, **shared,

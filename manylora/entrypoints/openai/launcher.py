@@ -156,8 +156,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "message's content, else string), vLLM's formats")
     parser.add_argument("--enable-prompt-tokens-details", default=False,
                         action=argparse.BooleanOptionalAction,
-                        help="usage.prompt_tokens_details (vLLM's flag): refused for now, "
-                             "the engine does not report prefix-cache hits per request")
+                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens "
+                             "served from the prefix cache (vLLM's flag)")
     parser.add_argument("--disable-frontend-multiprocessing", default=False,
                         action=argparse.BooleanOptionalAction,
                         help="run the engine core in the server's process (as "
@@ -197,13 +197,10 @@ def create_server(args: argparse.Namespace) -> Server:
             ``--override-generation-config``; the front-end flags' errors
             (``frontend_args.py``) and the connection limits' (``http_limits.py``); the
             LoRA resolver without runtime updates; a vLLM flag refused (``vllm_flags.py``),
-            ``--enable-prompt-tokens-details``, a ``--tool-parser-plugin`` that cannot be
+            a ``--tool-parser-plugin`` that cannot be
             imported, a ``--tool-call-parser`` no parser is registered for.
     """
     check_vllm_flags(args)
-    if args.enable_prompt_tokens_details:
-        raise ValueError("--enable-prompt-tokens-details is not supported yet: the engine "
-                         "does not report prefix-cache hits per request")
     if args.tool_parser_plugin:
         import_tool_parser_plugin(args.tool_parser_plugin)
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_PARSERS:
@@ -284,7 +281,8 @@ def create_server(args: argparse.Namespace) -> Server:
                           response_role=args.response_role,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           enable_force_include_usage=args.enable_force_include_usage,
-                          chat_template_content_format=args.chat_template_content_format)
+                          chat_template_content_format=args.chat_template_content_format,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     if not args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger(engine.snapshot))
     return Server(engine, models, build_app(engine, models, config, registry), registry,

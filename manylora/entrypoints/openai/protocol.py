@@ -525,12 +525,29 @@ class _VLLMExtras(BaseModel):
         return data
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details`` (OpenAI's): ``cached_tokens``, the prompt tokens
+    served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
-    """Token counts: each prompt counted once, completions summed over all choices."""
+    """Token counts: each prompt counted once, completions summed over all choices;
+    ``prompt_tokens_details`` with ``--enable-prompt-tokens-details`` only (left out of the
+    JSON otherwise)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_no_details(self, handler):
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class CompletionLogProbs(BaseModel):

@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
@@ -235,11 +235,13 @@ class OpenAIServing:
                  max_choices: int = DEFAULT_MAX_CHOICES_PER_REQUEST,
                  prompt_tokenizer: PromptTokenizer | None = None,
                  sampling_defaults: Mapping[str, Any] | None = None,
-                 max_logprobs: int = MAX_LOGPROBS) -> None:
+                 max_logprobs: int = MAX_LOGPROBS,
+                 enable_prompt_tokens_details: bool = False) -> None:
         if max_choices < 1:
             raise ValueError(f"max_choices must be at least 1, got {max_choices}")
         self.sampling_defaults = dict(sampling_defaults or {})
         self.max_logprobs = max_logprobs
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.engine = engine
         self.models = models
         self.max_choices = max_choices
@@ -248,6 +250,14 @@ class OpenAIServing:
         self.max_spec_bytes = getattr(engine, "max_structured_output_spec_bytes",
                                       DEFAULT_MAX_SPEC_BYTES)
         self.max_bad_words = getattr(engine, "max_bad_words", DEFAULT_MAX_BAD_WORDS)
+
+    def cached_tokens(self, counts: Sequence[int | None]) -> int | None:
+        """``usage.prompt_tokens_details.cached_tokens`` of one request's prompts (each
+        prompt's ``RequestOutput.num_cached_tokens``, summed) under
+        ``--enable-prompt-tokens-details`` (vLLM's); None without it."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return sum(c or 0 for c in counts)
 
     @property
     def tokenizer(self) -> Any:

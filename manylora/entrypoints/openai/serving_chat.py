@@ -150,6 +150,7 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob
 class _ChoiceState:
     num_tokens: int = 0
     tools: ToolStream | None = None
+    num_cached_tokens: int | None = None
 
 
 def template_extras(request: Any) -> dict[str, Any]:
@@ -374,7 +375,8 @@ class OpenAIServingChat(OpenAIServing):
                 token_ids=list(out.token_ids) if request.return_token_ids else None))
         return ChatCompletionResponse(
             id=base_id, created=self.now(), model=model_name, choices=choices,
-            usage=usage_info(len(prompt_ids), completion_tokens),
+            usage=usage_info(len(prompt_ids), completion_tokens, self.cached_tokens(
+                [finals[0].num_cached_tokens] if finals else [])),
             prompt_logprobs=prompt_logprobs_json(
                 finals[0].prompt_logprobs if finals else None, clamp_logprob),
             **_prompt_fields(request, prompt_ids, prompt_text))
@@ -398,7 +400,8 @@ class OpenAIServingChat(OpenAIServing):
                                 children[0].prompt_text or "")
 
         def _usage() -> UsageInfo:
-            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
+            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states),
+                              self.cached_tokens([states[0].num_cached_tokens]))
 
         try:
             try:
@@ -450,6 +453,8 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = chat_logprobs(new_ids, out.logprobs, request.top_logprobs or 0,
                                      bool(request.return_tokens_as_token_ids))
         state.num_tokens += len(new_ids)
+        if output.num_cached_tokens is not None:
+            state.num_cached_tokens = output.num_cached_tokens
         if (delta.content is None and not delta.tool_calls and logprobs is None
                 and not finished and not (request.return_token_ids and new_ids)):
             return None

@@ -137,6 +137,7 @@ class _ChoiceState:
     prompt_ids: list[int] | None     # None once a chunk has carried them
     num_tokens: int = 0
     offset: int = 0
+    num_cached_tokens: int | None = None
 
 
 def _token_ids(request: CompletionRequest, prompt_ids: list[int] | None,
@@ -322,7 +323,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 **_token_ids(request, child.prompt_token_ids, [] if drop else out.token_ids)))
         return CompletionResponse(id=base_id, created=self.now(), model=model_name,
                                   choices=choices,
-                                  usage=usage_info(num_prompt_tokens, completion_tokens))
+                                  usage=usage_info(num_prompt_tokens, completion_tokens,
+                                                   self._cached(children, finals)))
+
+    def _cached(self, children: list[ChildRequest],
+                outputs: Sequence[RequestOutput | _ChoiceState]) -> int | None:
+        """The usage's cached prompt tokens: each prompt's first choice's
+        ``num_cached_tokens`` (a ``RequestOutput``'s or a stream state's), summed."""
+        first: dict[int, int | None] = {}
+        for child, out in zip(children, outputs):
+            first.setdefault(child.prompt_index, out.num_cached_tokens)
+        return self.cached_tokens(list(first.values()))
 
     async def _stream(self, request: CompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest], echoes: list[str | None],
@@ -332,7 +343,8 @@ class OpenAIServingCompletion(OpenAIServing):
         states = [_ChoiceState(echoes[c.prompt_index], c.prompt_token_ids) for c in children]
 
         def _usage() -> UsageInfo:
-            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states))
+            return usage_info(num_prompt_tokens, sum(s.num_tokens for s in states),
+                              self._cached(children, states))
 
         try:
             try:
@@ -381,6 +393,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                else decode(t)))
                 for t, e in zip(new_ids, steps))
         state.num_tokens += count
+        if output.num_cached_tokens is not None:
+            state.num_cached_tokens = output.num_cached_tokens
         if not text and not new_ids and not finished:
             return None
         ids = _token_ids(request, state.prompt_ids, generated)

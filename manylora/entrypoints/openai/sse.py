@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from manylora.entrypoints.openai.encoding import json_text
 from manylora.entrypoints.openai.errors import OpenAIError
-from manylora.entrypoints.openai.protocol import StreamOptions, UsageInfo
+from manylora.entrypoints.openai.protocol import PromptTokensDetails, StreamOptions, UsageInfo
 
 __all__ = ["SSE_DONE", "chunk_event", "sse_error", "sse_event", "usage_info"]
 
@@ -46,7 +46,12 @@ def chunk_event(chunk: BaseModel, stream_options: StreamOptions | None,
     return sse_event(data)
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """A :class:`UsageInfo` with its total."""
+def usage_info(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int | None = None) -> UsageInfo:
+    """A :class:`UsageInfo` with its total, and ``prompt_tokens_details.cached_tokens``
+    when ``cached_tokens`` is given."""
+    details = None if cached_tokens is None else PromptTokensDetails(
+        cached_tokens=cached_tokens)
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=details)
