@@ -617,10 +617,13 @@ class EngineCore:
             if status is not None:
                 finished.setdefault(status, []).append(rid)
                 reason = _FINISH[status]
+            first = len(req.token_ids) - req.num_prompt_tokens == 1
             outputs.append(EngineCoreOutput(rid, [req.token_ids[-1]],
                                             None if lp is None else [lp], reason,
                                             req.stop_reason,
-                                            new_prompt_logprobs=prompt.pop(rid, None)))
+                                            new_prompt_logprobs=prompt.pop(rid, None),
+                                            scheduled_time=req.scheduled_time if first
+                                            else None))
         outputs.extend(EngineCoreOutput(rid, [], new_prompt_logprobs=p)
                        for rid, p in prompt.items())
         for status, ids in finished.items():

@@ -98,6 +98,9 @@ class EngineCoreOutput:
             ``sample.prompt_logprobs.PromptLogprobs``; in position order over the steps,
             none twice), else None. A prefill chunk that samples nothing reports them with
             ``new_token_ids`` empty.
+        scheduled_time: with the request's first token, when the scheduler first ran it
+            (``Request.scheduled_time``, ``time.monotonic`` seconds of the core's host,
+            which the front shares), else None.
     """
 
     request_id: str
@@ -107,6 +110,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     error: ErrorInfo | None = None
     new_prompt_logprobs: PromptLogprobs | None = None
+    scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)

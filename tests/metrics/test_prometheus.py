@@ -63,7 +63,7 @@ def make_logger(snap: EngineSnapshot = SNAP, model_name: str = MODEL, **kw):
 STEP1 = IterationStats(
     num_prompt_tokens=30, num_generation_tokens=4,
     time_to_first_tokens=[0.003, 0.07], inter_token_latencies=[0.004, 0.02, 0.3],
-    finished=[FinishedRequestStats("stop", 0.4, 12, 3, "alpha"),
+    finished=[FinishedRequestStats("stop", 0.4, 12, 3, "alpha", first_token_latency=0.003),
               FinishedRequestStats("abort", 2.2, 18, 1, None)])
 STEP2 = IterationStats(
     num_prompt_tokens=0, num_generation_tokens=6,
@@ -218,6 +218,8 @@ def test_every_metric_exposed_with_its_names_and_labels():
     label_names = {}
     for name, lab in s:
         label_names.setdefault(name, set()).update(k for k, _ in lab)
+    assert {"vllm:e2e_request_latency_seconds_sum", "vllm:request_success_total",
+            "vllm:lora_requests_info"} <= names
     for spec in METRICS.values():
         assert spec.name.startswith("manylora:")
         for sample in spec.sample_names:
@@ -230,11 +232,23 @@ def test_every_metric_exposed_with_its_names_and_labels():
             assert "model_name" not in spec.labels
         else:
             assert spec.labels[0] == "model_name"
-    # Nothing exposed that the table does not list (prometheus_client's _created aside).
+    # vLLM's names: its labels (engine "0"), samples of the same kind as ours.
+    for alias in pm.VLLM_METRICS.values():
+        spec = METRICS[alias.source]
+        assert alias.name.startswith("vllm:")
+        for suffix in (".", "_total", "_bucket", "_count", "_sum"):
+            ours = spec.name + suffix if suffix != "." else spec.name
+            if ours in names:
+                sample = ours.replace(spec.name, alias.name, 1)
+                expected = set(alias.labels) | ({"le"} if suffix == "_bucket" else set())
+                assert label_names[sample] == expected, sample
+    # Nothing exposed that the tables do not list (prometheus_client's _created aside).
     listed = {n for spec in METRICS.values() for n in spec.sample_names}
+    listed |= {n.replace(METRICS[a.source].name, a.name, 1)
+               for a in pm.VLLM_METRICS.values() for n in METRICS[a.source].sample_names}
     assert {n for n in names if not n.endswith("_created")} == listed
     # The module docstring's table lists every metric.
-    for name in METRICS:
+    for name in [*METRICS, *pm.VLLM_METRICS]:
         assert f"``{name}``" in pm.__doc__
 
 
