@@ -499,7 +499,8 @@ class EngineCore:
     def info(self) -> CoreInfo:
         """What the front needs to know of this core."""
         return CoreInfo(self.max_model_len, self.model_config.vocab_size,
-                        self.lora_config.max_loras if self.lora_config else 0)
+                        self.lora_config.max_loras if self.lora_config else 0,
+                        self.cache_config.num_blocks)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; an ``EngineCoreOutput`` for every request that got a token or

@@ -211,11 +211,13 @@ class CoreInfo:
         max_model_len: the context length in tokens (the KV cache may have lowered it).
         vocab_size: the model's vocabulary.
         max_loras: adapter slots (0 when LoRA is off).
+        num_gpu_blocks: KV-cache blocks on the device.
     """
 
     max_model_len: int
     vocab_size: int
     max_loras: int
+    num_gpu_blocks: int = 0
 
 
 #: The ``EngineCore`` methods the front may call: the types of their arguments and of

@@ -107,8 +107,9 @@ scheduler first running it (to its end when it never ran), prefill time from the
 first token, decode time from its first token to its last, inference time prefill +
 decode; ``request_max_num_generation_tokens`` observes its generated tokens (one
 sequence per engine request) and ``iteration_tokens_total`` each step's prompt +
-generation tokens (steps with none are not observed). ``lora_loads`` is disk reads for the host tier (= host misses)
-and host → device copies into a slot for the device tier (= device misses, slot loads);
+generation tokens (steps with none are not observed). ``lora_loads`` is disk reads for
+the host tier (= host misses) and host → device copies into a slot for the device tier
+(= device misses, slot loads);
 ``lora_load_seconds`` is the disk reads' wall time (read, validate, digest, pin; on
 loader threads) for the host tier and the copies' GPU time (CUDA events on the copy
 stream; host time on the CPU) for the device tier. ``lora_adapter_waits`` counts

@@ -336,3 +336,59 @@ def test_negative_token_count_raises():
     _, logger, _ = make_logger()
     with pytest.raises(ValueError):
         logger.record(IterationStats(num_prompt_tokens=-1))
+
+
+def test_name_sets_expose_one_or_both():
+    for names in (("vllm",), ("manylora",)):
+        registry, logger, _ = make_logger(names=names)
+        logger.record(STEP1)
+        prefixes = {k[0].split(":")[0] for k in scrape(registry)}
+        assert prefixes == set(names)
+    for bad in ((), ("prometheus",)):
+        with pytest.raises(ValueError, match="names"):
+            make_logger(names=bad)
+
+
+def test_vllm_names_labels_and_buckets():
+    """vLLM's labels (``engine="0"``) and its own buckets where ours differ."""
+    registry, logger, _ = make_logger(max_model_len=1000)
+    logger.record(STEP1)
+    s = scrape(registry)
+    vllm = frozenset({"model_name": MODEL, "engine": "0"}.items())
+    les = {float(dict(k[1])["le"]) for k in s
+           if k[0] == "vllm:time_per_output_token_seconds_bucket"}
+    assert les == {*pm.VLLM_TPOT_BUCKETS, float("inf")}
+    assert s[("vllm:time_per_output_token_seconds_count", vllm)] == 3
+    assert s[("vllm:inter_token_latency_seconds_count", vllm)] == 3
+    assert s[("vllm:request_success_total", vllm | {("finished_reason", "abort")})] == 1
+    assert s[("vllm:gpu_cache_usage_perc", vllm)] == s[("vllm:kv_cache_usage_perc", vllm)]
+    assert s[("vllm:gpu_cache_usage_perc", vllm)] == pytest.approx(10 / 40)
+    info = frozenset({"max_lora": "4", "running_lora_adapters": "alpha,beta",
+                      "waiting_lora_adapters": "gamma"}.items())
+    assert s[("vllm:lora_requests_info", info)] == NOW
+
+
+def test_lora_label_bound_folds_later_adapters_into_other():
+    registry, logger, _ = make_logger(max_lora_labels=2)
+    logger.record(IterationStats(finished=[
+        FinishedRequestStats("stop", 0.1, 4, 2, name, first_token_latency=0.01)
+        for name in ("a", "b", "c", "d", "a")]))
+    s = scrape(registry)
+    counts = {dict(k[1])["lora_name"]: v for k, v in s.items()
+              if k[0] == "manylora:lora_prompt_tokens_total"}
+    assert counts == {"a": 8, "b": 4, "other": 8}
+    with pytest.raises(ValueError, match="max_lora_labels"):
+        make_logger(max_lora_labels=-1)
+
+
+def test_metrics_flags_parse():
+    from manylora.entrypoints.openai.launcher import serve_parser
+    args = serve_parser().parse_args(["--model", "m"])
+    assert args.metrics_names == ("manylora", "vllm") and args.max_lora_metric_labels == 100
+    args = serve_parser().parse_args(["--model", "m", "--metrics-names", "vllm",
+                                      "--max-lora-metric-labels", "0"])
+    assert args.metrics_names == ("vllm",) and args.max_lora_metric_labels == 0
+    for bad in (["--metrics-names", "vllm,foo"], ["--metrics-names", ""],
+                ["--max-lora-metric-labels", "-1"]):
+        with pytest.raises(SystemExit):
+            serve_parser().parse_args(["--model", "m", *bad])
