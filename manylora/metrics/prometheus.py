@@ -507,6 +507,8 @@ class PrometheusStatLogger:
         # our name -> [(metric, its leading label values)] for each exposed copy
         self._targets: dict[str, list[tuple[prometheus_client.metrics.MetricWrapperBase,
                                              tuple[str, ...]]]] = {}
+        # our name -> the copies' children, for the metrics without further labels
+        self._bound: dict[str, list[prometheus_client.metrics.MetricWrapperBase]] = {}
 
         def register(name: str, labels: tuple[str, ...], kind: str, help: str,
                      buckets: tuple[float, ...] | None) -> prometheus_client.Counter:
@@ -549,16 +551,19 @@ class PrometheusStatLogger:
                         for reason in FINISH_REASONS:
                             metric.labels(*base, reason)
                     else:
-                        metric.labels(*base)
+                        self._bound.setdefault(name, []).append(metric.labels(*base))
         except ValueError:
             self.unregister()
             raise
 
     def _add(self, name: str, value: float, *labels: str) -> None:
-        """Add ``value`` to (counter) or observe it in (histogram) every copy of ``name``."""
-        for metric, base in self._targets[name]:
-            child = metric.labels(*base, *labels)
-            if isinstance(metric, prometheus_client.Counter):
+        """Add ``value`` to (counter) or observe it in (histogram) every copy of ``name``,
+        at the further ``labels`` (after ``model_name`` and vLLM's ``engine``)."""
+        children = (self._bound.get(name, ()) if not labels else
+                    [metric.labels(*base, *labels) for metric, base in self._targets[name]])
+        counter = METRICS[name].kind == "counter"
+        for child in children:
+            if counter:
                 child.inc(value)
             else:
                 child.observe(value)
