@@ -31,6 +31,7 @@ name                                             type       labels (+ model_name
 ``manylora:request_decode_time_seconds``         histogram                          seconds
 ``manylora:request_inference_time_seconds``      histogram                          seconds
 ``manylora:time_per_prefill_token_request_seconds`` histogram                       seconds
+``manylora:request_time_per_output_token_seconds`` histogram                        seconds
 ``manylora:request_max_num_generation_tokens``   histogram                          tokens
 ``manylora:request_params_max_tokens``           histogram                          tokens
 ``manylora:iteration_tokens_total``              histogram                          tokens
@@ -79,7 +80,8 @@ buckets. ``vllm:prompt_tokens``, ``vllm:generation_tokens``, ``vllm:request_succ
 ``vllm:time_to_first_token_seconds``, ``vllm:e2e_request_latency_seconds``,
 ``vllm:request_queue_time_seconds``, ``vllm:request_prefill_time_seconds``,
 ``vllm:request_decode_time_seconds``, ``vllm:request_inference_time_seconds``,
-``vllm:time_per_prefill_token_request_seconds``, ``vllm:request_prompt_tokens``,
+``vllm:time_per_prefill_token_request_seconds``,
+``vllm:request_time_per_output_token_seconds``, ``vllm:request_prompt_tokens``,
 ``vllm:request_generation_tokens``, ``vllm:request_max_num_generation_tokens``,
 ``vllm:request_params_max_tokens``, ``vllm:iteration_tokens_total``,
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``,
@@ -101,30 +103,30 @@ seen get series of their own; later ones are counted under ``lora_name="other"``
 server with many adapters keeps a bounded number of series.
 
 Notes: ``request_success`` counts every finished request, aborted ones included
-(``finished_reason="abort"``), and the per-request histograms likewise observe
-every finished request. A request's phases are vLLM's: queue time from arrival to the
-scheduler first running it (to its end when it never ran), prefill time from then to its
-first token, decode time from its first token to its last, inference time prefill +
-decode; ``request_max_num_generation_tokens`` observes its generated tokens (one
-sequence per engine request) and ``iteration_tokens_total`` each step's prompt +
-generation tokens (steps with none are not observed). ``lora_loads`` is disk reads for
-the host tier (= host misses) and host → device copies into a slot for the device tier
-(= device misses, slot loads);
-``lora_load_seconds`` is the disk reads' wall time (read, validate, digest, pin; on
-loader threads) for the host tier and the copies' GPU time (CUDA events on the copy
-stream; host time on the CPU) for the device tier. ``lora_adapter_waits`` counts
-requests that arrived while their adapter was on disk only (a first read, or a re-read
-after an eviction) and ``lora_adapter_wait_seconds`` the time they waited for it to
-reach host memory (counted when it does); ``lora_sync_disk_loads`` counts the reads a
-step itself waited for. ``lora_pending_loads`` is the disk reads queued or running as of
-the engine's last report (sent whenever a read starts or ends) and
+(``finished_reason="abort"``), and the per-request histograms likewise observe every
+finished request. A request's phases are vLLM's: queue time from arrival to the scheduler
+first running it (to its end when it never ran), prefill time from then to its first token,
+decode time from its first token to its last, inference time prefill + decode;
+``request_time_per_output_token_seconds`` is decode time over the tokens after the first
+(requests with two tokens or more); ``request_max_num_generation_tokens`` observes its
+generated tokens (one sequence per engine request) and ``iteration_tokens_total`` each
+step's prompt + generation tokens (steps with none are not observed). ``lora_loads`` is
+disk reads for the host tier (= host misses) and host → device copies into a slot for the
+device tier (= device misses, slot loads); ``lora_load_seconds`` is the disk reads' wall
+time (read, validate, digest, pin; on loader threads) for the host tier and the copies' GPU
+time (CUDA events on the copy stream; host time on the CPU) for the device tier.
+``lora_adapter_waits`` counts requests that arrived while their adapter was on disk only (a
+first read, or a re-read after an eviction) and ``lora_adapter_wait_seconds`` the time they
+waited for it to reach host memory (counted when it does); ``lora_sync_disk_loads`` counts
+the reads a step itself waited for. ``lora_pending_loads`` is the disk reads queued or
+running as of the engine's last report (sent whenever a read starts or ends) and
 ``lora_oldest_pending_load_seconds`` the age of the oldest at the scrape (0 when none);
 ``lora_stuck_loader_threads`` counts loader threads still inside a read that exceeded
-``lora_load_timeout``. ``prefix_cache_hit_rate`` is hits / queries since start, 0
-before any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there
-are none. ``lora_requests_info`` has one sample, valued at the scrape's unix time, with
-the adapter names comma-joined (empty string when none), present whether or not LoRA is
-on (``max_lora="0"`` when off).
+``lora_load_timeout``. ``prefix_cache_hit_rate`` is hits / queries since start, 0 before
+any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none.
+``lora_requests_info`` has one sample, valued at the scrape's unix time, with the adapter
+names comma-joined (empty string when none), present whether or not LoRA is on
+(``max_lora="0"`` when off).
 
 Label values are written as :func:`label_value` makes them: a name holding a code point
 UTF-8 cannot encode (a lone surrogate) has it as escape text, so one such adapter or model
@@ -160,6 +162,7 @@ REQUEST_PREFILL_TIME = PREFIX + "request_prefill_time_seconds"
 REQUEST_DECODE_TIME = PREFIX + "request_decode_time_seconds"
 REQUEST_INFERENCE_TIME = PREFIX + "request_inference_time_seconds"
 TIME_PER_PREFILL_TOKEN = PREFIX + "time_per_prefill_token_request_seconds"
+REQUEST_TIME_PER_OUTPUT_TOKEN = PREFIX + "request_time_per_output_token_seconds"
 REQUEST_MAX_NUM_GENERATION_TOKENS = PREFIX + "request_max_num_generation_tokens"
 REQUEST_PARAMS_MAX_TOKENS = PREFIX + "request_params_max_tokens"
 ITERATION_TOKENS = PREFIX + "iteration_tokens_total"
@@ -284,6 +287,8 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
                "Histogram of time spent in RUNNING phase for request.", "record"),
     MetricSpec(TIME_PER_PREFILL_TOKEN, "histogram", _M, "seconds",
                "Time spent per token during prefill phase in seconds.", "record"),
+    MetricSpec(REQUEST_TIME_PER_OUTPUT_TOKEN, "histogram", _M, "seconds",
+               "Histogram of time_per_output_token_seconds per request.", "record"),
     MetricSpec(REQUEST_MAX_NUM_GENERATION_TOKENS, "histogram", _M, "tokens",
                "Histogram of maximum number of requested generation tokens.", "record"),
     MetricSpec(REQUEST_PARAMS_MAX_TOKENS, "histogram", _M, "tokens",
@@ -361,6 +366,7 @@ _BUCKETS: dict[str, tuple[float, ...] | None] = {
     REQUEST_PREFILL_TIME: E2E_LATENCY_BUCKETS, REQUEST_DECODE_TIME: E2E_LATENCY_BUCKETS,
     REQUEST_INFERENCE_TIME: E2E_LATENCY_BUCKETS, TIME_PER_PREFILL_TOKEN: PREFILL_TOKEN_BUCKETS,
     ITERATION_TOKENS: ITERATION_TOKEN_BUCKETS, LORA_TIME_TO_FIRST_TOKEN: TTFT_BUCKETS,
+    REQUEST_TIME_PER_OUTPUT_TOKEN: VLLM_TPOT_BUCKETS,
     REQUEST_PROMPT_TOKENS: None, REQUEST_GENERATION_TOKENS: None,
     REQUEST_MAX_NUM_GENERATION_TOKENS: None, REQUEST_PARAMS_MAX_TOKENS: None,
 }  # None: the 1-2-5 ladder up to max_model_len
@@ -405,6 +411,7 @@ VLLM_METRICS: dict[str, VllmAlias] = {a.name: a for a in (
     VllmAlias("vllm:request_decode_time_seconds", REQUEST_DECODE_TIME),
     VllmAlias("vllm:request_inference_time_seconds", REQUEST_INFERENCE_TIME),
     VllmAlias("vllm:time_per_prefill_token_request_seconds", TIME_PER_PREFILL_TOKEN),
+    VllmAlias("vllm:request_time_per_output_token_seconds", REQUEST_TIME_PER_OUTPUT_TOKEN),
     VllmAlias("vllm:request_prompt_tokens", REQUEST_PROMPT_TOKENS),
     VllmAlias("vllm:request_generation_tokens", REQUEST_GENERATION_TOKENS),
     VllmAlias("vllm:request_max_num_generation_tokens", REQUEST_MAX_NUM_GENERATION_TOKENS),
@@ -605,6 +612,9 @@ class PrometheusStatLogger:
             self._add(REQUEST_INFERENCE_TIME, req.inference_time)
             if req.num_prompt_tokens > 0:
                 self._add(TIME_PER_PREFILL_TOKEN, req.prefill_time / req.num_prompt_tokens)
+            if req.num_generation_tokens > 1:
+                self._add(REQUEST_TIME_PER_OUTPUT_TOKEN,
+                          req.decode_time / (req.num_generation_tokens - 1))
             self._add(REQUEST_PROMPT_TOKENS, req.num_prompt_tokens)
             self._add(REQUEST_GENERATION_TOKENS, req.num_generation_tokens)
             self._add(REQUEST_MAX_NUM_GENERATION_TOKENS, req.num_generation_tokens)

@@ -110,6 +110,8 @@ def test_metrics_match_what_was_sent(metrics_server):
     assert value(s, "manylora:request_decode_time_seconds_sum") > 0
     assert phases == pytest.approx(value(s, "manylora:e2e_request_latency_seconds_sum"),
                                    rel=1e-6)
+    assert value(s, "vllm:request_time_per_output_token_seconds_count", engine="0") == sum(
+        u.completion_tokens > 1 for u in usages)
     assert value(s, "vllm:request_max_num_generation_tokens_sum", engine="0") \
         == completion_tokens
     assert value(s, "vllm:request_params_max_tokens_sum", engine="0") == sum(
