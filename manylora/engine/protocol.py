@@ -98,6 +98,9 @@ class EngineCoreOutput:
             ``sample.prompt_logprobs.PromptLogprobs``; in position order over the steps,
             none twice), else None. A prefill chunk that samples nothing reports them with
             ``new_token_ids`` empty.
+        scheduled_time: with the request's first token, when the scheduler first ran it
+            (``Request.scheduled_time``, ``time.monotonic`` seconds of the core's host,
+            which the front shares), else None.
     """
 
     request_id: str
@@ -107,6 +110,7 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     error: ErrorInfo | None = None
     new_prompt_logprobs: PromptLogprobs | None = None
+    scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -207,11 +211,13 @@ class CoreInfo:
         max_model_len: the context length in tokens (the KV cache may have lowered it).
         vocab_size: the model's vocabulary.
         max_loras: adapter slots (0 when LoRA is off).
+        num_gpu_blocks: KV-cache blocks on the device.
     """
 
     max_model_len: int
     vocab_size: int
     max_loras: int
+    num_gpu_blocks: int = 0
 
 
 #: The ``EngineCore`` methods the front may call: the types of their arguments and of
