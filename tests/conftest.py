@@ -63,3 +63,17 @@ def smollm2_tokenizer(smollm2_gguf):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """One float32 CPU engine over the SmolLM2 GGUF for the whole session, LoRA on (six
+    slots up to rank 16): the GGUF tests and the demo adapters' tests share it, so the
+    model loads once."""
+    from manylora import LLM
+
+    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", max_model_len=512,
+              block_size=16, num_kv_blocks=128, max_num_seqs=24, max_loras=6,
+              max_lora_rank=16)
+    yield llm
+    llm.llm_engine.shutdown()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterable
 from typing import NamedTuple, Protocol
@@ -479,6 +480,8 @@ class Scheduler:
                 if not queue:
                     del queues[lid]
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             scheduled.append(self._plan(req, n))
             budget -= n

@@ -82,6 +82,7 @@ class AsyncLLM:
         tokenizer: the engine's tokenizer (None with ``skip_tokenizer_init``).
         max_model_len: the context length in tokens (prompt + output).
         max_loras: device adapter slots (0 when LoRA is off).
+        num_gpu_blocks: the core's KV-cache blocks on the device.
         max_bad_words, max_structured_output_spec_bytes: the engine's bounds of one
             request's ``bad_words`` and output constraint (``EngineArgs``').
     """
@@ -94,6 +95,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_loras = engine.max_loras
+        self.num_gpu_blocks = engine.num_gpu_blocks
         self.max_bad_words = engine.max_bad_words
         self.max_structured_output_spec_bytes = engine.max_structured_output_spec_bytes
         self.max_waiting_requests = max_waiting_requests

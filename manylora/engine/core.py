@@ -502,7 +502,8 @@ class EngineCore:
     def info(self) -> CoreInfo:
         """What the front needs to know of this core."""
         return CoreInfo(self.max_model_len, self.model_config.vocab_size,
-                        self.lora_config.max_loras if self.lora_config else 0)
+                        self.lora_config.max_loras if self.lora_config else 0,
+                        self.cache_config.num_blocks)
 
     def step(self) -> EngineCoreOutputs:
         """Run one step; an ``EngineCoreOutput`` for every request that got a token or
@@ -620,11 +621,14 @@ class EngineCore:
             if status is not None:
                 finished.setdefault(status, []).append(rid)
                 reason = _FINISH[status]
+            first = len(req.token_ids) - req.num_prompt_tokens == 1
             outputs.append(EngineCoreOutput(rid, [req.token_ids[-1]],
                                             None if lp is None else [lp], reason,
                                             req.stop_reason,
                                             new_prompt_logprobs=prompt.pop(rid, None),
-                                            num_cached_tokens=max(req.num_cached_tokens, 0)))
+                                            num_cached_tokens=max(req.num_cached_tokens, 0),
+                                            scheduled_time=req.scheduled_time if first
+                                            else None))
         outputs.extend(EngineCoreOutput(rid, [], new_prompt_logprobs=p)
                        for rid, p in prompt.items())
         for status, ids in finished.items():

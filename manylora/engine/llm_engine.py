@@ -79,6 +79,7 @@ class LLMEngine:
         max_model_len: the context length in tokens (prompt + output).
         vocab_size: the model's vocabulary size.
         max_loras: adapter slots (0 when LoRA is off).
+        num_gpu_blocks: the core's KV-cache blocks on the device.
         max_bad_words, max_structured_output_spec_bytes: the bounds of one request's
             ``bad_words`` and output constraint (``EngineArgs``'), checked before either is
             tokenized or sent to the core.
@@ -110,6 +111,7 @@ class LLMEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.max_loras = info.max_loras
+        self.num_gpu_blocks = info.num_gpu_blocks
         self.engine_core = getattr(self.client, "engine_core", None)
         self._stats = SchedulerStats()
         self._outputs: deque[EngineCoreOutputs] = deque()

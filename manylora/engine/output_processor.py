@@ -70,6 +70,8 @@ class RequestState:
         arrival_time: when the front accepted it (``time.monotonic``, seconds).
         first_token_time, last_token_time: when its first and latest tokens were processed
             (``time.monotonic``, seconds).
+        scheduled_time: when the core's scheduler first ran it (``time.monotonic``,
+            seconds; from its first token's ``EngineCoreOutput``), None before.
         answered: the core took the request (its answer to the add came back).
         num_sent_tokens, num_sent_chars: how much of the output the ``DELTA`` outputs have
             reported already.
@@ -103,6 +105,7 @@ class RequestState:
         self.num_sent_chars = 0
         self.holdback = stop_holdback(params.stop, params.include_stop_str_in_output)
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None
         self.error: Exception | None = None
         self.answered = False
         self.last_token_time = 0.0
@@ -230,6 +233,8 @@ class OutputProcessor:
                stats: IterationStats | None, now: float,
                request_outputs: list[RequestOutput], stopped: list[str]) -> None:
         """One request's delta: tokens, text, log-probabilities, its end."""
+        if out.scheduled_time is not None:
+            state.scheduled_time = out.scheduled_time
         if stats is not None and out.new_token_ids:
             _count_tokens(stats, state, len(out.new_token_ids), now)
         lps = out.new_logprobs
@@ -364,7 +369,21 @@ def _count_tokens(stats: IterationStats, state: RequestState, num_new: int,
 
 
 def _finished(stats: IterationStats, state: RequestState, reason: str, now: float) -> None:
+    """Add ``state``'s request, ended at ``now``, to ``stats.finished``: its phases split
+    at the times the scheduler first ran it and its first and last tokens came (vLLM's
+    ``FinishedRequestStats``; a request that never ran queued until its end)."""
+    first, scheduled = state.first_token_time, state.scheduled_time
+    if scheduled is None:
+        scheduled = first if first is not None else now
+    scheduled = min(max(scheduled, state.arrival_time), now)
+    last = state.last_token_time if first is not None else scheduled
     stats.finished.append(FinishedRequestStats(
         reason, now - state.arrival_time, len(state.prompt_token_ids),
         len(state.output_token_ids),
-        state.lora_request.lora_name if state.lora_request is not None else None))
+        state.lora_request.lora_name if state.lora_request is not None else None,
+        first_token_latency=None if first is None else first - state.arrival_time,
+        queue_time=scheduled - state.arrival_time,
+        prefill_time=0.0 if first is None else max(first - scheduled, 0.0),
+        decode_time=0.0 if first is None else last - first,
+        inference_time=max(last - scheduled, 0.0),
+        max_tokens=state.params.max_tokens))

@@ -100,6 +100,9 @@ class EngineCoreOutput:
             ``new_token_ids`` empty.
         num_cached_tokens: the prompt tokens the prefix cache held when the request was
             first scheduled (``Request.num_cached_tokens``; 0 on outputs without a token).
+        scheduled_time: with the request's first token, when the scheduler first ran it
+            (``Request.scheduled_time``, ``time.monotonic`` seconds of the core's host,
+            which the front shares), else None.
     """
 
     request_id: str
@@ -110,6 +113,7 @@ class EngineCoreOutput:
     error: ErrorInfo | None = None
     new_prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    scheduled_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -210,11 +214,13 @@ class CoreInfo:
         max_model_len: the context length in tokens (the KV cache may have lowered it).
         vocab_size: the model's vocabulary.
         max_loras: adapter slots (0 when LoRA is off).
+        num_gpu_blocks: KV-cache blocks on the device.
     """
 
     max_model_len: int
     vocab_size: int
     max_loras: int
+    num_gpu_blocks: int = 0
 
 
 #: The ``EngineCore`` methods the front may call: the types of their arguments and of

@@ -61,6 +61,9 @@ class Request:
             None.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
+        scheduled_time: when the scheduler first took it into the running batch
+            (``time.monotonic``, seconds; a preemption does not reset it), None before
+            (vLLM's ``scheduled_ts``: where queue time ends and prefill time starts).
     """
 
     request_id: str
@@ -81,6 +84,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     num_output_placeholders: int = 0
     adapter_pending: bool = False
+    scheduled_time: float | None = None
     client_group: str | None = None
     prompt_logprobs_next: int = 1
     cache_salt: str | None = None

@@ -24,6 +24,15 @@ class FinishedRequestStats:
         num_prompt_tokens: tokens of its prompt.
         num_generation_tokens: tokens it generated.
         lora_name: its adapter's name, None for the base model.
+        first_token_latency: seconds from arrival to its first token, None when it got none.
+        queue_time: seconds from arrival to the scheduler first running it (vLLM's
+            ``queued_time``); to its end when it never ran.
+        prefill_time: seconds from the scheduler first running it to its first token
+            (vLLM's ``prefill_time``); 0 when it got no token.
+        decode_time: seconds from its first token to its last (vLLM's ``decode_time``).
+        inference_time: seconds from the scheduler first running it to its last token
+            (vLLM's ``inference_time``, prefill + decode).
+        max_tokens: its ``SamplingParams.max_tokens``, None when unset.
     """
 
     finish_reason: str
@@ -31,6 +40,12 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     lora_name: str | None = None
+    first_token_latency: float | None = None
+    queue_time: float = 0.0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
+    max_tokens: int | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LoRARequest, SamplingParams
 from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
 from manylora.testing import compare_greedy, hf_greedy_reference, make_peft_adapter
 
@@ -40,7 +40,8 @@ def written(smollm2_gguf, smollm2_hf_model, tmp_path_factory):
 
 
 def test_shipped_and_written_adapters_in_one_batch_equal_peft(smollm2_gguf, smollm2_tokenizer,
-                                                              smollm2_hf_model, written):
+                                                              smollm2_hf_model, smollm2_llm,
+                                                              written):
     adapters = {name: adapter_dir(name) for name in TASKS} | written
     jobs = []                                    # (prompt ids, adapter or None, expected)
     for task in TASKS:
@@ -53,15 +54,11 @@ def test_shipped_and_written_adapters_in_one_batch_equal_peft(smollm2_gguf, smol
         jobs.append((jobs[2 * i][0], name, None))
     requests = {name: LoRARequest(name, i + 1, str(path))
                 for i, (name, path) in enumerate(adapters.items())}
-    llm = LLM(model=str(smollm2_gguf), dtype="float32", device="cpu", max_loras=len(adapters),
-              max_lora_rank=16, max_model_len=256, num_kv_blocks=64, max_num_seqs=len(jobs))
-    try:
-        outs = llm.generate([{"prompt_token_ids": ids} for ids, _, _ in jobs],
-                            SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
-                            [None if n is None else requests[n] for _, n, _ in jobs],
-                            use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
+    assert len(jobs) <= 24 and len(adapters) <= 6        # the shared engine's batch and slots
+    outs = smollm2_llm.generate([{"prompt_token_ids": ids} for ids, _, _ in jobs],
+                                SamplingParams(temperature=0.0, max_tokens=MAX_NEW),
+                                [None if n is None else requests[n] for _, n, _ in jobs],
+                                use_tqdm=False)
 
     base_of = {id(jobs[2 * i][0]): outs[2 * i + 1] for i in range(len(jobs) // 2)}
     for (ids, name, answer), out in zip(jobs, outs, strict=True):

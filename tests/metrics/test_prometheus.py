@@ -63,7 +63,7 @@ def make_logger(snap: EngineSnapshot = SNAP, model_name: str = MODEL, **kw):
 STEP1 = IterationStats(
     num_prompt_tokens=30, num_generation_tokens=4,
     time_to_first_tokens=[0.003, 0.07], inter_token_latencies=[0.004, 0.02, 0.3],
-    finished=[FinishedRequestStats("stop", 0.4, 12, 3, "alpha"),
+    finished=[FinishedRequestStats("stop", 0.4, 12, 3, "alpha", first_token_latency=0.003),
               FinishedRequestStats("abort", 2.2, 18, 1, None)])
 STEP2 = IterationStats(
     num_prompt_tokens=0, num_generation_tokens=6,
@@ -218,6 +218,8 @@ def test_every_metric_exposed_with_its_names_and_labels():
     label_names = {}
     for name, lab in s:
         label_names.setdefault(name, set()).update(k for k, _ in lab)
+    assert {"vllm:e2e_request_latency_seconds_sum", "vllm:request_success_total",
+            "vllm:lora_requests_info"} <= names
     for spec in METRICS.values():
         assert spec.name.startswith("manylora:")
         for sample in spec.sample_names:
@@ -230,11 +232,23 @@ def test_every_metric_exposed_with_its_names_and_labels():
             assert "model_name" not in spec.labels
         else:
             assert spec.labels[0] == "model_name"
-    # Nothing exposed that the table does not list (prometheus_client's _created aside).
+    # vLLM's names: its labels (engine "0"), samples of the same kind as ours.
+    for alias in pm.VLLM_METRICS.values():
+        spec = METRICS[alias.source]
+        assert alias.name.startswith("vllm:")
+        for suffix in (".", "_total", "_bucket", "_count", "_sum"):
+            ours = spec.name + suffix if suffix != "." else spec.name
+            if ours in names:
+                sample = ours.replace(spec.name, alias.name, 1)
+                expected = set(alias.labels) | ({"le"} if suffix == "_bucket" else set())
+                assert label_names[sample] == expected, sample
+    # Nothing exposed that the tables do not list (prometheus_client's _created aside).
     listed = {n for spec in METRICS.values() for n in spec.sample_names}
+    listed |= {n.replace(METRICS[a.source].name, a.name, 1)
+               for a in pm.VLLM_METRICS.values() for n in METRICS[a.source].sample_names}
     assert {n for n in names if not n.endswith("_created")} == listed
     # The module docstring's table lists every metric.
-    for name in METRICS:
+    for name in [*METRICS, *pm.VLLM_METRICS]:
         assert f"``{name}``" in pm.__doc__
 
 
@@ -322,3 +336,59 @@ def test_negative_token_count_raises():
     _, logger, _ = make_logger()
     with pytest.raises(ValueError):
         logger.record(IterationStats(num_prompt_tokens=-1))
+
+
+def test_name_sets_expose_one_or_both():
+    for names in (("vllm",), ("manylora",)):
+        registry, logger, _ = make_logger(names=names)
+        logger.record(STEP1)
+        prefixes = {k[0].split(":")[0] for k in scrape(registry)}
+        assert prefixes == set(names)
+    for bad in ((), ("prometheus",)):
+        with pytest.raises(ValueError, match="names"):
+            make_logger(names=bad)
+
+
+def test_vllm_names_labels_and_buckets():
+    """vLLM's labels (``engine="0"``) and its own buckets where ours differ."""
+    registry, logger, _ = make_logger(max_model_len=1000)
+    logger.record(STEP1)
+    s = scrape(registry)
+    vllm = frozenset({"model_name": MODEL, "engine": "0"}.items())
+    les = {float(dict(k[1])["le"]) for k in s
+           if k[0] == "vllm:time_per_output_token_seconds_bucket"}
+    assert les == {*pm.VLLM_TPOT_BUCKETS, float("inf")}
+    assert s[("vllm:time_per_output_token_seconds_count", vllm)] == 3
+    assert s[("vllm:inter_token_latency_seconds_count", vllm)] == 3
+    assert s[("vllm:request_success_total", vllm | {("finished_reason", "abort")})] == 1
+    assert s[("vllm:gpu_cache_usage_perc", vllm)] == s[("vllm:kv_cache_usage_perc", vllm)]
+    assert s[("vllm:gpu_cache_usage_perc", vllm)] == pytest.approx(10 / 40)
+    info = frozenset({"max_lora": "4", "running_lora_adapters": "alpha,beta",
+                      "waiting_lora_adapters": "gamma"}.items())
+    assert s[("vllm:lora_requests_info", info)] == NOW
+
+
+def test_lora_label_bound_folds_later_adapters_into_other():
+    registry, logger, _ = make_logger(max_lora_labels=2)
+    logger.record(IterationStats(finished=[
+        FinishedRequestStats("stop", 0.1, 4, 2, name, first_token_latency=0.01)
+        for name in ("a", "b", "c", "d", "a")]))
+    s = scrape(registry)
+    counts = {dict(k[1])["lora_name"]: v for k, v in s.items()
+              if k[0] == "manylora:lora_prompt_tokens_total"}
+    assert counts == {"a": 8, "b": 4, "other": 8}
+    with pytest.raises(ValueError, match="max_lora_labels"):
+        make_logger(max_lora_labels=-1)
+
+
+def test_metrics_flags_parse():
+    from manylora.entrypoints.openai.launcher import serve_parser
+    args = serve_parser().parse_args(["--model", "m"])
+    assert args.metrics_names == ("manylora", "vllm") and args.max_lora_metric_labels == 100
+    args = serve_parser().parse_args(["--model", "m", "--metrics-names", "vllm",
+                                      "--max-lora-metric-labels", "0"])
+    assert args.metrics_names == ("vllm",) and args.max_lora_metric_labels == 0
+    for bad in (["--metrics-names", "vllm,foo"], ["--metrics-names", ""],
+                ["--max-lora-metric-labels", "-1"]):
+        with pytest.raises(SystemExit):
+            serve_parser().parse_args(["--model", "m", *bad])

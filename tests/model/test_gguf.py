@@ -30,8 +30,6 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, max_position_embeddings=256)
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32
-SMOL_ENGINE = dict(device="cpu", dtype="float32", max_model_len=512, block_size=16,
-                   num_kv_blocks=64, max_num_seqs=4, enable_lora=False)
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 
 
@@ -53,10 +51,8 @@ def smol_ckpt(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def smol_llm(smollm2_gguf):
-    llm = LLM(str(smollm2_gguf), **SMOL_ENGINE)
-    yield llm
-    llm.llm_engine.shutdown()
+def smol_llm(smollm2_llm):
+    return smollm2_llm
 
 
 def test_smollm2_tensors_equal_transformers(smol_ckpt, smollm2_hf_model):

@@ -51,7 +51,7 @@ from manylora.entrypoints.openai.vllm_flags import (
     check_vllm_flags,
 )
 from manylora.metrics.log_stats import LoggingStatLogger
-from manylora.metrics.prometheus import PrometheusStatLogger
+from manylora.metrics.prometheus import NAME_SETS, PrometheusStatLogger
 from manylora.model.hub import resolve_model_path
 from manylora.sampling_params import MAX_LOGPROBS
 
@@ -63,6 +63,33 @@ logger = logging.getLogger(__name__)
 #: server that looks healthy with a dead worker. Only ``run_server`` opts in
 #: (``exit_when_stuck``); a server built inside another program (``create_server``) does not.
 STUCK_ENGINE_EXIT_S = 10.0
+
+
+def _metrics_names(text: str) -> tuple[str, ...]:
+    """``--metrics-names``: a comma-separated, non-empty subset of ``NAME_SETS``."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in NAME_SETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(NAME_SETS)}, got {text!r}")
+    return names
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def cache_config_info(args: EngineArgs, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of ``cache_config_info``: the fields of vLLM's ``CacheConfig`` that
+    manylora has, under vLLM's names, as strings (``str`` of the value, as vLLM writes
+    them)."""
+    return {"block_size": str(args.block_size), "cache_dtype": str(args.kv_cache_dtype),
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "num_gpu_blocks": str(num_gpu_blocks), "swap_space": str(args.swap_space)}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,6 +158,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              f"{DEFAULT_MAX_TOOLS}, OpenAI's bound); more get 400")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    parser.add_argument("--metrics-names", type=_metrics_names, default=NAME_SETS,
+                        metavar="SETS",
+                        help="the metric names /metrics exposes, comma-separated: "
+                             "'manylora' (manylora:*), 'vllm' (vLLM's vllm:* names and "
+                             "labels); default both")
+    parser.add_argument("--max-lora-metric-labels", type=_non_negative, default=100,
+                        metavar="N",
+                        help="adapters with per-adapter metric series of their own (first "
+                             "come); later ones are counted under lora_name=\"other\" "
+                             "(default 100)")
     parser.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction,
                         default=False, help="no uvicorn access log line per request")
     parser.add_argument("--config", default=None, metavar="YAML",
@@ -257,8 +294,10 @@ def create_server(args: argparse.Namespace) -> Server:
     engine = AsyncLLM.from_engine_args(
         engine_args, in_process=True if args.disable_frontend_multiprocessing else None,
         max_waiting_requests=args.max_waiting_requests)
-    engine.stat_loggers.append(PrometheusStatLogger(registry, name, engine.snapshot,
-                                                    max_model_len=engine.max_model_len))
+    engine.stat_loggers.append(PrometheusStatLogger(
+        registry, name, engine.snapshot, max_model_len=engine.max_model_len,
+        names=args.metrics_names, max_lora_labels=args.max_lora_metric_labels,
+        cache_config=cache_config_info(engine_args, engine.num_gpu_blocks)))
     models = OpenAIServingModels(engine, name, args.model, modules, roots,
                                  aliases=names[1:],
                                  resolver=FilesystemResolver(roots) if resolver else None)
