@@ -126,7 +126,8 @@ def test_bad_config_file(tmp_path, name, text, capsys):
     (["-q", "fp8"], "--quantization fp8"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
     (["--enable-lora-bias"], "--enable-lora-bias: manylora's adapters have no bias"),
-    (["--reasoning-parser", "deepseek_r1"], "reasoning parsers are not supported yet"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser 'granite': no such parser (one "
+                                        "of deepseek_r1, qwen3)"),
     (["--tokenizer-mode", "mistral"], "tokenizer_mode 'mistral' is not supported"),
     (["--tool-call-parser", "nope"], "--tool-call-parser 'nope': no such parser"),
     (["--tool-parser-plugin", "/nonexistent.py"], "no such file"),

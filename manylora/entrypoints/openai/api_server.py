@@ -99,6 +99,8 @@ class ServerConfig:
         frontend: CORS, root path and request log settings (vLLM's front-end flags).
         enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's flag).
         tool_call_parser: the format auto tool calls are parsed in (vLLM's names), or None.
+        reasoning_parser: the format chat answers' reasoning is split out in (vLLM's
+            ``--reasoning-parser`` names), or None.
         trust_request_chat_template: accept a request's own ``chat_template``.
         sampling_defaults: defaults of the sampling fields requests leave unset
             (``--generation-config``); ``max_tokens`` caps every request's.
@@ -124,6 +126,7 @@ class ServerConfig:
     frontend: FrontendConfig = FrontendConfig()
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     trust_request_chat_template: bool = False
     sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
     max_logprobs: int = MAX_LOGPROBS
@@ -315,6 +318,7 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
                              config.trust_request_chat_template, **shared,
                              enable_auto_tool_choice=config.enable_auto_tool_choice,
                              tool_call_parser=config.tool_call_parser,
+                             reasoning_parser=config.reasoning_parser,
                              max_tools=config.max_tools,
                              response_role=config.response_role,
                              chat_template_content_format=config.chat_template_content_format)

@@ -39,6 +39,7 @@ from manylora.entrypoints.openai.http_limits import (
     connection_limits,
 )
 from manylora.entrypoints.openai.lora_resolver import FilesystemResolver
+from manylora.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
 from manylora.entrypoints.openai.serving_chat import CONTENT_FORMATS
 from manylora.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
@@ -140,6 +141,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="a Python file registering tool call parsers "
                              "(tool_parsers.register_tool_parser), imported at start as vLLM "
                              "imports its plugin file; its names may be --tool-call-parser's")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="split chat answers into reasoning_content (between <think> and "
+                             "</think>) and content (vLLM's names: "
+                             f"{', '.join(sorted(REASONING_PARSERS))})")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat template sent with a request (chat_template); "
                              "without it such requests get 400")
@@ -235,7 +240,8 @@ def create_server(args: argparse.Namespace) -> Server:
             (``frontend_args.py``) and the connection limits' (``http_limits.py``); the
             LoRA resolver without runtime updates; a vLLM flag refused (``vllm_flags.py``),
             a ``--tool-parser-plugin`` that cannot be
-            imported, a ``--tool-call-parser`` no parser is registered for.
+            imported, a ``--tool-call-parser`` no parser is registered for, an unknown
+            ``--reasoning-parser``.
     """
     check_vllm_flags(args)
     if args.tool_parser_plugin:
@@ -244,6 +250,9 @@ def create_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--tool-call-parser {args.tool_call_parser!r}: no such parser (one "
                          f"of {', '.join(sorted(TOOL_PARSERS))}, or a name a "
                          "--tool-parser-plugin registers)")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r}: no such parser (one "
+                         f"of {', '.join(sorted(REASONING_PARSERS))})")
     if args.max_choices_per_request < 1:
         raise ValueError("--max-choices-per-request must be at least 1, got "
                          f"{args.max_choices_per_request}")
@@ -314,6 +323,7 @@ def create_server(args: argparse.Namespace) -> Server:
                           args.max_choices_per_request, frontend=frontend,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
                           sampling_defaults=sampling_defaults,
                           max_logprobs=args.max_logprobs, max_tools=args.max_tools,

@@ -632,17 +632,22 @@ class ChatCompletionLogProbs(BaseModel):
 
 class ChatMessage(BaseModel):
     """The generated message of a chat choice: its text (None when the model only called
-    tools) and the ``tool_calls`` it made (left out of the JSON when there are none)."""
+    tools), the ``tool_calls`` it made (left out of the JSON when there are none) and, with a
+    ``--reasoning-parser``, its ``reasoning_content`` (vLLM's field; left out when
+    None)."""
 
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_no_calls(self, handler):
         data = handler(self)
         if data.get("tool_calls") is None:
             data.pop("tool_calls", None)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
         return data
 
 
@@ -676,10 +681,12 @@ class ChatCompletionResponse(_VLLMExtras):
 class DeltaMessage(BaseModel):
     """The new part of a streamed message; unset (None) fields are left out of the JSON,
     so a chunk's delta is ``{"role": ..., "content": ...}``, ``{"content": ...}``,
+    ``{"reasoning_content": ...}`` (vLLM's, with a ``--reasoning-parser``),
     ``{"tool_calls": [...]}`` (OpenAI's streamed tool call pieces) or ``{}``."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -30,6 +30,11 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
+from manylora.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    get_reasoning_parser,
+)
 from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
 from manylora.entrypoints.openai.serving import (
     OpenAIServing,
@@ -151,6 +156,7 @@ class _ChoiceState:
     num_tokens: int = 0
     tools: ToolStream | None = None
     num_cached_tokens: int | None = None
+    reasoning: ReasoningStream | None = None
 
 
 def template_extras(request: Any) -> dict[str, Any]:
@@ -165,6 +171,13 @@ def template_extras(request: Any) -> dict[str, Any]:
         extras["reasoning_effort"] = effort
         extras["enable_thinking"] = effort != "none"
     return extras
+
+
+def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat-template keyword arguments a reasoning parser reads (``enable_thinking``):
+    the request's ``chat_template_kwargs`` over those :func:`template_extras` adds, as
+    :meth:`OpenAIServingChat.render` passes them."""
+    return {**template_extras(request), **(request.chat_template_kwargs or {})}
 
 
 def _prompt_fields(request: ChatCompletionRequest, prompt_ids: list[int],
@@ -195,20 +208,23 @@ class OpenAIServingChat(OpenAIServing):
             ``hermes``, ``llama3_json``, ``mistral``), or None.
         max_tools: the most ``tools`` one request may carry (``--max-tools``; OpenAI's
             bound, 128, by default).
+        reasoning_parser: the format reasoning is split out of answers in
+            (``--reasoning-parser``: ``deepseek_r1``, ``qwen3``), or None.
         kwargs: ``max_choices``, ``prompt_tokenizer``, ``sampling_defaults`` and
             ``max_logprobs`` of :class:`OpenAIServing`.
 
     Raises:
         OSError: ``chat_template`` names a file that cannot be read.
-        ValueError: an unknown ``tool_call_parser``, or ``enable_auto_tool_choice``
-            without one.
+        ValueError: an unknown ``tool_call_parser`` or ``reasoning_parser``, or
+            ``enable_auto_tool_choice`` without a tool call parser.
     """
 
     def __init__(self, engine: Any, models: Any, chat_template: str | None = None,
                  trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  max_tools: int = DEFAULT_MAX_TOOLS, response_role: str = "assistant",
-                 chat_template_content_format: str = "auto", **kwargs: Any) -> None:
+                 chat_template_content_format: str = "auto",
+                 reasoning_parser: str | None = None, **kwargs: Any) -> None:
         super().__init__(engine, models, **kwargs)
         if chat_template_content_format not in CONTENT_FORMATS:
             raise ValueError("--chat-template-content-format must be one of "
@@ -225,6 +241,8 @@ class OpenAIServingChat(OpenAIServing):
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.max_tools = max_tools
+        self.reasoning_parser = (None if reasoning_parser is None
+                                 else get_reasoning_parser(reasoning_parser))
 
     def render(self, request: ChatCompletionRequest) -> str:
         """The messages as prompt text, through the chat template: the chat request's own
@@ -341,6 +359,9 @@ class OpenAIServingChat(OpenAIServing):
             structured_outputs=structured, bad_words_token_ids=bad_words,
             output_kind=output_kind(bool(request.stream)))
         params = tools.apply(params)
+        reasoning = self.reasoning_parser
+        if structured is not None or tools.structured is not None:
+            reasoning = None             # constrained from the first token: no thinking
         base_id, engine_id = response_ids("chatcmpl", request.request_id)
         children = [ChildRequest(f"{engine_id}-{i}", 0, token_ids, text, child_params,
                                  request.cache_salt)
@@ -348,13 +369,15 @@ class OpenAIServingChat(OpenAIServing):
         merged = await self.start(children, lora_request, client_group=engine_id)
         if request.stream:
             return guard_stream(self._stream(request, base_id, model_name, children, merged,
-                                             tools), merged)
+                                             tools, reasoning), merged)
         finals = await self.collect(merged)
-        return self._response(request, base_id, model_name, finals, token_ids, text, tools)
+        return self._response(request, base_id, model_name, finals, token_ids, text, tools,
+                              reasoning)
 
     def _response(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                   finals: list[RequestOutput], prompt_ids: list[int],
-                  prompt_text: str, tools: ToolPlan) -> ChatCompletionResponse:
+                  prompt_text: str, tools: ToolPlan,
+                  reasoning: ReasoningParser | None) -> ChatCompletionResponse:
         choices = []
         completion_tokens = 0
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
@@ -365,7 +388,15 @@ class OpenAIServingChat(OpenAIServing):
             if request.logprobs and out.logprobs is not None:
                 logprobs = chat_logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0,
                                          bool(request.return_tokens_as_token_ids))
-            message, finish_reason = tools.message(out.text, out.finish_reason)
+            thought, text = None, out.text
+            if reasoning is not None:
+                thought, text = reasoning.split(out.text, prompt_text,
+                                                _thinking_kwargs(request))
+            message, finish_reason = tools.message(text or "", out.finish_reason)
+            if text is None and message.content == "":
+                message.content = None   # vLLM's: nothing after </think>
+            if request.include_reasoning is not False:
+                message.reasoning_content = thought
             message.role = self.role_of(request)
             if echo:
                 message.content = echo + (message.content or "")
@@ -390,11 +421,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, base_id: str, model_name: str,
                       children: list[ChildRequest], merged: MergedStream,
-                      tools: ToolPlan) -> AsyncIterator[str]:
+                      tools: ToolPlan, reasoning: ReasoningParser | None
+                      ) -> AsyncIterator[str]:
         created = self.now()
         options = request.stream_options
         num_prompt_tokens = len(children[0].prompt_token_ids)
-        states = [_ChoiceState(tools=tools.stream()) for _ in children]
+        states = [_ChoiceState(tools=tools.stream(), reasoning=None if reasoning is None else
+                               reasoning.stream(children[0].prompt_text or "",
+                                                _thinking_kwargs(request)))
+                  for _ in children]
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
         prompt = _prompt_fields(request, children[0].prompt_token_ids,
                                 children[0].prompt_text or "")
@@ -442,11 +477,16 @@ class OpenAIServingChat(OpenAIServing):
         out = output.outputs[0]          # a DELTA output: only what is new
         finished = out.finish_reason is not None
         text = out.text
+        thought = ""
+        if state.reasoning is not None:
+            thought, text = state.reasoning.feed(text, finished)
         delta = DeltaMessage(content=text or None)
         finish_reason = out.finish_reason
         if state.tools is not None:
             delta = state.tools.delta(text, finished)
             finish_reason = state.tools.plan.finish_reason(state.tools.called, finish_reason)
+        if thought and request.include_reasoning is not False:
+            delta.reasoning_content = thought
         new_ids = out.token_ids
         logprobs = None
         if request.logprobs and new_ids and out.logprobs is not None:
@@ -456,6 +496,7 @@ class OpenAIServingChat(OpenAIServing):
         if output.num_cached_tokens is not None:
             state.num_cached_tokens = output.num_cached_tokens
         if (delta.content is None and not delta.tool_calls and logprobs is None
+                and delta.reasoning_content is None
                 and not finished and not (request.return_token_ids and new_ids)):
             return None
         return ChatCompletionStreamResponse(

@@ -125,10 +125,11 @@ FIELDS: dict[str, FieldRule] = {
     "kv_transfer_params": _r(_NO_DISAGG), "ec_transfer_params": _r(_NO_DISAGG),
     "vllm_xargs": _r("there are no custom extensions to pass arguments to"),
     "repetition_detection": _r("repetition detection is not built"),
-    "thinking_token_budget": _r("thinking budgets need a reasoning parser, not served", -1),
+    "thinking_token_budget": _r("thinking token budgets are not built", -1),
     "stream_interval": _r("streams send every token as it comes (interval 1)", 1),
     "include_reasoning": FieldRule(
-        "inert", _CHAT, "no reasoning parser is served: reasoning stays in the content"),
+        "inert", _CHAT, "false drops reasoning_content; without --reasoning-parser there is "
+        "none to drop"),
     "add_generation_prompt": _h(_CHAT), "continue_final_message": _h(_CHAT),
     "documents": _h(_CHAT), "chat_template": _h(_CHAT), "chat_template_kwargs": _h(_CHAT),
     "media_io_kwargs": _r(_NO_MM, routes=_CHAT),

@@ -133,7 +133,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _noop("--use-tqdm-on-load", "bool", "manylora shows no load progress bar"),
     _noop("--pt-load-map-location", "str", "weights are read to the host, then placed"),
     # structured outputs
-    _refuse("--reasoning-parser", "str", "reasoning parsers are not supported yet", ("",)),
     _refuse("--guided-decoding-backend", "str", "manylora's structured outputs are "
             "xgrammar's", ("xgrammar", "auto")),
     _noop("--guided-decoding-disable-fallback", "bool",
