@@ -142,3 +142,12 @@ def test_a_stop_token_is_dropped_from_the_text_and_kept_in_logprobs(client, smol
     assert got.stop_reason == stop_id
     assert got.text == tokens[0]                          # the stop token's text is not there
     assert got.logprobs.tokens == tokens[:2]              # but its log-probability is
+
+
+def test_per_request_disable_any_whitespace_finishes_json(client, smollm2_tokenizer):
+    # this module's server has no server-wide config: the option comes from the request
+    # (vLLM's structured_outputs extra, beside the response_format the client sends)
+    from test_server_structured_whitespace import check_parse_finishes
+
+    check_parse_finishes(client, smollm2_tokenizer,
+                         extra_body={"structured_outputs": {"disable_any_whitespace": True}})
