@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json as _json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StructuredOutputsParams"]
+__all__ = ["StructuredOutputsConfig", "StructuredOutputsParams"]
 
 # The fields that each name one kind of constraint; exactly one of them is set.
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -86,3 +88,84 @@ class StructuredOutputsParams:
         """The constraint's kind: one of ``json``, ``regex``, ``choice``, ``grammar``,
         ``json_object``, ``structural_tag``."""
         return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+
+
+# vLLM's StructuredOutputsConfig keys that manylora does not take, and why.
+_REFUSED_CONFIG_KEYS = {
+    "reasoning_parser": "the grammar applies from the first output token; structured "
+                        "output inside reasoning is not supported",
+    "reasoning_parser_plugin": "the grammar applies from the first output token; structured "
+                               "output inside reasoning is not supported",
+    "enable_in_reasoning": "the grammar applies from the first output token; structured "
+                           "output inside reasoning is not supported",
+}
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """The server-wide structured-output options (vLLM's ``StructuredOutputsConfig``,
+    ``--structured-outputs-config``), applied to every request's constraint.
+
+    Fields (vLLM's names and defaults):
+        backend: ``"auto"`` or ``"xgrammar"`` (the only grammar engine here; vLLM's
+            others, ``guidance``, ``outlines``, ``lm-format-enforcer``, are refused).
+        disable_fallback: accepted: with one backend there is nothing to fall back to.
+        disable_any_whitespace: every JSON constraint (a schema, ``json_object``,
+            ``response_format``, a required or named tool choice) without the optional
+            whitespace between tokens, as if each request set it.
+        disable_additional_properties: every JSON schema's objects allow no property the
+            schema does not name, as if each request set it.
+    """
+
+    backend: str = "auto"
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    @classmethod
+    def parse(cls, value: Mapping[str, Any] | str | None) -> StructuredOutputsConfig:
+        """The config of ``--structured-outputs-config``'s value: a mapping or its JSON
+        text (an object); None or empty: the defaults.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key (named, with the known ones),
+                one of vLLM's keys manylora does not take (named, with the reason), a
+                ``backend`` other than ``auto``/``xgrammar``, a non-bool option.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = _json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs_config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("structured_outputs_config must be a JSON object, got "
+                             f"{type(value).__name__}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in value:
+            if key in _REFUSED_CONFIG_KEYS:
+                raise ValueError(f"structured_outputs_config.{key} is not supported: "
+                                 f"{_REFUSED_CONFIG_KEYS[key]}")
+            if key not in known:
+                raise ValueError(f"structured_outputs_config has unknown key {key!r}; known "
+                                 f"keys: {', '.join(known)}")
+        config = cls(**value)
+        if config.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config.backend {config.backend!r} is not "
+                             "supported: manylora's structured outputs run on xgrammar "
+                             "(use \"auto\" or \"xgrammar\")")
+        for name in known[1:]:
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(f"structured_outputs_config.{name} must be a bool, got "
+                                 f"{getattr(config, name)!r}")
+        return config
+
+    def apply(self, params: StructuredOutputsParams) -> StructuredOutputsParams:
+        """``params`` with the server-wide options turned on where set (a request cannot
+        turn off what the server turned on, as vLLM's backend reads the server's).
+        Returns ``params`` itself when nothing changes."""
+        changes = {name: True for name in ("disable_any_whitespace",
+                                           "disable_additional_properties")
+                   if getattr(self, name) and not getattr(params, name)}
+        return dataclasses.replace(params, **changes) if changes else params

@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from manylora.config import (
     KV_CACHE_DTYPES,
@@ -21,6 +22,7 @@ from manylora.structured.compiler import (
     DEFAULT_MAX_GRAMMAR_COMPILE_SECONDS,
 )
 from manylora.structured.grammar import DEFAULT_MAX_SPEC_BYTES
+from manylora.structured_params import StructuredOutputsConfig
 
 
 @dataclass
@@ -127,6 +129,11 @@ class EngineArgs:
             field) before anything is compiled or tokenized.
         max_bad_words: the most ``bad_words`` one request may carry (vLLM has no bound; each
             word costs two tokenizations and a place in the per-step ban index).
+        structured_outputs_config: vLLM's server-wide structured-output options, a JSON
+            object (``StructuredOutputsConfig``): ``backend`` (``auto`` or ``xgrammar``),
+            ``disable_any_whitespace`` (JSON without optional whitespace, for every
+            request), ``disable_additional_properties``, ``disable_fallback`` (accepted:
+            one backend); other keys are refused, named.
     """
 
     model: str
@@ -171,6 +178,7 @@ class EngineArgs:
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     max_structured_output_spec_bytes: int = DEFAULT_MAX_SPEC_BYTES
     max_bad_words: int = DEFAULT_MAX_BAD_WORDS
+    structured_outputs_config: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
@@ -208,6 +216,7 @@ class EngineArgs:
             raise ValueError(f"tokenizer_mode {self.tokenizer_mode!r} is not supported: "
                              "manylora loads transformers' tokenizers, fast ('auto') or "
                              "slow ('slow')")
+        StructuredOutputsConfig.parse(self.structured_outputs_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -230,7 +239,7 @@ class EngineArgs:
             elif kind.startswith("tuple"):
                 kwargs.update(nargs="+", default=default)
             elif kind.startswith("Mapping"):
-                kwargs.update(type=json.loads, default=None, metavar="JSON")
+                kwargs.update(type=_json_object, default=None, metavar="JSON")
             else:
                 kwargs.update(type=_SCALARS[kind.split(" |")[0]], default=default)
             if f.name == "model":
@@ -247,8 +256,9 @@ class EngineArgs:
         """
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
                   if hasattr(args, f.name)}
-        if values.get("key_dict") is None:
-            values.pop("key_dict", None)
+        for name in ("key_dict", "structured_outputs_config"):
+            if values.get(name) is None:
+                values.pop(name, None)
         for name in ("lora_target_modules", "piecewise_cuda_graph_sizes"):
             if values.get(name) is not None:
                 values[name] = tuple(values[name])
@@ -259,6 +269,21 @@ class EngineArgs:
 TOKENIZER_MODES = ("auto", "slow")
 
 _SCALARS = {"str": str, "int": int, "float": float}
+
+
+def _json_object(text: str) -> dict:
+    """A JSON-object flag's value (``--key-dict``, ``--structured-outputs-config``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or not an object (argparse names the flag).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def _attribute_help(doc: str) -> dict[str, str]:

@@ -40,7 +40,9 @@ class IncrementalDetokenizer:
     decoded text does not end in U+FFFD; after :meth:`flush` it holds always. For decoders
     that strip the leading space of a sequence (sentencepiece), ``text`` keeps the space the
     first output token has after the prompt, as in vLLM. Tokenization-space clean-up is not
-    applied (``clean_up_tokenization_spaces=False``).
+    applied (``clean_up_tokenization_spaces=False``). A token added with :meth:`skip` (the
+    stop token that ended the sequence) counts in ``token_ids`` but is left out of the
+    decoded ids, so it never reaches ``text``.
 
     Args:
         tokenizer: a ``transformers`` ``PreTrainedTokenizerBase`` (fast or slow).
@@ -116,11 +118,23 @@ class IncrementalDetokenizer:
         self._text_cache = None
         return new_text
 
+    def skip(self, token_id: int) -> None:
+        """Add the token that ended the sequence (an EOS or a ``stop_token_ids`` hit)
+        without its text, whatever ``skip_special_tokens`` says: vLLM's detokenizer leaves
+        the stop token out of the text it decodes (it stays in ``token_ids``). Call at most
+        once, as the last token, before :meth:`flush`.
+
+        Args:
+            token_id: the stop token's id.
+        """
+        self._output_ids.append(int(token_id))
+
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete UTF-8 tail decodes to U+FFFD).
 
         Call once when the sequence ends; afterwards ``text`` equals
-        ``tokenizer.decode(token_ids, skip_special_tokens=...)`` (byte-level tokenizers).
+        ``tokenizer.decode(token_ids, skip_special_tokens=...)`` (byte-level tokenizers),
+        a token added with :meth:`skip` left out.
 
         Returns:
             The text emitted now, usually ``""``.

@@ -43,6 +43,7 @@ from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
 from manylora.structured.bad_words import bad_words_token_ids, check_bad_words
 from manylora.structured.grammar import check_spec_size
+from manylora.structured_params import StructuredOutputsConfig
 
 
 def _cache_salt(prompt: str | dict) -> str | None:
@@ -83,6 +84,9 @@ class LLMEngine:
         max_bad_words, max_structured_output_spec_bytes: the bounds of one request's
             ``bad_words`` and output constraint (``EngineArgs``'), checked before either is
             tokenized or sent to the core.
+        structured_outputs_config: the server-wide ``StructuredOutputsConfig``
+            (``EngineArgs.structured_outputs_config``), applied to each request's
+            ``structured_outputs`` before it goes to the core.
         engine_core: the ``EngineCore`` itself when it runs in this process
             (``MANYLORA_ENABLE_MULTIPROCESSING=0``: its scheduler, runner and adapter cache
             are there for tests and debugging), else None.
@@ -105,6 +109,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
         self.max_bad_words = args.max_bad_words
         self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
+        self.structured_outputs_config = StructuredOutputsConfig.parse(
+            args.structured_outputs_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = make_client(args, in_process)
         info = self.client.info
@@ -292,6 +298,9 @@ class LLMEngine:
                              "skip_tokenizer_init")
         if params.structured_outputs is not None:
             check_spec_size(params.structured_outputs, self.max_structured_output_spec_bytes)
+            structured = self.structured_outputs_config.apply(params.structured_outputs)
+            if structured is not params.structured_outputs:
+                params = dataclasses.replace(params, structured_outputs=structured)
         if params.bad_words:
             check_bad_words(params.bad_words, self.max_bad_words,
                             self.max_structured_output_spec_bytes)

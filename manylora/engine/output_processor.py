@@ -3,7 +3,9 @@ log-probabilities, the core's finish reason) become text and ``RequestOutput`` (
 ``OutputProcessor``).
 
 The core has already applied the token-level rules (``min_tokens``, EOS, ``stop_token_ids``,
-the length caps). Here each new token is detokenized incrementally and, once ``min_tokens``
+the length caps). Here each new token is detokenized incrementally (the stop token that
+ended a request is not, as in vLLM, unless ``include_stop_str_in_output``: it stays in the
+token ids and log-probabilities, never in the text) and, once ``min_tokens``
 tokens exist, the text is searched for stop strings: a hit cuts the text before the stop
 string (after it with ``include_stop_str_in_output``), ends the request with ``"stop"`` even
 when the core had ended it on length, and the request is reported back so the core stops
@@ -279,12 +281,17 @@ class OutputProcessor:
     def _add_text(self, state: RequestState, token: int, check_stop: bool) -> bool:
         """Detokenize one new token; True when it completed a stop string (the text is cut
         and ``stop_reason`` set). ``check_stop`` False: the core ended the request on this
-        token (EOS or a stop token id), which no stop string overrides."""
+        token (EOS or a stop token id), which no stop string overrides; the token then adds
+        no text unless ``include_stop_str_in_output`` (vLLM's detokenizer: the stop token
+        stays in ``token_ids`` and the log-probabilities, never in the text)."""
         if state.detokenizer is None:
+            return False
+        params = state.params
+        if not check_stop and not params.include_stop_str_in_output:
+            state.detokenizer.skip(token)
             return False
         delta = state.detokenizer.append(token)
         state.text += delta
-        params = state.params
         if not (check_stop and delta and params.stop
                 and len(state.output_token_ids) >= params.min_tokens):
             return False

@@ -209,3 +209,81 @@ def test_stop_whole_text_new():
 
 def test_stop_multichar_unicode():
     assert check_stop_strings("答案：中文。结束", 2, ["结束"], False) == ("答案：中文。", 0)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_stop_token_is_counted_but_never_decoded(tok, skip_special_tokens):
+    # vLLM's detokenizer leaves the stop token (EOS or a stop_token_ids hit) out of the text
+    # whatever skip_special_tokens says; transformers' decode of the ids before it is the
+    # reference.
+    prompt = tok.encode("Q: ", add_special_tokens=False)
+    ids = tok.encode("Hello world! Café", add_special_tokens=False)
+    eos = tok.eos_token_id
+    for stop in (eos, ids[0]):                   # a special EOS, and a plain token id
+        detok = _run(tok, prompt, ids, skip_special_tokens)
+        detok.skip(stop)
+        pieces = detok.text + detok.flush()
+        assert pieces == detok.text == _expected(tok, ids, skip_special_tokens)
+        assert detok.token_ids == ids + [stop]
+        assert detok.num_tokens == len(ids) + 1
+    assert tok.eos_token not in detok.text
+
+
+def _processor_run(tok, ids, stop, **params):
+    """``ids`` through an ``OutputProcessor`` as the core sends them, one token a step with
+    log-probabilities, the last one (``stop``) ending the request with ``FinishReason.STOP``;
+    returns the finished ``CompletionOutput`` and the concatenated ``DELTA`` texts."""
+    from manylora.engine.output_processor import OutputProcessor
+    from manylora.engine.protocol import EngineCoreOutput, FinishReason
+    from manylora.sample.sampler import TokenLogprobs
+    from manylora.sampling_params import RequestOutputKind, SamplingParams
+
+    prompt = tok.encode("Q: ", add_special_tokens=False)
+    finals, deltas = [], ""
+    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA):
+        proc = OutputProcessor(tok)
+        proc.add("r", None, prompt, SamplingParams(logprobs=0, output_kind=kind, **params),
+                 None, 0.0)
+        proc.answered("r", [])
+        seq = ids + [stop]
+        for i, t in enumerate(seq):
+            end = i == len(seq) - 1
+            outs, _, failed = proc.process_outputs([EngineCoreOutput(
+                "r", [t], [TokenLogprobs(-0.5, 1, [], [])],
+                FinishReason.STOP if end else None,
+                None if t == tok.eos_token_id else t if end else None)])
+            assert not failed
+            for out in outs:
+                if kind is RequestOutputKind.DELTA:
+                    deltas += out.outputs[0].text
+                else:
+                    finals.append(out.outputs[0])
+    [final] = finals
+    return final, deltas
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_output_processor_leaves_the_stop_token_out_of_text_and_deltas(tok,
+                                                                        skip_special_tokens):
+    ids = tok.encode("Hello world!", add_special_tokens=False)
+    for stop in (tok.eos_token_id, ids[0]):
+        final, deltas = _processor_run(tok, ids, stop, skip_special_tokens=skip_special_tokens,
+                                       stop_token_ids=[ids[0]], min_tokens=len(ids) + 1)
+        want = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert final.text == deltas == want
+        assert final.finish_reason == "stop"
+        # as vLLM: the stop token stays in the ids and the log-probabilities, with its text
+        assert final.token_ids == ids + [stop]
+        assert len(final.logprobs) == len(ids) + 1
+        assert final.logprobs[-1][stop].decoded_token == tok.convert_tokens_to_string(
+            [tok.convert_ids_to_tokens(stop)])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_token_text(tok):
+    # vLLM decodes the stop token only when include_stop_str_in_output asks for it
+    ids = tok.encode("Hello world!", add_special_tokens=False)
+    final, deltas = _processor_run(tok, ids, tok.eos_token_id, skip_special_tokens=False,
+                                   include_stop_str_in_output=True)
+    assert final.text == deltas == tok.decode(ids + [tok.eos_token_id],
+                                              skip_special_tokens=False)
+    assert final.text.endswith(tok.eos_token)

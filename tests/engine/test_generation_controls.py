@@ -56,8 +56,10 @@ def test_stop_token_ids_and_stop_strings(llm):
     assert by_id.outputs[0].token_ids == full.token_ids[:first + 1]
     assert by_id.outputs[0].finish_reason == "stop"
     assert by_id.outputs[0].stop_reason == stop_id
-
     tok = llm.get_tokenizer()
+    # as vLLM: the stop token is in token_ids, not in the text
+    assert by_id.outputs[0].text == tok.decode(full.token_ids[:first], skip_special_tokens=True)
+
     text = full.text
     stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip()
                 and "\ufffd" not in text[i:i + 2])

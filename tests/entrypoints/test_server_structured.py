@@ -130,6 +130,9 @@ def test_completions_structured_outputs_and_response_format(server, stream):
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"},
                          "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    # options alone need a response_format to give the kind
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"disable_any_whitespace": True}},
+     "structured_outputs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "yaml"}},
      "response_format.type"),
 ])

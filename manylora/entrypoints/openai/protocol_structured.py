@@ -51,7 +51,8 @@ class ResponseFormat(RequestModel):
 
 def _publish_one_kind(schema: dict[str, Any]) -> None:
     """Publish what ``StructuredOutputsParams`` accepts: exactly one kind of constraint set
-    (one schema per kind, ``anyOf``; ``json_object`` counts when true), non-empty ``regex``,
+    (one schema per kind, ``anyOf``; ``json_object`` counts when true), or none when a
+    ``response_format`` gives the kind (options alone), non-empty ``regex``,
     ``grammar``, ``structural_tag`` and ``choice``, no ``whitespace_pattern``. Validation
     stays wider, so that the 400 gives the reason; what no schema states (a regex or grammar
     that does not compile, ``json`` text that is not JSON) stays with the checks."""
@@ -70,13 +71,15 @@ def _publish_one_kind(schema: dict[str, Any]) -> None:
     unset = {name: {"enum": [False, None]} if name == "json_object" else null
              for name in kinds}
     schema["anyOf"] = [{"properties": {**unset, name: member}, "required": [name]}
-                       for name, member in kinds.items()]
+                       for name, member in kinds.items()] + [{"properties": unset}]
 
 
 class StructuredOutputsRequest(RequestModel):
     """vLLM's ``structured_outputs`` extra: exactly one of ``json`` (a schema, an object or
     its JSON text), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object``,
-    ``structural_tag`` (xgrammar's, as JSON text); ``disable_any_whitespace``,
+    ``structural_tag`` (xgrammar's, as JSON text), or none of them beside a
+    ``response_format`` that gives the kind (as vLLM fills the request's
+    ``structured_outputs`` from it); ``disable_any_whitespace``,
     ``disable_additional_properties``, and ``disable_fallback`` (accepted: xgrammar is the
     only backend, there is nothing to fall back to). ``whitespace_pattern`` is a 400: it is
     not an xgrammar option. The published schema states these rules."""
@@ -124,16 +127,19 @@ def structured_params(request: StructuredFields) -> tuple[StructuredOutputsParam
     """The request's output constraint and the parameter it came from
     (``structured_outputs`` or ``response_format``); ``(None, None)`` without one.
 
+    A ``structured_outputs`` that sets no kind beside a ``response_format`` that gives one
+    lends it its options (``disable_any_whitespace``, ``disable_additional_properties``),
+    as vLLM fills the request's ``structured_outputs`` from its ``response_format``.
+
     Raises:
-        OpenAIError: 400 naming the parameter: both set, a ``json_schema`` response format
-            without its ``json_schema.schema``, ``whitespace_pattern``, or fields that
-            ``StructuredOutputsParams`` refuses (none or several kinds, a bad ``json``).
+        OpenAIError: 400 naming the parameter: both set a kind, a ``json_schema`` response
+            format without its ``json_schema.schema``, ``whitespace_pattern``, or fields
+            that ``StructuredOutputsParams`` refuses (none or several kinds, a bad
+            ``json``).
     """
     so, fmt = request.structured_outputs, request.response_format
     constrained_fmt = fmt is not None and fmt.type != "text"
-    if so is not None and constrained_fmt:
-        raise bad_request("set either structured_outputs or a response_format other than "
-                          "text, not both", param="structured_outputs")
+    options: dict[str, Any] = {}
     if so is not None:
         if so.whitespace_pattern is not None:
             raise bad_request("structured_outputs.whitespace_pattern is not supported by the "
@@ -141,15 +147,24 @@ def structured_params(request: StructuredFields) -> tuple[StructuredOutputsParam
                               param="structured_outputs.whitespace_pattern")
         fields = so.model_dump(by_alias=True,
                                exclude={"disable_fallback", "whitespace_pattern"})
-        return _params("structured_outputs", **fields), "structured_outputs"
+        options = {k: fields.pop(k) for k in ("disable_any_whitespace",
+                                              "disable_additional_properties")}
+        has_kind = any(v not in (None, False) for v in fields.values())
+        if has_kind and constrained_fmt:
+            raise bad_request("set either structured_outputs or a response_format other "
+                              "than text, not both (structured_outputs may carry options "
+                              "alone beside a response_format)", param="structured_outputs")
+        if not constrained_fmt:
+            return _params("structured_outputs", **fields, **options), "structured_outputs"
     if not constrained_fmt:
         return None, None
     if fmt.type == "json_object":
-        return _params("response_format", json_object=True), "response_format"
+        return _params("response_format", json_object=True, **options), "response_format"
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise bad_request("response_format json_schema needs json_schema.schema",
                           param="response_format.json_schema")
-    return _params("response_format", json=fmt.json_schema.schema_), "response_format"
+    return (_params("response_format", json=fmt.json_schema.schema_, **options),
+            "response_format")
 
 
 def _params(param: str, **fields: Any) -> StructuredOutputsParams:

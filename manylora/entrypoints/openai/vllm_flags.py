@@ -137,8 +137,11 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
             "xgrammar's", ("xgrammar", "auto")),
     _noop("--guided-decoding-disable-fallback", "bool",
           "xgrammar is the only backend: there is nothing to fall back to"),
-    _refuse("--guided-decoding-disable-any-whitespace", "bool", _NOT_YET, (False,)),
-    _refuse("--guided-decoding-disable-additional-properties", "bool", _NOT_YET, (False,)),
+    _refuse("--guided-decoding-disable-any-whitespace", "bool", "vLLM 0.10's; use "
+            "--structured-outputs-config '{\"disable_any_whitespace\": true}'", (False,)),
+    _refuse("--guided-decoding-disable-additional-properties", "bool", "vLLM 0.10's; use "
+            "--structured-outputs-config '{\"disable_additional_properties\": true}'",
+            (False,)),
     # parallelism
     _refuse("--distributed-executor-backend", "str", "manylora's tensor-parallel ranks are "
             "processes of this host (vLLM's mp)", ("mp",)),
