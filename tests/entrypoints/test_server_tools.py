@@ -423,3 +423,38 @@ def test_responses_bad_tools_are_400_naming_them(tool_server, body, param, named
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith(param) and named in error["message"], r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_auto_choice_answers_as_the_chat_route(oai, stream):
+    kwargs = dict(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS, tool_choice="auto",
+                  max_output_tokens=16, temperature=0, store=False)
+    if stream:
+        events = list(oai.responses.create(stream=True, **kwargs))
+        reply = events[-1].response
+    else:
+        reply = oai.responses.create(**kwargs)
+    chat = oai.chat.completions.create(model=BASE, messages=USER, tools=TOOLS,
+                                       tool_choice="auto", max_tokens=16, temperature=0)
+    # the random model writes no <tool_call>: one message item with the chat route's text
+    assert [item.type for item in reply.output] == ["message"]
+    assert reply.output_text == chat.choices[0].message.content
+
+
+@needs_grammar
+@needs_penalties
+def test_responses_stored_calls_continue_with_previous_response_id(oai, no_whitespace):
+    first = oai.responses.create(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
+                                 tool_choice={"type": "function", "name": "alert"},
+                                 max_output_tokens=MAX_TOKENS,
+                                 extra_body={"logit_bias": no_whitespace})
+    [call] = first.output
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "none"}]
+    second = oai.responses.create(model=BASE, previous_response_id=first.id, input=result,
+                                  tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=2)
+    replayed = oai.responses.create(model=BASE, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments}, *result],
+        tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=2, store=False)
+    assert second.usage.input_tokens == replayed.usage.input_tokens
