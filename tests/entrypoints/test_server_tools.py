@@ -458,3 +458,18 @@ def test_responses_stored_calls_continue_with_previous_response_id(oai, no_white
          "arguments": call.arguments}, *result],
         tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=2, store=False)
     assert second.usage.input_tokens == replayed.usage.input_tokens
+
+
+@needs_grammar
+@needs_penalties
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_max_tool_calls_keeps_the_first_calls(oai, no_whitespace, stream):
+    def calls(**extra):
+        kwargs = dict(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
+                      tool_choice="required", max_output_tokens=MAX_TOKENS, store=False,
+                      extra_body={"logit_bias": no_whitespace, "seed": 4}, **extra)
+        reply = (list(oai.responses.create(stream=True, **kwargs))[-1].response if stream
+                 else oai.responses.create(**kwargs))
+        return [(c.name, c.arguments) for c in reply.output if c.type == "function_call"]
+    everything = calls()        # seed 4: the tiny random model writes two calls
+    assert len(everything) >= 2 and calls(max_tool_calls=1) == everything[:1]

@@ -250,11 +250,13 @@ class _StreamedItems:
 
     Args:
         plan: the request's tool plan (mode ``none``: text only).
+        max_calls: ``max_tool_calls``: the calls past it are left out; None: no bound.
     """
 
-    def __init__(self, plan: ToolPlan) -> None:
+    def __init__(self, plan: ToolPlan, max_calls: int | None = None) -> None:
         self.seq = iter(range(2**62))
         self.tools = plan.stream()
+        self.max_calls = max_calls
         self.done: list[Any] = []        # the finished items, in output order
         self._opened = 0                 # items opened so far (the next output_index)
         self._message: tuple[str, int, list[str], list] | None = None
@@ -311,7 +313,8 @@ class _StreamedItems:
         delta = self.tools.delta(text, finished)
         events = self._text(delta.content, []) if delta.content else []
         for piece in delta.tool_calls or ():
-            events += self._piece(piece)
+            if self.max_calls is None or piece.index < self.max_calls:
+                events += self._piece(piece)
         return events
 
     def _close_message(self, finish_reason: str | None, wants_logprobs: bool | None) -> list[str]:
@@ -553,14 +556,15 @@ class OpenAIServingResponses(OpenAIServing):
     def _finished(self, request: ResponsesRequest, base: ResponsesResponse,
                   final: RequestOutput, num_input: int, plan: ToolPlan) -> ResponsesResponse:
         """The finished response: a message item with the text (none when only calls
-        were made), then a ``function_call`` item per call the plan reads out of it."""
+        were made), then a ``function_call`` item per call the plan reads out of it (the
+        first ``max_tool_calls`` of them)."""
         out = final.outputs[0]
         logprobs = None
         if request.wants_logprobs() and out.logprobs is not None:
             logprobs = chat_logprobs(out.token_ids, out.logprobs,
                                      request.top_logprobs or 0).content
         chat_message, _ = plan.message(out.text, out.finish_reason)
-        calls = chat_message.tool_calls or []
+        calls = (chat_message.tool_calls or [])[:request.max_tool_calls]
         output: list[Any] = []
         if chat_message.content or not calls:
             output.append(self._message(f"msg_{uuid.uuid4().hex}", chat_message.content or "",
@@ -582,7 +586,7 @@ class OpenAIServingResponses(OpenAIServing):
     async def _stream(self, request: ResponsesRequest, base: ResponsesResponse,
                       conversation: list[dict[str, Any]], num_input: int,
                       merged: MergedStream, plan: ToolPlan) -> AsyncIterator[str]:
-        items = _StreamedItems(plan)
+        items = _StreamedItems(plan, request.max_tool_calls)
         seq = items.seq
         num_output = 0
         finish_reason = None
