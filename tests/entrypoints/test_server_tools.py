@@ -340,3 +340,136 @@ def test_tokenize_renders_tools_as_the_chat_route(tool_server):
         "model": BASE, "messages": HISTORY, "tools": TOOLS, "tool_choice": "none",
         "max_tokens": 1}).json()
     assert with_tools["count"] == chat["usage"]["prompt_tokens"]
+
+
+# ------------------------------------------------------------------ Responses API tools
+
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+@needs_grammar
+@needs_penalties
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "name": "forecast"}, "required"])
+def test_responses_forced_choice_returns_a_function_call_that_round_trips(
+        oai, no_whitespace, tool_choice):
+    first = oai.responses.create(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
+                                 tool_choice=tool_choice, max_output_tokens=MAX_TOKENS,
+                                 extra_body={"logit_bias": no_whitespace}, store=False)
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and first.status == "completed"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    # the calls and their results sent back render as the chat route's tool messages
+    replay = [{"role": "user", "content": "Weather in Oslo?"}] + [
+        {"type": "function_call", "call_id": c.call_id, "name": c.name,
+         "arguments": c.arguments} for c in calls] + [
+        {"type": "function_call_output", "call_id": c.call_id, "output": "cold"}
+        for c in calls]
+    second = oai.responses.create(model=BASE, input=replay, tools=FLAT_TOOLS,
+                                  tool_choice="none", max_output_tokens=4, store=False)
+    assert [item.type for item in second.output] == ["message"]
+    history = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": c.call_id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}] + [
+        {"role": "tool", "tool_call_id": c.call_id, "content": "cold"} for c in calls]
+    chat = oai.chat.completions.create(model=BASE, messages=history, tools=TOOLS,
+                                       tool_choice="none", max_tokens=1)
+    without_result = oai.chat.completions.create(model=BASE, messages=history[:-len(calls)],
+                                                 tools=TOOLS, tool_choice="none", max_tokens=1)
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens > without_result.usage.prompt_tokens
+
+
+@needs_grammar
+@needs_penalties
+def test_responses_streamed_function_call_events_come_in_order(oai, no_whitespace):
+    events = list(oai.responses.create(
+        model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS, stream=True,
+        tool_choice={"type": "function", "name": "alert"}, max_output_tokens=MAX_TOKENS,
+        extra_body={"logit_bias": no_whitespace}, store=False))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert deltas >= 1
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * deltas,
+                     "response.function_call_arguments.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added, done, final = events[2].item, events[-2].item, events[-1].response
+    assert (added.type, added.name, added.status) == ("function_call", "alert", "in_progress")
+    arguments = "".join(e.delta for e in events if e.type.endswith("arguments.delta"))
+    assert events[-3].arguments == done.arguments == arguments
+    jsonschema.validate(json.loads(arguments), ALERT)
+    assert final.output[0].call_id == done.call_id == added.call_id
+    assert final.output[0].arguments == arguments
+
+
+@pytest.mark.parametrize("body, param, named", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "web_search"),
+    ({"tools": FLAT_TOOLS + [{"type": "file_search", "vector_store_ids": []}]},
+     "tools[2].type", "file_search"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "function", "name": "nowcast"}},
+     "tool_choice", "nowcast"),
+    ({"tools": FLAT_TOOLS, "tool_choice": {"type": "web_search_preview"}},
+     "tool_choice", "web_search_preview"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools[0]", "name"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"}]},
+     "input", "JSON"),
+])
+def test_responses_bad_tools_are_400_naming_them(tool_server, body, param, named):
+    r = httpx.post(f"{tool_server}/v1/responses",
+                   json={"model": BASE, "input": "Weather?", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"].startswith(param) and named in error["message"], r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_auto_choice_answers_as_the_chat_route(oai, stream):
+    kwargs = dict(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS, tool_choice="auto",
+                  max_output_tokens=16, temperature=0, store=False)
+    if stream:
+        events = list(oai.responses.create(stream=True, **kwargs))
+        reply = events[-1].response
+    else:
+        reply = oai.responses.create(**kwargs)
+    chat = oai.chat.completions.create(model=BASE, messages=USER, tools=TOOLS,
+                                       tool_choice="auto", max_tokens=16, temperature=0)
+    # the random model writes no <tool_call>: one message item with the chat route's text
+    assert [item.type for item in reply.output] == ["message"]
+    assert reply.output_text == chat.choices[0].message.content
+
+
+@needs_grammar
+@needs_penalties
+def test_responses_stored_calls_continue_with_previous_response_id(oai, no_whitespace):
+    first = oai.responses.create(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
+                                 tool_choice={"type": "function", "name": "alert"},
+                                 max_output_tokens=MAX_TOKENS,
+                                 extra_body={"logit_bias": no_whitespace})
+    [call] = first.output
+    result = [{"type": "function_call_output", "call_id": call.call_id, "output": "none"}]
+    second = oai.responses.create(model=BASE, previous_response_id=first.id, input=result,
+                                  tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=2)
+    replayed = oai.responses.create(model=BASE, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments}, *result],
+        tools=FLAT_TOOLS, tool_choice="none", max_output_tokens=2, store=False)
+    assert second.usage.input_tokens == replayed.usage.input_tokens
+
+
+@needs_grammar
+@needs_penalties
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_max_tool_calls_keeps_the_first_calls(oai, no_whitespace, stream):
+    def calls(**extra):
+        kwargs = dict(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
+                      tool_choice="required", max_output_tokens=MAX_TOKENS, store=False,
+                      extra_body={"logit_bias": no_whitespace, "seed": 4}, **extra)
+        reply = (list(oai.responses.create(stream=True, **kwargs))[-1].response if stream
+                 else oai.responses.create(**kwargs))
+        return [(c.name, c.arguments) for c in reply.output if c.type == "function_call"]
+    everything = calls()        # seed 4: the tiny random model writes two calls
+    assert len(everything) >= 2 and calls(max_tool_calls=1) == everything[:1]

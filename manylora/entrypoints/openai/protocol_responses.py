@@ -1,5 +1,5 @@
 """Request, response and event bodies of ``POST /v1/responses`` (OpenAI's Responses API, for
-text, with vLLM's sampling extras).
+text and function tools, with vLLM's sampling extras).
 
 Field names and JSON shapes follow OpenAI's API reference, so that the official ``openai``
 client parses every object and streamed event (``client.responses.create`` /
@@ -7,8 +7,9 @@ client parses every object and streamed event (``client.responses.create`` /
 ``responses.create`` (and vLLM's extras ``top_k``, ``seed``, ``stop``, ``ignore_eos``,
 ``repetition_penalty``, ``logit_bias``, ``skip_special_tokens``,
 ``include_stop_str_in_output``, ``chat_template_kwargs``, ``request_id``, ``priority``):
-each is honoured or, for what a text-only server cannot do (tools, reasoning items,
-background runs, prompt templates, conversations, file and image inputs), refused by
+each is honoured or, for what this server cannot do (tools other than functions,
+reasoning items, background runs, prompt templates, conversations, file and image inputs),
+refused by
 :meth:`ResponsesRequest.check` with a 400 naming it. Pydantic checks types strictly and
 every client-chosen name (:mod:`~manylora.entrypoints.openai.validation`).
 """
@@ -17,7 +18,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StringConstraints,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 
 from manylora.entrypoints.openai.errors import bad_request
 from manylora.entrypoints.openai.protocol import (
@@ -26,11 +36,19 @@ from manylora.entrypoints.openai.protocol import (
     ChatCompletionLogProbsContent,
     publish_sampling,
 )
+from manylora.entrypoints.openai.protocol_tools import (
+    ChatCompletionNamedToolChoiceParam,
+    ChatCompletionToolsParam,
+    FunctionCallParam,
+    FunctionDefinition,
+    check_tool_request,
+)
 from manylora.entrypoints.openai.validation import (
     ClientName,
     RequestModel,
     publish_rule,
     published_bounds,
+    validation_error,
 )
 from manylora.sampling_params import MAX_LOGPROBS
 
@@ -41,6 +59,12 @@ __all__ = [
     "ResponseCreatedEvent",
     "ResponseErrorEvent",
     "ResponseFailedEvent",
+    "ResponseFunctionCallArgumentsDeltaEvent",
+    "ResponseFunctionCallArgumentsDoneEvent",
+    "ResponseFunctionCallItem",
+    "ResponseFunctionCallOutputItem",
+    "ResponseFunctionTool",
+    "ResponseFunctionToolCall",
     "ResponseInProgressEvent",
     "ResponseCompletedEvent",
     "ResponseInputMessage",
@@ -114,6 +138,74 @@ class ResponseInputMessage(RequestModel):
         return "\n".join(part.text for part in self.content)
 
 
+class ResponseFunctionCallItem(RequestModel):
+    """A ``function_call`` item of ``input``: a call the model made earlier, sent back
+    (OpenAI's shape; ``arguments`` is JSON text). ``id`` and ``status`` are accepted and
+    not used."""
+
+    type: Literal["function_call"]
+    call_id: ClientName
+    name: ClientName
+    arguments: str
+    id: ClientName | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, value: str) -> str:
+        return FunctionCallParam._json_text(value)
+
+
+class ResponseFunctionCallOutputItem(RequestModel):
+    """A ``function_call_output`` item of ``input``: the result of the call ``call_id``,
+    as text or text parts (joined with newlines). ``id`` and ``status`` are accepted and
+    not used."""
+
+    type: Literal["function_call_output"]
+    call_id: ClientName
+    output: str | list[ResponseInputTextPart]
+    id: ClientName | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        """The output as one string (parts joined with newlines)."""
+        if isinstance(self.output, str):
+            return self.output
+        return "\n".join(part.text for part in self.output)
+
+
+def _input_item_type(value: Any) -> str:
+    """The kind of an ``input`` item (a message when ``type`` is left out)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function_call", "function_call_output") else "message"
+
+
+#: One item of a list ``input``: a message, a function call or a function call's output.
+ResponseInputItem = Annotated[
+    Annotated[ResponseInputMessage, Tag("message")]
+    | Annotated[ResponseFunctionCallItem, Tag("function_call")]
+    | Annotated[ResponseFunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_input_item_type)]
+
+
+class ResponseFunctionTool(RequestModel):
+    """One function of ``tools``, in the Responses API's flat shape ``{"type":
+    "function", "name", "description"?, "parameters"?, "strict"?}``."""
+
+    type: Literal["function"]
+    name: ClientName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def to_chat(self) -> ChatCompletionToolsParam:
+        """The same tool in the chat route's nested shape (``{"type": "function",
+        "function": {...}}``)."""
+        return ChatCompletionToolsParam(function=FunctionDefinition(
+            name=self.name, description=self.description, parameters=self.parameters,
+            strict=self.strict))
+
+
 class TextFormatText(RequestModel):
     """``text.format`` ``{"type": "text"}``: free text (the default)."""
 
@@ -176,6 +268,13 @@ class ResponseStreamOptions(RequestModel):
     include_obfuscation: bool | None = None
 
 
+_FUNCTION_TOOL_SCHEMA = ResponseFunctionTool.model_json_schema()
+_NAMED_CHOICE_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["type", "name"],
+    "properties": {"type": {"const": "function", "type": "string"},
+                   "name": ResponseFunctionTool.model_json_schema()["properties"]["name"]}}
+
+
 def _publish_checks(schema: dict[str, Any]) -> None:
     """Narrow the published schema of :class:`ResponsesRequest` to what ``check`` accepts
     (bounds, and only the unset values of the unsupported fields, the reason in their
@@ -197,9 +296,11 @@ def _publish_checks(schema: dict[str, Any]) -> None:
                                for o in props["input"]["anyOf"]]
     null, empty_list = {"type": "null"}, {"type": "array", "maxItems": 0}
     empty_object = {"type": "object", "maxProperties": 0}
-    unset = {"tools": [null, empty_list],
-             "tool_choice": [null, {"enum": ["none", "auto"]}],
-             "background": [null, {"const": False}],
+    props["tools"] = {"anyOf": [{"type": "array", "items": _FUNCTION_TOOL_SCHEMA}, null],
+                      "default": None, "description": "function tools only"}
+    props["tool_choice"] = {"anyOf": [{"enum": ["none", "auto", "required"]},
+                                      _NAMED_CHOICE_SCHEMA, null], "default": None}
+    unset = {"background": [null, {"const": False}],
              "prompt": [null, empty_object],
              "conversation": [null, {"const": ""}, empty_object],
              "context_management": [null, empty_list],
@@ -214,14 +315,17 @@ def _publish_checks(schema: dict[str, Any]) -> None:
 
 class ResponsesRequest(RequestModel):
     """Body of ``POST /v1/responses``: OpenAI's ``responses.create`` for text, with vLLM's
-    extras. ``input`` is one user text or a list of messages; ``instructions`` becomes a
-    leading system message (OpenAI's and vLLM's rendering). The published schema is
+    extras. ``input`` is one user text or a list of messages, ``function_call`` and
+    ``function_call_output`` items; ``instructions`` becomes a leading system message
+    (OpenAI's and vLLM's rendering). ``tools`` are function tools in the flat Responses
+    shape (kept as dicts by validation so that :meth:`check` names a refused type). The
+    published schema is
     narrowed to what :meth:`check` accepts (``_publish_checks``)."""
 
     model_config = ConfigDict(json_schema_extra=_publish_checks)
 
     model: ClientName | None = None
-    input: str | list[ResponseInputMessage]
+    input: str | list[ResponseInputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -242,9 +346,9 @@ class ResponsesRequest(RequestModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     parallel_tool_calls: bool | None = None
     max_tool_calls: int | None = None
-    # refused unless empty / unset (see check)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    # refused unless empty / unset (see check)
     reasoning: ReasoningConfig | None = None
     background: bool | None = False
     prompt: dict[str, Any] | None = None
@@ -275,7 +379,10 @@ class ResponsesRequest(RequestModel):
                 ``max_tool_calls`` below 1; ``top_logprobs`` outside ``[0, MAX_LOGPROBS]``;
                 an ``include`` other than ``message.output_text.logprobs``; a ``seed``
                 outside the signed 64-bit range; ``stream_options`` without ``stream``;
-                non-empty ``tools``, a ``tool_choice`` asking for a tool; a ``reasoning``
+                a tool other than a function, a malformed tool, two tools of one name,
+                a ``tool_choice`` other than ``none`` without tools, naming no tool, or
+                forcing a call with a JSON ``text.format``, output logprobs with tools
+                that may be called; a ``reasoning``
                 effort or summary; ``background``; a ``prompt`` template; a
                 ``conversation``; ``context_management``; a ``service_tier`` other than
                 ``auto`` / ``default``; ``prompt_cache_retention`` ``24h``; a non-zero
@@ -303,13 +410,70 @@ class ResponsesRequest(RequestModel):
                               param="stream_options")
         self._check_unsupported()
 
+    def chat_tools(self) -> list[ChatCompletionToolsParam] | None:
+        """``tools`` in the chat route's nested shape, or None without tools.
+
+        Raises:
+            OpenAIError: 400 (``tools[i].type``) for a tool type other than ``function``
+                (``web_search``, ``file_search``, ...), naming it; 400 naming the field of
+                a malformed function tool.
+        """
+        if not self.tools:
+            return None
+        tools = []
+        for i, tool in enumerate(self.tools):
+            kind = tool.get("type")
+            if kind != "function":
+                raise bad_request(f"tools[{i}] has type {kind!r}, which this server does not "
+                                  "support; only 'function' tools are", param=f"tools[{i}].type")
+            try:
+                tools.append(ResponseFunctionTool.model_validate(tool).to_chat())
+            except ValidationError as e:
+                raise validation_error([{**err, "loc": ("body", "tools", i, *err["loc"])}
+                                        for err in e.errors()]) from None
+        return tools
+
+    def chat_tool_choice(self) -> str | ChatCompletionNamedToolChoiceParam | None:
+        """``tool_choice`` as the chat route takes it: ``none`` / ``auto`` / ``required``
+        as is, the flat ``{"type": "function", "name"}`` as the nested named choice.
+
+        Raises:
+            OpenAIError: 400 (``tool_choice``) for any other object (``allowed_tools``,
+                hosted tool types, a malformed function choice), naming its type.
+        """
+        choice = self.tool_choice
+        if not isinstance(choice, dict):
+            return choice
+        if (choice.get("type") != "function" or set(choice) != {"type", "name"}
+                or not isinstance(choice["name"], str)):
+            raise bad_request(f"tool_choice of type {choice.get('type')!r} is not supported; "
+                              "give 'none', 'auto', 'required' or {'type': 'function', "
+                              "'name': <one of tools>}", param="tool_choice")
+        try:
+            return ChatCompletionNamedToolChoiceParam(function={"name": choice["name"]})
+        except ValidationError as e:
+            raise validation_error([{**err, "loc": ("body", "tool_choice", "name")}
+                                    for err in e.errors()]) from None
+
+    def _check_tools(self) -> None:
+        """The 400s of ``tools`` and ``tool_choice`` (the chat route's rules, with the
+        Responses API's names)."""
+        tools, choice = self.chat_tools(), self.chat_tool_choice()
+        check_tool_request(tools, choice, constrained=False)
+        fmt = self.text.format if self.text is not None else None
+        forced = tools and choice not in (None, "none", "auto")
+        if forced and isinstance(fmt, (TextFormatJSONObject, TextFormatJSONSchema)):
+            raise bad_request("a required or named tool_choice constrains the output itself; "
+                              "it cannot be combined with a JSON text.format",
+                              param="tool_choice")
+        if tools and choice != "none" and self.wants_logprobs():
+            raise bad_request("include 'message.output_text.logprobs' is not supported with "
+                              "tools that may be called (tool_choice 'none' allows it)",
+                              param="include")
+
     def _check_unsupported(self) -> None:
-        """The 400s for features a text-only server does not serve."""
-        if self.tools:
-            raise bad_request("tools are not supported by /v1/responses on this server",
-                              param="tools")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise bad_request("tool_choice is not supported (no tools)", param="tool_choice")
+        """The 400s for features this server does not serve."""
+        self._check_tools()
         if self.reasoning is not None and any(
                 v not in (None, "none") for v in (self.reasoning.effort, self.reasoning.summary,
                                                   self.reasoning.generate_summary)):
@@ -359,6 +523,23 @@ class ResponseOutputMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     status: Literal["in_progress", "completed", "incomplete"]
     content: list[ResponseOutputText]
+
+
+class ResponseFunctionToolCall(BaseModel):
+    """A ``function_call`` output item: a call of one of ``tools``, its ``arguments`` as
+    JSON text; ``call_id`` is what a ``function_call_output`` item answers."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+#: One output item: the assistant's message or a function call.
+ResponseOutputItem = Annotated[ResponseOutputMessage | ResponseFunctionToolCall,
+                               Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -414,7 +595,7 @@ class ResponsesResponse(BaseModel):
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     model: str
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    output: list[ResponseOutputItem] = Field(default_factory=list)
     parallel_tool_calls: bool = True
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
@@ -422,7 +603,7 @@ class ResponsesResponse(BaseModel):
     store: bool = True
     temperature: float = 1.0
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tool_choice: str = "auto"
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
     top_logprobs: int = 0
     top_p: float = 1.0
@@ -437,7 +618,8 @@ class ResponsesResponse(BaseModel):
     def output_text(self) -> str:
         """The assistant's text, all parts joined (the ``openai`` client's
         ``output_text``)."""
-        return "".join(part.text for item in self.output for part in item.content)
+        return "".join(part.text for item in self.output if item.type == "message"
+                       for part in item.content)
 
 
 # ------------------------------------------------------------------------------- events
@@ -470,11 +652,12 @@ class ResponseInProgressEvent(_Event):
 
 
 class ResponseOutputItemAddedEvent(_Event):
-    """``response.output_item.added``: the message item, ``in_progress``, no content."""
+    """``response.output_item.added``: a message item, ``in_progress``, no content, or a
+    function call, ``in_progress``, its name and no arguments yet."""
 
     type: Literal["response.output_item.added"] = "response.output_item.added"
     output_index: int
-    item: ResponseOutputMessage
+    item: ResponseOutputItem
 
 
 class ResponseContentPartAddedEvent(_ContentEvent):
@@ -509,11 +692,32 @@ class ResponseContentPartDoneEvent(_ContentEvent):
 
 
 class ResponseOutputItemDoneEvent(_Event):
-    """``response.output_item.done``: the finished message item."""
+    """``response.output_item.done``: the finished message or function call item."""
 
     type: Literal["response.output_item.done"] = "response.output_item.done"
     output_index: int
-    item: ResponseOutputMessage
+    item: ResponseOutputItem
+
+
+class ResponseFunctionCallArgumentsDeltaEvent(_Event):
+    """``response.function_call_arguments.delta``: a fragment of a call's arguments."""
+
+    type: Literal["response.function_call_arguments.delta"] = (
+        "response.function_call_arguments.delta")
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ResponseFunctionCallArgumentsDoneEvent(_Event):
+    """``response.function_call_arguments.done``: a call's whole arguments."""
+
+    type: Literal["response.function_call_arguments.done"] = (
+        "response.function_call_arguments.done")
+    item_id: str
+    output_index: int
+    name: str
+    arguments: str
 
 
 class ResponseCompletedEvent(_Event):
@@ -540,12 +744,15 @@ class ResponseErrorEvent(_Event):
     param: str | None = None
 
 
-#: Every event a streamed response sends, in the order of a successful stream (then the
-#: two of a failed one).
+#: Every event a streamed response sends, in the order of a successful stream (a function
+#: call item's argument events in place of a message's content events), then the two of a
+#: failed one.
 STREAM_EVENTS: tuple[type[_Event], ...] = (
     ResponseCreatedEvent, ResponseInProgressEvent, ResponseOutputItemAddedEvent,
     ResponseContentPartAddedEvent, ResponseTextDeltaEvent, ResponseTextDoneEvent,
-    ResponseContentPartDoneEvent, ResponseOutputItemDoneEvent, ResponseCompletedEvent,
+    ResponseContentPartDoneEvent, ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent, ResponseOutputItemDoneEvent,
+    ResponseCompletedEvent,
     ResponseErrorEvent, ResponseFailedEvent)
 
 

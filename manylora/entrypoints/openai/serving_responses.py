@@ -1,17 +1,26 @@
-"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API for text over
-``AsyncLLM`` (vLLM's ``serving_responses`` without tools and reasoning).
+"""``POST /v1/responses`` and ``GET /v1/responses/{id}``: OpenAI's Responses API for text and
+function tools over ``AsyncLLM`` (vLLM's ``serving_responses`` without hosted tools and
+reasoning).
 
 The input (``instructions`` as a leading system message, the stored conversation of
 ``previous_response_id``, then ``input``) is rendered through the chat template and
 tokenized on the tokenization worker thread exactly as ``/v1/chat/completions`` renders
 messages (the chat endpoint's :meth:`~OpenAIServingChat.render_and_encode`), so the same
-greedy request gives the same text on both routes. One engine request per response, its own
-fairness group. Streamed, the events are OpenAI's (``response.created``,
+greedy request gives the same text on both routes; ``function_call`` and
+``function_call_output`` items become an assistant message's ``tool_calls`` and ``tool``
+messages. Function ``tools`` (flat, converted to the chat route's shape) and ``tool_choice``
+go through the chat route's :class:`~manylora.entrypoints.openai.serving_tools.ToolPlan`:
+the same ``--tool-call-parser`` for ``auto``, the same grammar for ``required`` and a named
+function; each call is a ``function_call`` output item. One engine request per response, its
+own fairness group. Streamed, the events are OpenAI's (``response.created``,
 ``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta`` ..., ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, ``response.completed``), each
-with its ``sequence_number``, framed ``event: <type>`` / ``data: <json>``; an engine error
-after the first event ends the stream with ``error`` and ``response.failed``.
+with its ``sequence_number``, framed ``event: <type>`` / ``data: <json>``; a function call
+item streams ``response.output_item.added``, ``response.function_call_arguments.delta`` ...,
+``response.function_call_arguments.done``, ``response.output_item.done`` in place of a
+message's content events. An engine error after the first event ends the stream with
+``error`` and ``response.failed``.
 
 With ``store`` (OpenAI's default) the finished response and its conversation are kept in
 memory (:class:`ResponseStore`, bounded, least recently used dropped first, as vLLM keeps
@@ -20,6 +29,7 @@ them in memory), for ``GET /v1/responses/{id}`` and ``previous_response_id``.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import uuid
@@ -44,6 +54,9 @@ from manylora.entrypoints.openai.protocol_responses import (
     ResponseError,
     ResponseErrorEvent,
     ResponseFailedEvent,
+    ResponseFunctionCallArgumentsDeltaEvent,
+    ResponseFunctionCallArgumentsDoneEvent,
+    ResponseFunctionToolCall,
     ResponseInProgressEvent,
     ResponseOutputItemAddedEvent,
     ResponseOutputItemDoneEvent,
@@ -65,6 +78,7 @@ from manylora.entrypoints.openai.serving import (
     to_openai_error,
 )
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
+from manylora.entrypoints.openai.serving_tools import ToolPlan
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream, guard_stream
 from manylora.sampling_params import SamplingParams
 from manylora.structured.grammar import check_spec_size
@@ -95,8 +109,14 @@ def response_event(event: Any) -> str:
 @dataclass
 class _Stored:
     response: ResponsesResponse
-    conversation: list[dict[str, str]]
+    conversation: list[dict[str, Any]]
     chars: int
+
+
+def _chars(message: dict[str, Any]) -> int:
+    """The characters of one conversation message's text and tool calls."""
+    calls = message.get("tool_calls")
+    return len(message.get("content") or "") + (len(json.dumps(calls)) if calls else 0)
 
 
 class ResponseStore:
@@ -127,10 +147,10 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponsesResponse, conversation: list[dict[str, str]]) -> None:
+    def put(self, response: ResponsesResponse, conversation: list[dict[str, Any]]) -> None:
         """Keep ``response`` and its ``conversation`` (dropping the least recently used
         entries over the bounds; a conversation larger than ``max_chars`` is not kept)."""
-        chars = sum(len(m["content"]) for m in conversation)
+        chars = sum(_chars(m) for m in conversation)
         if chars > self.max_chars:
             return
         with self._lock:
@@ -143,7 +163,7 @@ class ResponseStore:
                 _, dropped = self._entries.popitem(last=False)
                 self._chars -= dropped.chars
 
-    def get(self, response_id: str) -> tuple[ResponsesResponse, list[dict[str, str]]] | None:
+    def get(self, response_id: str) -> tuple[ResponsesResponse, list[dict[str, Any]]] | None:
         """The stored response and conversation, or None."""
         with self._lock:
             entry = self._entries.get(response_id)
@@ -153,10 +173,35 @@ class ResponseStore:
             return entry.response, entry.conversation
 
 
-def _input_messages(request: ResponsesRequest) -> list[dict[str, str]]:
+def _messages(items: list[Any]) -> list[dict[str, Any]]:
+    """Input or output items as chat messages: a message as its role and text; a run of
+    ``function_call`` items as the ``tool_calls`` of one assistant message (joining the
+    assistant message right before them); a ``function_call_output`` as a ``tool``
+    message answering its ``call_id`` (the chat route's shapes, as vLLM converts them)."""
+    messages: list[dict[str, Any]] = []
+    for item in items:
+        if item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": item.text()})
+        elif hasattr(item, "text"):
+            messages.append({"role": item.role, "content": item.text()})
+        else:                                                  # an output message
+            messages.append({"role": item.role,
+                             "content": "".join(part.text for part in item.content)})
+    return messages
+
+
+def _input_messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(request.input, str):
         return [{"role": "user", "content": request.input}]
-    return [{"role": m.role, "content": m.text()} for m in request.input]
+    return _messages(request.input)
 
 
 def _structured(request: ResponsesRequest, max_bytes: int) -> StructuredOutputsParams | None:
@@ -196,6 +241,116 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                           param="logit_bias") from None
 
 
+class _StreamedItems:
+    """The output items of one streamed response as events: the text of a message item
+    (its content part's deltas) and, through the plan's
+    :class:`~manylora.entrypoints.openai.serving_tools.ToolStream`, a ``function_call`` item
+    per call (its arguments' deltas). One item is open at a time: text after a call opens
+    a new message item, a new call closes what is open.
+
+    Args:
+        plan: the request's tool plan (mode ``none``: text only).
+        max_calls: ``max_tool_calls``: the calls past it are left out; None: no bound.
+    """
+
+    def __init__(self, plan: ToolPlan, max_calls: int | None = None) -> None:
+        self.seq = iter(range(2**62))
+        self.tools = plan.stream()
+        self.max_calls = max_calls
+        self.done: list[Any] = []        # the finished items, in output order
+        self._opened = 0                 # items opened so far (the next output_index)
+        self._message: tuple[str, int, list[str], list] | None = None
+        self._call: tuple[ResponseFunctionToolCall, int, int, list[str]] | None = None
+
+    def _event(self, cls: type, **fields: Any) -> str:
+        return response_event(cls(sequence_number=next(self.seq), **fields))
+
+    def open_message(self) -> list[str]:
+        """Open a message item and its ``output_text`` part."""
+        item_id, index = f"msg_{uuid.uuid4().hex}", self._opened
+        self._opened += 1
+        self._message = (item_id, index, [], [])
+        empty = ResponseOutputMessage(id=item_id, status="in_progress", content=[])
+        return [self._event(ResponseOutputItemAddedEvent, output_index=index, item=empty),
+                self._event(ResponseContentPartAddedEvent, part=ResponseOutputText(text=""),
+                            item_id=item_id, output_index=index, content_index=0)]
+
+    def _text(self, text: str, logprobs: list) -> list[str]:
+        events = self._close_call("completed") if self._message is None else []
+        if self._message is None:
+            events += self.open_message()
+        item_id, index, texts, all_logprobs = self._message
+        texts.append(text)
+        all_logprobs += logprobs
+        return events + [self._event(ResponseTextDeltaEvent, delta=text, logprobs=logprobs,
+                                     item_id=item_id, output_index=index, content_index=0)]
+
+    def _piece(self, piece: Any) -> list[str]:
+        events = []
+        fn = piece.function
+        if piece.id is not None:                       # a call's first piece
+            events += self._close_message(None, None)
+            events += self._close_call("completed")
+            item = ResponseFunctionToolCall(id=f"fc_{uuid.uuid4().hex}", call_id=piece.id,
+                                            name=fn.name, arguments="", status="in_progress")
+            self._call = (item, self._opened, piece.index, [])
+            self._opened += 1
+            events.append(self._event(ResponseOutputItemAddedEvent,
+                                      output_index=self._call[1], item=item))
+        if self._call is not None and fn is not None and fn.arguments:
+            item, index, _, fragments = self._call
+            fragments.append(fn.arguments)
+            events.append(self._event(ResponseFunctionCallArgumentsDeltaEvent,
+                                      item_id=item.id, output_index=index,
+                                      delta=fn.arguments))
+        return events
+
+    def feed(self, text: str, logprobs: list, finished: bool) -> list[str]:
+        """The events of the output's new ``text`` (and its tokens' log-probabilities);
+        ``finished``: the last output (the tool parser's held-back text comes out)."""
+        if self.tools is None:
+            return self._text(text, logprobs) if text or logprobs else []
+        delta = self.tools.delta(text, finished)
+        events = self._text(delta.content, []) if delta.content else []
+        for piece in delta.tool_calls or ():
+            if self.max_calls is None or piece.index < self.max_calls:
+                events += self._piece(piece)
+        return events
+
+    def _close_message(self, finish_reason: str | None, wants_logprobs: bool | None) -> list[str]:
+        if self._message is None:
+            return []
+        item_id, index, texts, logprobs = self._message
+        self._message = None
+        text = "".join(texts)
+        message = OpenAIServingResponses._message(item_id, text, finish_reason,
+                                                  logprobs if wants_logprobs else None)
+        self.done.append(message)
+        where = dict(item_id=item_id, output_index=index, content_index=0)
+        return [self._event(ResponseTextDoneEvent, text=text, logprobs=logprobs, **where),
+                self._event(ResponseContentPartDoneEvent, part=message.content[0], **where),
+                self._event(ResponseOutputItemDoneEvent, output_index=index, item=message)]
+
+    def _close_call(self, status: str) -> list[str]:
+        if self._call is None:
+            return []
+        item, index, _, fragments = self._call
+        self._call = None
+        item = item.model_copy(update=dict(arguments="".join(fragments), status=status))
+        self.done.append(item)
+        return [self._event(ResponseFunctionCallArgumentsDoneEvent, item_id=item.id,
+                            output_index=index, name=item.name, arguments=item.arguments),
+                self._event(ResponseOutputItemDoneEvent, output_index=index, item=item)]
+
+    def finish(self, finish_reason: str | None, wants_logprobs: bool) -> list[str]:
+        """Close the open item (opening an empty message when nothing was output)."""
+        events = [] if self._opened else self.open_message()
+        events += self._close_message(finish_reason, wants_logprobs)
+        events += self._close_call("incomplete" if finish_reason == "length"
+                                   else "completed")
+        return events
+
+
 class OpenAIServingResponses(OpenAIServing):
     """The Responses endpoint.
 
@@ -226,13 +381,13 @@ class OpenAIServingResponses(OpenAIServing):
                             param="response_id")
         return found[0]
 
-    def _conversation(self, request: ResponsesRequest) -> list[dict[str, str]]:
+    def _conversation(self, request: ResponsesRequest) -> list[dict[str, Any]]:
         """The previous response's conversation (if any) and this input.
 
         Raises:
             OpenAIError: 404 (``previous_response_id``) for an id not stored.
         """
-        history: list[dict[str, str]] = []
+        history: list[dict[str, Any]] = []
         if request.previous_response_id is not None:
             found = self.store.get(request.previous_response_id)
             if found is None:
@@ -242,15 +397,22 @@ class OpenAIServingResponses(OpenAIServing):
             history = list(found[1])
         return history + _input_messages(request)
 
-    def _render_and_encode(self, request: ResponsesRequest,
-                           conversation: list[dict[str, str]]) -> tuple[str, list[int]]:
-        """The prompt text and ids, through the chat endpoint (blocking: run it on the
-        tokenization worker); its errors name ``input``."""
+    @staticmethod
+    def _chat_request(request: ResponsesRequest,
+                      conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request the input renders as: ``instructions`` as a leading system
+        message, the conversation, and the tools in the chat route's shape."""
         messages = [{"role": "system", "content": request.instructions}] \
             if request.instructions is not None else []
-        chat_request = ChatCompletionRequest(
+        return ChatCompletionRequest(
             messages=[ChatCompletionMessageParam(**m) for m in messages + conversation],
-            chat_template_kwargs=request.chat_template_kwargs)
+            chat_template_kwargs=request.chat_template_kwargs,
+            tools=request.chat_tools(), tool_choice=request.chat_tool_choice(),
+            parallel_tool_calls=request.parallel_tool_calls)
+
+    def _render_and_encode(self, chat_request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The prompt text and ids, through the chat endpoint (blocking: run it on the
+        tokenization worker); its errors name ``input``."""
         try:
             return self.chat.render_and_encode(chat_request)
         except OpenAIError as e:
@@ -310,16 +472,23 @@ class OpenAIServingResponses(OpenAIServing):
                 the engine is overloaded or stopped; 504 for an adapter read too slow.
         """
         request.check()
+        if request.tools and len(request.tools) > self.chat.max_tools:
+            raise bad_request(f"tools holds {len(request.tools)} functions; the server "
+                              f"allows at most {self.chat.max_tools} (--max-tools)",
+                              param="tools")
         self.check_choices(1, 1)
         model_name, lora_request = self.resolve_model(request.model)
         conversation = self._conversation(request)
+        chat_request = self._chat_request(request, conversation)
+        plan = ToolPlan.for_request(chat_request, self.chat.tool_call_parser,
+                                    self.chat.enable_auto_tool_choice)
         self.require_tokenizer("/v1/responses", param="input")
-        text, token_ids = await self.prompts.run(self._render_and_encode, request,
-                                                 conversation)
+        await self.check_structured(plan.structured, "tools")
+        text, token_ids = await self.prompts.run(self._render_and_encode, chat_request)
         if not token_ids:
             raise bad_request("the input rendered to an empty prompt", param="input")
         token_ids, max_tokens = self._fit(request, token_ids)
-        params = self._sampling_params(request, max_tokens)
+        params = plan.apply(self._sampling_params(request, max_tokens))
         response_id = request.request_id or f"resp_{uuid.uuid4().hex}"
         child = ChildRequest(response_id, 0, token_ids, text, params)
         try:
@@ -332,9 +501,9 @@ class OpenAIServingResponses(OpenAIServing):
         base = self._skeleton(request, response_id, model_name)
         if request.stream:
             return guard_stream(self._stream(request, base, conversation, len(token_ids),
-                                             merged), merged)
+                                             merged, plan), merged)
         final = (await self.collect(merged))[-1]
-        response = self._finished(request, base, final, len(token_ids))
+        response = self._finished(request, base, final, len(token_ids), plan)
         self._keep(request, response, conversation)
         return response
 
@@ -356,7 +525,7 @@ class OpenAIServingResponses(OpenAIServing):
                        if request.reasoning is not None else None),
             store=request.store is not False,
             temperature=1.0 if request.temperature is None else request.temperature,
-            text=text, tool_choice=request.tool_choice or "auto",
+            text=text, tool_choice=request.tool_choice or "auto", tools=list(request.tools or ()),
             top_logprobs=request.top_logprobs or 0,
             top_p=1.0 if request.top_p is None else request.top_p,
             truncation=request.truncation or "disabled", user=request.user,
@@ -371,46 +540,54 @@ class OpenAIServingResponses(OpenAIServing):
             ResponseOutputText(text=text, logprobs=logprobs)])
 
     @staticmethod
-    def _close(base: ResponsesResponse, message: ResponseOutputMessage,
+    def _close(base: ResponsesResponse, output: list[Any],
                finish_reason: str | None, num_input: int,
                num_output: int) -> ResponsesResponse:
         """``base`` finished: ``incomplete`` (``max_output_tokens``) when the length cut
-        it, else ``completed``; with its output and usage."""
+        it, else ``completed``; with its output items and usage."""
         cut = finish_reason == "length"
         return base.model_copy(update=dict(
             status="incomplete" if cut else "completed",
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if cut else None,
-            output=[message],
+            output=output,
             usage=ResponseUsage(input_tokens=num_input, output_tokens=num_output,
                                 total_tokens=num_input + num_output)))
 
     def _finished(self, request: ResponsesRequest, base: ResponsesResponse,
-                  final: RequestOutput, num_input: int) -> ResponsesResponse:
+                  final: RequestOutput, num_input: int, plan: ToolPlan) -> ResponsesResponse:
+        """The finished response: a message item with the text (none when only calls
+        were made), then a ``function_call`` item per call the plan reads out of it (the
+        first ``max_tool_calls`` of them)."""
         out = final.outputs[0]
         logprobs = None
         if request.wants_logprobs() and out.logprobs is not None:
             logprobs = chat_logprobs(out.token_ids, out.logprobs,
                                      request.top_logprobs or 0).content
-        message = self._message(f"msg_{uuid.uuid4().hex}", out.text, out.finish_reason,
-                                logprobs)
-        return self._close(base, message, out.finish_reason, num_input, len(out.token_ids))
+        chat_message, _ = plan.message(out.text, out.finish_reason)
+        calls = (chat_message.tool_calls or [])[:request.max_tool_calls]
+        output: list[Any] = []
+        if chat_message.content or not calls:
+            output.append(self._message(f"msg_{uuid.uuid4().hex}", chat_message.content or "",
+                                        out.finish_reason, logprobs))
+        status = "incomplete" if out.finish_reason == "length" else "completed"
+        output += [ResponseFunctionToolCall(id=f"fc_{uuid.uuid4().hex}", call_id=call.id,
+                                            name=call.function.name,
+                                            arguments=call.function.arguments, status=status)
+                   for call in calls]
+        return self._close(base, output, out.finish_reason, num_input, len(out.token_ids))
 
     def _keep(self, request: ResponsesRequest, response: ResponsesResponse,
-              conversation: list[dict[str, str]]) -> None:
+              conversation: list[dict[str, Any]]) -> None:
         """Store a finished response (with ``store``) and the conversation it ends."""
         if request.store is False:
             return
-        reply = {"role": "assistant", "content": response.output_text()}
-        self.store.put(response, [*conversation, reply])
+        self.store.put(response, [*conversation, *_messages(response.output)])
 
     async def _stream(self, request: ResponsesRequest, base: ResponsesResponse,
-                      conversation: list[dict[str, str]], num_input: int,
-                      merged: MergedStream) -> AsyncIterator[str]:
-        seq = iter(range(2**62))
-        item_id = f"msg_{uuid.uuid4().hex}"
-        where = dict(item_id=item_id, output_index=0, content_index=0)
-        texts: list[str] = []
-        logprobs: list = []
+                      conversation: list[dict[str, Any]], num_input: int,
+                      merged: MergedStream, plan: ToolPlan) -> AsyncIterator[str]:
+        items = _StreamedItems(plan, request.max_tool_calls)
+        seq = items.seq
         num_output = 0
         finish_reason = None
         wants_logprobs = request.wants_logprobs()
@@ -419,11 +596,9 @@ class OpenAIServingResponses(OpenAIServing):
                                                       response=base))
             yield response_event(ResponseInProgressEvent(sequence_number=next(seq),
                                                          response=base))
-            empty = ResponseOutputMessage(id=item_id, status="in_progress", content=[])
-            yield response_event(ResponseOutputItemAddedEvent(
-                sequence_number=next(seq), output_index=0, item=empty))
-            yield response_event(ResponseContentPartAddedEvent(
-                sequence_number=next(seq), part=ResponseOutputText(text=""), **where))
+            if items.tools is None:
+                for event in items.open_message():
+                    yield event
             try:
                 async for _, output in merged:
                     out = output.outputs[0]          # a DELTA output: only what is new
@@ -433,27 +608,16 @@ class OpenAIServingResponses(OpenAIServing):
                     if wants_logprobs and out.token_ids and out.logprobs is not None:
                         new_logprobs = chat_logprobs(out.token_ids, out.logprobs,
                                                      request.top_logprobs or 0).content
-                        logprobs += new_logprobs
-                    if out.text or new_logprobs:
-                        texts.append(out.text)
-                        yield response_event(ResponseTextDeltaEvent(
-                            sequence_number=next(seq), delta=out.text,
-                            logprobs=new_logprobs, **where))
+                    for event in items.feed(out.text, new_logprobs,
+                                            out.finish_reason is not None):
+                        yield event
             except Exception as e:
                 for event in self._failure(e, base, seq):
                     yield event
                 return
-            text = "".join(texts)
-            message = self._message(item_id, text, finish_reason,
-                                    logprobs if wants_logprobs else None)
-            part = message.content[0]
-            yield response_event(ResponseTextDoneEvent(
-                sequence_number=next(seq), text=text, logprobs=logprobs, **where))
-            yield response_event(ResponseContentPartDoneEvent(
-                sequence_number=next(seq), part=part, **where))
-            yield response_event(ResponseOutputItemDoneEvent(
-                sequence_number=next(seq), output_index=0, item=message))
-            response = self._close(base, message, finish_reason, num_input, num_output)
+            for event in items.finish(finish_reason, wants_logprobs):
+                yield event
+            response = self._close(base, items.done, finish_reason, num_input, num_output)
             self._keep(request, response, conversation)
             yield response_event(ResponseCompletedEvent(sequence_number=next(seq),
                                                         response=response))
