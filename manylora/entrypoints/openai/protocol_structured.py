@@ -51,11 +51,13 @@ class ResponseFormat(RequestModel):
 
 def _publish_one_kind(schema: dict[str, Any]) -> None:
     """Publish what ``StructuredOutputsParams`` accepts: exactly one kind of constraint set
-    (one schema per kind, ``anyOf``; ``json_object`` counts when true), or none when a
-    ``response_format`` gives the kind (options alone), non-empty ``regex``,
-    ``grammar``, ``structural_tag`` and ``choice``, no ``whitespace_pattern``. Validation
-    stays wider, so that the 400 gives the reason; what no schema states (a regex or grammar
-    that does not compile, ``json`` text that is not JSON) stays with the checks."""
+    (one schema per kind, ``anyOf``; ``json_object`` counts when true), non-empty
+    ``regex``, ``grammar``, ``structural_tag`` and ``choice``, no ``whitespace_pattern``.
+    Validation stays wider, so that the 400 gives the reason; what no schema states (a regex
+    or grammar that does not compile, ``json`` text that is not JSON) stays with the checks.
+    Options alone (no kind) beside a ``response_format`` that gives one are accepted but not
+    published: they are valid only with that other field, and the document must refuse
+    every body the server refuses."""
     props, null = schema["properties"], {"type": "null"}
     text = {"type": "string", "minLength": 1}
     kinds = {"json": {"anyOf": [m for m in props["json"]["anyOf"] if m != null]},
@@ -71,7 +73,7 @@ def _publish_one_kind(schema: dict[str, Any]) -> None:
     unset = {name: {"enum": [False, None]} if name == "json_object" else null
              for name in kinds}
     schema["anyOf"] = [{"properties": {**unset, name: member}, "required": [name]}
-                       for name, member in kinds.items()] + [{"properties": unset}]
+                       for name, member in kinds.items()]
 
 
 class StructuredOutputsRequest(RequestModel):
