@@ -354,7 +354,8 @@ def test_responses_forced_choice_returns_a_function_call_that_round_trips(
         oai, no_whitespace, tool_choice):
     first = oai.responses.create(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
                                  tool_choice=tool_choice, max_output_tokens=MAX_TOKENS,
-                                 extra_body={"logit_bias": no_whitespace}, store=False)
+                                 temperature=0, extra_body={"logit_bias": no_whitespace},
+                                 store=False)
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and first.status == "completed"
     for call in calls:
@@ -387,7 +388,7 @@ def test_responses_streamed_function_call_events_come_in_order(oai, no_whitespac
     events = list(oai.responses.create(
         model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS, stream=True,
         tool_choice={"type": "function", "name": "alert"}, max_output_tokens=MAX_TOKENS,
-        extra_body={"logit_bias": no_whitespace}, store=False))
+        temperature=0, extra_body={"logit_bias": no_whitespace}, store=False))
     kinds = [e.type for e in events]
     deltas = kinds.count("response.function_call_arguments.delta")
     assert deltas >= 1
@@ -446,7 +447,7 @@ def test_responses_auto_choice_answers_as_the_chat_route(oai, stream):
 def test_responses_stored_calls_continue_with_previous_response_id(oai, no_whitespace):
     first = oai.responses.create(model=BASE, input="Weather in Oslo?", tools=FLAT_TOOLS,
                                  tool_choice={"type": "function", "name": "alert"},
-                                 max_output_tokens=MAX_TOKENS,
+                                 max_output_tokens=MAX_TOKENS, temperature=0,
                                  extra_body={"logit_bias": no_whitespace})
     [call] = first.output
     result = [{"type": "function_call_output", "call_id": call.call_id, "output": "none"}]
