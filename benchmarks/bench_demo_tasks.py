@@ -17,17 +17,10 @@ requests, completion tokens, wall time of the call and output tokens per second.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from benchmarks.common import command_line, gpu_name, record
-
-
-def _adapter_cell(path: Path) -> str:
-    cfg = json.loads((path / "adapter_config.json").read_text())
-    targets = " ".join(sorted(t.removesuffix("_proj") for t in cfg["target_modules"]))
-    return f"rank {cfg['r']}: {targets}" + (" (DoRA)" if cfg.get("use_dora") else "")
 
 
 def run(model: str | None, device: str, dtype: str, per_task: int, max_tokens: int,
@@ -36,7 +29,14 @@ def run(model: str | None, device: str, dtype: str, per_task: int, max_tokens: i
     from manylora import LLM, LoRARequest, SamplingParams
     from manylora.config import resolve_device, resolve_dtype
     from manylora.demo.model import fetch_smollm2
-    from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
+    from manylora.demo.tasks import (
+        TASKS,
+        adapter_dir,
+        chat_messages,
+        describe_adapter,
+        exact_match,
+        held_out,
+    )
     from manylora.model.loader import load_hf_config
 
     gguf = Path(model) if model else fetch_smollm2()
@@ -64,7 +64,7 @@ def run(model: str | None, device: str, dtype: str, per_task: int, max_tokens: i
         key = (name, lora is not None)
         hits[key] = hits.get(key, 0) + exact_match(answer, out.outputs[0].text)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    rows = [[name, _adapter_cell(adapter_dir(name)), f"{hits[(name, True)] / per_task:.3f}",
+    rows = [[name, describe_adapter(adapter_dir(name)), f"{hits[(name, True)] / per_task:.3f}",
              f"{hits[(name, False)] / per_task:.3f}", per_task] for name in names]
     where = gpu_name(device if device != "auto" else None)
     dtype_used = str(resolve_dtype(dtype, resolve_device(device), load_hf_config(gguf)))

