@@ -33,17 +33,17 @@ from benchmarks.common import (
 )
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims, write_config
 from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
-from manylora.core.scheduler import (
+from manylora.lora_request import LoRARequest
+from manylora.model.loader import load_model
+from manylora.ops.attention import KVCache, quantize_kv
+from manylora.request import Request
+from manylora.sampling_params import SamplingParams
+from manylora.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
-from manylora.engine.request import Request
-from manylora.lora.request import LoRARequest
-from manylora.model.loader import load_model
-from manylora.ops.attention import KVCache, quantize_kv
-from manylora.sampling_params import SamplingParams
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES
 from manylora.worker.kv_cache import allocate_kv_caches, block_bytes
 from manylora.worker.model_runner import ModelRunner

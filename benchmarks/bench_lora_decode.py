@@ -10,7 +10,7 @@ median per call is one layer's LoRA GPU time; x 32 layers gives the step.
 
 Floor: the adapter bytes one layer must read (each adapter's A and B once) over the copy
 bandwidth measured in the same run (``common.measure_copy_bandwidth``). The model's
-prediction (``ops/lora_cost_model.py``, on this GPU's ``gpu_model``) is printed next to each
+prediction (``lora/kernels/cost_model.py``, on this GPU's ``gpu_model``) is printed next to each
 measurement, and which schedule it would pick.
 
     python -m benchmarks.bench_lora_decode                 # ~2 min on one H100
@@ -63,8 +63,8 @@ class Projection:
 
 
 def _step(projections, mapping, schedule: str, copy: int) -> None:
-    from manylora.ops.triton_lora import lora_expand_triton, lora_shrink_triton
-    from manylora.ops.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
+    from manylora.lora.kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+    from manylora.lora.kernels.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
     for p in projections:
         a, b = p.a[copy], p.b[copy]
@@ -80,7 +80,7 @@ def _step(projections, mapping, schedule: str, copy: int) -> None:
 
 def measure(batch: int, schedule: str, device: torch.device, projections) -> float:
     """Median GPU seconds of one layer's LoRA launches at ``batch`` rows under ``schedule``."""
-    from manylora.lora.punica import build_lora_kernel_meta
+    from manylora.lora.kernels.meta import build_lora_kernel_meta
 
     slots = [r % ADAPTERS for r in range(batch)]
     mapping = build_lora_kernel_meta(slots, ADAPTERS, device, pad_to=batch, schedule=schedule)
@@ -94,14 +94,14 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_lora_decode needs a CUDA GPU")
-    from manylora.lora.punica import default_schedule
-    from manylora.ops.lora_cost_model import (
+    from manylora.lora.kernels.cost_model import (
         LoRAScheduleModel,
         gpu_model,
         graph_block_m,
         llama3_8b_shapes,
         schedule_time,
     )
+    from manylora.lora.kernels.meta import default_schedule
 
     device = torch.device("cuda")
     bandwidth = measure_copy_bandwidth(device)

@@ -346,9 +346,9 @@ def schedule_rows(results: Sequence[Result], bandwidth: float,
 
 def load_ops() -> dict[str, Any]:
     """The engine's public LoRA ops (imported late, after TRITON_INTERPRET is settled)."""
-    from manylora.lora.punica import build_lora_kernel_meta
-    from manylora.ops.lora_expand import lora_expand
-    from manylora.ops.lora_shrink import lora_shrink
+    from manylora.lora.kernels.expand import lora_expand
+    from manylora.lora.kernels.meta import build_lora_kernel_meta
+    from manylora.lora.kernels.shrink import lora_shrink
 
     return dict(build_lora_kernel_meta=build_lora_kernel_meta, lora_shrink=lora_shrink,
                 lora_expand=lora_expand)
@@ -449,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
            notes=("Both schedules forced through `build_lora_kernel_meta(..., schedule=...)`, "
                   "timed as above; bgmv / sgmv > 1 means SGMV is faster. The default pick is "
                   "the schedule of least modelled time (`default_schedule` in "
-                  "manylora/lora/punica.py, ops/lora_cost_model.py; it may be `tiled`, "
+                  "manylora/lora/punica.py, lora/kernels/cost_model.py; it may be `tiled`, "
                   "benchmarks/bench_lora_decode.py times that one). best % copy BW = "
                   "floor bytes / the faster time / measured copy bandwidth."),
            write=write, device=device)

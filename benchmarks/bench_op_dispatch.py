@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from manylora.lora.punica import build_lora_kernel_meta
-from manylora.ops import lora_kernels, triton_lora
+from manylora.lora.kernels import sgmv_kernels as lora_kernels
+from manylora.lora.kernels import triton_lora
+from manylora.lora.kernels.meta import build_lora_kernel_meta
 
 _SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor ranks, Tensor token_lora_indices, "
            "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "

@@ -1,7 +1,7 @@
 """A roofline simulation of the engine under adapter churn (no GPU): which scheduling policy
 keeps a Zipf working set far larger than the slots near the all-fit rate.
 
-The real ``Scheduler`` (``manylora.core.scheduler``, with a real ``KVCacheManager``) plans
+The real ``Scheduler`` (``manylora.scheduler.scheduler``, with a real ``KVCacheManager``) plans
 every step, so today's policy is replayed as the engine runs it; alternatives are small
 subclasses that change one decision (which adapter gets a free slot, how many slots may be
 taken per step, how many requests of one adapter may run). Around it, a model of the GPU:
@@ -50,11 +50,11 @@ from pathlib import Path
 
 from benchmarks.churn_workload import ADAPTERS, NEW, PROMPT, zipf_adapters
 from manylora.config import SchedulerConfig
-from manylora.core.kv_cache_manager import KVCacheManager
-from manylora.core.scheduler import Scheduler
-from manylora.engine.request import Request, RequestStatus
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
+from manylora.request import Request, RequestStatus
 from manylora.sampling_params import SamplingParams
+from manylora.scheduler.kv_cache_manager import KVCacheManager
+from manylora.scheduler.scheduler import Scheduler
 
 #: Llama-3-8B shape: hidden 4096, 32 layers, 8 KV heads of 128, intermediate 14336.
 HIDDEN, LAYERS, KV_DIM = 4096, 32, 1024

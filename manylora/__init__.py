@@ -4,7 +4,7 @@ from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import CompletionOutput, RequestOutput
 from manylora.entrypoints.llm import LLM
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

@@ -35,7 +35,7 @@ from manylora.engine.llm_engine import LLMEngine
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.protocol import EngineDeadError
 from manylora.engine.stats import EngineSnapshot, IterationStats
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

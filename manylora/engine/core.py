@@ -30,6 +30,8 @@ from functools import partial
 
 import torch
 
+from manylora.checkpoint.gguf import gguf_model_names
+from manylora.checkpoint.hub import resolve_model_path
 from manylora.config import (
     CacheConfig,
     LoRAConfig,
@@ -39,9 +41,6 @@ from manylora.config import (
     resolve_dtype,
     resolve_lora_dtype,
 )
-from manylora.core.kv_cache_manager import KVCacheManager, KVCacheStats
-from manylora.core.scheduler import Scheduler, SchedulerOutput
-from manylora.core.stop import check_stop
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.protocol import (
     CoreInfo,
@@ -51,18 +50,20 @@ from manylora.engine.protocol import (
     FinishReason,
     SchedulerStats,
 )
-from manylora.engine.request import Request, RequestStatus
 from manylora.engine.serial import ErrorInfo
 from manylora.lora.dora import dora_row_norm
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.manager import AdapterLoadError, LoRACacheStats, LoRAManager
-from manylora.lora.request import LoRARequest
 from manylora.lora.sizing import slot_bytes, slots_for_memory
-from manylora.model.gguf import gguf_model_names
-from manylora.model.hub import resolve_model_path
+from manylora.lora_request import LoRARequest
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
+from manylora.request import Request, RequestStatus
 from manylora.sample.sampler import set_random_seed
+from manylora.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
+from manylora.scheduler.scheduler import Scheduler
+from manylora.scheduler.stop import check_stop
+from manylora.scheduler_output import SchedulerOutput
 from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
 from manylora.structured.manager import StructuredOutputManager, no_token_error
 from manylora.worker.cuda_graph import DEFAULT_CAPTURE_SIZES

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-from manylora.core.kv_cache_manager import KVCacheStats
+from manylora.checkpoint.gguf import is_gguf, load_tokenizer
+from manylora.checkpoint.hub import resolve_model_path
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core_client import AddDone, make_client
 from manylora.engine.output_processor import OutputProcessor
@@ -36,11 +37,10 @@ from manylora.engine.protocol import (
 )
 from manylora.engine.stats import IterationStats
 from manylora.lora.manager import LoRACacheStats
-from manylora.lora.request import LoRARequest
-from manylora.model.gguf import is_gguf, load_tokenizer
-from manylora.model.hub import resolve_model_path
+from manylora.lora_request import LoRARequest
 from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 from manylora.structured.bad_words import bad_words_token_ids, check_bad_words
 from manylora.structured.grammar import check_spec_size
 from manylora.structured_params import StructuredOutputsConfig

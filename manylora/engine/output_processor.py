@@ -36,7 +36,7 @@ from manylora.engine.detokenizer import IncrementalDetokenizer, check_stop_strin
 from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from manylora.engine.protocol import EngineCoreOutput, FinishReason
 from manylora.engine.stats import FinishedRequestStats, IterationStats
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sample.prompt_logprobs import PromptLogprobs
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import RequestOutputKind, SamplingParams

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 
 @dataclass

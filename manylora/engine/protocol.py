@@ -20,13 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.serial import ErrorInfo
 from manylora.lora.manager import LoRACacheStats
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sample.prompt_logprobs import PromptLogprobs
 from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import SamplingParams
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 
 class EngineDeadError(RuntimeError):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.lora.manager import LoRACacheStats
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 
 @dataclass(frozen=True)

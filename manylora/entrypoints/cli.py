@@ -8,7 +8,7 @@ import logging
 import sys
 
 from manylora.engine.arg_utils import EngineArgs
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import SamplingParams
 
 _BASE = ("base", "none", "-")

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.llm_engine import LLMEngine, SubmittedRequest
 from manylora.engine.outputs import RequestOutput
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | dict

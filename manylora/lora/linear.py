@@ -53,11 +53,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from manylora.checkpoint.weights import TPSlice
 from manylora.distributed.parallel_state import PARALLEL_MODES, TPGroup
 from manylora.lora.dora import dora_row_norm_tp
-from manylora.lora.punica import LoRAKernelMeta
+from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.slots import LoRASlots, SlotSharding
-from manylora.model.weight_loader import TPSlice
 from manylora.ops.triton_skinny import base_linear
 
 

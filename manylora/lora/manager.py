@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from manylora.checkpoint.hub import resolve_adapter_path
 from manylora.config import LoRAConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.loader import (
@@ -41,10 +42,9 @@ from manylora.lora.formats.loader import (
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.loader_pool import LoaderPool, report_progress
 from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
-from manylora.lora.request import LoRARequest
 from manylora.lora.slot_layout import SlotLayout
 from manylora.lora.slots import LoRASlots
-from manylora.model.hub import resolve_adapter_path
+from manylora.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 

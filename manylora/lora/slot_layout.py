@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from manylora.config import LORA_TARGET_MODULES
+from manylora.lora.kernels.slot_load import DESC_COLS, scatter_slot
 from manylora.lora.packed import (
     P_A,
     P_B,
@@ -47,7 +48,6 @@ from manylora.lora.packed import (
     SlotLoad,
     align,
 )
-from manylora.ops.triton_slot_load import DESC_COLS, scatter_slot
 
 if TYPE_CHECKING:
     from manylora.lora.slots import LoRASlots

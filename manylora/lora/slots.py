@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from manylora.lora.punica import LoRAKernelMeta
+from manylora.lora.kernels.expand import lora_expand
+from manylora.lora.kernels.meta import LoRAKernelMeta
+from manylora.lora.kernels.shrink import lora_shrink
 from manylora.lora.slot_table import SlotTable
-from manylora.ops.lora_expand import lora_expand
-from manylora.ops.lora_shrink import lora_shrink
 
 
 @dataclass(frozen=True)

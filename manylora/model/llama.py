@@ -22,8 +22,8 @@ from torch import nn
 
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
+from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import LoRAKernelMeta
 from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
 from manylora.model.layers.activation import silu_and_mul

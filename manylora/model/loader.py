@@ -10,23 +10,23 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from manylora.config import ModelConfig
-from manylora.distributed.parallel_state import TPGroup
-from manylora.model.gguf import gguf_config, is_gguf
-from manylora.model.llama import LlamaForCausalLM
-from manylora.model.weight_loader import (
+from manylora.checkpoint.gguf import gguf_config, is_gguf
+from manylora.checkpoint.weights import (
     CheckpointError,
     ModelWeightsLoader,
     full_shape,
     shard_tensor,
 )
+from manylora.config import ModelConfig
+from manylora.distributed.parallel_state import TPGroup
+from manylora.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: str | os.PathLike, trust_remote_code: bool = False):
     """``config.json`` through transformers' ``AutoConfig``; for a ``.gguf`` file, the config
-    transformers builds from its metadata (:func:`~manylora.model.gguf.gguf_config`).
+    transformers builds from its metadata (:func:`~manylora.checkpoint.gguf.gguf_config`).
 
     Raises:
         CheckpointError: the directory has no readable config.json, or the GGUF file is

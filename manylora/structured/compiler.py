@@ -49,7 +49,7 @@ def load_tokenizer_info(tokenizer_dir: str, trust_remote_code: bool, vocab_size:
     """
     import xgrammar as xgr
 
-    from manylora.model.gguf import load_tokenizer
+    from manylora.checkpoint.gguf import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir, trust_remote_code)
     return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from manylora.engine.request import Request
+from manylora.request import Request
 from manylora.structured.bad_words import BadWords, clear_tokens
 from manylora.structured.compiler import GrammarCompileService
 from manylora.structured.grammar import grammar_key

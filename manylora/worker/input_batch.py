@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from manylora.core.scheduler import NewRequestData, SchedulerOutput
-from manylora.lora.punica import default_schedule, fill_lora_segment, lora_kernel_meta_arrays
-from manylora.lora.row_tiles import max_row_tiles
+from manylora.lora.kernels.cost_model import LoRAScheduleModel, graph_block_m
+from manylora.lora.kernels.meta import default_schedule, fill_lora_segment, lora_kernel_meta_arrays
+from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
-from manylora.ops.lora_cost_model import LoRAScheduleModel, graph_block_m
 from manylora.sample.penalties import PenaltyInputs
 from manylora.sample.prompt_logprobs import PromptLogprobsPlan
 from manylora.sampling_params import SamplingParams
+from manylora.scheduler_output import NewRequestData, SchedulerOutput
 from manylora.worker.block_table import BlockTable
 from manylora.worker.step_inputs import (
     SCHEDULES,

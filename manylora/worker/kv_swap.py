@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from manylora.config import ModelConfig
-from manylora.core.kv_cache_manager import PreemptionCost, SwapOp
 from manylora.ops.attention import KVCache
+from manylora.scheduler_output import PreemptionCost, SwapOp
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -29,27 +29,26 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from manylora.core.scheduler import SchedulerOutput
-from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import (
+from manylora.lora.kernels.cost_model import (
+    LoRAScheduleModel,
+    ProjectionShape,
+    gpu_model,
+    graph_block_m,
+)
+from manylora.lora.kernels.meta import (
     LoRAKernelMeta,
     fill_lora_segment,
     lora_kernel_meta_arrays,
     lora_kernel_meta_from_buffer,
 )
-from manylora.lora.row_tiles import max_row_tiles
+from manylora.lora.kernels.row_tiles import max_row_tiles
+from manylora.lora.linear import LoRALinear
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops.attention import (
     AttentionMetadata,
     KVCache,
     prefill_block_q,
     slot_mapping_from_block_table,
-)
-from manylora.ops.lora_cost_model import (
-    LoRAScheduleModel,
-    ProjectionShape,
-    gpu_model,
-    graph_block_m,
 )
 from manylora.ops.token_bitmask import apply_token_bitmask_
 from manylora.sample.penalties import penalize_logits
@@ -61,6 +60,7 @@ from manylora.sample.sampler import (
     flag_empty_rows,
     make_generator,
 )
+from manylora.scheduler_output import SchedulerOutput
 from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.cuda_graph import DecodeGraphs
 from manylora.worker.input_batch import InputBatch, SampleInfo

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from manylora.lora.punica import LoRAKernelMeta
+from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops.attention import AttentionMetadata, KVCache
 

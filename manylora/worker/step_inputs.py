@@ -50,7 +50,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from manylora.lora.punica import lora_segment_size
+from manylora.lora.kernels.meta import lora_segment_size
 
 #: ``StepLayout.schedule`` codes: no LoRA segment, BGMV, SGMV, row tiles.
 SCHEDULES = (None, "bgmv", "sgmv", "tiled")

@@ -48,18 +48,14 @@ from typing import NamedTuple
 import torch
 import triton
 
+from manylora.lora.kernels import plans as lora_plans
+from manylora.lora.kernels import tiled_plans as lora_tiled_plans
+from manylora.lora.kernels import triton_lora
+from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
-from manylora.lora.punica import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops import (
-    lora_plans,
-    lora_tiled_plans,
-    triton_attention,
-    triton_fused,
-    triton_lora,
-    triton_skinny,
-)
+from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention import KVCache, build_attention_metadata
 
 logger = logging.getLogger(__name__)

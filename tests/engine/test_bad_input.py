@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.checkpoint.weights import CheckpointError
 from manylora.lora.adapter import LoRAAdapterError
-from manylora.model.weight_loader import CheckpointError
 from manylora.testing import make_checkpoint, make_peft_adapter
 
 MAX_MODEL_LEN = 64

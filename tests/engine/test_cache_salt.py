@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from manylora import LLM, SamplingParams
-from manylora.core.block_pool import extend_block_hashes, root_hash
+from manylora.scheduler.block_pool import extend_block_hashes, root_hash
 from manylora.testing import make_checkpoint
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

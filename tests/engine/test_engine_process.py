@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.checkpoint.weights import CheckpointError
 from manylora.engine.protocol import EngineDeadError
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.trtllm import peft_to_trtllm
-from manylora.model.weight_loader import CheckpointError
 
 PROMPTS = ["The quick brown fox", "SELECT name FROM users WHERE", "Hello", "def add(a, b):"]
 ENGINE = dict(device="cpu", max_loras=2, max_lora_rank=32, num_kv_blocks=128, block_size=4)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from manylora import LLM, SamplingParams
-from manylora.core.kv_cache_manager import PreemptionCost
+from manylora.scheduler_output import PreemptionCost
 from manylora.testing.trained import make_trained_checkpoint, periodic_batch
 
 logger = logging.getLogger(__name__)

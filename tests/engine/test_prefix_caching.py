@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.core.kv_cache_manager import PreemptionCost
+from manylora.scheduler_output import PreemptionCost
 from manylora.testing import compare_greedy, hf_greedy_reference, make_checkpoint, make_peft_adapter
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -17,7 +17,7 @@ from manylora.engine.stats import EngineSnapshot
 from manylora.entrypoints.openai.encoding import SafeJSONResponse, json_text, safe_text
 from manylora.entrypoints.openai.errors import OpenAIError, clean_message
 from manylora.entrypoints.openai.serving_models import _Served
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.metrics.prometheus import PrometheusStatLogger
 
 KEY = "contract-key"

@@ -18,7 +18,6 @@ import openai
 import pytest
 from server_helpers import BASE, engine_flags, running_server
 
-from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.stats import EngineSnapshot, IterationStats
 from manylora.entrypoints.openai.frontend_args import env_true, uvicorn_tls_options
 from manylora.entrypoints.openai.launcher import (
@@ -27,6 +26,7 @@ from manylora.entrypoints.openai.launcher import (
     serve_parser,
 )
 from manylora.metrics.log_stats import LoggingStatLogger
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 
 def test_served_model_name_aliases(base_dir):

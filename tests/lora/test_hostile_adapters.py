@@ -25,7 +25,7 @@ from manylora.lora.formats.loader import check_adapter_dir, load_adapter_dir
 from manylora.lora.formats.patterns import MatchBudget, PatternTable
 from manylora.lora.formats.peft import load_peft_adapter
 from manylora.lora.formats.trtllm import adapter_from_trtllm, adapter_to_trtllm
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.testing import make_peft_adapter
 
 NAME = "hostile"

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import load_peft_adapter
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 
 def copy_adapter(src, dst):

@@ -22,8 +22,8 @@ from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.lora.packed import align, pack_adapter
-from manylora.lora.request import LoRARequest
 from manylora.lora.slot_layout import SlotLayout
+from manylora.lora_request import LoRARequest
 from manylora.model.llama import LlamaForCausalLM
 from manylora.model.loader import load_model
 from manylora.testing import make_checkpoint, make_peft_adapter

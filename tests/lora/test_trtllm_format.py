@@ -26,7 +26,7 @@ from manylora.lora.formats.trtllm import (
     read_trtllm_dir,
     write_trtllm_dir,
 )
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The reference's example: 4 layers, hidden size 4 (q and k both 4 x 4).

@@ -9,11 +9,11 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from manylora.core.kv_cache_manager import KVCacheStats
 from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
 from manylora.lora.manager import LoRACacheStats
 from manylora.metrics import METRICS, PrometheusStatLogger
 from manylora.metrics import prometheus as pm
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 MODEL = "llama-test"
 NOW = 1_700_000_000.5

@@ -20,20 +20,20 @@ import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import SchedulerConfig
-from manylora.core.kv_cache_manager import KVCacheManager
-from manylora.core.scheduler import (
+from manylora.lora.kernels.cost_model import graph_block_m
+from manylora.lora.kernels.meta import lora_kernel_meta_arrays
+from manylora.lora.kernels.row_tiles import max_row_tiles
+from manylora.ops.attention import slot_mapping_from_block_table
+from manylora.request import Request, RequestStatus
+from manylora.sample.sampler import SamplingTensors
+from manylora.scheduler.kv_cache_manager import KVCacheManager
+from manylora.scheduler.scheduler import Scheduler
+from manylora.scheduler_output import (
     CachedRequestData,
     NewRequestData,
     ScheduledRequest,
-    Scheduler,
     SchedulerOutput,
 )
-from manylora.engine.request import Request, RequestStatus
-from manylora.lora.punica import lora_kernel_meta_arrays
-from manylora.lora.row_tiles import max_row_tiles
-from manylora.ops.attention import slot_mapping_from_block_table
-from manylora.ops.lora_cost_model import graph_block_m
-from manylora.sample.sampler import SamplingTensors
 from manylora.worker.input_batch import InputBatch
 from manylora.worker.step_inputs import (
     SCHEDULES,

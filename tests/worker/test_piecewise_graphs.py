@@ -22,7 +22,7 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import _piece_sizes
-from manylora.lora.punica import (
+from manylora.lora.kernels.meta import (
     default_schedule,
     fill_lora_segment,
     lora_kernel_meta_arrays,

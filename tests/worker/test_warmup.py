@@ -24,21 +24,18 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
-from manylora.lora.punica import build_lora_kernel_meta
-from manylora.lora.row_tiles import max_row_tiles
+from manylora.lora.kernels import plans as lora_plans
+from manylora.lora.kernels import sgmv_kernels as lora_kernels
+from manylora.lora.kernels import tiled_kernels as lora_tiled_kernels
+from manylora.lora.kernels import tiled_plans as lora_tiled_plans
+from manylora.lora.kernels import triton_lora
+from manylora.lora.kernels.meta import build_lora_kernel_meta
+from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.model import llama
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
-from manylora.ops import (
-    lora_kernels,
-    lora_plans,
-    lora_tiled_kernels,
-    lora_tiled_plans,
-    triton_attention,
-    triton_fused,
-    triton_lora,
-)
+from manylora.ops import triton_attention, triton_fused
 from manylora.ops.attention import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches

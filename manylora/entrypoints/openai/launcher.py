@@ -16,6 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from manylora.checkpoint.hub import resolve_model_path
 from manylora.distributed.workers import exit_when_stuck
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.async_llm import AsyncLLM
@@ -53,7 +54,6 @@ from manylora.entrypoints.openai.vllm_flags import (
 )
 from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.metrics.prometheus import NAME_SETS, PrometheusStatLogger
-from manylora.model.hub import resolve_model_path
 from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)

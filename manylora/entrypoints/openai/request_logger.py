@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import SamplingParams
 
 logger = logging.getLogger("manylora.requests")

@@ -44,7 +44,7 @@ from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.lora.adapter import LoRALoadTimeoutError
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 from manylora.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 from manylora.structured.bad_words import (
     DEFAULT_MAX_BAD_WORDS,

@@ -32,7 +32,7 @@ from manylora.engine.async_llm import AsyncLLM, EngineDeadError
 from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
 from manylora.lora.formats.loader import ADAPTER_FILES
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from manylora.lora.formats.trtllm import (
     adapter_from_trtllm,
     read_trtllm_dir,
 )
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 #: Every file an adapter directory is read from (PEFT, then TensorRT-LLM's); nothing else
 #: under it is opened.

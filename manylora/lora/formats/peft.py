@@ -37,7 +37,7 @@ from manylora.lora.adapter import (
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, is_present, open_regular, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
 from manylora.lora.loader_pool import report_progress
-from manylora.lora.request import LoRARequest
+from manylora.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 

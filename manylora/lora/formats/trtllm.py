@@ -540,7 +540,7 @@ class _BaseWeights:
     ``.bin``), read on demand: what DoRA's magnitudes are normalized against."""
 
     def __init__(self, model_dir: str | os.PathLike) -> None:
-        from manylora.model.weight_loader import CheckpointError, ModelWeightsLoader
+        from manylora.checkpoint.weights import CheckpointError, ModelWeightsLoader
 
         try:
             self._loader = ModelWeightsLoader(model_dir)

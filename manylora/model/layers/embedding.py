@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from manylora.checkpoint.weights import TPSlice
 from manylora.distributed.parallel_state import TPGroup
-from manylora.model.weight_loader import TPSlice
 
 
 class Embedding(nn.Module):
