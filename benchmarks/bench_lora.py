@@ -252,7 +252,7 @@ def preload(engine, loras: Sequence) -> float:
 def drain_warm_up(llm, loras: Sequence, sizes: Sizes, vocab: int) -> None:
     """An untimed pass of ``sizes.drain`` (``max_num_seqs``) requests on Zipf draws (token
     ids of its own) where request i stops after ``4 + i`` tokens: the decode batch shrinks
-    by one per step through every size, so every (batch size, LoRA schedule, projection
+    by one per step through every size, so every (batch size, LoRA variant, projection
     mask) decode graph the timed pass needs is captured here, not in the timed window."""
     from manylora import SamplingParams
 

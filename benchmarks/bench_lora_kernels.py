@@ -1,7 +1,7 @@
 """LoRA shrink + expand kernels: one LoRA application on Llama-3-8B projections, against its floor.
 
-One LoRA application of a (packed) projection is ``buffer = lora_shrink(x, A, ranks, mapping)``
-then ``lora_expand(y, buffer, B, ranks, mapping, output_slices)``, the engine's public ops
+One LoRA application of a (packed) projection is ``buffer = lora_shrink(x, A, ranks, lora_meta)``
+then ``lora_expand(y, buffer, B, ranks, lora_meta, output_slices)``, the engine's public ops
 (Triton on CUDA; ``ranks``: the projection's columns of the rank table, B rank-major).
 Shapes are Llama-3-8B's: qkv (4096 → 4096/1024/1024), o (4096 → 4096), gate_up
 (4096 → 14336/14336), down (14336 → 4096); bf16; ``max_loras = 256`` slots of padded rank
@@ -76,13 +76,13 @@ SCHEDULE_ROWS_PER_ADAPTER = (1, 2, 4, 8, 16)
 
 @dataclass(frozen=True)
 class Case:
-    """One measurement: projection, tokens T, distinct adapters n, true rank, schedule."""
+    """One measurement: projection, tokens T, distinct adapters n, true rank, variant."""
 
     proj: str
     tokens: int
     adapters: int
     rank: int
-    schedule: str | None = None             # None: the one build_lora_kernel_meta picks
+    variant: str | None = None             # None: the one build_lora_kernel_meta picks
 
 
 class Weights(NamedTuple):
@@ -98,7 +98,7 @@ class Result(NamedTuple):
     """Timings (ms), floor bytes and errors of one case."""
 
     case: Case
-    schedule: str
+    variant: str
     ours_ms: float
     torch_ms: float | None
     floor_bytes: int
@@ -112,7 +112,7 @@ def adapters_for(tokens: int) -> list[int]:
 
 
 def full_sweep() -> tuple[list[Case], list[Case], list[Case]]:
-    """(main sweep, rank sweep, schedule comparison) of the full run."""
+    """(main sweep, rank sweep, variant comparison) of the full run."""
     main = [Case(p, t, n, SWEEP_RANK) for p in ("qkv", "down") for t in TOKENS
             for n in adapters_for(t)]
     ranks = [Case(p, 64, 64, r) for p in PROJECTIONS for r in RANKS]
@@ -260,20 +260,20 @@ class Bench:
         y0 = torch.randn(case.tokens, sum(outs), generator=gen, device=self.device,
                          dtype=DTYPE) * 0.1
         token_slots = [t % case.adapters for t in range(case.tokens)]
-        mapping = self.ops["build_lora_kernel_meta"](token_slots, MAX_LORAS, self.device,
-                                                     schedule=case.schedule)
-        if case.schedule is not None and mapping.schedule != case.schedule:
-            raise RuntimeError(f"{case}: build_lora_kernel_meta(schedule={case.schedule!r}) gave "
-                               f"schedule {mapping.schedule!r}")
+        lora_meta = self.ops["build_lora_kernel_meta"](token_slots, MAX_LORAS, self.device,
+                                                     variant=case.variant)
+        if case.variant is not None and lora_meta.variant != case.variant:
+            raise RuntimeError(f"{case}: build_lora_kernel_meta(variant={case.variant!r}) gave "
+                               f"variant {lora_meta.variant!r}")
         idx = torch.tensor(token_slots, dtype=torch.long, device=self.device)
         shrink, expand = self.ops["lora_shrink"], self.ops["lora_expand"]
 
         def ours(y: torch.Tensor) -> None:
-            buffer = shrink(x, w.a_stacked, w.ranks, mapping)
-            expand(y, buffer, w.b_stacked, w.ranks, mapping, w.output_slices)
+            buffer = shrink(x, w.a_stacked, w.ranks, lora_meta)
+            expand(y, buffer, w.b_stacked, w.ranks, lora_meta, w.output_slices)
 
         want = gather_bmm(x, y0, w, idx, compute_dtype=torch.float32)
-        buffer = shrink(x, w.a_stacked, w.ranks, mapping)
+        buffer = shrink(x, w.a_stacked, w.ranks, lora_meta)
         expected = (case.tokens, len(outs), MAX_RANK)
         if buffer.dtype != torch.float32 or tuple(buffer.shape) != expected:
             raise RuntimeError(f"{case}: lora_shrink returned {buffer.dtype} "
@@ -282,7 +282,7 @@ class Bench:
         ours(y)
         err = rel_err(y.float() - y0.float(), want)
         if not err < REL_TOL:
-            raise RuntimeError(f"WRONG RESULT {case} (schedule {mapping.schedule}): rel err "
+            raise RuntimeError(f"WRONG RESULT {case} (variant {lora_meta.variant}): rel err "
                                f"{err:.3e} of lora_shrink+lora_expand vs float32 gather+bmm "
                                f"(tolerance {REL_TOL})")
         y_torch = y0.clone()
@@ -299,7 +299,7 @@ class Bench:
         if self.timer.mode != mode:
             mode = f"{mode} / {self.timer.mode}"
         nbytes = floor_bytes(fan_in, outs, case.tokens, case.adapters, case.rank)
-        return Result(case, mapping.schedule, ours_ms, torch_ms, nbytes, err, mode)
+        return Result(case, lora_meta.variant, ours_ms, torch_ms, nbytes, err, mode)
 
 
 def fmt_us(ms: float) -> str:
@@ -314,11 +314,11 @@ def result_row(r: Result, bandwidth: float) -> list[str]:
     speedup = f"{r.torch_ms / r.ours_ms:.1f}x" if r.torch_ms is not None else "n/a"
     torch_us = fmt_us(r.torch_ms) if r.torch_ms is not None else "n/a"
     return [c.proj, str(c.tokens), str(c.adapters), str(c.tokens // c.adapters), str(c.rank),
-            r.schedule, fmt_us(r.ours_ms), f"{r.floor_bytes / 1e6:.2f}", f"{gbps:.0f}", pct,
+            r.variant, fmt_us(r.ours_ms), f"{r.floor_bytes / 1e6:.2f}", f"{gbps:.0f}", pct,
             torch_us, speedup, f"{r.rel_err:.1e}", r.timing]
 
 
-RESULT_COLUMNS = ["proj", "T", "adapters", "rows/adapter", "rank", "schedule", "ours µs",
+RESULT_COLUMNS = ["proj", "T", "adapters", "rows/adapter", "rank", "variant", "ours µs",
                   "floor MB", "GB/s", "% copy BW", "gather+bmm µs", "speedup", "rel err",
                   "timed"]
 SCHEDULE_COLUMNS = ["proj", "T", "adapters", "rows/adapter", "sgmv µs", "bgmv µs",
@@ -331,7 +331,7 @@ def schedule_rows(results: Sequence[Result], bandwidth: float,
     by_shape: dict[tuple[str, int, int], dict[str, Result]] = {}
     for r in results:
         c = r.case
-        by_shape.setdefault((c.proj, c.tokens, c.adapters), {})[c.schedule or r.schedule] = r
+        by_shape.setdefault((c.proj, c.tokens, c.adapters), {})[c.variant or r.variant] = r
     rows = []
     for (proj, tokens, adapters), pair in by_shape.items():
         sg, bg = pair["sgmv"], pair["bgmv"]
@@ -410,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def default_pick(case: Case) -> str:
         slots = [t % case.adapters for t in range(case.tokens)]
-        return ops["build_lora_kernel_meta"](slots, MAX_LORAS, device).schedule
+        return ops["build_lora_kernel_meta"](slots, MAX_LORAS, device).variant
 
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_lora_kernels")
@@ -436,19 +436,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         "x ~ N(0, 1), A ~ N(0, 1/in), B ~ N(0, 1/rank), y ~ N(0, 0.01).")
     record(f"LoRA shrink + expand ({gpu}): {shape} qkv and down, rank {SWEEP_RANK}, bf16",
            command, RESULT_COLUMNS, [result_row(r, bandwidth) for r in main_results],
-           notes=floor_note + " schedule = the one `build_lora_kernel_meta` picks by default.",
+           notes=floor_note + " variant = the one `build_lora_kernel_meta` picks by default.",
            write=write, device=device)
     record(f"LoRA shrink + expand ({gpu}): {shape}, rank sweep, T = {r0.tokens}, "
            f"{r0.adapters} adapters, bf16",
            command, RESULT_COLUMNS, [result_row(r, bandwidth) for r in rank_results],
            notes=floor_note + " Buffers are padded to rank 64 throughout: the rank 8 and 16 "
            "rows show how much work the kernels skip.", write=write, device=device)
-    record(f"LoRA shrink + expand ({gpu}): {shape}, SGMV vs BGMV schedule, rank {SWEEP_RANK}, "
+    record(f"LoRA shrink + expand ({gpu}): {shape}, SGMV vs BGMV variant, rank {SWEEP_RANK}, "
            "bf16",
            command, SCHEDULE_COLUMNS, schedule_rows(sched_results, bandwidth, default_pick),
-           notes=("Both schedules forced through `build_lora_kernel_meta(..., schedule=...)`, "
+           notes=("Both variants forced through `build_lora_kernel_meta(..., variant=...)`, "
                   "timed as above; bgmv / sgmv > 1 means SGMV is faster. The default pick is "
-                  "the schedule of least modelled time (`default_schedule` in "
+                  "the variant of least modelled time (`default_variant` in "
                   "manylora/lora/punica.py, lora/kernels/cost_model.py; it may be `tiled`, "
                   "benchmarks/bench_lora_decode.py times that one). best % copy BW = "
                   "floor bytes / the faster time / measured copy bandwidth."),

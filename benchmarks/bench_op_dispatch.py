@@ -24,7 +24,7 @@ from manylora.lora.kernels.meta import build_lora_kernel_meta
 
 _SCHEMA = ("(Tensor x, Tensor[] lora_a_stacked, Tensor ranks, Tensor token_lora_indices, "
            "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "
-           "SymInt max_seg_len, str schedule, SymInt rank_start=0) -> Tensor")
+           "SymInt max_seg_len, str variant, SymInt rank_start=0) -> Tensor")
 
 
 def _per_call_us(fn, args, calls: int) -> float:
@@ -54,15 +54,15 @@ def main() -> None:
                         help="call outside torch.inference_mode (the engine runs inside)")
     args = parser.parse_args()
 
-    mapping = build_lora_kernel_meta([0, 1, -1, 1], 2, torch.device("cpu"), schedule="bgmv")
+    lora_meta = build_lora_kernel_meta([0, 1, -1, 1], 2, torch.device("cpu"), variant="bgmv")
     x = torch.randn(4, 64)
     a = [torch.randn(2, 8, 64) for _ in range(3)]
     ranks = torch.full((2, 3), 8, dtype=torch.int32)
     result = torch.zeros(4, 3, 8)
-    op_args = (x, a, ranks, *mapping[:5], mapping.max_seg_len, mapping.schedule, 0)
+    op_args = (x, a, ranks, *lora_meta[:5], lora_meta.max_seg_len, lora_meta.variant, 0)
 
     def body(x, lora_a_stacked, ranks, token_lora_indices, sorted_rows, active_slots,
-             seg_start, seg_len, max_seg_len, schedule, rank_start=0):
+             seg_start, seg_len, max_seg_len, variant, rank_start=0):
         return result
 
     def fake(x, lora_a_stacked, *rest):
@@ -98,10 +98,10 @@ def main() -> None:
         slices = [(0, 64), (64, 16), (80, 16)]
         scales = [torch.ones(2, n) for n in (64, 16, 16)]
         print("entry points, kernels stubbed (us per call):")
-        shrink_us = _per_call_us(triton_lora.lora_shrink_triton, (x, a, ranks, mapping),
+        shrink_us = _per_call_us(triton_lora.lora_shrink_triton, (x, a, ranks, lora_meta),
                                  args.calls)
         print(f"  {'lora_shrink_triton':45s} {shrink_us:8.2f}")
-        expand_args = (y, buffer, b, ranks, mapping, slices, ranks, scales)
+        expand_args = (y, buffer, b, ranks, lora_meta, slices, ranks, scales)
         print(f"  {'lora_expand_triton (DoRA stacks)':45s} "
               f"{_per_call_us(triton_lora.lora_expand_triton, expand_args, args.calls):8.2f}")
 

@@ -32,7 +32,7 @@ import torch
 from benchmarks.common import record
 from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
-from manylora.lora.packed import pack_adapter
+from manylora.lora.pinned import pin_adapter
 from manylora.lora.slot_layout import SlotLayout
 from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
@@ -93,7 +93,7 @@ def _median_wall(fn, reps: int, cuda: bool) -> float:
 def measure(layout: SlotLayout, slots: dict, adapter: LoRAAdapter, reps: int, cuda: bool,
             device: torch.device) -> list[str]:
     """One row: MiB, one-copy ms, H2D floor ms, GB/s, ratio, per-module ms, ratio."""
-    packed = pack_adapter(adapter)
+    packed = pin_adapter(adapter)
     load = layout.prepare(packed)
     one_copy = _median_wall(lambda i=0: layout.load(i % 2, packed, load), reps, cuda)
     dst = torch.empty(packed.buf.numel(), dtype=torch.uint8, device=device)

@@ -125,7 +125,7 @@ class SchedulerOutput(NamedTuple):
         scheduled_new_reqs: the scheduled requests the runner does not hold yet, in full.
         scheduled_cached_reqs: the other scheduled requests, as block-table deltas.
 
-    A plan counts as run once ``schedule`` returns it (computed tokens advanced, output
+    A plan counts as run once ``Scheduler.schedule`` returns it (computed tokens advanced, output
     placeholders added, deltas delivered); a plan the engine drops without running it (an
     adapter that failed to load) is undone by ``Scheduler.revert`` and its deltas are sent
     again, in full, by the next one.

@@ -6,7 +6,7 @@
 1. the metadata's length: a 1-element int64 tensor;
 2. the metadata: UTF-8 JSON bytes in a uint8 tensor (the keys in order; for a tensor its
    dtype name and shape, for any other value the value itself);
-3. the raw bytes of every *small* tensor (fewer than ``PACK_LIMIT_BYTES``), packed into one
+3. the raw bytes of every *small* tensor (fewer than ``COALESCE_LIMIT_BYTES``), coalesced into one
    uint8 buffer in key order, each starting at a multiple of 16 bytes (skipped when there is
    none);
 4. the raw bytes of each *large* tensor, one broadcast each, in key order.
@@ -40,12 +40,12 @@ SUPPORTED_DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in SUPPORTED_DTYPES.items()}
 
-#: Tensors of at least this many bytes are broadcast on their own; smaller ones are packed.
-PACK_LIMIT_BYTES = 1 << 20
+#: Tensors of at least this many bytes are broadcast on their own; smaller ones are coalesced.
+COALESCE_LIMIT_BYTES = 1 << 20
 
 # Metadata layout version: a receiver refuses metadata it does not understand.
 _FORMAT = 1
-# Alignment (bytes) of each tensor inside the packed buffer.
+# Alignment (bytes) of each tensor inside the coalesced buffer.
 _ALIGN = 16
 
 
@@ -118,16 +118,16 @@ def _as_bytes(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _layout(specs: list[tuple[torch.dtype, list[int]]], pack_all: bool = False
+def _layout(specs: list[tuple[torch.dtype, list[int]]], coalesce_all: bool = False
             ) -> tuple[list[int | None], int]:
-    """Where each tensor's bytes go: its offset in the packed buffer, or None when it is
-    broadcast on its own (large, unless ``pack_all``) or not at all (empty); and the packed
+    """Where each tensor's bytes go: its offset in the coalesced buffer, or None when it is
+    broadcast on its own (large, unless ``coalesce_all``) or not at all (empty); and the coalesced
     buffer's size."""
     offsets: list[int | None] = []
     total = 0
     for dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        if 0 < nbytes and (pack_all or nbytes < PACK_LIMIT_BYTES):
+        if 0 < nbytes and (coalesce_all or nbytes < COALESCE_LIMIT_BYTES):
             total = -(-total // _ALIGN) * _ALIGN
             offsets.append(total)
             total += nbytes
@@ -140,9 +140,9 @@ def _send_tensors(tensors: list[torch.Tensor], src: int, group: Any, dev: torch.
     """Stages 3 and 4 of the module docstring, on ``src``."""
     offsets, total = _layout([(t.dtype, list(t.shape)) for t in tensors])
     if total:
-        packed = torch.empty(total, dtype=torch.uint8, device=dev)
+        coalesced = torch.empty(total, dtype=torch.uint8, device=dev)
         small = [(t, o) for t, o in zip(tensors, offsets) if o is not None]
-        # Small tensors on another device (host tensors, usually) are packed there first, so
+        # Small tensors on another device (host tensors, usually) are coalesced there first, so
         # that the buffer crosses devices once; the slices of the others are written after.
         stage_dev = next((t.device for t, _ in small if t.device != dev), None)
         if stage_dev is not None:
@@ -151,12 +151,12 @@ def _send_tensors(tensors: list[torch.Tensor], src: int, group: Any, dev: torch.
                 if t.device == stage_dev:
                     b = _as_bytes(t, stage_dev)
                     staging[o:o + b.numel()].copy_(b)
-            packed.copy_(staging)
+            coalesced.copy_(staging)
         for t, o in small:
             if t.device != stage_dev:
                 b = _as_bytes(t, dev)
-                packed[o:o + b.numel()].copy_(b)
-        dist.broadcast(packed, src=src, group=group)
+                coalesced[o:o + b.numel()].copy_(b)
+        dist.broadcast(coalesced, src=src, group=group)
     for t, o in zip(tensors, offsets):
         if o is None and t.numel():
             dist.broadcast(_as_bytes(t, dev), src=src, group=group)
@@ -182,7 +182,7 @@ def broadcast_tensor_dict(data: dict | None, src: int = 0, group: Any = None,
     Devices: all transfers use one device, ``device`` if given, else the current CUDA device
     when the group's backend is NCCL and the CPU otherwise (gloo). ``src`` copies tensors
     living elsewhere to it before sending; receivers allocate their tensors on it. Received
-    tensors smaller than ``PACK_LIMIT_BYTES`` are contiguous views into one shared buffer
+    tensors smaller than ``COALESCE_LIMIT_BYTES`` are contiguous views into one shared buffer
     (writing to one never changes another).
 
     Args:
@@ -233,10 +233,10 @@ def broadcast_tensor_dict(data: dict | None, src: int = 0, group: Any = None,
     items = meta["items"]
     specs = [(SUPPORTED_DTYPES[it[2]], it[3]) for it in items if it[1] == "t"]
     offsets, total = _layout(specs)
-    packed = None
+    coalesced = None
     if total:
-        packed = torch.empty(total, dtype=torch.uint8, device=dev)
-        dist.broadcast(packed, src=src, group=group)
+        coalesced = torch.empty(total, dtype=torch.uint8, device=dev)
+        dist.broadcast(coalesced, src=src, group=group)
     out: dict[str, Any] = {}
     tensor_index = 0
     for item in items:
@@ -250,7 +250,7 @@ def broadcast_tensor_dict(data: dict | None, src: int = 0, group: Any = None,
         if nbytes == 0:
             out[key] = torch.empty(shape, dtype=dtype, device=dev)
         elif off is not None:
-            out[key] = packed[off:off + nbytes].view(dtype).view(shape)
+            out[key] = coalesced[off:off + nbytes].view(dtype).view(shape)
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             dist.broadcast(buf, src=src, group=group)
@@ -258,18 +258,18 @@ def broadcast_tensor_dict(data: dict | None, src: int = 0, group: Any = None,
     return out
 
 
-def pack_tensor_dict(data: dict) -> bytes:
+def encode_tensor_dict(data: dict) -> bytes:
     """``data`` (as ``broadcast_tensor_dict`` takes it; tensors are copied to the host) as
     one byte string for a pipe: an 8-byte little-endian metadata length, the JSON metadata,
-    then every tensor's raw bytes at the offsets ``_layout`` gives (all of them packed,
-    whatever their size). ``unpack_tensor_dict`` reverses it; no pickle is involved.
+    then every tensor's raw bytes at the offsets ``_layout`` gives (all of them coalesced,
+    whatever their size). ``decode_tensor_dict`` reverses it; no pickle is involved.
 
     Raises:
         TypeError: as ``broadcast_tensor_dict`` (the message names the key).
     """
     meta, tensors = _encode(data)
     specs = [(t.dtype, list(t.shape)) for t in tensors]
-    offsets, total = _layout(specs, pack_all=True)
+    offsets, total = _layout(specs, coalesce_all=True)
     body = bytearray(total)
     for t, off in zip(tensors, offsets):
         if off is not None:
@@ -278,25 +278,25 @@ def pack_tensor_dict(data: dict) -> bytes:
     return b"".join((len(meta).to_bytes(8, "little"), meta, body))
 
 
-def unpack_tensor_dict(buf: bytes) -> dict:
-    """The dict ``pack_tensor_dict`` packed into ``buf``: host tensors (read-only views of
+def decode_tensor_dict(buf: bytes) -> dict:
+    """The dict ``encode_tensor_dict`` coalesced into ``buf``: host tensors (read-only views of
     one copy of ``buf``'s tensor bytes) and plain values, keys in the sender's order.
 
     Raises:
-        ValueError: ``buf`` is not in the format ``pack_tensor_dict`` writes.
+        ValueError: ``buf`` is not in the format ``encode_tensor_dict`` writes.
     """
     n = int.from_bytes(buf[:8], "little")
     meta = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
-        raise ValueError("unpack_tensor_dict: not a packed tensor dict of format "
+        raise ValueError("decode_tensor_dict: not an encoded tensor dict of format "
                          f"{_FORMAT}")
     items = meta["items"]
     specs = [(SUPPORTED_DTYPES[it[2]], it[3]) for it in items if it[1] == "t"]
-    offsets, total = _layout(specs, pack_all=True)
+    offsets, total = _layout(specs, coalesce_all=True)
     body = memoryview(buf)[8 + n:]
     if len(body) != total:
-        raise ValueError(f"unpack_tensor_dict: {len(body)} bytes of tensors, expected {total}")
-    packed = torch.frombuffer(bytearray(body), dtype=torch.uint8) if total else None
+        raise ValueError(f"decode_tensor_dict: {len(body)} bytes of tensors, expected {total}")
+    coalesced = torch.frombuffer(bytearray(body), dtype=torch.uint8) if total else None
     out: dict[str, Any] = {}
     specs_iter = iter(zip(specs, offsets))
     for item in items:
@@ -306,5 +306,5 @@ def unpack_tensor_dict(buf: bytes) -> dict:
         (dtype, shape), off = next(specs_iter)
         nbytes = math.prod(shape) * dtype.itemsize
         out[item[0]] = (torch.empty(shape, dtype=dtype) if nbytes == 0
-                        else packed[off:off + nbytes].view(dtype).view(shape))
+                        else coalesced[off:off + nbytes].view(dtype).view(shape))
     return out

@@ -1,6 +1,6 @@
 """Host buffers in named shared memory, which every tensor-parallel rank maps by name.
 
-Under tensor parallelism the host tier's packed adapters (``manylora.lora.packed``) are
+Under tensor parallelism the host tier's pinned adapters (``manylora.lora.pinned``) are
 written once, by rank 0's loader thread, into files of ``/dev/shm``; a slot-load message
 carries only the file's name and the adapter's small plan, and each rank maps the file and
 copies its own part to its GPU (no broadcast of the adapter's tensors). On CUDA each

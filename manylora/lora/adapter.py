@@ -138,8 +138,8 @@ def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """A loaded adapter, as the format readers produce it (the host tier keeps it packed:
-    ``manylora.lora.packed.pack_adapter``).
+    """A loaded adapter, as the format readers produce it (the host tier keeps it pinned:
+    ``manylora.lora.pinned.pin_adapter``).
 
     Attributes:
         lora_int_id: the adapter's identity in the caches (``LoRARequest.lora_int_id``, which

@@ -5,8 +5,8 @@ one shrink and one expand over all its LoRA-enabled slices and all adapters of t
 (Punica; vLLM's ``MergedColumnParallelLinearWithLoRA``)::
 
     y      = x W^T (+ b)                                  all rows, base weights read once
-    buffer = shrink(x, (A_s)_s, mapping)                  [T, S, max_lora_rank] float32
-    y     += expand(buffer, (B_s)_s, mapping)             in place, per slice's columns
+    buffer = shrink(x, (A_s)_s, lora_meta)                  [T, S, max_lora_rank] float32
+    y     += expand(buffer, (B_s)_s, lora_meta)             in place, per slice's columns
 
 For the rows of a DoRA adapter (Liu et al. 2024; peft's ``use_dora``) the expand also
 rescales: ``y = (y + delta) * scale + shift`` with ``scale = m / ||W + BA||`` and
@@ -247,29 +247,29 @@ class LoRALinear(nn.Module):
         return dora_row_norm_tp(self.module_weight(module), a, b, self.tp, self.parallel,
                                 out_range=self.output_ranges[i], in_range=self.in_range)
 
-    def forward(self, x: torch.Tensor, mapping: LoRAKernelMeta | None) -> torch.Tensor:
-        lora = self.lora if mapping is not None and mapping.has_lora else None
-        if lora is not None and not lora.used(mapping):
+    def forward(self, x: torch.Tensor, lora_meta: LoRAKernelMeta | None) -> torch.Tensor:
+        lora = self.lora if lora_meta is not None and lora_meta.has_lora else None
+        if lora is not None and not lora.used(lora_meta):
             lora = None               # an eager step none of whose slots targets this layer
         if self.parallel != "row":
             y = base_linear(x, self.weight, self.bias)
             if lora is not None:
-                buffer = lora.shrink(x, mapping)
+                buffer = lora.shrink(x, lora_meta)
                 if lora.rank_sharded:
                     buffer = self.tp.all_gather(buffer, dim=-1)       # [T, S, max_lora_rank]
-                lora.expand(y, buffer, mapping)
+                lora.expand(y, buffer, lora_meta)
             return y
         y = base_linear(x, self.weight)                              # partial sum [T, out]
         if lora is None or not self.fully_sharded:
             if lora is not None:
-                lora.expand(y, lora.shrink(x, mapping), mapping)      # partial delta too
+                lora.expand(y, lora.shrink(x, lora_meta), lora_meta)      # partial delta too
             y = self.tp.all_reduce(y)
             return y if self.bias is None else y.add_(self.bias)
-        buffer = self.tp.all_reduce(lora.shrink(x, mapping))          # x A^T, [T, 1, r]
+        buffer = self.tp.all_reduce(lora.shrink(x, lora_meta))          # x A^T, [T, 1, r]
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y.add_(self.bias)
         lo, hi = self._lora_cols
         part = y[:, lo:hi].contiguous()
-        lora.expand(part, buffer, mapping)
+        lora.expand(part, buffer, lora_meta)
         return self.tp.all_gather(part, dim=-1)

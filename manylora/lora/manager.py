@@ -1,6 +1,6 @@
 """Adapter residency: disk → host tier → device slot, both LRU (vLLM, S-LoRA, TensorRT-LLM).
 
-The host tier keeps loaded adapters packed (``PackedAdapter``: one pinned buffer in slot
+The host tier keeps loaded adapters pinned (``PinnedAdapter``: one pinned buffer in slot
 order, built once on the loader thread that read the adapter), bounded by count
 (``max_cpu_loras``) and bytes (``max_cpu_lora_bytes``); the device has ``max_loras`` slots
 whose buffers were allocated once, up front. A slot load is one host → device copy of that
@@ -41,7 +41,7 @@ from manylora.lora.formats.loader import (
 )
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.loader_pool import LoaderPool, report_progress
-from manylora.lora.packed import PackedAdapter, pack_adapter, pinned_bytes
+from manylora.lora.pinned import PinnedAdapter, pin_adapter, pinned_bytes
 from manylora.lora.slot_layout import SlotLayout
 from manylora.lora.slots import LoRASlots
 from manylora.lora_request import LoRARequest
@@ -95,7 +95,7 @@ class LoRACacheStats:
         host_evictions: adapters dropped from the host tier.
         host_load_seconds: wall time of all disk reads (parse, validate, digest, pin),
             seconds.
-        host_load_bytes: bytes the reads put in the host tier (packed adapters: tensors,
+        host_load_bytes: bytes the reads put in the host tier (pinned adapters: tensors,
             alignment and slot-load descriptors; what ``max_cpu_lora_bytes`` counts).
         host_load_failures: disk reads that failed (their requests ended with the error).
         sync_disk_loads: disk reads a step had to wait for (staging came too late).
@@ -133,7 +133,7 @@ class LoRACacheStats:
     stuck_loader_threads: int = 0
 
 
-def _check_unchanged(adapter: PackedAdapter, known: _Known) -> None:
+def _check_unchanged(adapter: PinnedAdapter, known: _Known) -> None:
     """Raises ``AdapterReloadError`` when a re-read adapter's weights differ from the first
     read (its files changed on disk)."""
     if adapter.digest != known.digest:
@@ -176,9 +176,9 @@ class LoRAManager:
         stats: ``LoRACacheStats``.
         layout: the ``SlotLayout`` slot loads go through (its staging buffer holds the
             largest adapter the slots can take).
-        host_alloc: ``nbytes → uint8 [nbytes]`` host tensor a packed adapter is written into
+        host_alloc: ``nbytes → uint8 [nbytes]`` host tensor a pinned adapter is written into
             (pinned memory; shared memory under tensor parallelism, set before any ``add``).
-        on_write_slot: called with ``(slot, packed)`` before a packed adapter is written into
+        on_write_slot: called with ``(slot, pinned)`` before a pinned adapter is written into
             a slot (tensor parallelism tells the other ranks to load it there).
         background_dora_reads: whether DoRA adapters are read on the loader threads;
             False under tensor parallelism, where DoRA's norms are a collective that only
@@ -194,7 +194,7 @@ class LoRAManager:
         self.target = target
         self.slots = dict(slots)
         self.stats = LoRACacheStats()
-        self._host: OrderedDict[int, PackedAdapter] = OrderedDict()
+        self._host: OrderedDict[int, PinnedAdapter] = OrderedDict()
         self._host_bytes = 0
         self._known: dict[int, _Known] = {}
         self._refs: Counter[int] = Counter()
@@ -216,9 +216,9 @@ class LoRAManager:
         self._copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._load_stream = torch.cuda.Stream(device) if self._cuda else None
         self._slot_events: dict[int, torch.cuda.Event] = {}
-        # (start, end, bytes, the packed adapter, alive until its copy is done)
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int, PackedAdapter]] = []
-        self.on_write_slot: Callable[[int, PackedAdapter], None] | None = None
+        # (start, end, bytes, the pinned adapter, alive until its copy is done)
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, int, PinnedAdapter]] = []
+        self.on_write_slot: Callable[[int, PinnedAdapter], None] | None = None
         self.background_dora_reads = True
 
     # ------------------------------------------------------------------ requests come and go
@@ -363,14 +363,14 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ host tier
 
-    def _pack(self, adapter: LoRAAdapter) -> PackedAdapter:
+    def _pack(self, adapter: LoRAAdapter) -> PinnedAdapter:
         """The host tier's form of ``adapter``, with this engine's slot-load descriptors
         (any thread)."""
-        packed = pack_adapter(adapter, self.host_alloc)
-        return replace(packed, load=self.layout.prepare(packed))
+        pinned = pin_adapter(adapter, self.host_alloc)
+        return replace(pinned, load=self.layout.prepare(pinned))
 
-    def _read(self, request: LoRARequest) -> PackedAdapter:
-        """Disk → packed pinned host memory (any thread)."""
+    def _read(self, request: LoRARequest) -> PinnedAdapter:
+        """Disk → pinned host memory (any thread)."""
         start = time.perf_counter()
         stream = (torch.cuda.stream(self._load_stream) if self._load_stream is not None
                   else contextlib.nullcontext())
@@ -401,7 +401,7 @@ class LoRAManager:
             return False
         return not (self._refs[lid] > 0 and not self._known[lid].request.lora_path)
 
-    def _insert_host(self, adapter: PackedAdapter, must_fit: bool) -> bool:
+    def _insert_host(self, adapter: PinnedAdapter, must_fit: bool) -> bool:
         """Put ``adapter`` in the host tier, evicting LRU adapters nobody needs.
 
         Raises:
@@ -575,12 +575,12 @@ class LoRAManager:
 
     def _collect_timings(self) -> None:
         pending = []
-        for start, end, nbytes, packed in self._timings:
+        for start, end, nbytes, pinned in self._timings:
             if end.query():
                 self.stats.device_load_seconds += start.elapsed_time(end) / 1e3
                 self.stats.device_load_bytes += nbytes
             else:
-                pending.append((start, end, nbytes, packed))
+                pending.append((start, end, nbytes, pinned))
         self._timings = pending
 
     # ------------------------------------------------------------------ device slots
@@ -614,7 +614,7 @@ class LoRAManager:
         self._wait_for(slots.values())
         return slots
 
-    def _host_copy(self, lid: int) -> PackedAdapter:
+    def _host_copy(self, lid: int) -> PinnedAdapter:
         adapter = self._host.get(lid)
         if adapter is not None:
             self._host.move_to_end(lid)
@@ -649,7 +649,7 @@ class LoRAManager:
         logger.debug("slot %d: evicted adapter %d", slot, victim)
         return slot
 
-    def _load_slot(self, slot: int, adapter: PackedAdapter) -> None:
+    def _load_slot(self, slot: int, adapter: PinnedAdapter) -> None:
         if self._copy_stream is None:
             start = time.perf_counter()
             self._write_slot(slot, adapter)
@@ -668,7 +668,7 @@ class LoRAManager:
             self._timings.append((begin, end, adapter.nbytes, adapter))
         self.slot_to_id[slot] = adapter.lora_int_id
 
-    def _write_slot(self, slot: int, adapter: PackedAdapter) -> None:
+    def _write_slot(self, slot: int, adapter: PinnedAdapter) -> None:
         if self.on_write_slot is not None:
             self.on_write_slot(slot, adapter)
         self.layout.load(slot, adapter, adapter.load)

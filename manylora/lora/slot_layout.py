@@ -1,11 +1,11 @@
-"""Where each piece of a packed adapter goes in this engine rank's slots, and the slot load.
+"""Where each piece of a pinned adapter goes in this engine rank's slots, and the slot load.
 
 Built once per engine (per tensor-parallel rank) from the model's ``LoRASlots`` and their
 ``SlotTable``: for every (layer, module) with slot buffers, the A, rank-major B and DoRA
 scale buffers, this rank's cuts of the adapter's whole tensors, and the module's table
-column. ``prepare`` turns a ``PackedAdapter``'s plan into scatter descriptors (on the loader
+column. ``prepare`` turns a ``PinnedAdapter``'s plan into scatter descriptors (on the loader
 thread, once per adapter); ``load`` then writes a slot with a fixed number of device
-operations whatever the model size: one host → device copy of the packed buffer into the
+operations whatever the model size: one host → device copy of the pinned buffer into the
 staging buffer, one of the descriptors, and one scatter kernel (``ops.triton_slot_load``),
 all on the current stream (the manager's side stream on CUDA). What one slot load writes,
 for slot ``k`` and each (layer, module) with slot buffers, rank ``r`` (0 if untargeted)::
@@ -35,7 +35,7 @@ import torch
 
 from manylora.config import LORA_TARGET_MODULES
 from manylora.lora.kernels.slot_load import DESC_COLS, scatter_slot
-from manylora.lora.packed import (
+from manylora.lora.pinned import (
     P_A,
     P_B,
     P_IN,
@@ -44,7 +44,7 @@ from manylora.lora.packed import (
     P_OUT,
     P_RANK,
     P_SCALE,
-    PackedAdapter,
+    PinnedAdapter,
     SlotLoad,
     align,
 )
@@ -123,8 +123,8 @@ class SlotLayout:
     def _blob_bytes(self, entries: int) -> int:
         return align(entries * _DESC_BYTES) + 2 * align(4 * self.num_columns)
 
-    def prepare(self, packed: PackedAdapter) -> SlotLoad:
-        """The scatter of ``packed`` into any slot of this layout (host work; any thread).
+    def prepare(self, pinned: PinnedAdapter) -> SlotLoad:
+        """The scatter of ``pinned`` into any slot of this layout (host work; any thread).
 
         Returns:
             ``SlotLoad``: pinned (on CUDA hosts) descriptors and table rows.
@@ -133,23 +133,23 @@ class SlotLayout:
             ValueError: a module the slots do not have, shapes or a dtype other than the
                 slots', or a rank above ``max_lora_rank``.
         """
-        if packed.dtype != self.dtype:
-            raise ValueError(f"adapter {packed.name!r} is in {packed.dtype}, the slots in "
+        if pinned.dtype != self.dtype:
+            raise ValueError(f"adapter {pinned.name!r} is in {pinned.dtype}, the slots in "
                              f"{self.dtype}")
         words = self.elem // 2
         ranks = np.zeros(self.num_columns, np.int32)
         dora = np.zeros(self.num_columns, np.int32)
         rows: list[list[int]] = []
-        for p in packed.plan.tolist():
+        for p in pinned.plan.tolist():
             layer, module = p[P_LAYER], LORA_TARGET_MODULES[p[P_MODULE]]
             t = self._targets.get((layer, p[P_MODULE]))
             if t is None:
-                raise ValueError(f"adapter {packed.name!r} targets layer {layer} {module}, "
+                raise ValueError(f"adapter {pinned.name!r} targets layer {layer} {module}, "
                                  "which has no slot buffers")
             r, n_in, n_out = p[P_RANK], p[P_IN], p[P_OUT]
             if (n_in, n_out) != (t.full_in, t.full_out) or r > self.max_lora_rank:
                 raise ValueError(
-                    f"adapter {packed.name!r}: layer {layer} {module} is [{r}, {n_in}] x "
+                    f"adapter {pinned.name!r}: layer {layer} {module} is [{r}, {n_in}] x "
                     f"[{n_out}, {r}], the slots take [≤{self.max_lora_rank}, {t.full_in}] x "
                     f"[{t.full_out}, ≤{self.max_lora_rank}]")
             lo, hi = t.a_rows if t.a_rows is not None else (0, r)
@@ -167,7 +167,7 @@ class SlotLayout:
             ranks[t.column] = r
         blob = torch.zeros(self._blob_bytes(len(rows) + 2), dtype=torch.uint8,
                            pin_memory=torch.cuda.is_available())
-        tail = (align(packed.buf.numel()) + align((len(rows) + 2) * _DESC_BYTES)) // 2
+        tail = (align(pinned.buf.numel()) + align((len(rows) + 2) * _DESC_BYTES)) // 2
         step = align(4 * self.num_columns) // 2
         rows.append(_entry(self.table.ranks, tail, 0, 1, 2 * self.num_columns))
         rows.append(_entry(self.table.dora, tail + step, 0, 1, 2 * self.num_columns))
@@ -182,8 +182,8 @@ class SlotLayout:
             at += 2 * step
         return SlotLoad(blob, len(rows), *rows_in_blob)
 
-    def load(self, slot: int, packed: PackedAdapter, load: SlotLoad) -> None:
-        """Write ``packed`` into ``slot``: two host → device copies (the buffer, then the
+    def load(self, slot: int, pinned: PinnedAdapter, load: SlotLoad) -> None:
+        """Write ``pinned`` into ``slot``: two host → device copies (the buffer, then the
         descriptors) into the staging buffer and one scatter, enqueued on the current
         stream; nothing synchronises. The host buffers must stay alive until the copies
         are done (on CUDA, until an event recorded after this call completes).
@@ -195,13 +195,13 @@ class SlotLayout:
         max_loras = self.table.max_loras
         if not 0 <= slot < max_loras:
             raise ValueError(f"slot {slot} outside [0, {max_loras})")
-        n = packed.buf.numel()
+        n = pinned.buf.numel()
         at = align(n)
         m = load.blob.numel()
         if at + m > self.staging.numel():
-            raise ValueError(f"adapter {packed.name!r} ({at + m} bytes) exceeds the staging "
+            raise ValueError(f"adapter {pinned.name!r} ({at + m} bytes) exceeds the staging "
                              f"buffer ({self.staging.numel()} bytes)")
-        self.staging[:n].copy_(packed.buf, non_blocking=True)
+        self.staging[:n].copy_(pinned.buf, non_blocking=True)
         self.staging[at: at + m].copy_(load.blob, non_blocking=True)
         desc = self.staging[at: at + load.entries * _DESC_BYTES].view(torch.int64).view(
             load.entries, DESC_COLS)

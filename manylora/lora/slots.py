@@ -191,37 +191,37 @@ class LoRASlots(nn.Module):
             self.dora_scale_stacked[s][slot].copy_(dora_scale, non_blocking=True)
         self.table.set(slot, col, r, dora_scale is not None)
 
-    def used(self, mapping: LoRAKernelMeta) -> bool:
+    def used(self, lora_meta: LoRAKernelMeta) -> bool:
         """Whether this projection launches its LoRA kernels in the step: one of its columns
-        is in ``mapping.used_columns`` (an eager step: some slot of the step has a nonzero
+        is in ``lora_meta.used_columns`` (an eager step: some slot of the step has a nonzero
         rank there; a CUDA-graph step: its kind is in the graph's projection mask), or the
         mapping does not say."""
-        cols = mapping.used_columns
+        cols = lora_meta.used_columns
         return cols is None or any(cols[self.rank_col: self.rank_col + len(self.module_names)])
 
-    def shrink(self, x: torch.Tensor, mapping: LoRAKernelMeta) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, lora_meta: LoRAKernelMeta) -> torch.Tensor:
         """``x [T, in] → float32 [T, S, R_a]``: every row through its slot's A (``R_a`` is
         this rank's part of the rank when ``rank_sharded``, else ``max_lora_rank``); ``x``
         in the slots' dtype first."""
-        return lora_shrink(x.to(self.dtype), self.lora_a_stacked, self.ranks, mapping,
+        return lora_shrink(x.to(self.dtype), self.lora_a_stacked, self.ranks, lora_meta,
                            rank_start=self.rank_start)
 
-    def expand(self, y: torch.Tensor, buffer: torch.Tensor, mapping: LoRAKernelMeta) -> None:
+    def expand(self, y: torch.Tensor, buffer: torch.Tensor, lora_meta: LoRAKernelMeta) -> None:
         """``y += expand(buffer)`` in place, DoRA-rescaled for the (slot, slice)s the table
         flags; ``buffer`` float32 ``[T, S, max_lora_rank]``, ``y [T, out]`` (in another
         dtype than the slots': updated through a copy in theirs)."""
         out = y.to(self.dtype)
-        lora_expand(out, buffer, self.lora_b_stacked, self.ranks, mapping, self.output_slices,
+        lora_expand(out, buffer, self.lora_b_stacked, self.ranks, lora_meta, self.output_slices,
                     self.dora, self.dora_scale_stacked, self.bias)
         if out is not y:
             y.copy_(out)
 
-    def apply(self, x: torch.Tensor, y: torch.Tensor, mapping: LoRAKernelMeta) -> None:
+    def apply(self, x: torch.Tensor, y: torch.Tensor, lora_meta: LoRAKernelMeta) -> None:
         """``y += expand(shrink(x))`` for every enabled slice, DoRA-rescaled where the table
         flags it; ``x [T, in]``, ``y [T, out]`` (bias included). Slots with
         ``rank_sharded`` need the buffer all-gathered in between: use ``shrink`` and
         ``expand``."""
-        self.expand(y, self.shrink(x, mapping), mapping)
+        self.expand(y, self.shrink(x, lora_meta), lora_meta)
 
 
 def _check_sharding(sharding: SlotSharding | None, modules: Sequence[tuple[str, int, int]],

@@ -86,7 +86,7 @@ class LlamaAttention(nn.Module):
         then ``paged_attention`` of q → ``[T, q_size]`` in q's dtype (into ``out [T, Hq, D]``
         when given). The part of a layer that reads the step's attention metadata: it runs
         eagerly between the pieces of a piecewise CUDA graph."""
-        write_kv(k, v, kv_cache, attn.slot_mapping)
+        write_kv(k, v, kv_cache, attn.cache_loc)
         return paged_attention(q, kv_cache, attn, self.scale, self.sliding_window, out=out)
 
 

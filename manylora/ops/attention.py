@@ -185,7 +185,7 @@ class AttentionMetadata(NamedTuple):
     of the flat ``[T, ...]`` token batch and row ``i`` of ``block_tables``. Every tensor is
     on the step's device: from ``build_attention_metadata``, views of one buffer copied
     there in one transfer; from the model runner, views of its persistent step buffer, with
-    ``slot_mapping`` and ``block_tables`` computed on the device from its persistent block
+    ``cache_loc`` and ``block_tables`` computed on the device from its persistent block
     table (``slot_mapping_from_block_table``).
 
     Work partition of the Triton kernel: a *tile* is ``(sequence, first query)``; tiles
@@ -201,7 +201,7 @@ class AttentionMetadata(NamedTuple):
     depend only on the non-tensor fields and the shapes.
 
     Attributes:
-        slot_mapping: int64 ``[T]``, the flat cache slot each new token's K/V is written to;
+        cache_loc: int64 ``[T]``, the flat cache slot each new token's K/V is written to;
             -1 for padding rows (nothing written).
         block_tables: int32 ``[B, W]``, each sequence's physical blocks, padded with 0.
         query_start: int32 ``[B]``, first row of each sequence's new tokens.
@@ -218,7 +218,7 @@ class AttentionMetadata(NamedTuple):
         seqs: host ``SeqAttention`` per real sequence, in batch order; empty when padded.
     """
 
-    slot_mapping: torch.Tensor
+    cache_loc: torch.Tensor
     block_tables: torch.Tensor
     query_start: torch.Tensor
     query_lens: torch.Tensor
@@ -281,7 +281,7 @@ def slot_mapping_from_block_table(positions: torch.Tensor, token_rows: torch.Ten
         block_size: tokens per block.
 
     Returns:
-        int64 ``[T]`` flat cache slots (``AttentionMetadata.slot_mapping``).
+        int64 ``[T]`` flat cache slots (``AttentionMetadata.cache_loc``).
     """
     width = block_table.shape[1]
     flat = token_rows.clamp(min=0) * width + torch.div(positions, block_size,
@@ -396,13 +396,13 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
     host_np[: 8 * num_tokens].view(np.int64)[:] = slots
     host_np[8 * num_tokens:].view(np.int32)[:] = np.concatenate(int32_parts)
     buf = host.to(device, non_blocking=True)
-    slot_mapping = buf[: 8 * num_tokens].view(torch.int64)
+    cache_loc = buf[: 8 * num_tokens].view(torch.int64)
     ints = buf[8 * num_tokens:].view(torch.int32)
     fields = ints.split(sizes)
     seqs = () if pad_to is not None else tuple(
         SeqAttention(int(qs[i]), int(ql[i]), int(cl[i])) for i in range(num_seqs))
     return AttentionMetadata(
-        slot_mapping=slot_mapping,
+        cache_loc=cache_loc,
         block_tables=fields[0].view(batch, width),
         query_start=fields[1],
         query_lens=fields[2],
@@ -467,8 +467,8 @@ def check_attention_inputs(q: torch.Tensor, kv_cache: KVCache,
     if num_heads % num_kv_heads or num_heads // num_kv_heads != meta.num_queries_per_kv:
         raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads does not match "
                          f"num_queries_per_kv={meta.num_queries_per_kv}")
-    if q.shape[0] != meta.slot_mapping.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} rows, the metadata {meta.slot_mapping.shape[0]}")
+    if q.shape[0] != meta.cache_loc.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows, the metadata {meta.cache_loc.shape[0]}")
     if kv_cache.quantized:
         if q.dtype not in _FLOAT_DTYPES:
             raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
@@ -477,12 +477,12 @@ def check_attention_inputs(q: torch.Tensor, kv_cache: KVCache,
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                       slot_mapping: torch.Tensor) -> None:
+                       cache_loc: torch.Tensor) -> None:
     """PyTorch reference of ``write_kv``: ``index_copy_`` of the rows whose slot is ≥ 0,
     quantized first by ``quantize_kv`` (codes and scales) when the cache is.
 
     Args as ``write_kv`` (``k``, ``v`` ``[T, num_kv_heads, head_dim]``, a ``KVCache``, int64
-    ``slot_mapping [T]``); selecting the rows syncs on CUDA.
+    ``cache_loc [T]``); selecting the rows syncs on CUDA.
 
     Raises:
         ValueError: as ``check_kv_cache``.
@@ -490,8 +490,8 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     check_kv_cache(kv_cache)
     data = kv_cache.data
     flat = data.view(2, -1, *data.shape[-2:])
-    rows = torch.nonzero(slot_mapping >= 0).squeeze(1)
-    slots = slot_mapping.index_select(0, rows)
+    rows = torch.nonzero(cache_loc >= 0).squeeze(1)
+    slots = cache_loc.index_select(0, rows)
     if not kv_cache.quantized:
         flat[0].index_copy_(0, slots, k.index_select(0, rows))
         flat[1].index_copy_(0, slots, v.index_select(0, rows))
@@ -505,7 +505,7 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-             slot_mapping: torch.Tensor) -> None:
+             cache_loc: torch.Tensor) -> None:
     """Store this step's keys and values: ``data[:, slot // bs, slot % bs] = (k, v)``, or for
     a quantized cache their codes and per-head scales (``quantize_kv``).
 
@@ -518,7 +518,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         kv_cache: the layer's ``KVCache`` (``data [2, num_blocks, block_size, num_kv_heads,
             head_dim]``, float32 ``scale [2, num_blocks, block_size, num_kv_heads]`` or None;
             contiguous on CUDA).
-        slot_mapping: int64 ``[T]`` flat slots (``AttentionMetadata.slot_mapping``).
+        cache_loc: int64 ``[T]`` flat slots (``AttentionMetadata.cache_loc``).
 
     Raises:
         ValueError: a malformed cache (``check_kv_cache``); (CUDA) shapes, dtypes or a cache
@@ -527,9 +527,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     if kv_cache.data.is_cuda:
         from manylora.ops.triton_attention import write_kv_triton
 
-        write_kv_triton(k, v, kv_cache, slot_mapping)
+        write_kv_triton(k, v, kv_cache, cache_loc)
     else:
-        write_kv_reference(k, v, kv_cache, slot_mapping)
+        write_kv_reference(k, v, kv_cache, cache_loc)
 
 
 def _host_seqs(meta: AttentionMetadata) -> tuple[SeqAttention, ...]:

@@ -491,7 +491,7 @@ def _check_contiguous(kv_cache: KVCache) -> None:
 
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                    slot_mapping: torch.Tensor) -> None:
+                    cache_loc: torch.Tensor) -> None:
     """``data[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0; a quantized
     cache stores ``code = round(x / scale)`` and ``scale = max_d |x[d]| / QMAX`` per (row,
     KV head) instead (``manylora.ops.attention.quantize_kv``, bit-exact for int8).
@@ -505,7 +505,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         kv_cache: a ``KVCache`` with contiguous ``data [2, num_blocks, block_size,
             num_kv_heads, head_dim]`` and, when quantized, contiguous float32 ``scale [2,
             num_blocks, block_size, num_kv_heads]``.
-        slot_mapping: int64 ``[T]``; -1 rows write nothing.
+        cache_loc: int64 ``[T]``; -1 rows write nothing.
 
     Raises:
         ValueError: shapes, dtypes or a cache layout that do not match.
@@ -514,9 +514,9 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     data = kv_cache.data
     num_tokens, num_kv_heads, head_dim = k.shape
     if (v.shape != k.shape or data.shape[3:] != k.shape[1:]
-            or slot_mapping.shape != (num_tokens,)):
-        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping "
-                         f"{tuple(slot_mapping.shape)} do not fit kv_cache {tuple(data.shape)}")
+            or cache_loc.shape != (num_tokens,)):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, cache_loc "
+                         f"{tuple(cache_loc.shape)} do not fit kv_cache {tuple(data.shape)}")
     if kv_cache.quantized:
         if not (k.is_floating_point() and v.is_floating_point()):
             raise ValueError(f"k/v must be floating point to quantize, got {k.dtype}/{v.dtype}")
@@ -526,11 +526,11 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
-    slot_mapping = slot_mapping.contiguous()
+    cache_loc = cache_loc.contiguous()
     k_cache, v_cache = data[0], data[1]
     k_scale, v_scale, stride_sb, stride_ss = _scale_args(kv_cache)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+        k, v, k_cache, v_cache, k_scale, v_scale, cache_loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_ss,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,

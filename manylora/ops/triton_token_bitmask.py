@@ -1,7 +1,7 @@
 """Triton kernel: a token bitmask on the logits of the constrained rows
 (``ops.token_bitmask``'s formula)::
 
-    logits[packed[r, 0], j] = -inf   if (packed[r, 1 + j // 32] >> (j % 32)) & 1 == 0
+    logits[bitmask[r, 0], j] = -inf   if (bitmask[r, 1 + j // 32] >> (j % 32)) & 1 == 0
 
 One program per (constrained row, ``BLOCK`` tokens): it loads ``BLOCK / 32`` words, expands
 their bits and stores ``-inf`` where a bit is clear; allowed tokens are never written. No
@@ -24,19 +24,19 @@ def _token_bitmask_kernel(logits_ptr, packed_ptr, vocab, stride_logits, stride_p
     start = tl.program_id(1) * BLOCK
     row = tl.load(packed_ptr + r * stride_packed).to(tl.int64)
     words = start // 32 + tl.arange(0, BLOCK // 32)
-    packed = tl.load(packed_ptr + r * stride_packed + 1 + words,
+    bitmask = tl.load(packed_ptr + r * stride_packed + 1 + words,
                      mask=words < (vocab + 31) // 32, other=-1)
-    bits = (packed[:, None] >> tl.arange(0, 32)[None, :]) & 1
+    bits = (bitmask[:, None] >> tl.arange(0, 32)[None, :]) & 1
     banned = tl.reshape(bits == 0, (BLOCK,))
     offs = start + tl.arange(0, BLOCK)
     tl.store(logits_ptr + row * stride_logits + offs, float("-inf"),
              mask=banned & (offs < vocab))
 
 
-def apply_token_bitmask_triton(logits: torch.Tensor, packed: torch.Tensor) -> None:
-    """Launch ``_token_bitmask_kernel`` over ``packed``'s rows (shapes as
+def apply_token_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Launch ``_token_bitmask_kernel`` over ``bitmask``'s rows (shapes as
     ``ops.token_bitmask.apply_token_bitmask_``; ``logits``' rows contiguous)."""
-    num_rows, vocab = packed.shape[0], logits.shape[1]
+    num_rows, vocab = bitmask.shape[0], logits.shape[1]
     grid = (num_rows, triton.cdiv(vocab, BLOCK))
-    _token_bitmask_kernel[grid](logits, packed, vocab, logits.stride(0),
-                                packed.stride(0), BLOCK=BLOCK)
+    _token_bitmask_kernel[grid](logits, bitmask, vocab, logits.stride(0),
+                                bitmask.stride(0), BLOCK=BLOCK)

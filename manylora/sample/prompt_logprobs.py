@@ -13,7 +13,7 @@ engine core drops entries it has already reported (a preempted request computes 
 again). Per step the rows that ask are gathered, their logits computed in chunks of at most
 ``PROMPT_LOGITS_ELEMENTS`` floats (so a long prompt never materializes ``[P, V]`` at once;
 the chunking depends only on the row count and ``V``, so tensor-parallel ranks run the
-same all-gathers), and everything is packed into one float64 tensor that rides the step's
+same all-gathers), and everything is flattened into one float64 tensor that rides the step's
 one device-to-host copy (``worker.async_output``).
 
 What crosses to the front is :class:`PromptLogprobs`: numpy arrays, never per-token dicts.
@@ -106,7 +106,7 @@ def compute_prompt_logprobs(hidden: torch.Tensor, rows: torch.Tensor, targets: t
                             num_logprobs: int,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor],
                             vocab_size: int) -> torch.Tensor:
-    """The packed prompt log-probabilities of a step's prompt rows, on the device.
+    """The flattened prompt log-probabilities of a step's prompt rows, on the device.
 
     Per row ``r``: ``lp = log_softmax(compute_logits(hidden[rows[r]]))`` (float32), then
     ``[lp[targets[r]], rank, topk ids (K), topk logprobs (K)]`` with

@@ -29,9 +29,9 @@ __all__ = [
     "compute_logprobs",
     "flag_empty_rows",
     "make_generator",
-    "pack_tokens_and_logprobs",
+    "flatten_tokens_and_logprobs",
     "tokens_and_logprobs_to_host",
-    "unpack_tokens_and_logprobs",
+    "unflatten_tokens_and_logprobs",
 ]
 
 
@@ -93,7 +93,7 @@ class SamplingTensors(NamedTuple):
     ) -> SamplingTensors:
         """Build the tensors for ``params`` (one per batch row) on ``device``.
 
-        The four columns are packed on the host into one float64 ``[4, N]`` tensor (pinned
+        The four columns are stacked on the host into one float64 ``[4, N]`` tensor (pinned
         when going to CUDA), moved with a single ``non_blocking`` copy and split on the
         device (float64 holds every int64 top_k below 2**53 exactly).
 
@@ -133,12 +133,12 @@ class SamplingTensors(NamedTuple):
         host = host.reshape(4, n)
         if device.type == "cuda" and torch.cuda.is_available():
             host = host.pin_memory()
-        packed = host.to(device, non_blocking=True)
+        stacked = host.to(device, non_blocking=True)
         return cls(
-            temperature=packed[0].to(torch.float32),
-            top_k=packed[1].to(torch.int64),
-            top_p=packed[2].to(torch.float32),
-            min_p=packed[3].to(torch.float32),
+            temperature=stacked[0].to(torch.float32),
+            top_k=stacked[1].to(torch.int64),
+            top_p=stacked[2].to(torch.float32),
+            min_p=stacked[3].to(torch.float32),
             all_greedy=n_greedy == n,
             all_random=n_greedy == 0,
             do_top_k=do_top_k,
@@ -451,7 +451,7 @@ def compute_logprobs(
     return LogprobsTensors(token_logprob.squeeze(-1), token_rank, topk_ids, topk_logprobs)
 
 
-def pack_tokens_and_logprobs(
+def flatten_tokens_and_logprobs(
     logits: torch.Tensor,
     tokens: torch.Tensor,
     rows: Sequence[int],
@@ -463,7 +463,7 @@ def pack_tokens_and_logprobs(
     With ``rows`` empty the tensor is ``tokens`` itself: no log-probability work at all.
     Otherwise :func:`compute_logprobs` runs once on the selected rows with K the largest
     ``num_logprobs``, and tokens, sampled log-probs, ranks, top-K ids and top-K log-probs
-    are packed into one float64 tensor (exact for float32 values and for integers below
+    are flattened into one float64 tensor (exact for float32 values and for integers below
     2**53): ``[tokens (N) | per row of rows: logprob, rank, K ids, K logprobs]``.
 
     Args:
@@ -474,7 +474,7 @@ def pack_tokens_and_logprobs(
         num_logprobs: one count in ``[0, MAX_LOGPROBS]`` per entry of ``rows``.
 
     Returns:
-        ``(packed, K)``: int64 ``[N]`` or float64 ``[N + len(rows) * (2 + 2K)]``, and K (0
+        ``(flat, K)``: int64 ``[N]`` or float64 ``[N + len(rows) * (2 + 2K)]``, and K (0
         without rows).
 
     Raises:
@@ -495,19 +495,19 @@ def pack_tokens_and_logprobs(
         sel_logits, sel_tokens = logits.index_select(0, index), tokens.index_select(0, index)
     lp = compute_logprobs(sel_logits, sel_tokens, max(num_logprobs))
     k = lp.topk_ids.shape[1]
-    packed = torch.cat([
+    flat = torch.cat([
         lp.token_logprob.to(torch.float64).unsqueeze(-1),
         lp.token_rank.to(torch.float64).unsqueeze(-1),
         lp.topk_ids.to(torch.float64),
         lp.topk_logprobs.to(torch.float64),
     ], dim=-1)
-    return torch.cat([tokens.to(torch.float64), packed.flatten()]), k
+    return torch.cat([tokens.to(torch.float64), flat.flatten()]), k
 
 
-def unpack_tokens_and_logprobs(
+def unflatten_tokens_and_logprobs(
     host: list, n: int, num_logprobs: Sequence[int], k: int
 ) -> tuple[list[int], list[TokenLogprobs]]:
-    """The inverse of :func:`pack_tokens_and_logprobs` on the host: ``host`` is the packed
+    """The inverse of :func:`flatten_tokens_and_logprobs` on the host: ``host`` is the flattened
     tensor's ``tolist()``, ``n`` the number of sampled rows, ``k`` the K it returned.
 
     Returns:
@@ -534,11 +534,11 @@ def tokens_and_logprobs_to_host(
     num_logprobs: Sequence[int],
 ) -> tuple[list[int], list[TokenLogprobs]]:
     """Bring a step's sampled tokens, and the log-probabilities of the rows that asked for
-    them, to the host in one device-to-host copy: :func:`pack_tokens_and_logprobs`, one
-    ``tolist()``, :func:`unpack_tokens_and_logprobs`.
+    them, to the host in one device-to-host copy: :func:`flatten_tokens_and_logprobs`, one
+    ``tolist()``, :func:`unflatten_tokens_and_logprobs`.
 
     Args:
-        logits, tokens, rows, num_logprobs: as :func:`pack_tokens_and_logprobs`.
+        logits, tokens, rows, num_logprobs: as :func:`flatten_tokens_and_logprobs`.
 
     Returns:
         ``(token_ids, logprobs)``: the N sampled ids as ints, and one :class:`TokenLogprobs`
@@ -547,5 +547,5 @@ def tokens_and_logprobs_to_host(
     Raises:
         ValueError: ``rows`` and ``num_logprobs`` differ in length.
     """
-    packed, k = pack_tokens_and_logprobs(logits, tokens, rows, num_logprobs)
-    return unpack_tokens_and_logprobs(packed.tolist(), tokens.shape[0], num_logprobs, k)
+    flat, k = flatten_tokens_and_logprobs(logits, tokens, rows, num_logprobs)
+    return unflatten_tokens_and_logprobs(flat.tolist(), tokens.shape[0], num_logprobs, k)

@@ -1,8 +1,8 @@
 """A step's sampled tokens on their way to the host (vLLM v1's ``AsyncModelRunnerOutput``).
 
 Under async scheduling the engine launches step n+1 before it reads step n's tokens. The
-sampled tokens (and the log-probabilities asked for, packed by
-``sample.sampler.pack_tokens_and_logprobs``) are copied into pinned host memory on a side
+sampled tokens (and the log-probabilities asked for, flattened by
+``sample.sampler.flatten_tokens_and_logprobs``) are copied into pinned host memory on a side
 stream that first waits for the sampler; an event marks the copy's end, and ``result``
 waits for that event only, never for the compute stream, where the next step already runs.
 On the CPU the tensors are already on the host and nothing is copied.
@@ -21,8 +21,8 @@ from manylora.sample.prompt_logprobs import (
 )
 from manylora.sample.sampler import (
     TokenLogprobs,
-    pack_tokens_and_logprobs,
-    unpack_tokens_and_logprobs,
+    flatten_tokens_and_logprobs,
+    unflatten_tokens_and_logprobs,
 )
 
 
@@ -36,7 +36,7 @@ class AsyncSampledOutput:
         lp_rows: indices in ``[0, N)`` of the rows that asked for log-probabilities.
         lp_counts: their counts (``SamplingParams.logprobs``).
         copy_stream: the side stream of the device-to-host copy; None on the CPU.
-        prompt: float64, the step's packed prompt log-probabilities
+        prompt: float64, the step's flattened prompt log-probabilities
             (``sample.prompt_logprobs.compute_prompt_logprobs``), or None; appended to the
             same copy.
         prompt_plan: the plan they follow (None with ``prompt`` None).
@@ -54,31 +54,31 @@ class AsyncSampledOutput:
                  prompt: torch.Tensor | None = None,
                  prompt_plan: PromptLogprobsPlan | None = None, vocab_size: int = 0,
                  reported: torch.Tensor | None = None) -> None:
-        packed, self._k = pack_tokens_and_logprobs(logits, tokens, lp_rows, lp_counts)
+        flat, self._k = flatten_tokens_and_logprobs(logits, tokens, lp_rows, lp_counts)
         if reported is not None:
             if len(lp_rows):
-                packed[:tokens.shape[0]] = reported
+                flat[:tokens.shape[0]] = reported
             else:
-                packed = reported
+                flat = reported
         self._prompt_plan, self._vocab_size = prompt_plan, vocab_size
         self._prompt_size = 0
         if prompt is not None:
             self._prompt_size = prompt.shape[0]
-            packed = torch.cat([packed.to(torch.float64), prompt])
+            flat = torch.cat([flat.to(torch.float64), prompt])
         self.num_tokens = tokens.shape[0]
         self.lp_rows = list(lp_rows)
         self._counts = list(lp_counts)
         self._event = None
-        if copy_stream is None or packed.device.type != "cuda":
-            self._host = packed
+        if copy_stream is None or flat.device.type != "cuda":
+            self._host = flat
             return
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        copy_stream.wait_stream(torch.cuda.current_stream(packed.device))
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        copy_stream.wait_stream(torch.cuda.current_stream(flat.device))
         with torch.cuda.stream(copy_stream):
-            host.copy_(packed, non_blocking=True)
+            host.copy_(flat, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record(copy_stream)
-        packed.record_stream(copy_stream)         # the compute stream may not reuse it early
+        flat.record_stream(copy_stream)         # the compute stream may not reuse it early
         self._host = host
 
     def result(self) -> tuple[list[int], list[TokenLogprobs], dict[str, PromptLogprobs]]:
@@ -94,7 +94,7 @@ class AsyncSampledOutput:
             prompt = unpack_prompt_logprobs(host[cut:].numpy(), self._prompt_plan,
                                             self._vocab_size)
             host = host[:cut]
-        tokens, logprobs = unpack_tokens_and_logprobs(host.tolist(), self.num_tokens,
+        tokens, logprobs = unflatten_tokens_and_logprobs(host.tolist(), self.num_tokens,
                                                       self._counts, self._k)
         if self._prompt_size and not self._counts:
             tokens = [int(t) for t in tokens]

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA graphs, one graph per (batch-size bucket, LoRA schedule,
+"""Decode steps replayed as CUDA graphs, one graph per (batch-size bucket, LoRA variant,
 projection mask).
 
 A decode step launches a few hundred small kernels; replaying them as one captured graph
@@ -14,7 +14,7 @@ included, are written in place; the ranks and flags travel in the LoRA segment o
 buffer), so loading or evicting adapters, DoRA or not, between steps never forces a
 re-capture.
 
-The graphs of every (bucket, schedule) are captured at start-up for all projections. A LoRA
+The graphs of every (bucket, variant) are captured at start-up for all projections. A LoRA
 step whose slots target fewer projection kinds (``SlotTable.kind_mask``) replays a graph
 captured for its mask, which launches no kernel of the other kinds; those graphs are
 captured during serving, on first use, for the masks ``GraphMaskPolicy``
@@ -33,7 +33,7 @@ from manylora.worker.graph_masks import GraphMaskPolicy
 
 logger = logging.getLogger(__name__)
 
-#: A decode graph's key: (bucket, LoRA schedule or None, projection mask).
+#: A decode graph's key: (bucket, LoRA variant or None, projection mask).
 GraphKey = tuple[int, str | None, int]
 
 #: Batch sizes captured by default. Coarse on purpose: a padded decode row costs almost
@@ -53,7 +53,7 @@ class DecodeGraphs:
         max_masks, min_uses: the ``GraphMaskPolicy`` of the masked graphs (``max_masks``
             0: LoRA steps always replay the all-kinds graphs).
 
-    The model runner captures every (bucket, schedule) pair for ``full_mask`` at start-up
+    The model runner captures every (bucket, variant) pair for ``full_mask`` at start-up
     (``ModelRunner.capture_graphs``), after one eager warm-up run of each (which also
     compiles the Triton kernels); masked graphs are captured when first needed (``select``
     says which key a step replays). All graphs share one memory pool.
@@ -87,7 +87,7 @@ class DecodeGraphs:
         return len(self._graphs)
 
     def has(self, key: GraphKey) -> bool:
-        """Whether ``key`` = ``(bucket, LoRA schedule or None, projection mask)`` has a
+        """Whether ``key`` = ``(bucket, LoRA variant or None, projection mask)`` has a
         graph."""
         return key in self._graphs
 
@@ -96,24 +96,24 @@ class DecodeGraphs:
         """The keys of the captured graphs, in capture order."""
         return tuple(self._graphs)
 
-    def select(self, bucket: int, schedule: str | None, mask: int) -> GraphKey:
+    def select(self, bucket: int, variant: str | None, mask: int) -> GraphKey:
         """The key of the graph a decode step replays (``has`` may still say no: capture it
         then), destroying the graphs of any mask the policy evicts.
 
         Args:
-            bucket: the step's padded batch size; schedule: its LoRA schedule (None: no
+            bucket: the step's padded batch size; variant: its LoRA variant (None: no
                 LoRA row, the mask is ignored); mask: its projection mask
                 (``StepLayout.lora_mask``, -1: every kind).
 
         Raises:
             ValueError: mask bits outside ``full_mask``.
         """
-        if schedule is None:
+        if variant is None:
             return (bucket, None, self.policy.full_mask)
         run, evicted = self.policy.choose(mask)
         if evicted:
             self._drop(set(evicted))
-        return (bucket, schedule, run)
+        return (bucket, variant, run)
 
     def end_startup(self) -> None:
         """Mark the start-up captures done: later captures count as serving ones."""
@@ -139,7 +139,7 @@ class DecodeGraphs:
         if self._serving:
             self.serving_captures += 1
             self.serving_capture_s += time.perf_counter() - start
-        logger.debug("captured a decode graph for batch %d, LoRA schedule %s, projection "
+        logger.debug("captured a decode graph for batch %d, LoRA variant %s, projection "
                      "mask %#x", *key)
 
     def _drop(self, masks: set[int]) -> None:

@@ -3,7 +3,7 @@ of the masked decode graphs (``worker/cuda_graph.py``).
 
 A decode step's projection mask (``SlotTable.kind_mask``: one bit per projection kind, set
 where some slot of the step targets that kind in some layer) says which LoRA projections it
-needs. The all-kinds graph of each (bucket, schedule) is captured at start-up and is valid
+needs. The all-kinds graph of each (bucket, variant) is captured at start-up and is valid
 for every step (a kind no slot targets has rank 0, so its kernels exit at once). A graph
 captured for mask ``M`` launches the kernels of ``M``'s kinds only and is valid for any step
 whose mask is a subset of ``M``: it saves the launches, tails and early-exit programs of the
@@ -12,7 +12,7 @@ run as the engine with ``lora_target_modules`` q/k/v/o).
 
 At start-up nothing is known of the adapters, so masked graphs are made during serving:
 a mask is *admitted* once ``min_uses`` steps asked for it (a transient mix of adapters
-does not pay for captures), and its graphs are captured lazily, one per (bucket, schedule)
+does not pay for captures), and its graphs are captured lazily, one per (bucket, variant)
 on first use. At most ``max_masks`` masks are held; when all places are taken, a mask is
 admitted only if it was asked for more often than the least recently used held mask, which
 it evicts (its graphs are destroyed): TinyLFU's admission, so masks taking turns cannot

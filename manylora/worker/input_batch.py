@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from manylora.lora.kernels.cost_model import LoRAScheduleModel, graph_block_m
-from manylora.lora.kernels.meta import default_schedule, fill_lora_segment, lora_kernel_meta_arrays
+from manylora.lora.kernels.cost_model import LoRAVariantModel, graph_block_m
+from manylora.lora.kernels.meta import default_variant, fill_lora_segment, lora_kernel_meta_arrays
 from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.ops.attention import attention_tiles, prefill_block_q
 from manylora.sample.penalties import PenaltyInputs
@@ -36,7 +36,7 @@ from manylora.sampling_params import SamplingParams
 from manylora.scheduler_output import NewRequestData, SchedulerOutput
 from manylora.worker.block_table import BlockTable
 from manylora.worker.step_inputs import (
-    SCHEDULES,
+    LORA_VARIANT_CODES,
     StepBuffers,
     StepInputs,
     StepLayout,
@@ -119,8 +119,8 @@ class InputBatch:
         num_queries_per_kv: G, query heads per KV head (sizes prefill tiles).
         max_rows: rows the batch may never exceed (CUDA graphs hold the block table's
             address), None: no bound.
-        lora_schedule: the projections, rank and GPU the LoRA kernel schedule of each step
-            is modelled for (``lora.punica.default_schedule``); None: its default.
+        lora_variant: the projections, rank and GPU the LoRA kernel variant of each step
+            is modelled for (``lora.punica.default_variant``); None: its default.
 
     Attributes:
         token_ids: int32 ``[rows, max_model_len]``.
@@ -144,9 +144,9 @@ class InputBatch:
 
     def __init__(self, num_rows: int, max_model_len: int, block_size: int, max_loras: int,
                  vocab_size: int, num_queries_per_kv: int, max_rows: int | None = None,
-                 lora_schedule: LoRAScheduleModel | None = None) -> None:
+                 lora_variant: LoRAVariantModel | None = None) -> None:
         self.max_model_len = max_model_len
-        self.lora_schedule = lora_schedule
+        self.lora_variant = lora_variant
         self.block_size = block_size
         self.max_loras = max_loras
         self.vocab_size = vocab_size
@@ -199,7 +199,7 @@ class InputBatch:
             new = old * 2 if self.max_rows is None else min(old * 2, self.max_rows)
             if new <= old:
                 raise RuntimeError(f"the input batch holds {old} rows, the most CUDA graphs "
-                                   "allow, and a step schedules more requests")
+                                   "allow, and a step variants more requests")
             self._alloc(new)
             self._free_rows = list(range(old, new))
         return heapq.heappop(self._free_rows)
@@ -277,7 +277,7 @@ class InputBatch:
         sent again after a step that failed part-way appends nothing twice.
 
         Raises:
-            ValueError: (nothing changed) the plan names as cached, or schedules, a request
+            ValueError: (nothing changed) the plan names as cached, or variants, a request
                 the batch does not hold, gives a cached request's table a length its new
                 blocks cannot reach, or sends a request longer than ``max_model_len``.
         """
@@ -338,7 +338,7 @@ class InputBatch:
                 graphs. A step that is not a decode graph step and has a bucket ``Tb`` pads
                 its token segments to ``Tb`` (ids 0, positions 0, token rows -1: the slot
                 mapping skips them; the LoRA mapping built for ``Tb`` rows with the tiled
-                schedule, ``max_seg_len = Tb``) and leaves the sequence, tile and sampling
+                variant, ``max_seg_len = Tb``) and leaves the sequence, tile and sampling
                 segments unpadded (attention runs eagerly between the pieces).
 
         Returns:
@@ -413,7 +413,7 @@ class InputBatch:
         lora = None
         padded = pad_tokens if bucket is not None or pieces is not None else None
         max_seg_len = padded or 0
-        schedule = block_m = num_tiles = 0
+        variant = block_m = num_tiles = 0
         if token_slots is not None:
             lora = lora_kernel_meta_arrays(token_slots, self.max_loras, pad_tokens)
             if not max_seg_len:
@@ -421,15 +421,15 @@ class InputBatch:
             if pieces is not None:          # piece graphs are captured with tiles only
                 name, block_m = "tiled", graph_block_m(pieces, self.max_loras)
             else:
-                name, block_m = default_schedule(lora.seg_len, self.max_loras,
-                                                 padded_rows=bucket, model=self.lora_schedule)
-            schedule = SCHEDULES.index(name)
+                name, block_m = default_variant(lora.seg_len, self.max_loras,
+                                                 padded_rows=bucket, model=self.lora_variant)
+            variant = LORA_VARIANT_CODES.index(name)
             if block_m:
                 num_tiles = (max_row_tiles(padded, self.max_loras, block_m) if padded
                              else int((-(-lora.seg_len // block_m)).sum()))
         layout = StepLayout(
             num_tokens=pad_tokens, num_seqs=pad_seqs, num_tiles=int(tile_seq.size),
-            num_decode_tiles=num_decode, table_width=width, schedule=schedule,
+            num_decode_tiles=num_decode, table_width=width, variant=variant,
             max_seg_len=max_seg_len, num_table_updates=pending,
             num_sampled=num_sampled,
             sample_prefix=int(num_sampled == 0 or sample_rows_in_batch[-1] == num_sampled - 1),

@@ -5,7 +5,7 @@ The model runner never touches a queue: it reads a ``SchedulerOutput`` (deltas: 
 requests once, then new block ids) and returns the sampled tokens. Its ``InputBatch`` keeps
 a row per request and packs each step with numpy into one pinned buffer
 (``worker/step_inputs.py``); one host → device copy moves it, block-table changes are one
-scatter into the persistent device block table, and the KV slot mapping is computed on the
+scatter into the persistent device block table, and the KV slot lora_meta is computed on the
 device. Decode steps (one token per request) replay a CUDA graph captured on those
 persistent buffers when graphs are on (for a LoRA step, the graph of the projection kinds
 its slots target: ``StepLayout.lora_mask``, ``worker/graph_masks.py``); other steps of up
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from manylora.lora.kernels.cost_model import (
-    LoRAScheduleModel,
+    LoRAVariantModel,
     ProjectionShape,
     gpu_model,
     graph_block_m,
@@ -66,7 +66,7 @@ from manylora.worker.cuda_graph import DecodeGraphs
 from manylora.worker.input_batch import InputBatch, SampleInfo
 from manylora.worker.piecewise_graphs import PiecewiseGraphs
 from manylora.worker.step_inputs import (
-    SCHEDULES,
+    LORA_VARIANT_CODES,
     StepBuffers,
     StepInputs,
     StepLayout,
@@ -98,7 +98,7 @@ class ForwardStep(NamedTuple):
         logits: float32 ``[N, V]`` on the device, the sampled rows' logits; None when no
             row samples (a prefill chunk that only computes prompt log-probabilities).
         views: the device views of the step's buffer (the sampling columns).
-        prompt: float64, the packed prompt log-probabilities of the step's prompt rows
+        prompt: float64, the flattened prompt log-probabilities of the step's prompt rows
             (``ModelRunner.prompt_logprobs``), None when no row asks.
     """
 
@@ -183,7 +183,7 @@ class ModelRunner:
     @property
     def input_batch(self) -> InputBatch:
         """The persistent ``InputBatch`` (made on first use: tensor-parallel workers, which
-        only replay rank 0's packed steps, never hold one)."""
+        only replay rank 0's step buffers, never hold one)."""
         if self._input_batch is None:
             self._input_batch = InputBatch(*self._batch_args)
         return self._input_batch
@@ -296,7 +296,7 @@ class ModelRunner:
 
     def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
                         info: SampleInfo | None = None) -> torch.Tensor | None:
-        """float64, the packed prompt log-probabilities of the step's prompt rows
+        """float64, the flattened prompt log-probabilities of the step's prompt rows
         (``sample.prompt_logprobs.compute_prompt_logprobs``; ``layout.num_prompt_lp``
         rows, K the largest ``prompt_logprobs`` of ``info.prompt``). Tensor-parallel
         workers call it with ``info`` None: they only compute the same chunks of logits,
@@ -374,7 +374,8 @@ class ModelRunner:
             return self._forward_pieces(views, layout, inputs.data), views
         if layout.bucket < 0 or self.graphs is None:
             return self._forward(views, layout, inputs.data), views
-        key = self.graphs.select(layout.bucket, SCHEDULES[layout.schedule], layout.lora_mask)
+        key = self.graphs.select(layout.bucket, LORA_VARIANT_CODES[layout.variant],
+                                 layout.lora_mask)
         if not self.graphs.has(key):
             self.buffers.frozen = True
             self.graphs.capture(key, lambda: self._forward(views, layout, mask=key[2]))
@@ -385,7 +386,7 @@ class ModelRunner:
         (``SlotTable.kind_mask`` of its active slots, from the host mirror); other steps are
         returned as they are."""
         layout, table = inputs.layout, self.model.slot_table
-        if layout.bucket < 0 or not layout.schedule or table is None:
+        if layout.bucket < 0 or not layout.variant or table is None:
             return inputs
         lora = split_segments(inputs.data, layout, self.max_loras)["lora"]
         start = 2 * layout.num_tokens
@@ -394,9 +395,9 @@ class ModelRunner:
 
     def _forward(self, views: dict, layout: StepLayout,
                  host: np.ndarray | None = None, mask: int | None = None) -> torch.Tensor:
-        """The model over the step's device views: slot mapping and the step's block table
+        """The model over the step's device views: slot lora_meta and the step's block table
         from the persistent device block table, then the layers (captured whole in a
-        graph). ``host``: the step's packed host buffer (an eager step's LoRA launch skip
+        graph). ``host``: the step's host buffer (an eager step's LoRA launch skip
         reads its active slots); ``mask``: a graph step's projection mask (the LoRA
         projections of other kinds launch nothing; None: all)."""
         return self.model(views["ids"].long(), views["positions"].long(), self.kv_caches,
@@ -405,10 +406,10 @@ class ModelRunner:
 
     def _forward_pieces(self, views: dict, layout: StepLayout,
                         host: np.ndarray | None = None) -> torch.Tensor:
-        """A piecewise step: the pieces of ``(layout.pieces, schedule)``, graph replays when
-        captured (the LoRA mapping is then read from the buffer by the graphs, not built),
+        """A piecewise step: the pieces of ``(layout.pieces, variant)``, graph replays when
+        captured (the LoRA lora_meta is then read from the buffer by the graphs, not built),
         attention eager between them → hidden ``[Tb, hidden]``."""
-        key = (layout.pieces, SCHEDULES[layout.schedule])
+        key = (layout.pieces, LORA_VARIANT_CODES[layout.variant])
         lora = None if self.pieces.has(key) else self._lora_mapping(views, layout, host)
         return self.pieces.run(key, views["ids"], views["positions"], lora,
                                self._attention_metadata(views, layout), self.kv_caches)
@@ -419,12 +420,12 @@ class ModelRunner:
         """The step's ``LoRAKernelMeta`` over its device buffer (None without a LoRA row).
         Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
         host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket). An
-        unpadded step with ``host`` (its packed host buffer) carries ``used_columns`` from
+        unpadded step with ``host`` (its host buffer) carries ``used_columns`` from
         the rank table's host mirror: its projections that none of its slots targets launch
         nothing. Every tensor-parallel rank computes the same from its own table. A padded
         mapping with a ``mask`` short of every kind launches only the projections of the
         mask's kinds (``SlotTable.mask_columns``)."""
-        if not layout.schedule:
+        if not layout.variant:
             return None
         buf = views["lora"]
         padded = layout.bucket >= 0 or (layout.pieces >= 0 and buf.is_cuda)
@@ -436,7 +437,7 @@ class ModelRunner:
         if padded and table is not None and mask is not None and mask != table.full_mask:
             columns = table.mask_columns(mask)
         return lora_kernel_meta_from_buffer(buf, layout.num_tokens, self.max_loras,
-                                            layout.max_seg_len, SCHEDULES[layout.schedule],
+                                            layout.max_seg_len, LORA_VARIANT_CODES[layout.variant],
                                             padded=padded,
                                             ranks_host=None if table is None else table.ranks_host,
                                             host=lora_host, num_tiles=layout.lora_tiles,
@@ -448,7 +449,7 @@ class ModelRunner:
         table = self.buffers.block_table
         positions = views["positions"]
         return AttentionMetadata(
-            slot_mapping=slot_mapping_from_block_table(positions, views["token_rows"], table,
+            cache_loc=slot_mapping_from_block_table(positions, views["token_rows"], table,
                                                        self.block_size),
             block_tables=table[:, :layout.table_width].index_select(0, views["seq_rows"]),
             query_start=views["query_start"], query_lens=views["query_lens"],
@@ -471,7 +472,7 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture every CUDA graph up front (vLLM captures at start-up too; CUDA only).
 
-        Decode graphs: one per batch size, without LoRA and with each LoRA kernel schedule a
+        Decode graphs: one per batch size, without LoRA and with each LoRA kernel variant a
         graph step may pick (BGMV and row tiles: a padded SGMV grid is ``max_loras`` times
         the rows' tiles) when LoRA is on, for every projection, on an all-padding step
         (nothing is written to the cache); the graphs of fewer projections are captured
@@ -484,29 +485,29 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         if self.graphs is not None:
-            schedules = (None, "bgmv", "tiled") if self.max_loras else (None,)
+            variants = (None, "bgmv", "tiled") if self.max_loras else (None,)
             for size in reversed(self.graphs.capture_sizes):  # largest first: the pool fits all
-                for schedule in schedules:
-                    self.forward_step(self._padding_step(size, SCHEDULES.index(schedule)))
+                for variant in variants:
+                    self.forward_step(self._padding_step(size, LORA_VARIANT_CODES.index(variant)))
         if self.pieces is not None:
-            schedules = (None, "tiled") if self.max_loras else (None,)
+            variants = (None, "tiled") if self.max_loras else (None,)
             for size in reversed(self.pieces.sizes):
-                for schedule in schedules:
-                    inputs = self._padding_piece_step(size, SCHEDULES.index(schedule))
+                for variant in variants:
+                    inputs = self._padding_piece_step(size, LORA_VARIANT_CODES.index(variant))
                     views = self.buffers.upload(inputs, self.max_loras)
-                    self.pieces.capture((size, schedule), views["ids"], views["positions"],
+                    self.pieces.capture((size, variant), views["ids"], views["positions"],
                                         self._lora_mapping(views, inputs.layout))
         if self.graphs is not None:
             self.graphs.end_startup()
 
-    def _padding_step(self, size: int, schedule: int) -> StepInputs:
+    def _padding_step(self, size: int, variant: int) -> StepInputs:
         """A decode step of ``size`` padding rows (the layout graphs are captured with)."""
         layout = StepLayout(num_tokens=size, num_seqs=size, num_tiles=size,
                             num_decode_tiles=size, table_width=self.max_blocks_per_seq,
-                            schedule=schedule, max_seg_len=size, num_table_updates=0,
+                            variant=variant, max_seg_len=size, num_table_updates=0,
                             num_sampled=0, sample_prefix=1, bucket=size,
                             table_rows=self.buffers.block_table.shape[0],
-                            **self._graph_tiles(size, schedule))
+                            **self._graph_tiles(size, variant))
         data = self.buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         data[:] = 0
@@ -514,30 +515,30 @@ class ModelRunner:
         v["query_start"][:] = np.arange(size)
         v["query_lens"][:] = 1
         v["tile_seq"][:] = np.arange(size)
-        if schedule:
+        if variant:
             _base_rows_mapping(v["lora"], size, self.max_loras, layout)
         return StepInputs(layout, data)
 
-    def _padding_piece_step(self, size: int, schedule: int) -> StepInputs:
+    def _padding_piece_step(self, size: int, variant: int) -> StepInputs:
         """A piecewise step of ``size`` padding tokens and no sequence (the layout piece
         graphs are captured with: the token segments at the bucket's offsets)."""
         layout = StepLayout(num_tokens=size, num_seqs=0, num_tiles=0, num_decode_tiles=0,
-                            table_width=1, schedule=schedule, max_seg_len=size,
+                            table_width=1, variant=variant, max_seg_len=size,
                             num_table_updates=0, num_sampled=0, sample_prefix=1, bucket=-1,
                             table_rows=self.buffers.block_table.shape[0], pieces=size,
-                            **self._graph_tiles(size, schedule))
+                            **self._graph_tiles(size, variant))
         data = self.buffers.host_array(total_size(layout, self.max_loras))
         v = split_segments(data, layout, self.max_loras)
         data[:] = 0
         v["token_rows"][:] = -1
-        if schedule:
+        if variant:
             _base_rows_mapping(v["lora"], size, self.max_loras, layout)
         return StepInputs(layout, data)
 
-    def _graph_tiles(self, size: int, schedule: int) -> dict:
+    def _graph_tiles(self, size: int, variant: int) -> dict:
         """The tile fields of a graph layout of ``size`` rows: ``graph_block_m`` and its
-        ``max_row_tiles`` bound for the tiled schedule, none otherwise."""
-        if SCHEDULES[schedule] != "tiled":
+        ``max_row_tiles`` bound for the tiled variant, none otherwise."""
+        if LORA_VARIANT_CODES[variant] != "tiled":
             return {}
         block_m = graph_block_m(size, self.max_loras)
         return dict(lora_block_m=block_m,
@@ -570,8 +571,8 @@ class ModelRunner:
 
 
 def lora_schedule_model(model: LlamaForCausalLM, device: torch.device
-                        ) -> LoRAScheduleModel | None:
-    """The ``LoRAScheduleModel`` of ``model``'s first layer (its LoRA projections' ``in``
+                        ) -> LoRAVariantModel | None:
+    """The ``LoRAVariantModel`` of ``model``'s first layer (its LoRA projections' ``in``
     and slice widths, the slot buffers' rank and element size) on ``device``'s
     ``gpu_model``; None without LoRA slots."""
     shapes, rank, size = [], 0, 2
@@ -583,7 +584,7 @@ def lora_schedule_model(model: LlamaForCausalLM, device: torch.device
             rank, size = max(rank, a.shape[1]), a.element_size()
     if not shapes:
         return None
-    return LoRAScheduleModel(tuple(shapes), rank, gpu_model(device), size)
+    return LoRAVariantModel(tuple(shapes), rank, gpu_model(device), size)
 
 
 def _no_bucket(num_rows: int) -> None:

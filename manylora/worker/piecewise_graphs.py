@@ -42,12 +42,12 @@ logger = logging.getLogger(__name__)
 #: coarse bucket costs more than the launches it saves (BENCHMARKS.md).
 DEFAULT_PIECE_SIZES = (16, 32, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
-#: ``(token bucket, LoRA schedule or None)``.
+#: ``(token bucket, LoRA variant or None)``.
 PieceKey = tuple[int, str | None]
 
 
 class PiecewiseGraphs:
-    """The ``L + 1`` pieces of the model per ``(token bucket, LoRA schedule)``, captured as
+    """The ``L + 1`` pieces of the model per ``(token bucket, LoRA variant)``, captured as
     CUDA graphs or run eagerly.
 
     Args:
@@ -138,12 +138,12 @@ class PiecewiseGraphs:
         piece a graph replay when ``key`` was captured, else run eagerly.
 
         Args:
-            key: ``(Tb, schedule)``; the step's token segments are padded to ``Tb``.
+            key: ``(Tb, variant)``; the step's token segments are padded to ``Tb``.
             ids, positions: int32 ``[Tb]`` device views of the step buffer (a captured graph
                 reads them where they were at capture: the runner's persistent buffer).
             lora: the step's mapping over ``Tb`` rows (None: no LoRA row); ignored by a
                 captured graph, which reads the mapping's buffer in place.
-            attn: the step's attention metadata (``slot_mapping`` over ``Tb`` rows, -1 on
+            attn: the step's attention metadata (``cache_loc`` over ``Tb`` rows, -1 on
                 padding; sequence tensors unpadded).
             kv_caches: one ``KVCache`` per layer.
 
@@ -182,7 +182,7 @@ class PiecewiseGraphs:
                 self._piece(i, tb, ids, positions, lora)
             graphs.append(graph)
         self._graphs[key] = graphs
-        logger.debug("captured %d piece graphs for %d tokens, LoRA schedule %s",
+        logger.debug("captured %d piece graphs for %d tokens, LoRA variant %s",
                      len(graphs), *key)
 
     def release(self) -> None:

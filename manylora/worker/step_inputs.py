@@ -1,5 +1,5 @@
 """A step's model inputs as one int32 buffer: its layout, and the persistent host/device
-buffers every rank copies it through (vLLM v1's ``CpuGpuBuffer``s, packed into one).
+buffers every rank copies it through (vLLM v1's ``CpuGpuBuffer``s, in one buffer).
 
 Rank 0's ``InputBatch`` writes a step into the pinned host buffer; one host → device copy
 moves it; every tensor the forward pass reads (ids, positions, query starts, sequence
@@ -52,12 +52,12 @@ import torch
 
 from manylora.lora.kernels.meta import lora_segment_size
 
-#: ``StepLayout.schedule`` codes: no LoRA segment, BGMV, SGMV, row tiles.
-SCHEDULES = (None, "bgmv", "sgmv", "tiled")
+#: ``StepLayout.variant`` codes: no LoRA segment, BGMV, SGMV, row tiles.
+LORA_VARIANT_CODES = (None, "bgmv", "sgmv", "tiled")
 
 
 class StepLayout(NamedTuple):
-    """The sizes and host constants of one packed step (all ints: it travels to the
+    """The sizes and host constants of one step's buffer (all ints: it travels to the
     tensor-parallel workers as a list).
 
     Attributes:
@@ -66,7 +66,7 @@ class StepLayout(NamedTuple):
         num_seqs: B, sequences including padding.
         num_tiles: attention tiles; num_decode_tiles: the leading decode tiles.
         table_width: W, columns of the step's gathered block table.
-        schedule: index into ``SCHEDULES`` (0: no LoRA row, no LoRA segment).
+        variant: index into ``LORA_VARIANT_CODES`` (0: no LoRA row, no LoRA segment).
         max_seg_len: the LoRA kernels' grid bound (``LoRAKernelMeta.max_seg_len``).
         num_table_updates: U, block-table writes this step.
         num_sampled: N, rows sampled.
@@ -77,7 +77,7 @@ class StepLayout(NamedTuple):
             (async scheduling; 0 otherwise).
         pieces: the piecewise CUDA-graph token bucket (= ``num_tokens``; the token segments
             padded to it, the sequence segments not), -1: not a piecewise step.
-        lora_block_m: the tiled schedule's tile height (0: no tiles).
+        lora_block_m: the tiled variant's tile height (0: no tiles).
         lora_tiles: NT, entries of the LoRA mapping's tile arrays (``max_row_tiles`` of the
             padded rows on a graph step; 0: no tiles).
         lora_mask: a decode graph step's projection mask (``SlotTable.kind_mask`` of its
@@ -93,7 +93,7 @@ class StepLayout(NamedTuple):
     num_tiles: int
     num_decode_tiles: int
     table_width: int
-    schedule: int
+    variant: int
     max_seg_len: int
     num_table_updates: int
     num_sampled: int
@@ -113,7 +113,7 @@ class StepInputs(NamedTuple):
 
     Attributes:
         layout: the segment sizes and host constants.
-        data: int32 ``[total]`` numpy array, the packed segments (``segment_sizes``).
+        data: int32 ``[total]`` numpy array, the segments (``segment_sizes``).
     """
 
     layout: StepLayout
@@ -121,10 +121,10 @@ class StepInputs(NamedTuple):
 
 
 def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
-    """``[(name, length), ...]`` of the packed segments, in buffer order (module doc)."""
+    """``[(name, length), ...]`` of the segments, in buffer order (module doc)."""
     t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
     sizes = [("ids", t), ("positions", t), ("token_rows", t)]
-    if layout.schedule:
+    if layout.variant:
         sizes.append(("lora", lora_segment_size(t, max_loras, layout.lora_tiles)))
     sizes += [("seq_rows", b), ("query_start", b), ("query_lens", b), ("seq_lens", b),
               ("tile_seq", nt), ("tile_query", nt)]
@@ -165,7 +165,7 @@ def split_segments(buf, layout: StepLayout, max_loras: int) -> dict:
 
 
 def total_size(layout: StepLayout, max_loras: int) -> int:
-    """Length of the packed buffer, int32 elements (alignment gaps included)."""
+    """Length of the step buffer, int32 elements (alignment gaps included)."""
     return _offsets(layout, max_loras)[1]
 
 
@@ -245,7 +245,7 @@ class StepBuffers:
         ``ids[prev_dst[k]] = prev_sampled[prev_src[k]]``; ``{segment name: device view}``.
 
         Args:
-            inputs: the packed step.
+            inputs: the step's buffer.
             max_loras: L, for the LoRA segment's length.
             prev_sampled: int64 ``[N']``, the previous step's sampled tokens on this device;
                 needed when ``inputs.layout.num_prev`` > 0.

@@ -1,17 +1,17 @@
 """Tensor parallelism: the worker loop of ranks 1..N-1, and rank 0's driver of it.
 
-Rank 0 is the engine's own process: it schedules, and before each step's forward pass it
-sends the step's packed inputs (``StepInputs``: one int32 buffer whose block-table part
+Rank 0 is the engine's own process: it variants, and before each step's forward pass it
+sends the step's inputs (``StepInputs``: one int32 buffer whose block-table part
 is the step's writes, not the tables) down each worker's pipe; every rank keeps its own
 replica of the device block table and step buffers, applies the same writes and runs the
 same forward pass on its shard, so the collectives inside the model line up
 (Megatron-LM's tensor parallelism, as vLLM drives it: one driver, workers that hold no
 scheduler state). The other messages are the KV cache's allocation (with the capture of
 the decode CUDA graphs, whose all-reduces are captured too), an adapter entering a slot
-(only the name of its packed host buffer in shared memory and its plan: each rank maps the
+(only the name of its pinned host buffer in shared memory and its plan: each rank maps the
 buffer, copies it to its GPU and scatters its own part, ``SlotLayout.load``), and a DoRA
 adapter's row norms, which need every rank's part of the base weight. Every message is a
-dict with an ``"op"`` packed by ``pack_tensor_dict`` (whose tensors, for the DoRA norms'
+dict with an ``"op"`` encoded by ``encode_tensor_dict`` (whose tensors, for the DoRA norms'
 ``a`` and ``b``, follow by ``broadcast_tensor_dict``): no pickle travels.
 """
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.broadcast import (
     broadcast_tensor_dict,
-    pack_tensor_dict,
-    unpack_tensor_dict,
+    decode_tensor_dict,
+    encode_tensor_dict,
 )
 from manylora.distributed.parallel_state import TPGroup
 from manylora.distributed.shared_host import Acks, SharedHostBuffers, SharedHostCache
@@ -43,7 +43,7 @@ from manylora.distributed.workers import (
     free_init_method,
     init_distributed,
 )
-from manylora.lora.packed import PackedAdapter
+from manylora.lora.pinned import PinnedAdapter
 from manylora.lora.slot_layout import SlotLayout
 from manylora.model.loader import load_hf_config, load_model
 from manylora.worker.kv_cache import allocate_kv_caches
@@ -92,26 +92,26 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def slot_message(slot: int, packed: PackedAdapter, name: str, seq: int) -> dict:
+def slot_message(slot: int, pinned: PinnedAdapter, name: str, seq: int) -> dict:
     """The ``"slot"`` message of an adapter entering ``slot``: its shared buffer's file
     ``name``, size and plan, and the message's sequence number ``seq``."""
-    return {"op": "slot", "slot": slot, "seq": seq, "name": name, "nbytes": packed.buf.numel(),
-            "plan": packed.plan, "dtype": str(packed.dtype).removeprefix("torch."),
-            "lora_int_id": packed.lora_int_id, "lora_name": packed.name,
-            "digest": packed.digest, "rank": packed.rank, "has_dora": packed.has_dora}
+    return {"op": "slot", "slot": slot, "seq": seq, "name": name, "nbytes": pinned.buf.numel(),
+            "plan": pinned.plan, "dtype": str(pinned.dtype).removeprefix("torch."),
+            "lora_int_id": pinned.lora_int_id, "lora_name": pinned.name,
+            "digest": pinned.digest, "rank": pinned.rank, "has_dora": pinned.has_dora}
 
 
 def load_slot_message(msg: dict, layout: SlotLayout, cache: SharedHostCache) -> None:
     """Load the adapter of a ``"slot"`` message into this rank's slot: map its shared buffer
     (``cache``), prepare this rank's scatter once per buffer, and ``layout.load`` it."""
     buf, load = cache.get(msg["name"], int(msg["nbytes"]))
-    packed = PackedAdapter(int(msg["lora_int_id"]), msg["lora_name"], msg["digest"], buf,
+    pinned = PinnedAdapter(int(msg["lora_int_id"]), msg["lora_name"], msg["digest"], buf,
                            msg["plan"], getattr(torch, msg["dtype"]), int(msg["rank"]),
                            bool(msg["has_dora"]))
     if load is None:
-        load = layout.prepare(packed)
+        load = layout.prepare(pinned)
         cache.put(msg["name"], load)
-    layout.load(int(msg["slot"]), packed, load)
+    layout.load(int(msg["slot"]), pinned, load)
 
 
 def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, backend: str,
@@ -122,8 +122,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     ``(startup_s, collective_s)``: start-up (``init_distributed``) ends with the ``"kv"``
     message, in ``end_startup`` (rank 0 enters it in ``TPDriver.allocate_kv``).
 
-    Messages arrive on this rank's pipe (``readers[rank - 1]``, packed by
-    ``pack_tensor_dict``), where waiting has no time limit: an idle engine never times a
+    Messages arrive on this rank's pipe (``readers[rank - 1]``, encoded by
+    ``encode_tensor_dict``), where waiting has no time limit: an idle engine never times a
     collective out. Only the tensors of ``"dora_norm"`` follow through a
     ``broadcast_tensor_dict`` on the process group. EOF (rank 0 is gone) ends the worker. After each
     ``"slot"`` message the worker records its sequence number in the shared ``acks_name``
@@ -148,7 +148,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     prev_sampled: torch.Tensor | None = None
     with torch.inference_mode():
         while True:
-            msg = unpack_tensor_dict(reader.recv_bytes())
+            msg = decode_tensor_dict(reader.recv_bytes())
             if msg.pop("then_broadcast"):
                 msg.update(broadcast_tensor_dict(None, src=0))
             op = msg.pop("op")
@@ -219,7 +219,7 @@ class TPDriver:
         self.timeout_s = timeout_s
         self.host_buffers = SharedHostBuffers()
         self._acks = Acks(self.host_buffers.prefix + "-acks", tp_size, create=True)
-        self._sent: deque[tuple[int, PackedAdapter]] = deque()
+        self._sent: deque[tuple[int, PinnedAdapter]] = deque()
         self._seq = 0
         self.device = rank_device(spec.device_type, 0)
         self.workers = WorkerGroup(run_worker, tp_size, backend=backend,
@@ -247,7 +247,7 @@ class TPDriver:
         Raises:
             WorkerDiedError: a worker has died.
         """
-        data = pack_tensor_dict({**msg, "then_broadcast": tensors is not None})
+        data = encode_tensor_dict({**msg, "then_broadcast": tensors is not None})
         with self.workers.guard():
             try:
                 for writer in self._writers:
@@ -281,7 +281,7 @@ class TPDriver:
             end_startup(self.device, self.timeout_s)
 
     def step(self, inputs: StepInputs) -> None:
-        """Send a step's packed inputs to the workers (before rank 0's forward pass)."""
+        """Send a step's inputs to the workers (before rank 0's forward pass)."""
         self.send({"op": "step", "share_sampled": self.share_sampled, **encode_step(inputs)})
 
     def broadcast_sampled(self, tokens: torch.Tensor) -> None:
@@ -292,8 +292,8 @@ class TPDriver:
         with self.workers.guard():
             dist.broadcast(tokens, src=0)
 
-    def write_slot(self, slot: int, packed: PackedAdapter) -> None:
-        """Have every worker load ``packed`` (whose buffer ``host_buffers`` allocated) into
+    def write_slot(self, slot: int, pinned: PinnedAdapter) -> None:
+        """Have every worker load ``pinned`` (whose buffer ``host_buffers`` allocated) into
         ``slot`` from shared memory (``LoRAManager.on_write_slot``); the buffer is kept
         alive until every worker has mapped it.
 
@@ -302,8 +302,8 @@ class TPDriver:
             WorkerDiedError: a worker has died.
         """
         self._seq += 1
-        self.send(slot_message(slot, packed, self.host_buffers.name_of(packed.buf), self._seq))
-        self._sent.append((self._seq, packed))
+        self.send(slot_message(slot, pinned, self.host_buffers.name_of(pinned.buf), self._seq))
+        self._sent.append((self._seq, pinned))
         handled = self._acks.handled()
         while self._sent and self._sent[0][0] <= handled:
             self._sent.popleft()

@@ -13,7 +13,7 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   ``NUM_SLICES``) and dtype, whether the projection has a bias to shift DoRA rows by
   (``HAS_SHIFT``; ``HAS_DORA`` is always on in the engine; ranks and DoRA flags are the
   slot table's data, and the table views' offsets and strides are not specialized); per step,
-  the schedule (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
+  the variant (SGMV/BGMV kernels) and the block sizes ``shrink_plan`` / ``expand_plan``
   pick from the row count and the longest SGMV segment (``BLOCK_M``, ``BLOCK_N``,
   ``BLOCK_K``, split-K's ``ATOMIC``).
 * Tiled LoRA (``lora_tiled_kernels``): per projection as above, plus the bias (``HAS_BIAS``);
@@ -169,15 +169,15 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
 
 def _warm_token_bitmask(model: LlamaForCausalLM, device: torch.device) -> int:
     """The structured-output bitmask kernel (``triton_token_bitmask``): one specialization
-    per vocabulary (float32 logits, int32 packed rows), launched on one row allowing every
+    per vocabulary (float32 logits, int32 bitmask rows), launched on one row allowing every
     token."""
     from manylora.ops.token_bitmask import apply_token_bitmask_
 
     vocab = model.cfg.vocab_size
     logits = torch.zeros((1, vocab), dtype=torch.float32, device=device)
-    packed = torch.full((1, 1 + -(-vocab // 32)), -1, dtype=torch.int32, device=device)
-    packed[0, 0] = 0
-    apply_token_bitmask_(logits, packed)
+    bitmask = torch.full((1, 1 + -(-vocab // 32)), -1, dtype=torch.int32, device=device)
+    bitmask[0, 0] = 0
+    apply_token_bitmask_(logits, bitmask)
     return 1
 
 
@@ -226,7 +226,7 @@ def _expand_width(m: LoRALinear) -> int:
     return m.weight.shape[0]
 
 
-def _launch_pair(m: LoRALinear, mapping: LoRAKernelMeta, rows: int,
+def _launch_pair(m: LoRALinear, lora_meta: LoRAKernelMeta, rows: int,
                  zeros: torch.Tensor) -> int:
     """One shrink and one expand of ``m``'s slots over ``rows`` zero rows through the entry
     points the model calls, with ``zeros`` (int32 ``[max_loras, S]``) as the rank and DoRA
@@ -235,10 +235,10 @@ def _launch_pair(m: LoRALinear, mapping: LoRAKernelMeta, rows: int,
     a, b = slots.lora_a_stacked, slots.lora_b_stacked
     dtype, device = a[0].dtype, a[0].device
     x = torch.zeros(rows, m.in_features, dtype=dtype, device=device)
-    triton_lora.lora_shrink_triton(x, a, zeros, mapping, rank_start=slots.rank_start)
+    triton_lora.lora_shrink_triton(x, a, zeros, lora_meta, rank_start=slots.rank_start)
     buffer = torch.zeros(rows, len(b), b[0].shape[1], dtype=torch.float32, device=device)
     y = torch.zeros(rows, _expand_width(m), dtype=dtype, device=device)
-    triton_lora.lora_expand_triton(y, buffer, b, zeros, mapping, slots.output_slices,
+    triton_lora.lora_expand_triton(y, buffer, b, zeros, lora_meta, slots.output_slices,
                                    zeros, slots.dora_scale_stacked, slots.bias)
     return 2
 
@@ -256,20 +256,20 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
         shift = slots.bias is not None
         zeros = torch.zeros(max_loras, len(a), dtype=torch.int32, device=device)
         cases: dict[tuple, tuple[str, int, int]] = {}
-        for schedule, n, s in lora_plans.lora_row_cases(max_rows):
-            sp = lora_plans.shrink_plan(schedule, n, s, max_loras, k, rank_a, len(a),
+        for variant, n, s in lora_plans.lora_row_cases(max_rows):
+            sp = lora_plans.shrink_plan(variant, n, s, max_loras, k, rank_a, len(a),
                                         a[0].element_size(), dot_fp32)
-            ep = lora_plans.expand_plan(schedule, n, s, max_loras, max_n, rank_b, len(b),
+            ep = lora_plans.expand_plan(variant, n, s, max_loras, max_n, rank_b, len(b),
                                         True, shift, dot_fp32)
             key = (sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
                    tuple(ep.constexprs.items()))
-            cases.setdefault(key, (schedule, n, s))
-        for schedule, n, s in cases.values():
+            cases.setdefault(key, (variant, n, s))
+        for variant, n, s in cases.values():
             # A table of rank 0 everywhere: the launches compile, the programs read nothing
             # and return (the model's table may already hold adapters).
-            mapping = build_lora_kernel_meta([0] * s + [-1] * (n - s), max_loras, device,
-                                             schedule=schedule)
-            launches += _launch_pair(m, mapping, n, zeros)
+            lora_meta = build_lora_kernel_meta([0] * s + [-1] * (n - s), max_loras, device,
+                                             variant=variant)
+            launches += _launch_pair(m, lora_meta, n, zeros)
         launches += _warm_tiled(m, max_rows, max_loras)
     return launches
 
@@ -297,12 +297,12 @@ def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
                          (num_tiles, block_m))
     launches = 0
     for num_tiles, block_m in cases.values():
-        mapping = build_lora_kernel_meta([-1], max_loras, device, schedule="tiled",
+        lora_meta = build_lora_kernel_meta([-1], max_loras, device, variant="tiled",
                                          block_m=block_m)
         ones = torch.ones(num_tiles, dtype=torch.int32, device=device)
-        mapping = mapping._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
+        lora_meta = lora_meta._replace(tile_slot=ones - 1, tile_start=ones - 1, tile_len=ones,
                                    has_lora=True)
-        launches += _launch_pair(m, mapping, 1, zeros)
+        launches += _launch_pair(m, lora_meta, 1, zeros)
     return launches
 
 

@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from manylora.distributed.broadcast import (
-    PACK_LIMIT_BYTES,
+    COALESCE_LIMIT_BYTES,
     broadcast_tensor_dict,
-    pack_tensor_dict,
-    unpack_tensor_dict,
+    decode_tensor_dict,
+    encode_tensor_dict,
 )
 from manylora.distributed.workers import (
     HARD_EXIT_CODE,
@@ -60,9 +60,9 @@ def _payload() -> dict:
         "empty_3d": torch.empty(3, 0, 2, dtype=torch.bfloat16),
         "transposed": torch.arange(12, dtype=torch.int64).view(3, 4).t(),
         "strided": torch.randn(10, 8, generator=g)[::3, 1::2],
-        # at least PACK_LIMIT_BYTES: sent on their own rather than packed
+        # at least COALESCE_LIMIT_BYTES: sent on their own rather than packed
         "large_transposed": torch.randn(600, 512, generator=g).t(),
-        "large_bf16": torch.randn(PACK_LIMIT_BYTES, generator=g).bfloat16(),
+        "large_bf16": torch.randn(COALESCE_LIMIT_BYTES, generator=g).bfloat16(),
         "int": 7,
         "float": 0.1,
         "bool_value": False,
@@ -388,14 +388,14 @@ def test_nccl_round_trip_and_dead_worker(tmp_path, cleanup):
 
 
 def test_pack_unpack_round_trip_is_bit_exact():
-    """``pack_tensor_dict`` / ``unpack_tensor_dict`` (the tensor-parallel workers' pipe
+    """``encode_tensor_dict`` / ``decode_tensor_dict`` (the tensor-parallel workers' pipe
     messages) give back every kind of value bit for bit, large tensors packed too."""
     payload = _payload()
-    got = unpack_tensor_dict(pack_tensor_dict(payload))
+    got = decode_tensor_dict(encode_tensor_dict(payload))
     assert list(got) == list(payload)
     for key, want in payload.items():
         assert _same(want, got[key]), key
     with pytest.raises(TypeError, match="'bad'"):
-        pack_tensor_dict({"bad": object()})
-    with pytest.raises(ValueError, match="not a packed tensor dict"):
-        unpack_tensor_dict((7).to_bytes(8, "little") + b'{"a":1}')
+        encode_tensor_dict({"bad": object()})
+    with pytest.raises(ValueError, match="not an encoded tensor dict"):
+        decode_tensor_dict((7).to_bytes(8, "little") + b'{"a":1}')

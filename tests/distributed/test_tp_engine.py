@@ -192,11 +192,11 @@ def test_server_under_tensor_parallelism(base_dir):
     from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
 
     texts = []
-    for tp, schedule in ((1, "--no-async-scheduling"), (2, "--async-scheduling")):
+    for tp, variant in ((1, "--no-async-scheduling"), (2, "--async-scheduling")):
         args = serve_parser().parse_args(
             ["--model", str(base_dir), "--served-model-name", "base", "--device", "cpu",
              "--dtype", "float32", "--num-kv-blocks", "64", "--block-size", "4",
-             "--tensor-parallel-size", str(tp), "--no-enable-lora", schedule])
+             "--tensor-parallel-size", str(tp), "--no-enable-lora", variant])
         server = create_server(args)
         try:
             with ServerThread(server.app) as http:

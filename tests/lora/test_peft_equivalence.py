@@ -96,7 +96,7 @@ def test_mixed_batch_matches_peft(demo_set, prompts, reference):
 def test_mixed_batch_through_the_triton_kernels_matches_peft(demo_set, prompts, reference,
                                                              monkeypatch):
     """The LoRA layers forced onto the Triton entry points (CPU: Triton's interpreter), each
-    step on the schedule the cost model picks: the tiled kernels run, and the outputs still
+    step on the variant the cost model picks: the tiled kernels run, and the outputs still
     match peft's."""
     from manylora.lora import slots as lora_slots
     from manylora.lora.kernels import triton_lora, triton_lora_tiled

@@ -1,6 +1,6 @@
 """One-copy slot loads: slot contents, rank table, tensor-parallel cuts, device op count.
 
-An adapter is packed (``pack_adapter``) and loaded through ``SlotLayout`` into the slots of a
+An adapter is packed (``pin_adapter``) and loaded through ``SlotLayout`` into the slots of a
 tiny llama, whole or as one rank of two (column-, row-parallel and fully sharded); the slot
 buffers are then compared with the adapter's own tensors cut by the projections' own ranges
 (``LoRALinear.output_ranges`` / ``in_range``), element by element. Every buffer starts
@@ -21,7 +21,7 @@ from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
 from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.manager import LoRAManager
-from manylora.lora.packed import align, pack_adapter
+from manylora.lora.pinned import align, pin_adapter
 from manylora.lora.slot_layout import SlotLayout
 from manylora.lora_request import LoRARequest
 from manylora.model.llama import LlamaForCausalLM
@@ -125,7 +125,7 @@ def test_slot_holds_the_adapter_cut_to_this_rank(tp_rank, tp_size, fully_sharded
                         ModelConfig.from_hf(LlamaConfig(**TINY), dtype).module_shapes(),
                         MAX_RANK)
     adapter = _adapter(model.cfg, TARGETS, dtype)
-    packed = pack_adapter(adapter)
+    packed = pin_adapter(adapter)
     layout.load(1, packed, layout.prepare(packed))
     _check_slot(model, slots, adapter, 1)
     for other in (0, 2):
@@ -137,7 +137,7 @@ def test_slot_holds_the_adapter_cut_to_this_rank(tp_rank, tp_size, fully_sharded
     second = {(0, "q_proj"): (2, True), (1, "down_proj"): (8, False)}
     adapter2 = _adapter(model.cfg, second, dtype, seed=1, lid=2)
     _fill(slots)
-    packed2 = pack_adapter(adapter2)
+    packed2 = pin_adapter(adapter2)
     layout.load(1, packed2, layout.prepare(packed2))
     _check_slot(model, slots, adapter2, 1)
 
@@ -208,16 +208,16 @@ def test_prepare_refuses_what_the_slots_cannot_hold():
                                                target_modules=("q_proj", "v_proj")))
     layout = SlotLayout(slots, model.cfg.module_shapes(), 4)
     with pytest.raises(ValueError, match="o_proj, which has no slot buffers"):
-        layout.prepare(pack_adapter(_adapter(model.cfg, {(0, "o_proj"): (2, False)},
+        layout.prepare(pin_adapter(_adapter(model.cfg, {(0, "o_proj"): (2, False)},
                                              torch.float32)))
     with pytest.raises(ValueError, match="≤4"):
-        layout.prepare(pack_adapter(_adapter(model.cfg, {(0, "q_proj"): (6, False)},
+        layout.prepare(pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (6, False)},
                                              torch.float32)))
     with pytest.raises(ValueError, match="bfloat16"):
-        layout.prepare(pack_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)},
+        layout.prepare(pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)},
                                              torch.bfloat16)))
     with pytest.raises(ValueError, match="slot 2 outside"):
-        packed = pack_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)}, torch.float32))
+        packed = pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)}, torch.float32))
         layout.load(2, packed, layout.prepare(packed))
 
 

@@ -45,7 +45,7 @@ SCENARIOS = {
     "chunked": [(7, 100), (40, 41), (3, 3)],
     "mixed": [(1, 17), (12, 12), (1, 66), (9, 45), (1, 2)],
 }
-TENSOR_FIELDS = ("slot_mapping", "block_tables", "query_start", "query_lens", "context_lens",
+TENSOR_FIELDS = ("cache_loc", "block_tables", "query_start", "query_lens", "context_lens",
                  "tile_seq", "tile_query")
 
 
@@ -151,8 +151,8 @@ def test_metadata_layout():
     slots = []
     for (q_len, ctx), table in zip(seqs, tables):
         slots += [table[p // 4] * 4 + p % 4 for p in range(ctx - q_len, ctx)]
-    assert meta.slot_mapping.dtype == torch.int64
-    assert meta.slot_mapping.tolist() == slots
+    assert meta.cache_loc.dtype == torch.int64
+    assert meta.cache_loc.tolist() == slots
     assert meta.block_tables.dtype == torch.int32
     assert meta.block_tables.tolist() == [[7, 2, 0], [3, 0, 0], [5, 1, 4], [6, 0, 0]]
     assert meta.query_start.tolist() == [0, 1, 7, 10]
@@ -176,7 +176,7 @@ def test_metadata_layout():
 def test_metadata_pad_to():
     meta = build_attention_metadata([1, 1], [5, 9], [[3, 1], [0, 2, 4]], 4, 4, DEVICE,
                                     pad_to=4, max_blocks_per_seq=5)
-    assert meta.slot_mapping.tolist() == [1 * 4 + 0, 4 * 4 + 0, -1, -1]
+    assert meta.cache_loc.tolist() == [1 * 4 + 0, 4 * 4 + 0, -1, -1]
     assert meta.block_tables.tolist() == [[3, 1, 0, 0, 0], [0, 2, 4, 0, 0]] + [[0] * 5] * 2
     assert meta.query_start.tolist() == [0, 1, 2, 3]
     assert meta.query_lens.tolist() == [1, 1, 1, 1]
@@ -185,7 +185,7 @@ def test_metadata_pad_to():
     assert meta.seqs == ()
     # An all-padding batch (what a CUDA-graph capture runs) has the same layout.
     empty = build_attention_metadata([], [], [], 4, 4, DEVICE, pad_to=4, max_blocks_per_seq=5)
-    assert empty.slot_mapping.tolist() == [-1] * 4
+    assert empty.cache_loc.tolist() == [-1] * 4
     assert empty.context_lens.tolist() == [0] * 4
     assert empty.block_tables.shape == (4, 5) and empty.num_decode_tiles == 4
     q = torch.randn(4, 8, 16, generator=seeded("empty")).to(DEVICE)
@@ -350,10 +350,10 @@ def test_write_kv(impl, dtype):
     v = qkv[:, (2 + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:rows]
     slots[[2, 5]] = -1
-    slot_mapping = slots.to(DEVICE)
+    cache_loc = slots.to(DEVICE)
     fn = {"triton": triton_attention.write_kv_triton, "reference": write_kv_reference,
           "dispatch": write_kv}[impl]
-    fn(k, v, KVCache(cache), slot_mapping)
+    fn(k, v, KVCache(cache), cache_loc)
     want = before.clone().view(2, -1, kv_heads, head_dim)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -397,7 +397,7 @@ def test_gpu_cuda_graph_replay():
     out = torch.empty_like(q)
 
     def step():
-        write_kv(k_new, v_new, cache, meta.slot_mapping)
+        write_kv(k_new, v_new, cache, meta.cache_loc)
         triton_attention.paged_attention_triton(q, cache, meta, first.scale, out=out)
 
     step()                                       # compile outside the capture
@@ -412,7 +412,7 @@ def test_gpu_cuda_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     want_cache = KVCache(second.cache.clone())
-    write_kv_reference(k_new, v_new, want_cache, second.meta.slot_mapping)
+    write_kv_reference(k_new, v_new, want_cache, second.meta.cache_loc)
     want = paged_attention_reference(second.q.float(), KVCache(want_cache.data.float()),
                                      second.meta, second.scale).view_as(q)
     assert torch.equal(cache.data, want_cache.data)

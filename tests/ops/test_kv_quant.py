@@ -417,7 +417,7 @@ def test_gpu_quantized_cuda_graph_replay(storage):
     out = torch.empty_like(q)
 
     def step():
-        write_kv(k_new, v_new, cache, meta.slot_mapping)
+        write_kv(k_new, v_new, cache, meta.cache_loc)
         triton_attention.paged_attention_triton(q, cache, meta, first.scale, out=out)
 
     step()                                       # compile outside the capture
@@ -425,7 +425,7 @@ def test_gpu_quantized_cuda_graph_replay(storage):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for name in ("slot_mapping", "block_tables", "query_start", "query_lens", "context_lens",
+    for name in ("cache_loc", "block_tables", "query_start", "query_lens", "context_lens",
                  "tile_seq", "tile_query"):
         getattr(meta, name).copy_(getattr(second.meta, name))
     q.copy_(second.q)
@@ -434,7 +434,7 @@ def test_gpu_quantized_cuda_graph_replay(storage):
     graph.replay()
     torch.cuda.synchronize()
     want_cache = KVCache(second.kv.data.clone(), second.kv.scale.clone())
-    write_kv_reference(k_new, v_new, want_cache, second.meta.slot_mapping)
+    write_kv_reference(k_new, v_new, want_cache, second.meta.cache_loc)
     assert _codes_within_one_step(cache.data, want_cache.data)
     torch.testing.assert_close(cache.scale, want_cache.scale, rtol=1e-6, atol=0)
     want = paged_attention_reference(second.q.float(), want_cache, second.meta, second.scale)

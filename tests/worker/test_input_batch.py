@@ -36,7 +36,7 @@ from manylora.scheduler_output import (
 )
 from manylora.worker.input_batch import InputBatch
 from manylora.worker.step_inputs import (
-    SCHEDULES,
+    LORA_VARIANT_CODES,
     StepBuffers,
     _offsets,
     segment_sizes,
@@ -183,7 +183,7 @@ class Harness:
     def check_pieces(self, out: SchedulerOutput, layout, host, t: int, b: int) -> None:
         """A piecewise step: token segments padded to the bucket (ids and positions 0,
         token rows -1), the LoRA mapping built over the bucket's rows with the tiled
-        schedule (``graph_block_m`` rows a tile, ``max_row_tiles`` tiles), sequence and
+        variant (``graph_block_m`` rows a tile, ``max_row_tiles`` tiles), sequence and
         sampling segments unpadded."""
         tb = layout.pieces
         want = None if self.pieces_of is None else self.pieces_of(t)
@@ -194,9 +194,9 @@ class Harness:
         slots = [self.lora_slots.get(s.request.lora_int_id, -1)
                  for s in out.scheduled for _ in range(s.num_tokens)]
         if not any(x >= 0 for x in slots):
-            assert layout.schedule == 0 and "lora" not in dict(segment_sizes(layout, 0))
+            assert layout.variant == 0 and "lora" not in dict(segment_sizes(layout, 0))
             return
-        assert SCHEDULES[layout.schedule] == "tiled" and layout.max_seg_len == tb
+        assert LORA_VARIANT_CODES[layout.variant] == "tiled" and layout.max_seg_len == tb
         ref = lora_kernel_meta_arrays(np.asarray(slots), self.max_loras, tb)
         m = self.max_loras
         lora = host["lora"]
@@ -383,15 +383,15 @@ def test_piece_steps_pad_token_segments_at_offsets_fixed_by_the_bucket(async_sch
             assert layout.pieces == -1 and layout.num_tokens == real
             seen.add("eager")
             continue
-        seen.add((layout.pieces, layout.schedule))
+        seen.add((layout.pieces, layout.variant))
         read = {name: start for name, start, _ in _offsets(layout, 3)[0]
                 if name in ("ids", "positions", "token_rows", "lora")}
-        assert offsets.setdefault((layout.pieces, layout.schedule), read) == read
+        assert offsets.setdefault((layout.pieces, layout.variant), read) == read
     assert h.sched.num_preemptions > 0
     assert "eager" in seen
     seen.discard("eager")
-    assert len({tb for tb, schedule in seen if schedule == 3}) >= 2       # LoRA rows
-    assert any(schedule == 0 for _, schedule in seen)                      # base rows only
+    assert len({tb for tb, variant in seen if variant == 3}) >= 2       # LoRA rows
+    assert any(variant == 0 for _, variant in seen)                      # base rows only
 
 
 def test_a_piece_step_that_does_not_fit_the_persistent_buffer_runs_eagerly():
@@ -511,7 +511,7 @@ def test_graph_replay_over_persistent_buffers_equals_eager(demo_set, max_loras):
             replayed = hidden.clone()
             eager = runner._forward(views, layout)       # same buffers, same K/V written
             torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
-            compared.append(layout.schedule)
+            compared.append(layout.variant)
         return hidden, views
 
     runner.forward_step = checked

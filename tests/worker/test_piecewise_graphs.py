@@ -3,7 +3,7 @@ bucket) against the eager forward pass of the same step unpadded.
 
 The engine runs with piece buckets; every step it pads is also repacked without padding
 (its LoRA mapping rebuilt by ``lora_kernel_meta_arrays`` over the real rows, the default
-schedule) and run through the plain eager forward on the same KV cache first; the hidden
+variant) and run through the plain eager forward on the same KV cache first; the hidden
 states of the real rows must match (float32). On the CPU the pieces run eagerly over the
 padded static buffers (the composition and the padded layout are what is checked); on a GPU
 (``gpu``) the captured piece graphs replay, and the engine's tokens with piecewise graphs
@@ -23,7 +23,7 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core import _piece_sizes
 from manylora.lora.kernels.meta import (
-    default_schedule,
+    default_variant,
     fill_lora_segment,
     lora_kernel_meta_arrays,
     lora_segment_size,
@@ -35,7 +35,7 @@ from manylora.testing import (
     make_peft_adapter,
 )
 from manylora.worker.step_inputs import (
-    SCHEDULES,
+    LORA_VARIANT_CODES,
     StepInputs,
     split_segments,
     total_size,
@@ -62,22 +62,22 @@ def adapters(base_dir, tmp_path_factory):
 
 def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
     """The same step without token padding: the token segments cut to the real rows, the
-    LoRA mapping rebuilt over them (default schedule), every other segment as it is."""
+    LoRA mapping rebuilt over them (default variant), every other segment as it is."""
     layout = inputs.layout
     host = split_segments(inputs.data, layout, max_loras)
     t = int(host["query_lens"].sum())               # the sequence segments are unpadded
     m = max_loras
-    schedule, max_seg_len, lora, block_m, num_tiles = 0, 0, None, 0, 0
-    if layout.schedule:
+    variant, max_seg_len, lora, block_m, num_tiles = 0, 0, None, 0, 0
+    if layout.variant:
         buf = host["lora"]
         arrays = lora_kernel_meta_arrays(buf[:t].astype(np.int64), m)
-        name, block_m = default_schedule(arrays.seg_len, m)
-        schedule = SCHEDULES.index(name)
+        name, block_m = default_variant(arrays.seg_len, m)
+        variant = LORA_VARIANT_CODES.index(name)
         max_seg_len = arrays.max_seg_len
         lora = np.zeros(lora_segment_size(t, m, t), np.int32)
         num_tiles = fill_lora_segment(lora, arrays, block_m)
         lora = lora[:lora_segment_size(t, m, num_tiles)]
-    plain = layout._replace(num_tokens=t, pieces=-1, schedule=schedule,
+    plain = layout._replace(num_tokens=t, pieces=-1, variant=variant,
                             max_seg_len=max_seg_len, lora_block_m=block_m,
                             lora_tiles=num_tiles)
     data = np.zeros(total_size(plain, m), np.int32)
@@ -92,7 +92,7 @@ def unpadded(inputs: StepInputs, max_loras: int) -> StepInputs:
 
 def _compare_pieces_with_eager(llm, atol: float) -> list:
     """Wrap the runner's ``forward_step``: each piecewise step runs unpadded and eager
-    first, then padded through the pieces; returns ``(bucket, schedule, captured)`` of
+    first, then padded through the pieces; returns ``(bucket, variant, captured)`` of
     each step compared."""
     runner = llm.llm_engine.engine_core.runner
     original = runner.forward_step
@@ -110,8 +110,8 @@ def _compare_pieces_with_eager(llm, atol: float) -> list:
         t = plain.layout.num_tokens
         assert hidden.shape[0] == layout.pieces > t or layout.pieces == t
         torch.testing.assert_close(hidden[:t], eager, rtol=atol, atol=atol)
-        key = (layout.pieces, SCHEDULES[layout.schedule])
-        compared.append((layout.pieces, layout.schedule, runner.pieces.has(key)))
+        key = (layout.pieces, LORA_VARIANT_CODES[layout.variant])
+        compared.append((layout.pieces, layout.variant, runner.pieces.has(key)))
         return hidden, views
 
     runner.forward_step = checked
@@ -148,9 +148,9 @@ def test_padded_piecewise_steps_equal_the_unpadded_eager_step(base_dir, adapters
     llm.generate(prompts, params, loras, use_tqdm=False)
     buckets = {tb for tb, _, _ in compared}
     assert len(buckets) >= 3, buckets
-    with_lora = [tb for tb, schedule, _ in compared if schedule]
+    with_lora = [tb for tb, variant, _ in compared if variant]
     if enable_lora:
-        assert all(SCHEDULES[s] in (None, "tiled") for _, s, _ in compared)
+        assert all(LORA_VARIANT_CODES[s] in (None, "tiled") for _, s, _ in compared)
         assert len(set(with_lora)) >= 2, "steps with LoRA rows in several buckets"
     else:
         assert not with_lora
@@ -237,8 +237,8 @@ def test_piece_buckets_from_engine_args_and_flags():
 @pytest.mark.parametrize("max_loras", [0, 3])
 def test_piecewise_graph_replay_equals_the_eager_step(base_dir, adapters, max_loras):
     """On a GPU every piecewise step replays captured piece graphs (all keys captured at
-    start-up: L + 1 per bucket and schedule), and its real rows equal the unpadded eager
-    step (float32; SGMV against the eager step's own schedule)."""
+    start-up: L + 1 per bucket and variant), and its real rows equal the unpadded eager
+    step (float32; SGMV against the eager step's own variant)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     llm = LLM(str(base_dir), device="cuda", dtype="float32", skip_tokenizer_init=True,
@@ -246,14 +246,14 @@ def test_piecewise_graph_replay_equals_the_eager_step(base_dir, adapters, max_lo
               max_num_batched_tokens=24, enable_lora=bool(max_loras), max_num_seqs=8,
               piecewise_cuda_graph_sizes=(4, 8, 16, 32))
     runner = llm.llm_engine.engine_core.runner
-    schedules = 2 if max_loras else 1
-    assert runner.pieces.num_graphs == (TINY["num_hidden_layers"] + 1) * 4 * schedules
+    variants = 2 if max_loras else 1
+    assert runner.pieces.num_graphs == (TINY["num_hidden_layers"] + 1) * 4 * variants
     compared = _compare_pieces_with_eager(llm, 1e-4)
     prompts, loras = _workload(adapters if max_loras else [None] * 3)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate(prompts, params, loras, use_tqdm=False)
     assert len(compared) > 5 and all(captured for _, _, captured in compared)
-    assert bool(max_loras) == any(schedule for _, schedule, _ in compared)
+    assert bool(max_loras) == any(variant for _, variant, _ in compared)
 
 
 @pytest.mark.gpu

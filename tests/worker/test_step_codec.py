@@ -11,7 +11,7 @@ from manylora.worker.step_codec import decode_step, encode_step
 from manylora.worker.step_inputs import StepInputs, StepLayout
 
 LAYOUT = StepLayout(num_tokens=4, num_seqs=2, num_tiles=2, num_decode_tiles=1, table_width=3,
-                    schedule=0, max_seg_len=0, num_table_updates=2, num_sampled=2,
+                    variant=0, max_seg_len=0, num_table_updates=2, num_sampled=2,
                     sample_prefix=0, bucket=-1, table_rows=16)
 
 

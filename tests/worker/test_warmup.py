@@ -133,7 +133,7 @@ def _force_triton(monkeypatch) -> None:
 def _random_step(rng: random.Random, model, max_blocks: int):
     """One step's model inputs: eager (decode, prefill, chunks over cached prefixes, mixed)
     or a CUDA-graph padded decode batch; LoRA off, or rows over random slots with the
-    default, SGMV, BGMV or tiled schedule (graphs: BGMV or tiled, as the engine captures)."""
+    default, SGMV, BGMV or tiled variant (graphs: BGMV or tiled, as the engine captures)."""
     dev = torch.device("cpu")
     graph = rng.random() < 0.3
     budget = MAX_TOKENS
@@ -155,8 +155,8 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     token_slots = [s for s, q in zip(seq_slots, q_lens) for _ in range(q)]
     lora = None
     if rng.random() < 0.8 and (graph or any(s >= 0 for s in token_slots)):
-        schedule = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
-        lora = build_lora_kernel_meta(token_slots, MAX_LORAS, dev, pad_to=pad, schedule=schedule)
+        variant = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
+        lora = build_lora_kernel_meta(token_slots, MAX_LORAS, dev, pad_to=pad, variant=variant)
     ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64)
     positions = torch.tensor([c - q + j for q, c in zip(q_lens, c_lens) for j in range(q)]
                              + [0] * (rows - sum(q_lens)), dtype=torch.int64)
@@ -214,9 +214,9 @@ def test_lora_row_cases_cover_every_plan():
     (rows, longest segment) pair, for projections of several shapes."""
     def plans(cases, k, slices, max_n, rank):
         out = set()
-        for schedule, n, s in cases:
-            sp = lora_plans.shrink_plan(schedule, n, s, 4, k, rank, slices, 2)
-            ep = lora_plans.expand_plan(schedule, n, s, 4, max_n, rank, slices, True, False)
+        for variant, n, s in cases:
+            sp = lora_plans.shrink_plan(variant, n, s, 4, k, rank, slices, 2)
+            ep = lora_plans.expand_plan(variant, n, s, 4, max_n, rank, slices, True, False)
             out.add((sp.kernel, tuple(sp.constexprs.items()), ep.kernel,
                      tuple(ep.constexprs.items())))
         return out

@@ -1,20 +1,20 @@
-"""A bandwidth/launch model of the LoRA kernel schedules, to pick one per step.
+"""A bandwidth/launch model of the LoRA kernel variants, to pick one per step.
 
 Pure functions of host ints: the step's rows per active slot, the padded row count of a
 CUDA-graph step, the LoRA projections' shapes and the GPU's figures. No timing happens here;
-``benchmarks/bench_lora_decode.py`` measures the schedules and the copy bandwidth the model
+``benchmarks/bench_lora_decode.py`` measures the variants and the copy bandwidth the model
 is checked against.
 
 Model (per launch, summed over the projections of one layer; the choice does not depend on
 the layer count):
 
-* **bytes**: every schedule reads each adapter (A ``[r, in]`` per slice, B ``[r, out_s]`` per
+* **bytes**: every variant reads each adapter (A ``[r, in]`` per slice, B ``[r, out_s]`` per
   slice, at the projection's rank ``r``) once per *adapter read*: once per row for BGMV
-  (one program per row), once per row tile for the tiled schedule (``ceil(n / BLOCK_M)``
+  (one program per row), once per row tile for the tiled variant (``ceil(n / BLOCK_M)``
   per slot of ``n`` rows) and SGMV (``ceil(n / BLOCK_M_sgmv)``). On top: ``x`` once per LoRA
   row and rank tile (shrink), ``y`` read and written once per LoRA row (expand), and the
   float32 ``[T, S, r]`` buffer written (split-K atomics) and read.
-* **programs**: per *unit* (a padded row for BGMV, a tile for the tiled schedule, the
+* **programs**: per *unit* (a padded row for BGMV, a tile for the tiled variant, the
   bound ``max_row_tiles`` of them in a graph, ``max_loras x ceil(longest segment /
   BLOCK_M)`` for SGMV, ``max_loras x ceil(T / BLOCK_M)`` in a padded one) and slice: the
   shrink's split-K programs (up to 1024 in all, ``in / 256`` per unit at most) and the
@@ -33,7 +33,7 @@ rank 16 on an H100); reread adapters are spread over the launch (rows are in bat
 BGMV), so L2 keeps them only as far as the launch's adapters fit it, and x / y / the buffer
 stream from HBM; split-K reaches the target program count; every adapter in the step has the
 projection's ``max_rank`` (the rank table is on the device and the choice is made on the
-host: an upper bound on the bytes, the same for every schedule, so the ranking holds). The
+host: an upper bound on the bytes, the same for every variant, so the ranking holds). The
 default figures (``H100_SXM``) are an H100 SXM's datasheet and microbenchmark values; the
 engine takes the SM count and memory bus of its own device (``gpu_model``), and
 ``benchmarks/bench_lora_decode.py`` prints the model next to the measured times.
@@ -54,7 +54,7 @@ _SGMV_BLOCK_MS = ((16, 16), (32, 32), (1 << 62, 64))
 
 
 class GPUModel(NamedTuple):
-    """The figures of a GPU the schedule model needs.
+    """The figures of a GPU the variant model needs.
 
     Attributes:
         bandwidth: HBM bytes/s a streaming kernel reaches (a device copy's (read + write) /
@@ -120,51 +120,51 @@ def _sgmv_block_m(longest: int) -> int:
     return next(b for bound, b in _SGMV_BLOCK_MS if longest <= bound)
 
 
-def adapter_reads(seg_len: np.ndarray, schedule: str, block_m: int = 16) -> int:
+def adapter_reads(seg_len: np.ndarray, variant: str, block_m: int = 16) -> int:
     """How many times the step reads each of its adapters, summed over adapters: rows for
     ``"bgmv"``, row tiles for ``"tiled"`` (``block_m``) and ``"sgmv"``.
 
     Raises:
-        ValueError: an unknown schedule.
+        ValueError: an unknown variant.
     """
     lens = np.asarray(seg_len, dtype=np.int64)
     lens = lens[lens > 0]
-    if schedule == "bgmv":
+    if variant == "bgmv":
         return int(lens.sum())
-    if schedule == "sgmv":
+    if variant == "sgmv":
         block_m = _sgmv_block_m(int(lens.max(initial=0)))
-    elif schedule != "tiled":
-        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}")
+    elif variant != "tiled":
+        raise ValueError(f"unknown LoRA kernel variant {variant!r}")
     return int((-(-lens // block_m)).sum())
 
 
-def schedule_time(seg_len: np.ndarray, schedule: str, shapes: Sequence[ProjectionShape],
+def variant_time(seg_len: np.ndarray, variant: str, shapes: Sequence[ProjectionShape],
                   max_rank: int, max_loras: int, gpu: GPUModel, *, element_size: int = 2,
                   block_m: int = 16, padded_rows: int | None = None) -> float:
     """Modelled seconds of one layer's LoRA shrink + expand launches (module docstring).
 
     Args:
         seg_len: rows per active slot (zeros allowed).
-        schedule: ``"bgmv"``, ``"tiled"`` or ``"sgmv"``.
+        variant: ``"bgmv"``, ``"tiled"`` or ``"sgmv"``.
         shapes: the layer's LoRA projections.
         max_rank: the rank assumed for every adapter.
         max_loras: slots.
         gpu: the GPU's figures.
         element_size: bytes per element of x, y, A and B.
-        block_m: the tiled schedule's row tile.
+        block_m: the tiled variant's row tile.
         padded_rows: a CUDA-graph step's padded row count (grids sized by it); None: eager.
 
     Raises:
-        ValueError: an unknown schedule.
+        ValueError: an unknown variant.
     """
     lens = np.asarray(seg_len, dtype=np.int64)
     lens = lens[lens > 0]
     rows = int(lens.sum())
     grid_rows = rows if padded_rows is None else padded_rows
-    reads = adapter_reads(lens, schedule, block_m)
-    if schedule == "bgmv":
+    reads = adapter_reads(lens, variant, block_m)
+    if variant == "bgmv":
         units, dot_rows = grid_rows, rows
-    elif schedule == "tiled":
+    elif variant == "tiled":
         units = reads if padded_rows is None else max_row_tiles(padded_rows, max_loras,
                                                                 block_m)
         dot_rows = reads * block_m
@@ -183,7 +183,7 @@ def schedule_time(seg_len: np.ndarray, schedule: str, shapes: Sequence[Projectio
         x_bytes = rows * k * element_size + rows * s * max_rank * 4
         y_bytes = 2 * rows * sum(outs) * element_size + rows * s * max_rank * 4
         flops = 2 * dot_rows * max_rank * (k * s + sum(outs))
-        rate = gpu.fma_rate if schedule == "bgmv" else gpu.dot_rate
+        rate = gpu.fma_rate if variant == "bgmv" else gpu.dot_rate
         shrink_programs = max(units * s, min(1024, units * s * -(-k // 256)))
         expand_programs = units * s * -(-max(outs) // 128)
         for programs, adapter, stream in ((shrink_programs, adapter_a, x_bytes),
@@ -198,21 +198,21 @@ def schedule_time(seg_len: np.ndarray, schedule: str, shapes: Sequence[Projectio
     return total
 
 
-def choose_schedule(seg_len: np.ndarray, shapes: Sequence[ProjectionShape], max_rank: int,
+def choose_variant(seg_len: np.ndarray, shapes: Sequence[ProjectionShape], max_rank: int,
                     max_loras: int, gpu: GPUModel, *, element_size: int = 2,
                     padded_rows: int | None = None,
                     graph_block_m: int | None = None) -> tuple[str, int]:
-    """``(schedule, block_m)`` of least ``schedule_time`` for the step: BGMV, the tiled
-    schedule (``block_m`` of ``TILE_BLOCK_MS``; in a graph step only ``graph_block_m``, the
+    """``(variant, block_m)`` of least ``variant_time`` for the step: BGMV, the tiled
+    variant (``block_m`` of ``TILE_BLOCK_MS``; in a graph step only ``graph_block_m``, the
     tile height the graph was captured with) and, in eager steps, SGMV (``block_m`` 0 for
-    the schedules without tiles). Ties go to the earlier of tiled, BGMV, SGMV."""
+    the variants without tiles). Ties go to the earlier of tiled, BGMV, SGMV."""
     options: list[tuple[str, int]] = []
     if padded_rows is None:
         options += [("tiled", b) for b in TILE_BLOCK_MS]
         options += [("bgmv", 0), ("sgmv", 0)]
     else:
         options += [("tiled", graph_block_m or TILE_BLOCK_MS[0]), ("bgmv", 0)]
-    return min(options, key=lambda o: schedule_time(
+    return min(options, key=lambda o: variant_time(
         seg_len, o[0], shapes, max_rank, max_loras, gpu, element_size=element_size,
         block_m=o[1] or 16, padded_rows=padded_rows))
 
@@ -226,8 +226,8 @@ def graph_block_m(num_rows: int, max_loras: int) -> int:
     return next((b for b in TILE_BLOCK_MS if b >= per_slot), TILE_BLOCK_MS[-1])
 
 
-class LoRAScheduleModel(NamedTuple):
-    """What ``choose_schedule`` needs about an engine: its LoRA projections (one layer), the
+class LoRAVariantModel(NamedTuple):
+    """What ``choose_variant`` needs about an engine: its LoRA projections (one layer), the
     rank to assume, the element size and the GPU.
 
     Attributes:
@@ -243,13 +243,13 @@ class LoRAScheduleModel(NamedTuple):
     element_size: int = 2
 
     @classmethod
-    def default(cls) -> LoRAScheduleModel:
+    def default(cls) -> LoRAVariantModel:
         """Llama-3-8B's projections at rank 16, bf16, on an H100 (``H100_SXM``)."""
         return cls(llama3_8b_shapes(), 16, H100_SXM)
 
     def choose(self, seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
                graph_block_m: int | None = None) -> tuple[str, int]:
-        """``choose_schedule`` for this engine (see there)."""
-        return choose_schedule(seg_len, self.shapes, self.max_rank, max_loras, self.gpu,
+        """``choose_variant`` for this engine (see there)."""
+        return choose_variant(seg_len, self.shapes, self.max_rank, max_loras, self.gpu,
                                element_size=self.element_size, padded_rows=padded_rows,
                                graph_block_m=graph_block_m)

@@ -29,7 +29,7 @@ from manylora.lora.kernels.meta import LoRAKernelMeta
 
 
 def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[torch.Tensor],
-                ranks: torch.Tensor, mapping: LoRAKernelMeta,
+                ranks: torch.Tensor, lora_meta: LoRAKernelMeta,
                 output_slices: Sequence[tuple[int, int]], dora: torch.Tensor | None = None,
                 dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                 bias: torch.Tensor | None = None) -> None:
@@ -37,7 +37,7 @@ def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[
     DoRA (slot, slice)s are rescaled as well (see the module docstring).
 
     CUDA tensors go to the Triton kernels (``triton_lora.lora_expand_triton``, one launch,
-    schedule ``mapping.schedule``), others to ``lora_expand_reference``.
+    variant ``lora_meta.variant``), others to ``lora_expand_reference``.
 
     Args:
         y: ``[T, out_total]`` base-layer output (bias included), updated in place.
@@ -46,7 +46,7 @@ def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[
             rows past a (slot, slice)'s rank are never read. The Triton path takes 1 to 3
             slices.
         ranks: int32 ``[max_loras, S]``, each (slot, slice)'s rank (``LoRASlots.ranks``).
-        mapping: the step's token → slot map.
+        lora_meta: the step's token → slot map.
         output_slices: ``S`` pairs ``(offset, out_s)``: the columns of ``y`` slice ``s`` adds
             to; they must not overlap.
         dora: int32 ``[max_loras, S]``, 1 where the (slot, slice) has DoRA scales
@@ -64,22 +64,22 @@ def lora_expand(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: Sequence[
     if y.is_cuda:
         from manylora.lora.kernels.triton_lora import lora_expand_triton
 
-        lora_expand_triton(y, buffer, lora_b_stacked, ranks, mapping, output_slices, dora,
+        lora_expand_triton(y, buffer, lora_b_stacked, ranks, lora_meta, output_slices, dora,
                            dora_scale_stacked, bias)
         return
-    lora_expand_reference(y, buffer, lora_b_stacked, ranks, mapping, output_slices, dora,
+    lora_expand_reference(y, buffer, lora_b_stacked, ranks, lora_meta, output_slices, dora,
                           dora_scale_stacked, bias)
 
 
 def lora_expand_reference(y: torch.Tensor, buffer: torch.Tensor,
                           lora_b_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                          mapping: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
+                          lora_meta: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
                           dora: torch.Tensor | None = None,
                           dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                           bias: torch.Tensor | None = None) -> None:
     """PyTorch reference of ``lora_expand``: a gather and a matmul per slot and slice.
 
-    Reads the mapping's host ``segments`` (empty in a padded, CUDA-graph mapping, which only
+    Reads the mapping's host ``segments`` (empty in a padded, CUDA-graph one, which only
     the Triton path takes), ``ranks`` and ``dora`` (copied to the host once). Plain LoRA
     rows get ``y += delta`` (delta rounded to ``y``'s dtype); DoRA rows
     ``(y + delta) * scale + (1 - scale) * bias`` computed in float32 and rounded once.
@@ -89,7 +89,7 @@ def lora_expand_reference(y: torch.Tensor, buffer: torch.Tensor,
         buffer: float32 ``[T, S, R]`` from ``lora_shrink``.
         lora_b_stacked: ``S`` tensors ``[max_loras, R, out_s]``, dtype of ``y``.
         ranks: int32 ``[max_loras, S]``; dora: int32 ``[max_loras, S]`` or None.
-        mapping: the step's token → slot map.
+        lora_meta: the step's token → slot map.
         output_slices: ``S`` pairs ``(offset, out_s)``: the columns of ``y`` slice ``s`` adds to.
         dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA scales.
         bias: None, or ``[out_total]``, the bias in ``y``.
@@ -102,11 +102,11 @@ def lora_expand_reference(y: torch.Tensor, buffer: torch.Tensor,
         raise ValueError(
             f"{len(output_slices)} output slices for {len(lora_b_stacked)} B stacks")
     _check_dora_args(lora_b_stacked, dora, dora_scale_stacked, bias, y)
-    if not mapping.segments:
+    if not lora_meta.segments:
         return
     table = ranks.tolist()
     flags = dora.tolist() if dora_scale_stacked is not None else None
-    for seg in mapping.segments:
+    for seg in lora_meta.segments:
         for s, (b_stacked, (offset, size)) in enumerate(zip(lora_b_stacked, output_slices)):
             r = table[seg.slot][s]
             if not r:

@@ -10,7 +10,7 @@ kernels need:
   ``i``-th slot present in the step ``active_slots[i]``, its rows
   ``sorted_rows[seg_start[i] : seg_start[i] + seg_len[i]]``.
 
-* the tile view (the tiled schedule, ``lora/kernels/triton_lora_tiled.py``): each slot's rows cut
+* the tile view (the tiled variant, ``lora/kernels/triton_lora_tiled.py``): each slot's rows cut
   into tiles of at most ``block_m`` rows (``lora/kernels/row_tiles.py``), so a kernel program reads
   its adapter once per tile.
 
@@ -35,12 +35,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from manylora.lora.kernels.cost_model import LoRAScheduleModel, graph_block_m
+from manylora.lora.kernels.cost_model import LoRAVariantModel, graph_block_m
 from manylora.lora.kernels.row_tiles import max_row_tiles, row_tiles
 from manylora.lora.kernels.tiled_plans import TILE_BLOCK_MS
 
-#: The kernel schedules a mapping may carry (``lora/kernels/cost_model.py`` picks one per step).
-LORA_SCHEDULES = ("bgmv", "sgmv", "tiled")
+#: The kernel variants a mapping may carry (``lora/kernels/cost_model.py`` picks one per step).
+LORA_VARIANTS = ("bgmv", "sgmv", "tiled")
 
 
 class SlotSegment(NamedTuple):
@@ -69,12 +69,12 @@ class LoRAKernelMeta(NamedTuple):
             ``sorted_rows`` (0 past the active ones).
         seg_len: int32 ``[max_loras]``, how many rows ``active_slots[i]`` has (0 past them).
         max_seg_len: host int, an upper bound on ``seg_len`` (kernels size their grid by it).
-        schedule: ``"sgmv"`` (segments), ``"bgmv"`` (per-row gather) or ``"tiled"`` (row
-            tiles), the kernel schedule.
+        variant: ``"sgmv"`` (segments), ``"bgmv"`` (per-row gather) or ``"tiled"`` (row
+            tiles), the kernel variant.
         has_lora: host bool, whether any row uses an adapter (if not, layers launch nothing).
-        segments: one ``SlotSegment`` per slot present (host view; empty in a padded mapping).
+        segments: one ``SlotSegment`` per slot present (host view; empty when padded).
         tile_slot: int32 ``[num_tiles]``, each row tile's slot, -1 for padding tiles
-            (``lora.row_tiles.row_tiles``; empty unless the schedule is ``"tiled"``).
+            (``lora.row_tiles.row_tiles``; empty unless the variant is ``"tiled"``).
         tile_start: int32 ``[num_tiles]``, the tile's first index into ``sorted_rows``.
         tile_len: int32 ``[num_tiles]``, the tile's rows (0 for padding tiles).
         block_m: host int, the most rows of a tile (0 without tiles).
@@ -91,7 +91,7 @@ class LoRAKernelMeta(NamedTuple):
     seg_start: torch.Tensor
     seg_len: torch.Tensor
     max_seg_len: int
-    schedule: str
+    variant: str
     has_lora: bool
     segments: tuple[SlotSegment, ...]
     tile_slot: torch.Tensor
@@ -168,10 +168,10 @@ def lora_kernel_meta_arrays(token_slots: np.ndarray, max_loras: int,
                                 int(seg_len.max()) if max_loras else 0, num_lora_rows)
 
 
-def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
-                     model: LoRAScheduleModel | None = None) -> tuple[str, int]:
-    """``(schedule, block_m)`` for a step whose active slots hold ``seg_len`` rows each: the
-    schedule of least modelled time (``ops.lora_cost_model.choose_schedule``; ``block_m`` 0
+def default_variant(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | None = None,
+                     model: LoRAVariantModel | None = None) -> tuple[str, int]:
+    """``(variant, block_m)`` for a step whose active slots hold ``seg_len`` rows each: the
+    variant of least modelled time (``ops.lora_cost_model.choose_variant``; ``block_m`` 0
     except for ``"tiled"``). A padded (CUDA-graph) step of ``padded_rows`` rows chooses
     between BGMV and tiles of ``graph_block_m(padded_rows, max_loras)`` rows (what its graphs
     are captured with).
@@ -181,9 +181,9 @@ def default_schedule(seg_len: np.ndarray, max_loras: int, *, padded_rows: int | 
         max_loras: slots.
         padded_rows: a graph step's padded row count; None: an eager step.
         model: the projections, rank and GPU the choice is for; None:
-            ``LoRAScheduleModel.default()``.
+            ``LoRAVariantModel.default()``.
     """
-    model = LoRAScheduleModel.default() if model is None else model
+    model = LoRAVariantModel.default() if model is None else model
     return model.choose(seg_len, max_loras, padded_rows=padded_rows,
                         graph_block_m=None if padded_rows is None
                         else graph_block_m(padded_rows, max_loras))
@@ -238,9 +238,9 @@ def used_columns(ranks_host: np.ndarray, active_slots: np.ndarray) -> tuple[bool
 
 
 def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: torch.device, *,
-                           pad_to: int | None = None, schedule: str | None = None,
+                           pad_to: int | None = None, variant: str | None = None,
                            ranks_host: np.ndarray | None = None, block_m: int | None = None,
-                           model: LoRAScheduleModel | None = None,
+                           model: LoRAVariantModel | None = None,
                            columns: tuple[bool, ...] | None = None) -> LoRAKernelMeta:
     """Build the step's mapping from the per-token slots (``lora_kernel_meta_arrays``).
 
@@ -251,13 +251,13 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
         pad_to: pad to this many rows (base rows) and give the mapping fixed shapes for a
             CUDA graph: ``max_seg_len = pad_to``, no host ``segments``, ``has_lora`` True,
             ``max_row_tiles(pad_to, max_loras, block_m)`` tiles.
-        schedule: force one of ``LORA_SCHEDULES``; by default ``default_schedule`` (with
+        variant: force one of ``LORA_VARIANTS``; by default ``default_variant`` (with
             ``model``).
         ranks_host: ``SlotTable.ranks_host``, for ``used_columns`` (not with ``pad_to``);
             None: no eager skip.
-        block_m: the tiled schedule's tile height; None: the modelled choice (eager) or
+        block_m: the tiled variant's tile height; None: the modelled choice (eager) or
             ``graph_block_m(pad_to, max_loras)`` (padded).
-        model: what ``default_schedule`` models; None: its default.
+        model: what ``default_variant`` models; None: its default.
         columns: with ``pad_to``, the ``used_columns`` of the mapping (a graph's projection
             mask, ``SlotTable.mask_columns``); None: every column.
 
@@ -268,25 +268,25 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
     Raises:
         IndexError: a slot outside ``[-1, max_loras)``.
         ValueError: ``pad_to`` below the number of rows, a ``ranks_host`` of another slot
-            count, an unknown ``schedule``, or a ``block_m`` the tiled kernels do not take.
+            count, an unknown ``variant``, or a ``block_m`` the tiled kernels do not take.
     """
-    if schedule not in (None, *LORA_SCHEDULES):
-        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use one of "
-                         f"{LORA_SCHEDULES}")
+    if variant not in (None, *LORA_VARIANTS):
+        raise ValueError(f"unknown LoRA kernel variant {variant!r}: use one of "
+                         f"{LORA_VARIANTS}")
     if ranks_host is not None and ranks_host.shape[0] != max_loras:
         raise ValueError(f"a rank table of {ranks_host.shape[0]} slots for {max_loras}")
     arrays = lora_kernel_meta_arrays(np.asarray(token_slots, dtype=np.int64), max_loras, pad_to)
     total = arrays.token_lora_indices.size
-    if schedule is None:
-        schedule, chosen = default_schedule(arrays.seg_len, max_loras, padded_rows=pad_to,
+    if variant is None:
+        variant, chosen = default_variant(arrays.seg_len, max_loras, padded_rows=pad_to,
                                             model=model)
         block_m = chosen if block_m is None else block_m
-    if schedule != "tiled":
+    if variant != "tiled":
         block_m = 0
     elif block_m is None:
         block_m = (graph_block_m(pad_to, max_loras) if pad_to is not None
-                   else default_schedule(arrays.seg_len, max_loras, model=model)[1] or 16)
-    if schedule == "tiled" and block_m not in TILE_BLOCK_MS:
+                   else default_variant(arrays.seg_len, max_loras, model=model)[1] or 16)
+    if variant == "tiled" and block_m not in TILE_BLOCK_MS:
         raise ValueError(f"tiled LoRA: block_m {block_m} is not one of {TILE_BLOCK_MS}")
     bound = max_row_tiles(total, max_loras, block_m) if block_m else 0
     host = torch.empty(lora_segment_size(total, max_loras, bound), dtype=torch.int32,
@@ -295,13 +295,13 @@ def build_lora_kernel_meta(token_slots: Sequence[int], max_loras: int, device: t
                                 bound if pad_to is not None else None)
     host = host[:lora_segment_size(total, max_loras, written)]
     return lora_kernel_meta_from_buffer(host.to(device, non_blocking=True), total, max_loras,
-                                        arrays.max_seg_len, schedule, padded=pad_to is not None,
+                                        arrays.max_seg_len, variant, padded=pad_to is not None,
                                         ranks_host=ranks_host, host=host.numpy(),
                                         num_tiles=written, block_m=block_m, columns=columns)
 
 
 def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, max_seg_len: int,
-                                 schedule: str, *, padded: bool,
+                                 variant: str, *, padded: bool,
                                  ranks_host: np.ndarray | None = None,
                                  host: np.ndarray | None = None, num_tiles: int = 0,
                                  block_m: int = 0,
@@ -316,8 +316,8 @@ def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, 
         total: rows, padding included.
         max_loras: slots.
         max_seg_len: the most rows of one slot (``LoRAKernelMetaArrays.max_seg_len``).
-        schedule: one of ``LORA_SCHEDULES``.
-        padded: a CUDA-graph mapping: ``max_seg_len = total``, ``has_lora`` True, and
+        variant: one of ``LORA_VARIANTS``.
+        padded: for a CUDA graph: ``max_seg_len = total``, ``has_lora`` True, and
             ``used_columns`` = ``columns``.
         ranks_host: ``SlotTable.ranks_host``; with ``host``, an unpadded mapping gets
             ``used_columns``.
@@ -343,10 +343,10 @@ def lora_kernel_meta_from_buffer(buf: torch.Tensor, total: int, max_loras: int, 
             for s, b, n in zip(act[:num_active].tolist(), start[:num_active].tolist(),
                                length[:num_active].tolist()))
     if padded:
-        return LoRAKernelMeta(indices, srows, act, start, length, total, schedule, True,
+        return LoRAKernelMeta(indices, srows, act, start, length, total, variant, True,
                               segments, *tiles, columns)
     used = None
     if ranks_host is not None and host is not None:
         used = used_columns(ranks_host, host[2 * total: 2 * total + max_loras])
-    return LoRAKernelMeta(indices, srows, act, start, length, max_seg_len, schedule,
+    return LoRAKernelMeta(indices, srows, act, start, length, max_seg_len, variant,
                           max_seg_len > 0, segments, *tiles, used)

@@ -73,7 +73,7 @@ class LaunchPlan(NamedTuple):
     n_tiles: int = 0
 
 
-def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, k: int,
+def shrink_plan(variant: str, num_rows: int, max_seg_len: int, max_loras: int, k: int,
                 max_rank: int, num_slices: int, element_size: int,
                 dot_fp32: bool = False) -> LaunchPlan:
     """The launch of ``lora_shrink_op`` for ``num_rows`` rows (``max_seg_len`` the longest
@@ -82,7 +82,7 @@ def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
     sizes: SGMV tiles of 16/32/64 rows by ``max_seg_len``, ranks in tiles of 16-64 (BGMV:
     up to 32), a ``k`` step whose x and A tiles fit 32 KiB (16-bit) or 16 KiB (float32);
     split-K up to ``_TARGET_PROGRAMS`` programs (``ATOMIC`` when split)."""
-    if schedule == "sgmv":
+    if variant == "sgmv":
         block_m = _block_m(max_seg_len)
         block_r = max(16, min(next_power_of_2(max_rank), 64))
         # x and A tiles of one k step within 32 KiB (16-bit) or 16 KiB (fp32, FMA dot); the
@@ -105,7 +105,7 @@ def shrink_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
                            num_warps=4), k_per_split)
 
 
-def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, max_n: int,
+def expand_plan(variant: str, num_rows: int, max_seg_len: int, max_loras: int, max_n: int,
                 max_rank: int, num_slices: int, has_dora: bool, has_shift: bool,
                 dot_fp32: bool = False) -> LaunchPlan:
     """The launch of ``lora_expand_op`` for ``num_rows`` rows (``max_seg_len`` the longest
@@ -115,7 +115,7 @@ def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
     ``_TARGET_PROGRAMS`` programs; SGMV row tiles as ``shrink_plan``'s; the rank in one tile
     of 16-64 (BGMV: up to 32) columns."""
     flags = dict(R=max_rank, HAS_DORA=has_dora, HAS_SHIFT=has_shift, num_warps=4)
-    if schedule == "sgmv":
+    if variant == "sgmv":
         block_m = _block_m(max_seg_len)
         block_n = _block_n(cdiv(num_rows, block_m) * num_slices, max_n,
                            256 if block_m <= 32 else 128)
@@ -131,7 +131,7 @@ def expand_plan(schedule: str, num_rows: int, max_seg_len: int, max_loras: int, 
 
 
 def lora_row_cases(max_rows: int) -> Iterator[tuple[str, int, int]]:
-    """``(schedule, num_rows, max_seg_len)`` covering every distinct ``shrink_plan`` /
+    """``(variant, num_rows, max_seg_len)`` covering every distinct ``shrink_plan`` /
     ``expand_plan`` launch (kernel and constexprs) of steps of 1..``max_rows`` rows, for any
     projection shape: the plans see the row count only through BGMV's ``num_rows`` and
     SGMV's row-tile count ``cdiv(num_rows, BLOCK_M)`` (with ``BLOCK_M`` from the longest

@@ -1,4 +1,4 @@
-"""Row tiles of the tiled LoRA schedule: each slot's rows cut into tiles of at most BLOCK_M.
+"""Row tiles of the tiled LoRA variant: each slot's rows cut into tiles of at most BLOCK_M.
 
 The host half of ``lora/kernels/triton_lora_tiled.py``: a step's LoRA rows, grouped by slot as
 Punica's SGMV segments (``lora.punica.lora_kernel_meta_arrays``), are cut into tiles of at most

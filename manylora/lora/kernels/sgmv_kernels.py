@@ -2,7 +2,7 @@
 
 Follows Punica (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving") and vLLM's punica
 Triton kernels: one launch applies every adapter of the step to every row, for all slices of
-a packed projection (q/k/v, gate/up) at once. Two schedules over the same
+a packed projection (q/k/v, gate/up) at once. Two variants over the same
 :class:`~manylora.lora.kernels.meta.LoRAKernelMeta`:
 
 * SGMV (segmented gather matrix-vector, for prefill and popular adapters): a program owns a

@@ -24,11 +24,11 @@ from manylora.lora.kernels.meta import LoRAKernelMeta
 
 
 def lora_shrink(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                mapping: LoRAKernelMeta, *, rank_start: int = 0) -> torch.Tensor:
+                lora_meta: LoRAKernelMeta, *, rank_start: int = 0) -> torch.Tensor:
     """Shrink ``x`` through each row's adapter, all slices and adapters in one call.
 
     CUDA tensors go to the Triton kernels (``triton_lora.lora_shrink_triton``, one launch,
-    schedule ``mapping.schedule``), others to ``lora_shrink_reference``.
+    variant ``lora_meta.variant``), others to ``lora_shrink_reference``.
 
     Args:
         x: ``[T, in]`` activations (float32, bfloat16 or float16).
@@ -37,7 +37,7 @@ def lora_shrink(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor], ranks: 
             1 to 3 slices.
         ranks: int32 ``[max_loras, S]``, each (slot, slice)'s rank (``LoRASlots.ranks``, the
             projection's columns of the ``SlotTable``).
-        mapping: the step's token → slot map.
+        lora_meta: the step's token → slot map.
         rank_start: the first rank row A holds (fully sharded column parallelism).
 
     Returns:
@@ -49,23 +49,23 @@ def lora_shrink(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor], ranks: 
     if x.is_cuda:
         from manylora.lora.kernels.triton_lora import lora_shrink_triton
 
-        return lora_shrink_triton(x, lora_a_stacked, ranks, mapping, rank_start=rank_start)
-    return lora_shrink_reference(x, lora_a_stacked, ranks, mapping, rank_start=rank_start)
+        return lora_shrink_triton(x, lora_a_stacked, ranks, lora_meta, rank_start=rank_start)
+    return lora_shrink_reference(x, lora_a_stacked, ranks, lora_meta, rank_start=rank_start)
 
 
 def lora_shrink_reference(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
-                          ranks: torch.Tensor, mapping: LoRAKernelMeta, *,
+                          ranks: torch.Tensor, lora_meta: LoRAKernelMeta, *,
                           rank_start: int = 0) -> torch.Tensor:
     """PyTorch reference of ``lora_shrink``: a gather and a matmul per slot and slice.
 
-    Reads the mapping's host ``segments`` (empty in a padded, CUDA-graph mapping, which only
+    Reads the mapping's host ``segments`` (empty in a padded, CUDA-graph one, which only
     the Triton path takes) and ``ranks`` (copied to the host once).
 
     Args:
         x: ``[T, in]`` activations (float32, bfloat16 or float16).
         lora_a_stacked: ``S`` tensors ``[max_loras, R, in]``, same dtype as ``x``.
         ranks: int32 ``[max_loras, S]``, each (slot, slice)'s rank.
-        mapping: the step's token → slot map.
+        lora_meta: the step's token → slot map.
         rank_start: the first rank row A holds.
 
     Returns:
@@ -74,8 +74,8 @@ def lora_shrink_reference(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor
     num_slices = len(lora_a_stacked)
     max_rank = lora_a_stacked[0].shape[1]
     buffer = torch.zeros(x.shape[0], num_slices, max_rank, dtype=torch.float32, device=x.device)
-    table = ranks.tolist() if mapping.segments else []
-    for seg in mapping.segments:
+    table = ranks.tolist() if lora_meta.segments else []
+    for seg in lora_meta.segments:
         xs = None
         for s, a_stacked in enumerate(lora_a_stacked):
             r = min(max(table[seg.slot][s] - rank_start, 0), max_rank)

@@ -1,4 +1,4 @@
-"""Triton kernels of the tiled LoRA schedule: each adapter read once per row tile, not per row.
+"""Triton kernels of the tiled LoRA variant: each adapter read once per row tile, not per row.
 
 The decode counterpart of Punica's SGMV (Chen et al. 2023): the step's LoRA rows, grouped by
 slot (``LoRAKernelMeta.sorted_rows``), are cut on the host into tiles of at most ``BLOCK_M`` rows

@@ -15,7 +15,7 @@ from manylora.lora.kernels.plans import _TARGET_PROGRAMS, _pow2_floor, _split_k
 from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.ops.host_math import cdiv, next_power_of_2
 
-#: Row-tile heights the tiled schedule uses. 16 is the smallest ``tl.dot`` M on tensor cores;
+#: Row-tile heights the tiled variant uses. 16 is the smallest ``tl.dot`` M on tensor cores;
 #: a shorter tile costs the same memory traffic (masked rows are not loaded).
 TILE_BLOCK_MS = (16, 32, 64)
 

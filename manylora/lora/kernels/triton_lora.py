@@ -2,7 +2,7 @@
 
 ``lora_shrink_op`` / ``lora_expand_op`` validate their arguments and launch one kernel of
 ``manylora.lora.kernels.sgmv_kernels`` (Punica, Chen et al. 2023; vLLM's punica Triton ops) sized by
-``manylora.lora.kernels.plans``. The schedule is the mapping's: ``"sgmv"`` (rows grouped by
+``manylora.lora.kernels.plans``. The variant is the mapping's: ``"sgmv"`` (rows grouped by
 slot), ``"bgmv"`` (a gather per row) or ``"tiled"`` (each slot's rows in tiles of at most
 ``block_m``, each adapter read once per tile: ``lora/kernels/triton_lora_tiled.py``, registered here
 as ``torch.ops.manylora.lora_shrink_tiled`` / ``lora_expand_tiled``).
@@ -35,12 +35,12 @@ from manylora.lora.kernels.plans import MAX_SLICES, expand_plan, interpreted_bf1
 from manylora.lora.kernels.triton_lora_tiled import lora_expand_tiled, lora_shrink_tiled
 
 
-def _check_mapping(num_rows: int, token_lora_indices: torch.Tensor, schedule: str) -> None:
+def _check_mapping(num_rows: int, token_lora_indices: torch.Tensor, variant: str) -> None:
     if token_lora_indices.shape[0] != num_rows:
         raise ValueError(f"the mapping has {token_lora_indices.shape[0]} rows, the activations "
                          f"{num_rows}")
-    if schedule not in ("sgmv", "bgmv"):
-        raise ValueError(f"unknown LoRA kernel schedule {schedule!r}: use 'sgmv' or 'bgmv'")
+    if variant not in ("sgmv", "bgmv"):
+        raise ValueError(f"unknown LoRA kernel variant {variant!r}: use 'sgmv' or 'bgmv'")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def _check_mapping(num_rows: int, token_lora_indices: torch.Tensor, schedule: st
 def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: torch.Tensor,
                    token_lora_indices: torch.Tensor, sorted_rows: torch.Tensor,
                    active_slots: torch.Tensor, seg_start: torch.Tensor, seg_len: torch.Tensor,
-                   max_seg_len: int, schedule: str, rank_start: int = 0) -> torch.Tensor:
+                   max_seg_len: int, variant: str, rank_start: int = 0) -> torch.Tensor:
     """``buffer[t, s, :c] = x[t] @ A_s[slot[t], :c]^T`` with ``c = clamp(ranks[slot[t], s]
     - rank_start, 0, R)``, in one Triton launch (Punica SGMV/BGMV); registered as
     ``torch.ops.manylora.lora_shrink``.
@@ -61,7 +61,7 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: t
             past each (slot, slice)'s rank are never read.
         ranks: int32 ``[max_loras, S]``, the projection's columns of the ``SlotTable``.
         token_lora_indices, sorted_rows, active_slots, seg_start, seg_len, max_seg_len,
-            schedule: the fields of the step's ``LoRAKernelMeta``.
+            variant: the fields of the step's ``LoRAKernelMeta``.
         rank_start: the first rank row A holds (fully sharded column parallelism; else 0).
 
     Returns:
@@ -72,12 +72,12 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: t
     Raises:
         ValueError: 0 or more than 3 slices, a slice of another dtype/device/width, an
             unsupported dtype, a ``ranks`` that is not an int32 ``[max_loras, S]`` table
-            view, a mapping of another row count, or an unknown schedule.
+            view, a mapping of another row count, or an unknown variant.
     """
     if x.dtype not in LORA_DTYPES or x.dim() != 2:
         raise ValueError(f"lora_shrink: x must be 2-d float32/bf16/fp16, got {x.dtype}")
     check_stacks("lora_shrink", lora_a_stacked, x.dtype, x.device)
-    _check_mapping(x.shape[0], token_lora_indices, schedule)
+    _check_mapping(x.shape[0], token_lora_indices, variant)
     stacks = [a.contiguous() for a in lora_a_stacked]
     max_loras, max_rank, k = stacks[0].shape
     if any(a.shape != stacks[0].shape for a in stacks) or k != x.shape[1]:
@@ -88,14 +88,14 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: t
     out = torch.zeros(num_rows, num_slices, max_rank, dtype=torch.float32, device=x.device)
     if num_rows == 0 or max_rank == 0:
         return out
-    if schedule == "sgmv" and max_seg_len == 0:
+    if variant == "sgmv" and max_seg_len == 0:
         return out
     a0, a1, a2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
-    plan = shrink_plan(schedule, num_rows, max_seg_len, max_loras, k, max_rank, num_slices,
+    plan = shrink_plan(variant, num_rows, max_seg_len, max_loras, k, max_rank, num_slices,
                        x.element_size(), interpreted_bf16(x))
     args = (k, plan.k_per_split, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
             ranks.stride(0), rank_start)
-    if schedule == "sgmv":
+    if variant == "sgmv":
         lora_kernels.sgmv_shrink_kernel[plan.grid](
             x, a0, a1, a2, out, ranks, sorted_rows, active_slots, seg_start, seg_len, *args,
             **plan.constexprs)
@@ -106,7 +106,7 @@ def lora_shrink_op(x: torch.Tensor, lora_a_stacked: list[torch.Tensor], ranks: t
 
 
 def _lora_shrink_fake(x, lora_a_stacked, ranks, token_lora_indices, sorted_rows, active_slots,
-                      seg_start, seg_len, max_seg_len, schedule, rank_start=0):
+                      seg_start, seg_len, max_seg_len, variant, rank_start=0):
     return x.new_empty((x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1]),
                        dtype=torch.float32)
 
@@ -158,7 +158,7 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
                    ranks: torch.Tensor, token_lora_indices: torch.Tensor,
                    sorted_rows: torch.Tensor, active_slots: torch.Tensor,
                    seg_start: torch.Tensor, seg_len: torch.Tensor, max_seg_len: int,
-                   schedule: str, slice_offsets: list[int], dora: torch.Tensor | None = None,
+                   variant: str, slice_offsets: list[int], dora: torch.Tensor | None = None,
                    dora_scale_stacked: list[torch.Tensor] | None = None,
                    bias: torch.Tensor | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s, :r] @ B_s[slot[t], :r]`` with
@@ -182,7 +182,7 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
             of ``y``; rows past each (slot, slice)'s rank are never read.
         ranks: int32 ``[max_loras, S]``, the projection's columns of the ``SlotTable``.
         token_lora_indices, sorted_rows, active_slots, seg_start, seg_len, max_seg_len,
-            schedule: the fields of the step's ``LoRAKernelMeta``.
+            variant: the fields of the step's ``LoRAKernelMeta``.
         slice_offsets: ``S`` column offsets ``off_s`` into ``y``; the slices must not overlap.
         dora: int32 ``[max_loras, S]``, the table's DoRA flags; needed with DoRA scales.
         dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]``, the DoRA scales
@@ -190,20 +190,20 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
         bias: None, or contiguous ``[out_total]`` of ``y``'s dtype, the bias ``y`` includes
             (only with scales).
 
-    The SGMV schedule rounds each buffer tile to ``y``'s dtype before its ``tl.dot`` (as
+    The SGMV variant rounds each buffer tile to ``y``'s dtype before its ``tl.dot`` (as
     Punica and vLLM do); BGMV multiplies in float32. Either adds in float32 and rounds once.
 
     Raises:
         ValueError: 0 or more than 3 slices, slices of another dtype/device/rank, offsets
             that do not match the slices or make them overlap or overflow ``y``, a buffer
             of the wrong shape, a ``ranks`` that is not an int32 ``[max_loras, S]`` table
-            view, a mapping of another row count, an unknown schedule, or DoRA arguments as
+            view, a mapping of another row count, an unknown variant, or DoRA arguments as
             ``_check_dora`` rejects them.
     """
     if y.dtype not in LORA_DTYPES or y.dim() != 2:
         raise ValueError(f"lora_expand: y must be 2-d float32/bf16/fp16, got {y.dtype}")
     check_stacks("lora_expand", lora_b_stacked, y.dtype, y.device)
-    _check_mapping(y.shape[0], token_lora_indices, schedule)
+    _check_mapping(y.shape[0], token_lora_indices, variant)
     stacks = [b.contiguous() for b in lora_b_stacked]
     num_rows, num_slices = y.shape[0], len(stacks)
     max_loras, max_rank, _ = stacks[0].shape
@@ -223,18 +223,18 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
     _check_dora(dora, dora_scale_stacked, bias, sizes, max_loras, y)
     if num_rows == 0 or max_rank == 0:
         return
-    if schedule == "sgmv" and max_seg_len == 0:
+    if variant == "sgmv" and max_seg_len == 0:
         return
     b0, b1, b2 = (stacks + [stacks[0]] * MAX_SLICES)[:MAX_SLICES]
     n0, n1, n2 = (sizes + [0] * MAX_SLICES)[:MAX_SLICES]
     o0, o1, o2 = (list(slice_offsets) + [0] * MAX_SLICES)[:MAX_SLICES]
     has_dora = dora_scale_stacked is not None
     dora_args = _dora_launch_args(y, dora, dora_scale_stacked, bias)
-    plan = expand_plan(schedule, num_rows, max_seg_len, max_loras, max(sizes), max_rank,
+    plan = expand_plan(variant, num_rows, max_seg_len, max_loras, max(sizes), max_rank,
                        num_slices, has_dora, bias is not None, interpreted_bf16(y))
     strides = (buffer.stride(0), buffer.stride(1), y.stride(0), y.stride(1), ranks.stride(0),
                dora.stride(0) if has_dora else 0)
-    if schedule == "sgmv":
+    if variant == "sgmv":
         lora_kernels.sgmv_expand_kernel[plan.grid](
             buffer, b0, b1, b2, y, ranks, sorted_rows, active_slots, seg_start, seg_len,
             *dora_args, n0, n1, n2, o0, o1, o2, plan.n_tiles, *strides, **plan.constexprs)
@@ -245,7 +245,7 @@ def lora_expand_op(y: torch.Tensor, buffer: torch.Tensor, lora_b_stacked: list[t
 
 
 def _lora_expand_fake(y, buffer, lora_b_stacked, ranks, token_lora_indices, sorted_rows,
-                      active_slots, seg_start, seg_len, max_seg_len, schedule, slice_offsets,
+                      active_slots, seg_start, seg_len, max_seg_len, variant, slice_offsets,
                       dora=None, dora_scale_stacked=None, bias=None):
     return None
 
@@ -256,11 +256,11 @@ def _lora_expand_fake(y, buffer, lora_b_stacked, ranks, token_lora_indices, sort
 _LORA_SHRINK_SCHEMA = (
     "(Tensor x, Tensor[] lora_a_stacked, Tensor ranks, Tensor token_lora_indices, "
     "Tensor sorted_rows, Tensor active_slots, Tensor seg_start, Tensor seg_len, "
-    "SymInt max_seg_len, str schedule, SymInt rank_start=0) -> Tensor")
+    "SymInt max_seg_len, str variant, SymInt rank_start=0) -> Tensor")
 _LORA_EXPAND_SCHEMA = (
     "(Tensor(a0!) y, Tensor buffer, Tensor[] lora_b_stacked, Tensor ranks, "
     "Tensor token_lora_indices, Tensor sorted_rows, Tensor active_slots, Tensor seg_start, "
-    "Tensor seg_len, SymInt max_seg_len, str schedule, SymInt[] slice_offsets, "
+    "Tensor seg_len, SymInt max_seg_len, str variant, SymInt[] slice_offsets, "
     "Tensor? dora=None, Tensor[]? dora_scale_stacked=None, Tensor? bias=None) -> ()")
 
 #: The ``manylora`` operator namespace. Ops are defined on it directly (``define`` +
@@ -292,11 +292,11 @@ _register("lora_expand_tiled", triton_lora_tiled.LORA_EXPAND_TILED_SCHEMA, lora_
 
 
 def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
-                       ranks: torch.Tensor, mapping: LoRAKernelMeta, *,
+                       ranks: torch.Tensor, lora_meta: LoRAKernelMeta, *,
                        rank_start: int = 0) -> torch.Tensor:
     """``buffer[t, s, :] = x[t] @ A_s[slot[t]]^T`` for every slice, up to each (slot,
     slice)'s rank, in one launch of Punica's SGMV or BGMV shrink or the tiled shrink
-    (``mapping.schedule``): ``lora_shrink_op`` / ``lora_shrink_tiled`` with the mapping's
+    (``lora_meta.variant``): ``lora_shrink_op`` / ``lora_shrink_tiled`` with the mapping's
     fields.
 
     Eager calls (CUDA-graph capture included: a graph records the launches, whatever Python
@@ -309,38 +309,38 @@ def lora_shrink_triton(x: torch.Tensor, lora_a_stacked: Sequence[torch.Tensor],
         x: ``[T, in]`` activations (float32, bfloat16 or float16).
         lora_a_stacked: 1-3 tensors ``[max_loras, R, in]``, dtype of ``x``.
         ranks: int32 ``[max_loras, S]``, the projection's columns of the ``SlotTable``.
-        mapping: the step's token → slot map, on ``x``'s device.
+        lora_meta: the step's token → slot map, on ``x``'s device.
         rank_start: the first rank row A holds (fully sharded column parallelism).
 
     Returns:
         float32 ``[T, S, R]``; zero for base rows and past each rank. Without a LoRA row
-        (``mapping.has_lora`` False) the zero buffer, no kernel launched.
+        (``lora_meta.has_lora`` False) the zero buffer, no kernel launched.
 
     Raises:
         ValueError: as ``lora_shrink_op``.
     """
-    if not mapping.has_lora:
+    if not lora_meta.has_lora:
         return torch.zeros(x.shape[0], len(lora_a_stacked), lora_a_stacked[0].shape[1],
                            dtype=torch.float32, device=x.device)
-    if mapping.schedule == "tiled":
+    if lora_meta.variant == "tiled":
         op = (torch.ops.manylora.lora_shrink_tiled if torch.compiler.is_compiling()
               else lora_shrink_tiled)
-        return op(x, list(lora_a_stacked), ranks, *_row_tiles(mapping), rank_start)
+        return op(x, list(lora_a_stacked), ranks, *_row_tiles(lora_meta), rank_start)
     op = torch.ops.manylora.lora_shrink if torch.compiler.is_compiling() else lora_shrink_op
-    return op(x, list(lora_a_stacked), ranks, mapping.token_lora_indices, mapping.sorted_rows,
-              mapping.active_slots, mapping.seg_start, mapping.seg_len, mapping.max_seg_len,
-              mapping.schedule, rank_start)
+    return op(x, list(lora_a_stacked), ranks, lora_meta.token_lora_indices, lora_meta.sorted_rows,
+              lora_meta.active_slots, lora_meta.seg_start, lora_meta.seg_len, lora_meta.max_seg_len,
+              lora_meta.variant, rank_start)
 
 
 def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
                        lora_b_stacked: Sequence[torch.Tensor], ranks: torch.Tensor,
-                       mapping: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
+                       lora_meta: LoRAKernelMeta, output_slices: Sequence[tuple[int, int]],
                        dora: torch.Tensor | None = None,
                        dora_scale_stacked: Sequence[torch.Tensor] | None = None,
                        bias: torch.Tensor | None = None) -> None:
     """``y[t, off_s : off_s + out_s] += buffer[t, s, :r] @ B_s[slot[t], :r]`` for every
     slice, in place, in one launch of Punica's SGMV or BGMV expand or the tiled expand
-    (``mapping.schedule``): ``lora_expand_op`` / ``lora_expand_tiled`` with the mapping's
+    (``lora_meta.variant``): ``lora_expand_op`` / ``lora_expand_tiled`` with the mapping's
     fields, called directly when eager and through ``torch.ops.manylora`` under
     ``torch.compile`` (see ``lora_shrink_triton``).
 
@@ -354,7 +354,7 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
         buffer: float32 ``[T, S, R]`` from ``lora_shrink``.
         lora_b_stacked: 1-3 rank-major tensors ``[max_loras, R, out_s]``, dtype of ``y``.
         ranks: int32 ``[max_loras, S]``; dora: int32 ``[max_loras, S]`` (with scales).
-        mapping: the step's token → slot map, on ``y``'s device.
+        lora_meta: the step's token → slot map, on ``y``'s device.
         output_slices: ``S`` pairs ``(offset, out_s)``; ``out_s`` must be B_s's width.
         dora_scale_stacked: None, or ``S`` float32 ``[max_loras, out_s]`` DoRA scales.
         bias: None, or ``[out_total]``, the bias in ``y`` (only with scales).
@@ -369,24 +369,24 @@ def lora_expand_triton(y: torch.Tensor, buffer: torch.Tensor,
     if any(n != b.shape[2] for (_, n), b in zip(output_slices, lora_b_stacked)):
         raise ValueError(f"output slices {list(output_slices)} do not match the B widths "
                          f"{[b.shape[2] for b in lora_b_stacked]}")
-    if not mapping.has_lora:
+    if not lora_meta.has_lora:
         return
     scales = None if dora_scale_stacked is None else list(dora_scale_stacked)
     flags = dora if scales is not None else None
     offsets = [offset for offset, _ in output_slices]
-    if mapping.schedule == "tiled":
+    if lora_meta.variant == "tiled":
         op = (torch.ops.manylora.lora_expand_tiled if torch.compiler.is_compiling()
               else lora_expand_tiled)
-        op(y, buffer, list(lora_b_stacked), ranks, *_row_tiles(mapping), offsets, flags,
+        op(y, buffer, list(lora_b_stacked), ranks, *_row_tiles(lora_meta), offsets, flags,
            scales, bias)
         return
     op = torch.ops.manylora.lora_expand if torch.compiler.is_compiling() else lora_expand_op
-    op(y, buffer, list(lora_b_stacked), ranks, mapping.token_lora_indices, mapping.sorted_rows,
-       mapping.active_slots, mapping.seg_start, mapping.seg_len, mapping.max_seg_len,
-       mapping.schedule, offsets, flags, scales, bias)
+    op(y, buffer, list(lora_b_stacked), ranks, lora_meta.token_lora_indices, lora_meta.sorted_rows,
+       lora_meta.active_slots, lora_meta.seg_start, lora_meta.seg_len, lora_meta.max_seg_len,
+       lora_meta.variant, offsets, flags, scales, bias)
 
 
-def _row_tiles(mapping: LoRAKernelMeta) -> tuple:
+def _row_tiles(lora_meta: LoRAKernelMeta) -> tuple:
     """The tiled ops' mapping arguments: ``sorted_rows``, the tile arrays, ``block_m``."""
-    return (mapping.sorted_rows, mapping.tile_slot, mapping.tile_start, mapping.tile_len,
-            mapping.block_m)
+    return (lora_meta.sorted_rows, lora_meta.tile_slot, lora_meta.tile_start, lora_meta.tile_len,
+            lora_meta.block_m)

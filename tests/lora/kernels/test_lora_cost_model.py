@@ -1,5 +1,5 @@
-"""The LoRA schedule model (``lora/kernels/cost_model.py``) against counts made by hand: adapter
-reads per schedule, the bytes term it implies, and the choices that follow from them."""
+"""The LoRA variant model (``lora/kernels/cost_model.py``) against counts made by hand: adapter
+reads per variant, the bytes term it implies, and the choices that follow from them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import torch
 
 from manylora.lora.kernels.cost_model import (
     H100_SXM,
-    LoRAScheduleModel,
+    LoRAVariantModel,
     adapter_reads,
     graph_block_m,
     llama3_8b_shapes,
-    schedule_time,
+    variant_time,
 )
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 
@@ -34,8 +34,8 @@ def test_bandwidth_bound_decode_time_scales_with_adapter_reads():
     gpu = H100_SXM._replace(program_s=0.0, launch_s=0.0, l2_bytes=0.0)
     seg = np.full(64, 4)
     shapes = llama3_8b_shapes()
-    bgmv = schedule_time(seg, "bgmv", shapes, 16, 64, gpu)
-    tiled = schedule_time(seg, "tiled", shapes, 16, 64, gpu)
+    bgmv = variant_time(seg, "bgmv", shapes, 16, 64, gpu)
+    tiled = variant_time(seg, "tiled", shapes, 16, 64, gpu)
     act = sum(256 * (s.in_features + 2 * sum(s.out_sizes)) * 2
               + 2 * 256 * len(s.out_sizes) * 16 * 4 for s in shapes)
     adapter = sum(16 * (s.in_features * len(s.out_sizes) + sum(s.out_sizes)) * 2
@@ -52,12 +52,12 @@ def test_rereads_that_fit_l2_cost_l2_bandwidth():
     shape = (llama3_8b_shapes()[1],)                       # o_proj: 4096 -> 4096
     a = b = 16 * 4096 * 2
     stream = 4 * 4096 * 2 + 4 * 16 * 4 + 2 * 4 * 4096 * 2 + 4 * 16 * 4
-    got = schedule_time(np.array([4]), "bgmv", shape, 16, 1, gpu)
+    got = variant_time(np.array([4]), "bgmv", shape, 16, 1, gpu)
     want = (a + b + stream) / gpu.bandwidth + 3 * (a + b) / gpu.l2_bandwidth
     assert got == pytest.approx(want)
     many = np.full(500, 4)
     hit = gpu.l2_bytes / (500 * a)
-    got = schedule_time(many, "bgmv", shape, 16, 500, gpu)
+    got = variant_time(many, "bgmv", shape, 16, 500, gpu)
     again = 3 * 500 * (a + b)
     want = ((500 * (a + b) + 500 * stream) / gpu.bandwidth
             + again * hit / gpu.l2_bandwidth + again * (1 - hit) / gpu.bandwidth)
@@ -70,20 +70,20 @@ def test_graph_steps_pay_for_their_padded_grid():
     gpu = H100_SXM._replace(program_s=1e-4)
     seg = np.full(64, 4)
     shapes = llama3_8b_shapes()
-    sgmv = schedule_time(seg, "sgmv", shapes, 16, 64, gpu, padded_rows=256)
-    tiled = schedule_time(seg, "tiled", shapes, 16, 64, gpu, padded_rows=256)
+    sgmv = variant_time(seg, "sgmv", shapes, 16, 64, gpu, padded_rows=256)
+    tiled = variant_time(seg, "tiled", shapes, 16, 64, gpu, padded_rows=256)
     assert tiled < sgmv
 
 
-@pytest.mark.parametrize("rows,slots,schedule,block_m", [
+@pytest.mark.parametrize("rows,slots,variant,block_m", [
     (256, 64, "tiled", 16),         # 4 rows per adapter: one tile each
     (4096, 3, "tiled", 64),         # long segments: the tallest tiles read least
     (8, 8, "tiled", 16),            # one row each: tiles and BGMV read the same (tie: tiles)
 ])
-def test_eager_choice(rows, slots, schedule, block_m):
-    mapping = build_lora_kernel_meta([r % slots for r in range(rows)], 64, torch.device("cpu"),
-                                     model=LoRAScheduleModel.default())
-    assert (mapping.schedule, mapping.block_m) == (schedule, block_m)
+def test_eager_choice(rows, slots, variant, block_m):
+    lora_meta = build_lora_kernel_meta([r % slots for r in range(rows)], 64, torch.device("cpu"),
+                                     model=LoRAVariantModel.default())
+    assert (lora_meta.variant, lora_meta.block_m) == (variant, block_m)
 
 
 def test_graph_block_m_follows_the_even_spread():

@@ -116,7 +116,7 @@ def make_stacks(table, slices, dtype, gen):
 
 def reference_delta(x, token_slots, a_stacked, b_stacked, table, slices, out_total):
     """float64 per-row loop over each (slot, slice)'s first ``rank`` rows, independent of
-    the Punica mapping."""
+    the Punica lora_meta."""
     delta = torch.zeros(x.shape[0], out_total, dtype=torch.float64)
     for t, slot in enumerate(token_slots):
         if slot < 0:
@@ -141,11 +141,11 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
     y0 = torch.randn(num_rows, out_total, generator=gen).to(dtype)
     table = rank_table(ranks, len(slices))
     a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
-    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
-    assert mapping.has_lora == any(s >= 0 for s in token_slots)
-    assert mapping.token_lora_indices.tolist() == token_slots
+    lora_meta = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
+    assert lora_meta.has_lora == any(s >= 0 for s in token_slots)
+    assert lora_meta.token_lora_indices.tolist() == token_slots
 
-    buffer = lora_shrink(x, a_stacked, table_tensor(table), mapping)
+    buffer = lora_shrink(x, a_stacked, table_tensor(table), lora_meta)
     assert buffer.dtype == torch.float32
     assert buffer.shape == (num_rows, len(slices), MAX_RANK)
     ref_buffer = torch.zeros(num_rows, len(slices), MAX_RANK, dtype=torch.float64)
@@ -161,11 +161,11 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
         for s in range(len(slices)):
             if slot >= 0:
                 assert torch.all(buffer[t, s, table[slot][s]:] == 0), "past the rank: zero"
-    if mapping.has_lora:
+    if lora_meta.has_lora:
         assert rel_err(buffer, ref_buffer) < TOL[dtype]
 
     y = y0.clone()
-    lora_expand(y, buffer, b_stacked, table_tensor(table), mapping, slices)
+    lora_expand(y, buffer, b_stacked, table_tensor(table), lora_meta, slices)
     want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, table, slices,
                                          out_total)
     assert y.dtype == dtype and y.shape == y0.shape
@@ -183,16 +183,16 @@ def test_shrink_expand_match_reference(dtype, slices_key, ranks, popularity):
 
 
 def test_expand_rejects_mismatched_slices():
-    mapping = build_lora_kernel_meta([0], 1, torch.device("cpu"))
+    lora_meta = build_lora_kernel_meta([0], 1, torch.device("cpu"))
     with pytest.raises(ValueError, match="output slices"):
         lora_expand(torch.zeros(1, 8), torch.zeros(1, 1, 4), [torch.zeros(1, 4, 8)] * 2,
-                    table_tensor([[4, 4]]), mapping, [(0, 8)])
+                    table_tensor([[4, 4]]), lora_meta, [(0, 8)])
 
 
 def test_build_lora_kernel_meta_segments_and_bad_slot():
-    mapping = build_lora_kernel_meta([2, -1, 0, 2, 2, -1], 3, torch.device("cpu"))
-    assert [(s.slot, s.rows.tolist()) for s in mapping.segments] == [(0, [2]), (2, [0, 3, 4])]
-    assert mapping.used_columns is None
+    lora_meta = build_lora_kernel_meta([2, -1, 0, 2, 2, -1], 3, torch.device("cpu"))
+    assert [(s.slot, s.rows.tolist()) for s in lora_meta.segments] == [(0, [2]), (2, [0, 3, 4])]
+    assert lora_meta.used_columns is None
     assert not build_lora_kernel_meta([-1, -1], 1, torch.device("cpu")).has_lora
     with pytest.raises(IndexError, match="slot 3"):
         build_lora_kernel_meta([0, 3], 3, torch.device("cpu"))
@@ -205,10 +205,10 @@ def test_build_lora_kernel_meta_one_copy_and_used_columns():
     instead (None: all), and on the CPU the segments of its real rows."""
     cpu = torch.device("cpu")
     ranks_host = np.array([[4, 0, 0, 0], [0, 8, 8, 0], [0, 0, 2, 0]], np.int32)
-    mapping = build_lora_kernel_meta([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
-    storages = {t.untyped_storage().data_ptr() for t in mapping if isinstance(t, torch.Tensor)}
+    lora_meta = build_lora_kernel_meta([2, -1, 0, 2], 3, cpu, ranks_host=ranks_host)
+    storages = {t.untyped_storage().data_ptr() for t in lora_meta if isinstance(t, torch.Tensor)}
     assert len(storages) == 1, "every index tensor must come from one host → device copy"
-    assert mapping.used_columns == (True, False, True, False)
+    assert lora_meta.used_columns == (True, False, True, False)
     padded = build_lora_kernel_meta([2, 0], 3, cpu, pad_to=4, ranks_host=ranks_host)
     assert padded.used_columns is None and padded.max_seg_len == 4
     assert [(s.slot, s.rows.tolist()) for s in padded.segments] == [(0, [1]), (2, [0])]
@@ -266,10 +266,10 @@ def test_lora_linear_equals_base_plus_per_row_delta(dtype, enabled, bias):
 
     token_slots = [0, -1, 1, 1, 2, -1, 0, 2, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"),
+    lora_meta = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"),
                                      ranks_host=slots.table.ranks_host)
     with torch.no_grad():
-        got = layer(x, mapping)
+        got = layer(x, lora_meta)
         base_only = layer(x, None)
 
     want = x.double() @ layer.weight.double().T
@@ -357,14 +357,14 @@ def test_dora_expand_reference(dtype, shift):
     a_stacked, b_stacked = make_stacks(table, slices, dtype, gen)
     scales = [1 + 0.2 * torch.randn(MAX_LORAS, n, generator=gen) for _, n in slices]
     bias = torch.randn(out_total, generator=gen).to(dtype) if shift else None
-    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
+    lora_meta = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
     ranks, flags = table_tensor(table), table_tensor(DORA_FLAGS)
-    buffer = lora_shrink(x, a_stacked, ranks, mapping)
+    buffer = lora_shrink(x, a_stacked, ranks, lora_meta)
 
     y = y0.clone()
-    lora_expand(y, buffer, b_stacked, ranks, mapping, slices, flags, scales, bias)
+    lora_expand(y, buffer, b_stacked, ranks, lora_meta, slices, flags, scales, bias)
     plain = y0.clone()
-    lora_expand(plain, buffer, b_stacked, ranks, mapping, slices)
+    lora_expand(plain, buffer, b_stacked, ranks, lora_meta, slices)
     want = y0.double() + reference_delta(x, token_slots, a_stacked, b_stacked, table, slices,
                                          out_total)
     dora = torch.zeros(want.shape, dtype=torch.bool)
@@ -382,17 +382,17 @@ def test_dora_expand_reference(dtype, shift):
 
 
 def test_dora_expand_rejects_bad_stacks():
-    mapping = build_lora_kernel_meta([0], 1, torch.device("cpu"))
+    lora_meta = build_lora_kernel_meta([0], 1, torch.device("cpu"))
     y, buffer, b = torch.zeros(1, 8), torch.zeros(1, 1, 4), torch.zeros(1, 4, 8)
     ranks, flags = table_tensor([[4]]), table_tensor([[1]])
     with pytest.raises(ValueError, match="without DoRA scales"):
-        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, None, torch.zeros(8))
+        lora_expand(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, None, torch.zeros(8))
     with pytest.raises(ValueError, match="DoRA scales"):
-        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [torch.ones(1, 4)])
+        lora_expand(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, [torch.ones(1, 4)])
     with pytest.raises(ValueError, match="dora flags"):
-        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], None, [torch.ones(1, 8)])
+        lora_expand(y, buffer, [b], ranks, lora_meta, [(0, 8)], None, [torch.ones(1, 8)])
     with pytest.raises(ValueError, match="bias"):
-        lora_expand(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [torch.ones(1, 8)],
+        lora_expand(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, [torch.ones(1, 8)],
                     torch.zeros(4))
 
 
@@ -438,9 +438,9 @@ def test_lora_linear_dora_matches_peft_formula(bias, dtype):
 
     token_slots = [0, -1, 1, 2, 3, 3, 0, -1, 2, 1]
     x = torch.randn(len(token_slots), IN, generator=gen).to(dtype)
-    mapping = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
+    lora_meta = build_lora_kernel_meta(token_slots, MAX_LORAS, torch.device("cpu"))
     with torch.no_grad():
-        got = layer(x, mapping)
+        got = layer(x, lora_meta)
         base_only = layer(x, None)
 
     base = x.double() @ layer.weight.double().T

@@ -23,7 +23,7 @@ from manylora.lora.kernels.slot_load import (
     scatter_slot_op,
     scatter_slot_reference,
 )
-from manylora.lora.packed import ALIGN, P_A, P_B, P_SCALE, align, pack_adapter
+from manylora.lora.pinned import ALIGN, P_A, P_B, P_SCALE, align, pin_adapter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -99,7 +99,7 @@ def _adapter(dtype=torch.bfloat16) -> LoRAAdapter:
 
 def test_pack_holds_a_rank_major_b_and_the_scale_of_every_module():
     adapter = _adapter()
-    packed = pack_adapter(adapter)
+    packed = pin_adapter(adapter)
     assert (packed.lora_int_id, packed.name, packed.digest) == (3, "packed", adapter.digest)
     assert packed.rank == 5 and packed.has_dora and packed.dtype == torch.bfloat16
     assert packed.module_ranks() == {(0, "q_proj"): 4, (0, "v_proj"): 3, (1, "down_proj"): 5}
@@ -124,7 +124,7 @@ def test_pack_refuses_mixed_dtypes():
     key = (0, "q_proj")
     w[key] = LoRAWeights(w[key].a.float(), w[key].b)
     with pytest.raises(ValueError, match="several dtypes"):
-        pack_adapter(LoRAAdapter(1, "mixed", w))
+        pin_adapter(LoRAAdapter(1, "mixed", w))
 
 
 _COMPILE_FOR_H100 = textwrap.dedent("""

@@ -136,10 +136,10 @@ def make_stacks(case: Case, table: list[list[int]], dtype: torch.dtype,
     return a_stacked, b_stacked
 
 
-def make_mapping(case: Case, token_slots: list[int], schedule: str):
+def make_mapping(case: Case, token_slots: list[int], variant: str):
     pad_to = len(token_slots) + case.pad_to_extra if case.pad_to_extra else None
     return build_lora_kernel_meta(token_slots, len(case.ranks), DEVICE, pad_to=pad_to,
-                                  schedule=schedule)
+                                  variant=variant)
 
 
 def reference_shrink(x, token_slots, a_stacked, table, max_rank) -> torch.Tensor:
@@ -169,17 +169,17 @@ def reference_delta(buffer, token_slots, b_stacked, table, slices, out_total) ->
     return delta
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("case_id", list(CASES))
-def test_shrink_expand_match_reference(case_id, dtype, schedule):
+def test_shrink_expand_match_reference(case_id, dtype, variant):
     case = CASES[case_id]
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{case_id}-{dtype}-{schedule}".encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{case_id}-{dtype}-{variant}".encode()))
     token_slots = make_token_slots(case, gen)
     num_rows = len(token_slots) + case.pad_to_extra
     rows_slots = token_slots + [-1] * case.pad_to_extra
-    mapping = make_mapping(case, token_slots, schedule)
-    assert mapping.schedule == schedule
+    lora_meta = make_mapping(case, token_slots, variant)
+    assert lora_meta.variant == variant
     table = rank_table(case)
     ranks = table_view(table)
     x = torch.randn(num_rows, case.in_features, generator=gen).to(dtype).to(DEVICE)
@@ -188,7 +188,7 @@ def test_shrink_expand_match_reference(case_id, dtype, schedule):
     lora_rows = ~base
 
     # shrink: every row and column written (zero for base rows and past each rank)
-    buffer = lora_shrink_triton(x, a_stacked, ranks, mapping)
+    buffer = lora_shrink_triton(x, a_stacked, ranks, lora_meta)
     assert buffer.dtype == torch.float32 and buffer.device.type == DEVICE.type
     assert buffer.shape == (num_rows, len(case.slices), case.max_rank)
     buffer = buffer.cpu()
@@ -210,7 +210,7 @@ def test_shrink_expand_match_reference(case_id, dtype, schedule):
             fresh[t, s, table[slot][s] if slot >= 0 else 0:] = float("nan")
     y0 = torch.randn(num_rows, case.out_total, generator=gen).to(dtype)
     y = y0.to(DEVICE, copy=True)
-    lora_expand_triton(y, fresh.to(DEVICE), b_stacked, ranks, mapping, case.slices)
+    lora_expand_triton(y, fresh.to(DEVICE), b_stacked, ranks, lora_meta, case.slices)
     y = y.cpu()
     assert y.dtype == dtype and y.shape == y0.shape
     assert torch.equal(y[base], y0[base]), "base rows must be left untouched"
@@ -229,13 +229,13 @@ def test_shrink_expand_match_reference(case_id, dtype, schedule):
         assert rel_err(got[lora_rows][:, covered], delta[lora_rows][:, covered]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
-def test_rank_zero_reads_and_writes_nothing(schedule):
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
+def test_rank_zero_reads_and_writes_nothing(variant):
     """Slot 0 targets only the second slice (ranks 0 and 5), slot 1 nothing (0, 0). The x
     rows of slot 1, A and B of every rank-0 (slot, slice), their DoRA scales and the buffer
     past each rank are NaN, and y holds -0.0: a kernel that read any of it, or wrote y back
     (``-0.0 + 0`` is ``+0.0``), would show."""
-    gen = torch.Generator().manual_seed(23 + len(schedule))
+    gen = torch.Generator().manual_seed(23 + len(variant))
     token_slots, k, n, max_rank = [0, 1, 0, -1, 1, 0], 40, 24, 16
     table = [[0, 5], [0, 0]]
     ranks = table_view(table, first_col=3)
@@ -245,8 +245,8 @@ def test_rank_zero_reads_and_writes_nothing(schedule):
     b[1][0, :5] = torch.randn(5, n, generator=gen)
     x = torch.randn(len(token_slots), k, generator=gen)
     x[[1, 4]] = float("nan")                                 # the rows of slot 1
-    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule=schedule)
-    buffer = lora_shrink_triton(x.to(DEVICE), [t.to(DEVICE) for t in a], ranks, mapping).cpu()
+    lora_meta = build_lora_kernel_meta(token_slots, 2, DEVICE, variant=variant)
+    buffer = lora_shrink_triton(x.to(DEVICE), [t.to(DEVICE) for t in a], ranks, lora_meta).cpu()
     assert not buffer.isnan().any()
     want = reference_shrink(x.nan_to_num(), token_slots, a, table, max_rank)
     assert rel_err(buffer, want) < 1e-5
@@ -257,7 +257,7 @@ def test_rank_zero_reads_and_writes_nothing(schedule):
     y = y0.to(DEVICE)
     # DoRA flagged only where the rank is 0 (NaN scales): the epilogue must not run there
     flags, nan_scales = table_view([[1, 0], [1, 1]]), torch.full((2, n), float("nan"))
-    lora_expand_triton(y, buffer.to(DEVICE), [t.to(DEVICE) for t in b], ranks, mapping,
+    lora_expand_triton(y, buffer.to(DEVICE), [t.to(DEVICE) for t in b], ranks, lora_meta,
                        [(0, n), (n, n)], flags, [nan_scales.to(DEVICE)] * 2)
     y = y.cpu()
     untouched = torch.ones_like(y, dtype=torch.bool)
@@ -277,18 +277,18 @@ def test_ranks_are_read_as_data():
     b = torch.randn(2, max_rank, n, generator=gen).to(DEVICE)
     x = torch.randn(4, k, generator=gen).to(DEVICE)
     ranks = table_view([[8], [3]])
-    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule="bgmv")
+    lora_meta = build_lora_kernel_meta(token_slots, 2, DEVICE, variant="bgmv")
     for table in ([[8], [3]], [[0], [6]], [[2], [0]]):
         ranks.copy_(torch.tensor(table, dtype=torch.int32))
-        buffer = lora_shrink_triton(x, [a], ranks, mapping)
+        buffer = lora_shrink_triton(x, [a], ranks, lora_meta)
         assert rel_err(buffer, reference_shrink(x, token_slots, [a], table, max_rank)) < 1e-5
         y = torch.zeros(4, n, device=DEVICE)
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, n)])
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, n)])
         assert rel_err(y, reference_delta(buffer, token_slots, [b], table, [(0, n)], n)) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
-def test_rank_sharded_shrink_clamps_to_its_rows(schedule):
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
+def test_rank_sharded_shrink_clamps_to_its_rows(variant):
     """Fully sharded column parallelism: A holds rank rows ``[4, 8)``; a slot of rank 6
     reduces rows 4 and 5 into columns 0 and 1, one of rank 3 nothing (rows past are NaN)."""
     gen = torch.Generator().manual_seed(41)
@@ -298,9 +298,9 @@ def test_rank_sharded_shrink_clamps_to_its_rows(schedule):
     local[0, 2:] = float("nan")
     local[1] = float("nan")
     x = torch.randn(4, k, generator=gen)
-    mapping = build_lora_kernel_meta(token_slots, 2, DEVICE, schedule=schedule)
+    lora_meta = build_lora_kernel_meta(token_slots, 2, DEVICE, variant=variant)
     buffer = lora_shrink_triton(x.to(DEVICE), [local.to(DEVICE)], table_view([[6], [3]]),
-                                mapping, rank_start=4).cpu()
+                                lora_meta, rank_start=4).cpu()
     want = torch.zeros(4, 1, 4)
     for t in (0, 2):
         want[t, 0, :2] = a_whole[0, 4:6] @ x[t]
@@ -319,47 +319,47 @@ def test_no_lora_row_launches_nothing(monkeypatch):
     x, y = torch.randn(3, 16, device=DEVICE), torch.randn(3, 8, device=DEVICE)
     a, b = torch.randn(2, 4, 16, device=DEVICE), torch.randn(2, 4, 8, device=DEVICE)
     ranks = table_view([[4], [4]])
-    for schedule in ("sgmv", "bgmv"):
-        mapping = build_lora_kernel_meta([-1, -1, -1], 2, DEVICE, schedule=schedule)
-        buffer = lora_shrink_triton(x, [a], ranks, mapping)
+    for variant in ("sgmv", "bgmv"):
+        lora_meta = build_lora_kernel_meta([-1, -1, -1], 2, DEVICE, variant=variant)
+        buffer = lora_shrink_triton(x, [a], ranks, lora_meta)
         assert buffer.shape == (3, 1, 4) and torch.all(buffer == 0)
         y0 = y.clone()
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, 8)])
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, 8)])
         assert torch.equal(y, y0)
 
 
 def test_bad_arguments_raise():
-    mapping = build_lora_kernel_meta([0, -1], 1, DEVICE)
+    lora_meta = build_lora_kernel_meta([0, -1], 1, DEVICE)
     x = torch.randn(2, 16, device=DEVICE)
     a = torch.randn(1, 4, 16, device=DEVICE)
     ranks = table_view([[4]])
     with pytest.raises(ValueError, match="1 to 3"):
-        lora_shrink_triton(x, [a] * 4, table_view([[4] * 4]), mapping)
+        lora_shrink_triton(x, [a] * 4, table_view([[4] * 4]), lora_meta)
     with pytest.raises(ValueError, match="float16"):
-        lora_shrink_triton(x, [a.half()], ranks, mapping)
+        lora_shrink_triton(x, [a.half()], ranks, lora_meta)
     with pytest.raises(ValueError, match="rows"):
-        lora_shrink_triton(x[:1], [a], ranks, mapping)
+        lora_shrink_triton(x[:1], [a], ranks, lora_meta)
     with pytest.raises(ValueError, match="ranks must be an int32"):
-        lora_shrink_triton(x, [a], ranks.long(), mapping)
+        lora_shrink_triton(x, [a], ranks.long(), lora_meta)
     with pytest.raises(ValueError, match="ranks must be an int32"):
-        lora_shrink_triton(x, [a, a], ranks, mapping)                  # one column, 2 slices
+        lora_shrink_triton(x, [a, a], ranks, lora_meta)                  # one column, 2 slices
     y, buffer, b = (torch.zeros(2, 16, device=DEVICE), torch.zeros(2, 2, 4, device=DEVICE),
                     torch.zeros(1, 4, 8, device=DEVICE))
     ranks2 = table_view([[4, 4]])
     with pytest.raises(ValueError, match="output slices"):
-        lora_expand_triton(y, buffer, [b, b], ranks2, mapping, [(0, 8)])
+        lora_expand_triton(y, buffer, [b, b], ranks2, lora_meta, [(0, 8)])
     with pytest.raises(ValueError, match="do not fit"):
-        lora_expand_triton(y, buffer, [b, b], ranks2, mapping, [(0, 8), (4, 8)])   # overlap
+        lora_expand_triton(y, buffer, [b, b], ranks2, lora_meta, [(0, 8), (4, 8)])   # overlap
     with pytest.raises(ValueError, match="do not fit"):
-        lora_expand_triton(y, buffer, [b, b], ranks2, mapping, [(0, 8), (12, 8)])  # past end
+        lora_expand_triton(y, buffer, [b, b], ranks2, lora_meta, [(0, 8), (12, 8)])  # past end
     with pytest.raises(ValueError, match="column stride"):
         strided = torch.zeros(1, 4, dtype=torch.int32, device=DEVICE)[:, ::2]
-        lora_expand_triton(y, buffer, [b, b], strided, mapping, [(0, 8), (8, 8)])
+        lora_expand_triton(y, buffer, [b, b], strided, lora_meta, [(0, 8), (8, 8)])
 
 
-def _fields(mapping):
-    return [mapping.token_lora_indices, mapping.sorted_rows, mapping.active_slots,
-            mapping.seg_start, mapping.seg_len]
+def _fields(lora_meta):
+    return [lora_meta.token_lora_indices, lora_meta.sorted_rows, lora_meta.active_slots,
+            lora_meta.seg_start, lora_meta.seg_len]
 
 
 def test_custom_ops_registered_with_fake_impls():
@@ -367,45 +367,45 @@ def test_custom_ops_registered_with_fake_impls():
 
     assert hasattr(torch.ops.manylora, "lora_shrink")
     assert hasattr(torch.ops.manylora, "lora_expand")
-    mapping = build_lora_kernel_meta([0, 1, -1], 2, torch.device("cpu"), schedule="sgmv")
+    lora_meta = build_lora_kernel_meta([0, 1, -1], 2, torch.device("cpu"), variant="sgmv")
     with FakeTensorMode() as mode:
         x = mode.from_tensor(torch.randn(3, 16, dtype=torch.bfloat16))
         a = [mode.from_tensor(torch.randn(2, 8, 16, dtype=torch.bfloat16)) for _ in range(3)]
         b = [mode.from_tensor(torch.randn(2, 8, n, dtype=torch.bfloat16)) for n in (16, 4, 4)]
         y = mode.from_tensor(torch.randn(3, 24, dtype=torch.bfloat16))
         ranks = mode.from_tensor(torch.full((2, 3), 4, dtype=torch.int32))
-        fields = [mode.from_tensor(t) for t in _fields(mapping)]
-        buffer = torch.ops.manylora.lora_shrink(x, a, ranks, *fields, mapping.max_seg_len,
+        fields = [mode.from_tensor(t) for t in _fields(lora_meta)]
+        buffer = torch.ops.manylora.lora_shrink(x, a, ranks, *fields, lora_meta.max_seg_len,
                                                 "sgmv")
         assert buffer.shape == (3, 3, 8) and buffer.dtype == torch.float32
         assert torch.ops.manylora.lora_expand(y, buffer, b, ranks, *fields,
-                                              mapping.max_seg_len, "sgmv", [0, 16, 20]) is None
+                                              lora_meta.max_seg_len, "sgmv", [0, 16, 20]) is None
 
 
 def test_custom_ops_pass_opcheck():
     """Every opcheck test (schema with the mutation of ``y``, fake kernels, autograd
     registration, AOT dispatch) on the directly registered ops."""
     gen = torch.Generator().manual_seed(3)
-    mapping = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, schedule="bgmv")
+    lora_meta = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, variant="bgmv")
     x = torch.randn(4, 16, generator=gen).to(DEVICE)
     a = [torch.randn(2, 8, 16, generator=gen).to(DEVICE) for _ in range(2)]
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
     ranks = table_view([[3, 0], [8, 5]])
-    fields = _fields(mapping)
-    buffer = torch.ops.manylora.lora_shrink(x, a, ranks, *fields, mapping.max_seg_len, "bgmv")
+    fields = _fields(lora_meta)
+    buffer = torch.ops.manylora.lora_shrink(x, a, ranks, *fields, lora_meta.max_seg_len, "bgmv")
     torch.library.opcheck(torch.ops.manylora.lora_shrink.default,
-                          (x, a, ranks, *fields, mapping.max_seg_len, "bgmv"))
+                          (x, a, ranks, *fields, lora_meta.max_seg_len, "bgmv"))
     torch.library.opcheck(torch.ops.manylora.lora_expand.default,
                           (torch.zeros(4, 24, device=DEVICE), buffer, b, ranks, *fields,
-                           mapping.max_seg_len, "bgmv", [0, 16]))
+                           lora_meta.max_seg_len, "bgmv", [0, 16]))
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
-def test_entry_points_compile_to_the_registered_ops(schedule):
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
+def test_entry_points_compile_to_the_registered_ops(variant):
     """Under ``torch.compile(fullgraph=True)`` the entry points trace to
     ``torch.ops.manylora.*`` (no graph break) and compute what the eager calls compute."""
     gen = torch.Generator().manual_seed(4)
-    mapping = build_lora_kernel_meta([1, 0, -1, 1, 1], 2, DEVICE, schedule=schedule)
+    lora_meta = build_lora_kernel_meta([1, 0, -1, 1, 1], 2, DEVICE, variant=variant)
     x = torch.randn(5, 16, generator=gen).to(DEVICE)
     a = [torch.randn(2, 8, 16, generator=gen).to(DEVICE) for _ in range(2)]
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
@@ -413,16 +413,16 @@ def test_entry_points_compile_to_the_registered_ops(schedule):
     bias = torch.randn(24, generator=gen).to(DEVICE)
     ranks, dora = table_view([[3, 0], [8, 6]]), table_view([[0, 0], [1, 0]])
 
-    def lora_delta(x, y, mapping):
-        buffer = lora_shrink_triton(x, a, ranks, mapping)
-        lora_expand_triton(y, buffer, b, ranks, mapping, [(0, 16), (16, 8)], dora, scales,
+    def lora_delta(x, y, lora_meta):
+        buffer = lora_shrink_triton(x, a, ranks, lora_meta)
+        lora_expand_triton(y, buffer, b, ranks, lora_meta, [(0, 16), (16, 8)], dora, scales,
                            bias)
         return y
 
     y0 = torch.randn(5, 24, generator=gen).to(DEVICE)
-    want = lora_delta(x, y0.clone(), mapping)
+    want = lora_delta(x, y0.clone(), lora_meta)
     torch._dynamo.reset()
-    got = torch.compile(lora_delta, fullgraph=True, backend="aot_eager")(x, y0.clone(), mapping)
+    got = torch.compile(lora_delta, fullgraph=True, backend="aot_eager")(x, y0.clone(), lora_meta)
     assert not torch.equal(want, y0)
     assert torch.equal(got, want)
 
@@ -466,7 +466,7 @@ def reference_dora(y0, buffer, token_slots, b_stacked, scales, bias, flags) -> t
     return want
 
 
-def _dora_inputs(schedule: str, dtype: torch.dtype, pad: int, seed: int):
+def _dora_inputs(variant: str, dtype: torch.dtype, pad: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     token_slots = DORA_TOKEN_SLOTS
     rows_slots = token_slots + [-1] * pad
@@ -475,26 +475,26 @@ def _dora_inputs(schedule: str, dtype: torch.dtype, pad: int, seed: int):
     _, b_stacked = make_stacks(case, DORA_TABLE, dtype, gen)
     buffer = torch.randn(len(rows_slots), len(DORA_SLICES), DORA_MAX_RANK, generator=gen)
     y0 = torch.randn(len(rows_slots), DORA_OUT, generator=gen).to(dtype)
-    mapping = build_lora_kernel_meta(token_slots, len(DORA_TABLE), DEVICE,
-                                     pad_to=len(rows_slots) if pad else None, schedule=schedule)
-    return gen, rows_slots, b_stacked, buffer, y0, mapping
+    lora_meta = build_lora_kernel_meta(token_slots, len(DORA_TABLE), DEVICE,
+                                     pad_to=len(rows_slots) if pad else None, variant=variant)
+    return gen, rows_slots, b_stacked, buffer, y0, lora_meta
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("shift", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype,pad", [(torch.float32, 0), (torch.bfloat16, 3)],
                          ids=["fp32", "bf16-padded"])
-def test_dora_expand_matches_reference(schedule, shift, dtype, pad):
-    gen, rows_slots, b_stacked, buffer, y0, mapping = _dora_inputs(
-        schedule, dtype, pad, zlib.crc32(f"dora-{schedule}-{shift}-{dtype}".encode()))
+def test_dora_expand_matches_reference(variant, shift, dtype, pad):
+    gen, rows_slots, b_stacked, buffer, y0, lora_meta = _dora_inputs(
+        variant, dtype, pad, zlib.crc32(f"dora-{variant}-{shift}-{dtype}".encode()))
     scales = make_dora_scales(gen, DORA_FLAGS)
     bias = torch.randn(DORA_OUT, generator=gen).to(dtype).to(DEVICE) if shift else None
     ranks, flags = table_view(DORA_TABLE), table_view(DORA_FLAGS, first_col=2)
     y = y0.to(DEVICE, copy=True)
-    lora_expand_triton(y, buffer.to(DEVICE), b_stacked, ranks, mapping, DORA_SLICES, flags,
+    lora_expand_triton(y, buffer.to(DEVICE), b_stacked, ranks, lora_meta, DORA_SLICES, flags,
                        scales, bias)
     plain = y0.to(DEVICE, copy=True)
-    lora_expand_triton(plain, buffer.to(DEVICE), b_stacked, ranks, mapping, DORA_SLICES)
+    lora_expand_triton(plain, buffer.to(DEVICE), b_stacked, ranks, lora_meta, DORA_SLICES)
     y, plain = y.cpu(), plain.cpu()
 
     assert not y.isnan().any(), "scales of (slot, slice)s without the DoRA flag were read"
@@ -510,11 +510,11 @@ def test_dora_expand_matches_reference(schedule, shift, dtype, pad):
     assert torch.equal(y[:, 24:32], y0[:, 24:32]), "columns of no slice must not change"
 
 
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
-def test_dora_flag_is_read_as_data(schedule):
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
+def test_dora_flag_is_read_as_data(variant):
     """One launch's arguments, replayed after the table's DoRA flags are overwritten in
     place (what a slot write between CUDA-graph replays does): the rescaling follows."""
-    gen, rows_slots, b_stacked, buffer, y0, mapping = _dora_inputs(schedule, torch.float32,
+    gen, rows_slots, b_stacked, buffer, y0, lora_meta = _dora_inputs(variant, torch.float32,
                                                                    0, 17)
     scales = make_dora_scales(gen, [[1] * 3] * len(DORA_TABLE))
     bias = torch.randn(DORA_OUT, generator=gen).to(DEVICE)
@@ -524,7 +524,7 @@ def test_dora_flag_is_read_as_data(schedule):
     for new_flags in (none, DORA_FLAGS):
         flags.copy_(torch.tensor(new_flags, dtype=torch.int32))
         y = y0.to(DEVICE, copy=True)
-        lora_expand_triton(y, buffer.to(DEVICE), b_stacked, ranks, mapping, DORA_SLICES,
+        lora_expand_triton(y, buffer.to(DEVICE), b_stacked, ranks, lora_meta, DORA_SLICES,
                            flags, scales, bias)
         outs.append(y.cpu())
     want = [reference_dora(y0, buffer, rows_slots, b_stacked, scales, bias, f)
@@ -534,33 +534,33 @@ def test_dora_flag_is_read_as_data(schedule):
 
 
 def test_dora_bad_arguments_raise():
-    mapping = build_lora_kernel_meta([0, -1], 1, DEVICE)
+    lora_meta = build_lora_kernel_meta([0, -1], 1, DEVICE)
     y, buffer = torch.zeros(2, 8, device=DEVICE), torch.zeros(2, 1, 4, device=DEVICE)
     b = torch.zeros(1, 4, 8, device=DEVICE)
     ranks, flags = table_view([[4]]), table_view([[1]])
     scale = torch.ones(1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="without DoRA scales"):
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, 8)], flags, None,
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, None,
                            torch.zeros(8, device=DEVICE))
     with pytest.raises(ValueError, match="DoRA scales"):
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [scale.double()])
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, [scale.double()])
     with pytest.raises(ValueError, match="bias"):
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [scale],
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, [scale],
                            torch.zeros(4, device=DEVICE))
     with pytest.raises(ValueError, match="DoRA scales"):
-        lora_expand_triton(y, buffer, [b], ranks, mapping, [(0, 8)], flags, [scale, scale])
-    fields = _fields(mapping)
+        lora_expand_triton(y, buffer, [b], ranks, lora_meta, [(0, 8)], flags, [scale, scale])
+    fields = _fields(lora_meta)
     with pytest.raises(ValueError, match="dora flags"):
-        torch.ops.manylora.lora_expand(y, buffer, [b], ranks, *fields, mapping.max_seg_len,
+        torch.ops.manylora.lora_expand(y, buffer, [b], ranks, *fields, lora_meta.max_seg_len,
                                        "bgmv", [0], None, [scale])
     with pytest.raises(ValueError, match="dora must be an int32"):
-        torch.ops.manylora.lora_expand(y, buffer, [b], ranks, *fields, mapping.max_seg_len,
+        torch.ops.manylora.lora_expand(y, buffer, [b], ranks, *fields, lora_meta.max_seg_len,
                                        "bgmv", [0], flags.long(), [scale])
 
 
 def test_dora_custom_op_passes_opcheck():
     gen = torch.Generator().manual_seed(5)
-    mapping = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, schedule="sgmv")
+    lora_meta = build_lora_kernel_meta([1, 0, -1, 1], 2, DEVICE, variant="sgmv")
     buffer = torch.randn(4, 2, 8, generator=gen).to(DEVICE)
     b = [torch.randn(2, 8, n, generator=gen).to(DEVICE) for n in (16, 8)]
     scales = [torch.rand(2, n, generator=gen).to(DEVICE) for n in (16, 8)]
@@ -568,7 +568,7 @@ def test_dora_custom_op_passes_opcheck():
     torch.library.opcheck(
         torch.ops.manylora.lora_expand.default,
         (torch.zeros(4, 24, device=DEVICE), buffer, b, table_view([[3, 8], [8, 2]]),
-         *_fields(mapping), mapping.max_seg_len, "sgmv", [0, 16], table_view([[0, 1], [1, 0]]),
+         *_fields(lora_meta), lora_meta.max_seg_len, "sgmv", [0, 16], table_view([[0, 1], [1, 0]]),
          scales, bias))
 
 
@@ -626,9 +626,9 @@ def test_expand_kernels_compile_for_h100():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
 @pytest.mark.parametrize("max_rank", [16, 64])
-def test_decode_shapes_on_gpu(schedule, max_rank):
+def test_decode_shapes_on_gpu(variant, max_rank):
     """Decode-sized batch: 64 rows over 16 adapters (ranks 8..max_rank, some modules
     untargeted), q/k/v 4096/1024/1024 from 4096, bf16, through the public ``lora_shrink`` /
     ``lora_expand`` dispatch."""
@@ -644,14 +644,14 @@ def test_decode_shapes_on_gpu(schedule, max_rank):
     table = rank_table(case)
     a_stacked, b_stacked = make_stacks(case, table, torch.bfloat16, gen)
     x = torch.randn(num_rows, k, generator=gen).to(torch.bfloat16).cuda()
-    mapping = build_lora_kernel_meta(token_slots, max_loras, DEVICE, schedule=schedule)
-    buffer = lora_shrink(x, a_stacked, table_view(table), mapping)
+    lora_meta = build_lora_kernel_meta(token_slots, max_loras, DEVICE, variant=variant)
+    buffer = lora_shrink(x, a_stacked, table_view(table), lora_meta)
     want = reference_shrink(x, token_slots, a_stacked, table, max_rank)
     lora_rows = torch.tensor([s >= 0 for s in token_slots])
     assert rel_err(buffer.cpu()[lora_rows], want[lora_rows]) < 2e-2
     y0 = torch.randn(num_rows, 6144, generator=gen).to(torch.bfloat16)
     y = y0.cuda()
-    lora_expand(y, buffer, b_stacked, table_view(table), mapping, slices)
+    lora_expand(y, buffer, b_stacked, table_view(table), lora_meta, slices)
     delta = reference_delta(buffer, token_slots, b_stacked, table, slices, 6144)
     got = y.cpu().double() - y0.double()
     assert torch.equal(y.cpu()[~lora_rows], y0[~lora_rows])
@@ -659,9 +659,9 @@ def test_decode_shapes_on_gpu(schedule, max_rank):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["sgmv", "bgmv"])
-def test_cuda_graph_replay_follows_the_mapping_and_table(schedule):
-    """Captured once with a padded mapping, replayed after the mapping's tensors and the
+@pytest.mark.parametrize("variant", ["sgmv", "bgmv"])
+def test_cuda_graph_replay_follows_the_mapping_and_table(variant):
+    """Captured once with a padded lora_meta, replayed after the mapping's tensors and the
     rank table are overwritten in place with another step's: the output follows both."""
     gen = torch.Generator().manual_seed(11)
     num_rows, k, n, max_loras, max_rank = 32, 4096, 1024, 8, 16
@@ -675,7 +675,7 @@ def test_cuda_graph_replay_follows_the_mapping_and_table(schedule):
     ranks = table_view(first_ranks)
 
     def mapping_for(slots):
-        return build_lora_kernel_meta(slots, max_loras, DEVICE, pad_to=num_rows, schedule=schedule)
+        return build_lora_kernel_meta(slots, max_loras, DEVICE, pad_to=num_rows, variant=variant)
 
     first = torch.randint(-1, max_loras, (num_rows - 3,), generator=gen).tolist()
     static = mapping_for(first)

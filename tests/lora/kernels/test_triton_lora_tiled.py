@@ -34,7 +34,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_tiles(token_slots: list[int], max_loras: int, block_m: int,
                pad_rows: int = 0, padded: bool = False) -> tuple:
     """The tiled ops' mapping arguments (sorted rows, tile arrays on the device, block_m):
-    padded (a graph mapping) to ``max_row_tiles``."""
+    padded (a graph lora_meta) to ``max_row_tiles``."""
     arrays = lora_kernel_meta_arrays(np.asarray(token_slots), max_loras,
                                      len(token_slots) + pad_rows)
     total = arrays.token_lora_indices.size
@@ -254,13 +254,13 @@ def test_graph_grid_depends_only_on_the_row_count():
     for lora_rows in (1, 5, 20, 48):
         for _ in range(5):
             slots = gen.integers(0, max_loras, lora_rows).tolist()
-            mapping = build_lora_kernel_meta(slots, max_loras, torch.device("cpu"),
-                                             pad_to=total, schedule="tiled")
-            n = mapping.tile_slot.shape[0]
-            assert (n, mapping.block_m, mapping.sorted_rows.shape[0]) == (bound, block_m, total)
-            assert int((mapping.tile_slot >= 0).sum()) <= bound
-            launches.add(repr((tiled_shrink_plan(n, mapping.block_m, 4096, 16, 3, 2),
-                               tiled_expand_plan(n, mapping.block_m, 4096, 16, 3, True,
+            lora_meta = build_lora_kernel_meta(slots, max_loras, torch.device("cpu"),
+                                             pad_to=total, variant="tiled")
+            n = lora_meta.tile_slot.shape[0]
+            assert (n, lora_meta.block_m, lora_meta.sorted_rows.shape[0]) == (bound, block_m, total)
+            assert int((lora_meta.tile_slot >= 0).sum()) <= bound
+            launches.add(repr((tiled_shrink_plan(n, lora_meta.block_m, 4096, 16, 3, 2),
+                               tiled_expand_plan(n, lora_meta.block_m, 4096, 16, 3, True,
                                                  False))))
     assert len(launches) == 1
 

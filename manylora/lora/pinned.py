@@ -1,6 +1,6 @@
 """The host tier's form of an adapter: one buffer in slot order, copied to a slot in one go.
 
-``pack_adapter`` lays an adapter out once, on the loader thread that read it, as one uint8
+``pin_adapter`` lays an adapter out once, on the loader thread that read it, as one uint8
 buffer (page-locked on a CUDA host, or in shared memory under tensor parallelism) holding
 for every targeted (layer, module), in ``(layer, module)`` order, each piece 16-byte
 aligned::
@@ -28,7 +28,7 @@ import torch
 from manylora.config import LORA_TARGET_MODULES
 from manylora.lora.adapter import LoRAAdapter
 
-#: Columns of ``PackedAdapter.plan``.
+#: Columns of ``PinnedAdapter.plan``.
 PLAN_COLS = 8
 P_LAYER, P_MODULE, P_RANK, P_IN, P_OUT, P_A, P_B, P_SCALE = range(PLAN_COLS)
 #: Byte alignment of every piece in the buffer (16: vector loads, float32 and int64 views).
@@ -48,7 +48,7 @@ def pinned_bytes(nbytes: int) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class SlotLoad:
-    """One engine rank's scatter of one packed adapter (``SlotLayout.prepare``).
+    """One engine rank's scatter of one pinned adapter (``SlotLayout.prepare``).
 
     Attributes:
         blob: uint8 host bytes copied after the buffer into the staging buffer: the
@@ -66,7 +66,7 @@ class SlotLoad:
 
 
 @dataclass(frozen=True, eq=False)
-class PackedAdapter:
+class PinnedAdapter:
     """An adapter as the host tier keeps it.
 
     Attributes:
@@ -127,8 +127,8 @@ def _views(buf: torch.Tensor, row: list[int], dtype: torch.dtype
     return a, bt, scale
 
 
-def pack_adapter(adapter: LoRAAdapter,
-                 alloc: Callable[[int], torch.Tensor] = pinned_bytes) -> PackedAdapter:
+def pin_adapter(adapter: LoRAAdapter,
+                 alloc: Callable[[int], torch.Tensor] = pinned_bytes) -> PinnedAdapter:
     """Lay ``adapter`` out as one buffer (module docstring); any thread.
 
     Args:
@@ -170,5 +170,5 @@ def pack_adapter(adapter: LoRAAdapter,
         bt.copy_(w.b.t())
         if scale is not None:
             scale.copy_(w.dora_scale)
-    return PackedAdapter(adapter.lora_int_id, adapter.name, adapter.digest, buf, plan, dtype,
+    return PinnedAdapter(adapter.lora_int_id, adapter.name, adapter.digest, buf, plan, dtype,
                          adapter.rank, adapter.has_dora)
