@@ -118,7 +118,7 @@ def decode_step_ms(engine: LLMEngine, batch: int, prompt_len: int, vocab: int,
         seen.update(o.request_id for o in engine.step())
     for _ in range(3):
         engine.step()
-    runner = engine.engine_core.runner
+    runner = engine.engine_core.executor.runner
     sends: list[float] = []
     send = runner.on_step
     if send is not None:

@@ -10,11 +10,8 @@ Division of responsibility:
   It never creates or destroys a process group.
 * Every rank joins ``torch.distributed`` itself through ``init_distributed``: a worker from
   inside its ``target``; rank 0 through ``WorkerGroup.join_process_group`` (which fails at
-  once, with ``WorkerDiedError``, if a worker dies while starting). Two bounds: the
-  *start-up* timeout covers the rendezvous, the process group's creation and every
-  collective until start-up is over (ranks spawn, import and load their shards at different
-  speeds); then every rank calls ``end_startup``, which waits for all of them and bounds
-  every later collective by the (shorter) *collective* timeout.
+  once, with ``WorkerDiedError``, if a worker dies while starting); its start-up and
+  collective timeouts: ``distributed/process_group.py``.
 * Stopping, in this order: rank 0 sends its own stop message (the workers' targets return),
   calls ``WorkerGroup.shutdown()`` (the workers exit with ``os._exit``, never destroying
   their process group), then destroys its process group.
@@ -39,10 +36,6 @@ What happens when a worker dies (any exit before ``shutdown``, exit code 0 inclu
    after a death, the monitor sends SIGTERM to its own process, and ``os._exit(
    HARD_EXIT_CODE)`` if it is still there ``s`` seconds later.
 
-Under NCCL rank 0 creates its process group with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (unless
-the variable is set): a collective that times out aborts the communicators and raises in the
-engine instead of tearing the process down (NCCL's default).
-
 Orphans: if rank 0 exits normally (even without ``shutdown``) a ``weakref.finalize``
 (which runs at interpreter exit, before ``multiprocessing``'s own exit handler would join
 the workers) kills the workers. If rank 0 is killed outright, each worker notices within
@@ -57,47 +50,34 @@ rest on): docs/notes-tensor-parallel.md.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import multiprocessing.connection
 import multiprocessing.util  # noqa: F401  (imported first: see WorkerGroup's finalizer)
 import os
 import signal
-import socket
-import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
 from manylora.distributed.broadcast import broadcast_tensor_dict
+from manylora.distributed.process_group import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    abort_process_groups,
+    init_distributed,
+)
 from manylora.distributed.shared_host import remove_files
+from manylora.distributed.worker_entry import worker_entry
 
 logger = logging.getLogger(__name__)
-
-#: Start-up timeout (seconds) when none is given: how long the rendezvous, the process
-#: group's creation and any collective before ``end_startup`` may wait. Ranks spawn, import
-#: torch and load their shards at different speeds, on a loaded machine too.
-DEFAULT_STARTUP_TIMEOUT_S = 600.0
-
-#: Collective timeout (seconds) when none is given: how long any collective after
-#: ``end_startup`` may wait before raising; far below torch's 30-minute default.
-DEFAULT_TIMEOUT_S = 300.0
 
 #: Exit status of rank 0 when the opt-in of ``exit_when_stuck`` ends it (EX_SOFTWARE).
 HARD_EXIT_CODE = 70
 
-# Seconds a worker's parent watch sleeps between looks at os.getppid().
-_PARENT_POLL_S = 0.5
-# The store key every worker increments once it has reached the rendezvous.
-_ARRIVED_KEY = "manylora/tp_workers_arrived"
 # Seconds after an undelivered death before the monitor ends its own process; None: never
 # (set only by ``exit_when_stuck``).
 _stuck_exit_after_s: float | None = None
@@ -148,146 +128,6 @@ class WorkerDiedError(RuntimeError):
         return type(self), (self.rank, self.pid, self.exitcode)
 
 
-def free_init_method(host: str = "127.0.0.1") -> str:
-    """A ``tcp://host:port`` rendezvous address with a port that was free a moment ago.
-
-    The port is found by binding to port 0 and closing the socket, so another process could
-    take it before rank 0 listens on it (rare; ``init_distributed`` then fails on rank 0).
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    return f"tcp://{host}:{port}"
-
-
-def _parse_tcp(init_method: str) -> tuple[str, int]:
-    """``(host, port)`` of a ``tcp://host:port`` address; ValueError for anything else."""
-    parts = urlsplit(init_method)
-    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
-        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
-    return parts.hostname, parts.port
-
-
-def init_distributed(rank: int, tp_size: int, backend: str, init_method: str,
-                     timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S, *,
-                     check: Callable[[], None] | None = None) -> None:
-    """Join the default ``torch.distributed`` process group as ``rank`` of ``tp_size``.
-
-    Rank 0 hosts the rendezvous (a ``TCPStore`` listening on ``init_method``'s port) and waits
-    until the ``tp_size - 1`` workers have connected, calling ``check`` about every 20 ms
-    while it waits; then every rank calls ``init_process_group`` on that store with
-    ``timeout_s`` as the process-group timeout, which bounds every collective until
-    ``end_startup`` replaces it with the collective timeout. Under NCCL the rank's CUDA device
-    is set to ``cuda:rank`` first (one host: the local rank is the rank), and rank 0 sets
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` unless it is set (see the module docstring).
-
-    Args:
-        rank: this process's rank, ``[0, tp_size)``.
-        tp_size: the number of ranks.
-        backend: ``"nccl"`` or ``"gloo"``.
-        init_method: ``tcp://host:port`` (see ``free_init_method``), the same on every rank.
-        timeout_s: the start-up timeout: seconds the rendezvous, and any collective before
-            ``end_startup``, may wait before raising.
-        check: on rank 0, polled while waiting for the workers (``WorkerGroup.check``);
-            whatever it raises propagates. Ignored on other ranks.
-
-    Raises:
-        ValueError: ``init_method`` is not ``tcp://host:port``, or ``rank`` is outside
-            ``[0, tp_size)``.
-        TimeoutError: on rank 0, not every worker connected within ``timeout_s``.
-        RuntimeError: ``torch.distributed`` is already initialized in this process, or the
-            rendezvous / process-group creation failed (address in use, a peer vanished, a
-            worker timed out connecting).
-    """
-    if not 0 <= rank < tp_size:
-        raise ValueError(f"rank {rank} is outside [0, {tp_size})")
-    if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialized in this process")
-    host, port = _parse_tcp(init_method)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        if rank == 0:
-            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0:
-        store = dist.TCPStore(host, port, tp_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        deadline = time.monotonic() + timeout_s
-        while (arrived := store.add(_ARRIVED_KEY, 0)) < tp_size - 1:
-            if check is not None:
-                check()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {arrived} of {tp_size - 1} tensor-parallel workers "
-                                   f"reached {init_method} within {timeout_s} s")
-            time.sleep(0.02)
-    else:
-        store = dist.TCPStore(host, port, tp_size, is_master=False, timeout=timeout)
-        store.add(_ARRIVED_KEY, 1)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size,
-                            timeout=timeout)
-
-
-def end_startup(device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Every rank, once its start-up is over (shard loaded, KV cache allocated; the TP
-    engine calls it on the ``"kv"`` message): wait, under the start-up timeout, until every
-    rank has got here (a one-element all-reduce on ``device``, synchronized to the host),
-    then bound every later collective of the default process group by ``timeout_s``
-    seconds. So a short collective timeout never races a slow start.
-
-    Raises:
-        RuntimeError: ``torch.distributed`` is not initialized, or the all-reduce failed
-            (a rank died or did not arrive within the start-up timeout).
-    """
-    if not dist.is_initialized():
-        raise RuntimeError("end_startup needs an initialized process group")
-    flag = torch.ones(1, device=device)
-    dist.all_reduce(flag)
-    flag.item()
-    # torch's setter of a live group's timeout (gloo and NCCL); private, present since 2.3
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Worker side: end this process (``os._exit(1)``) once its parent is no longer
-    ``parent_pid`` (rank 0 died and the worker was re-parented)."""
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_POLL_S)
-    logger.error("tensor-parallel worker (pid %d): rank 0 (pid %d) is gone; exiting",
-                 os.getpid(), parent_pid)
-    os._exit(1)
-
-
-def _worker_entry(target: Callable[..., Any], rank: int, tp_size: int, init_method: str,
-                  parent_pid: int, args: tuple) -> None:
-    """What a spawned worker runs: ignore SIGINT, watch the parent, call ``target``, then end
-    the process with ``os._exit`` (0 when ``target`` returned, 1 when it raised, after
-    printing the traceback; ``SystemExit``'s code when it exited).
-
-    The worker never destroys its process group: under NCCL, ``destroy_process_group`` on a
-    worker waits for rank 0 to destroy its own (seen on two H200s: a worker's destroy did not
-    return in 15 s while rank 0 waited for it to exit), and an interpreter's normal exit would
-    run that teardown. Ending with ``os._exit`` skips it, and the worker's ``atexit`` handlers
-    with it; rank 0 destroys its own process group after ``WorkerGroup.shutdown``.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                     name="manylora-parent-watch").start()
-    code = 0
-    try:
-        target(rank, tp_size, init_method, *args)
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(code)
-
-
 def _reap(procs: dict[int, Any], stopping: threading.Event, polite_s: float) -> dict[int, Any]:
     """Stop ``procs`` (rank -> process): wait up to ``polite_s`` for them to exit on their
     own, SIGTERM the rest, SIGKILL whatever is left 2 s later. Returns rank -> exit code."""
@@ -323,7 +163,7 @@ class WorkerGroup:
             ``end_startup`` when rank 0 does) and then serve rank 0's messages until told to
             stop, and must not destroy the process group. Its return
             ends the worker (exit code 0); an exception ends it with code 1 after the
-            traceback is printed (see ``_worker_entry``).
+            traceback is printed (see ``worker_entry``).
         tp_size: ranks in all, rank 0 included (``tp_size - 1`` processes are started).
         backend: ``"nccl"`` or ``"gloo"``: decides how the monitor escalates.
         init_method: the ``tcp://host:port`` rendezvous (``free_init_method()``).
@@ -361,7 +201,7 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(self, _reap, self._procs, self._stopping, 0.0)
         try:
             for rank in range(1, tp_size):
-                proc = ctx.Process(target=_worker_entry, name=f"manylora-tp-worker-{rank}",
+                proc = ctx.Process(target=worker_entry, name=f"manylora-tp-worker-{rank}",
                                    args=(target, rank, tp_size, init_method, os.getpid(),
                                          tuple(args)), daemon=False)
                 proc.start()
@@ -490,7 +330,7 @@ class WorkerGroup:
         if others:
             _reap(others, threading.Event(), 0.0)
         if self.backend == "nccl":
-            _abort_process_groups()
+            abort_process_groups()
         after_s = _stuck_exit_after_s
         if after_s is None or self._wait_delivered(after_s):
             return
@@ -551,39 +391,3 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def destroy_process_group_within(timeout_s: float) -> None:
-    """Destroy this process's default process group, giving up after ``timeout_s`` seconds:
-    then the communicators are aborted instead (NCCL's finalisation can wait forever, e.g.
-    on a CUDA graph that still holds a captured collective), so shutdown never hangs."""
-    if not dist.is_initialized():
-        return
-    done = threading.Event()
-
-    def destroy() -> None:
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            logger.exception("destroying the process group failed")
-        done.set()
-
-    threading.Thread(target=destroy, name="destroy-process-group", daemon=True).start()
-    if not done.wait(timeout_s):
-        logger.error("destroy_process_group did not finish within %.0f s; aborting the "
-                     "process group instead", timeout_s)
-        _abort_process_groups()
-
-
-def _abort_process_groups() -> None:
-    """Abort the communicators of every process group of this process (monitor thread, NCCL
-    only): a collective waiting on a dead peer ends, and later ones raise."""
-    if not dist.is_initialized():
-        return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    groups = list(getattr(world, "pg_map", {}) or {}) or [dist.group.WORLD]
-    for pg in groups:
-        try:
-            pg.abort()
-        except Exception:
-            logger.exception("aborting a process group failed")

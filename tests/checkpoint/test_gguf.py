@@ -121,7 +121,7 @@ def test_weights_loader_reads_gguf(tiny):
 
 
 def test_smollm2_engine_weights_equal_transformers(smol_llm, smollm2_hf_model):
-    model = smol_llm.llm_engine.engine_core.model
+    model = smol_llm.llm_engine.engine_core.executor.model
     ref = smollm2_hf_model.state_dict()
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     params = dict(model.named_parameters())

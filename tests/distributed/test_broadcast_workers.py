@@ -23,14 +23,12 @@ from manylora.distributed.broadcast import (
     decode_tensor_dict,
     encode_tensor_dict,
 )
+from manylora.distributed.process_group import end_startup, free_init_method, init_distributed
 from manylora.distributed.workers import (
     HARD_EXIT_CODE,
     WorkerDiedError,
     WorkerGroup,
-    end_startup,
     exit_when_stuck,
-    free_init_method,
-    init_distributed,
 )
 
 # Every group here starts with the default start-up timeout (600 s): spawning a worker and

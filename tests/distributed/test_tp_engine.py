@@ -21,13 +21,13 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.distributed.shared_host import _SHM, file_prefix
 from manylora.distributed.workers import WorkerDiedError
 from manylora.engine.protocol import EngineDeadError
+from manylora.executor.tp_driver import TPDriver
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
     make_checkpoint,
     make_peft_adapter,
 )
-from manylora.worker.tp_worker import TPDriver
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)
@@ -88,9 +88,9 @@ def test_idle_engine_outlives_the_collective_timeout(base_dir, loras, monkeypatc
     for longer than the collective timeout (3 s here, 300 s by default) still serves. The
     3 s bound only starts once every rank has finished starting (``end_startup``): start-up
     has its own, generous, timeout, so a slow machine's process start does not count."""
-    import manylora.engine.core as engine_core
+    import manylora.executor.tensor_parallel as tensor_parallel
 
-    monkeypatch.setattr(engine_core, "TPDriver", functools.partial(TPDriver, timeout_s=3.0))
+    monkeypatch.setattr(tensor_parallel, "TPDriver", functools.partial(TPDriver, timeout_s=3.0))
     llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
     try:
         first = llm.generate(PROMPTS[:2], GREEDY, [None, loras[0]], use_tqdm=False)
@@ -114,7 +114,7 @@ def test_killed_worker_raises_in_the_engine_and_spares_its_process(base_dir):
         llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2, enable_lora=False)
         try:
             before = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-            workers = llm.llm_engine.engine_core.tp_driver.workers
+            workers = llm.llm_engine.engine_core.executor.driver.workers
             os.kill(workers.pids[1], signal.SIGKILL)
             start = time.monotonic()
             with pytest.raises(WorkerDiedError, match="rank 1"):

@@ -28,7 +28,7 @@ def test_dummy_weights_serve_token_ids_without_tokenizer(config_only, demo_set):
     for out in outs:
         assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].text == ""
         assert out.outputs[0].finish_reason == "length"
-    weights = [p for p in llm.llm_engine.engine_core.model.parameters()]
+    weights = [p for p in llm.llm_engine.engine_core.executor.model.parameters()]
     assert all(0 < float(p.abs().max()) <= 1e-3 for p in weights)
 
 

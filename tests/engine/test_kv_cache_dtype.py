@@ -70,7 +70,7 @@ def unquantized(trained):
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_kv_agrees_with_unquantized(trained, unquantized, kv_dtype):
     llm = LLM(str(trained), **ENGINE, num_kv_blocks=256, kv_cache_dtype=kv_dtype)
-    cache = llm.llm_engine.engine_core.runner.kv_caches[0]
+    cache = llm.llm_engine.engine_core.executor.runner.kv_caches[0]
     assert cache.data.dtype == {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
     outs = llm.generate(_prompts(), PARAMS, use_tqdm=False)
     agree, mean_diff = _agreement(unquantized, outs)

@@ -216,7 +216,7 @@ def test_cuda_graph_decode_matches_eager(demo_set):
         llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_num_seqs=8,
                   num_kv_blocks=128, block_size=16, enforce_eager=eager)
         if not eager:
-            assert llm.llm_engine.engine_core.runner.graphs is not None
+            assert llm.llm_engine.engine_core.executor.runner.graphs is not None
         results.append(llm.generate(PROMPTS, params, use_tqdm=False))
         del llm
         torch.cuda.empty_cache()

@@ -96,7 +96,7 @@ def test_dora_plain_and_base_rows_in_one_batch_match_peft(llama):
                           max_num_batched_tokens=32)
     _assert_matches(outs, refs, NAMES)
     core = llm.llm_engine.engine_core
-    table = core.model.slot_table
+    table = core.executor.model.slot_table
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     for slot, lid in enumerate(core.lora_manager.slot_to_id):
         if lid is not None:                      # DoRA flags only in the modules it targets
@@ -206,7 +206,7 @@ def test_qwen2_qkv_bias_with_dora_matches_peft(tmp_path):
     refs = hf_greedy_reference(base, adapters, prompts, names, MAX_NEW)
     llm, outs = _generate(base, adapters, prompts, names, max_loras=2, max_lora_rank=4)
     _assert_matches(outs, refs, names)
-    qkv = llm.llm_engine.engine_core.model.model.layers[0].self_attn.qkv_proj
+    qkv = llm.llm_engine.engine_core.executor.model.model.layers[0].self_attn.qkv_proj
     assert qkv.bias is not None and qkv.lora.bias is not None
 
 
@@ -220,7 +220,7 @@ def test_cuda_graphs_with_dora_swaps_match_peft(llama):
     reqs = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in NAMES]
     llm = LLM(str(base), device="cuda", dtype="float32", max_loras=2, max_lora_rank=8,
               num_kv_blocks=128, block_size=4)
-    graphs = llm.llm_engine.engine_core.runner.graphs
+    graphs = llm.llm_engine.engine_core.executor.runner.graphs
     full = graphs.policy.full_mask
     captured = [k for k in graphs.keys if k[2] == full]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,

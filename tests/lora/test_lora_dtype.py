@@ -55,7 +55,8 @@ def _run(base, adapters, lora_dtype, device="cpu"):
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0),
                         lora_request=reqs, use_tqdm=False)
-    slots = [m for m in llm.llm_engine.engine_core.model.modules() if isinstance(m, LoRASlots)]
+    model = llm.llm_engine.engine_core.executor.model
+    slots = [m for m in model.modules() if isinstance(m, LoRASlots)]
     return outs, slots
 
 

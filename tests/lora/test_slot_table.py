@@ -152,7 +152,7 @@ def test_per_module_ranks_and_outputs_match_peft(demo_set, adapters):
         assert ok, f"prompt {i} ({names[i]}): diverges at token {pos}"
 
     core = llm.llm_engine.engine_core
-    table = core.model.slot_table
+    table = core.executor.model.slot_table
     assert set(table.keys) == {(layer, m) for layer in range(2) for m in LORA_TARGET_MODULES}
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     seen = set()

@@ -188,7 +188,7 @@ def test_cuda_graphs_constraints_that_allow_no_token(base_dir, tok, async_schedu
     engine serves on."""
     llm = LLM(str(base_dir), device="cuda", dtype="bfloat16", max_num_seqs=32, block_size=16,
               max_model_len=512, async_scheduling=async_scheduling)
-    assert llm.llm_engine.engine_core.runner.graphs is not None
+    assert llm.llm_engine.engine_core.executor.runner.graphs is not None
     bad = _bad_params(tok)
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The weather today", "Once upon a time"]

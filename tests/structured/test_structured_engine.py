@@ -334,7 +334,7 @@ def test_cuda_graphs_structured_and_plain_rows(base_dir, async_scheduling):
                   block_size=16, max_model_len=512, enforce_eager=eager,
                   async_scheduling=async_scheduling)
         if not eager:
-            assert llm.llm_engine.engine_core.runner.graphs is not None
+            assert llm.llm_engine.engine_core.executor.runner.graphs is not None
         alone = llm.generate(prompts, plain, use_tqdm=False)
         mixed = llm.generate(prompts, params, use_tqdm=False)
         for i, out in enumerate(mixed):

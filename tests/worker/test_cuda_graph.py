@@ -33,7 +33,7 @@ def test_graphs_equal_eager_and_survive_adapter_churn(demo_set):
     for eager in (True, False):
         llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_loras=2,
                   max_lora_rank=32, max_num_seqs=8, enforce_eager=eager)
-        runner = llm.llm_engine.engine_core.runner
+        runner = llm.llm_engine.engine_core.executor.runner
         captured = 0 if eager else runner.graphs.num_graphs
         outs[eager] = [o.outputs[0].token_ids
                        for o in llm.generate(prompts, params, loras, use_tqdm=False)]

@@ -193,7 +193,7 @@ def test_masked_graph_steps_match_peft_and_launch_only_their_kinds(demo_set, mon
     ids = {name: i + 1 for i, name in enumerate(demo_set.adapters)}
     llm = LLM(str(demo_set.base_dir), device="cpu", max_loras=4, max_lora_rank=32,
               num_kv_blocks=256, block_size=4)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     table = runner.model.slot_table
     graphs = EagerGraphs((1, 2, 4, 8), table.full_mask, max_masks=4, min_uses=2)
     runner.graphs = graphs
@@ -256,7 +256,7 @@ def test_masked_graphs_equal_eager_on_gpu(demo_set):
                     llm.generate(prompts[group], params, loras[group], use_tqdm=False)]
         outs[eager] = got
         if not eager:
-            graphs = llm.llm_engine.engine_core.runner.graphs
+            graphs = llm.llm_engine.engine_core.executor.runner.graphs
             masks = {k[2] for k in graphs.keys if k[1] is not None}
             assert len(masks) > 1, "no masked graph was captured"
             assert graphs.serving_captures > 0

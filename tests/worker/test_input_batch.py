@@ -500,7 +500,7 @@ def test_graph_replay_over_persistent_buffers_equals_eager(demo_set, max_loras):
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     llm = LLM(str(demo_set.base_dir), device="cuda", dtype="float32", max_loras=max_loras,
               max_lora_rank=32, max_num_seqs=8)
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     original = runner.forward_step
     compared = []
 

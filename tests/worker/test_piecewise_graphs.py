@@ -21,7 +21,7 @@ import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.core import _piece_sizes
+from manylora.executor.sizing import piece_sizes
 from manylora.lora.kernels.meta import (
     default_variant,
     fill_lora_segment,
@@ -94,7 +94,7 @@ def _compare_pieces_with_eager(llm, atol: float) -> list:
     """Wrap the runner's ``forward_step``: each piecewise step runs unpadded and eager
     first, then padded through the pieces; returns ``(bucket, variant, captured)`` of
     each step compared."""
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     original = runner.forward_step
     compared = []
 
@@ -140,7 +140,7 @@ def test_padded_piecewise_steps_equal_the_unpadded_eager_step(base_dir, adapters
               max_loras=3, max_lora_rank=8, block_size=4, max_model_len=96,
               max_num_batched_tokens=24, num_kv_blocks=64, enable_lora=enable_lora,
               piecewise_cuda_graph_sizes=(4, 8, 16, 32))
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     assert runner.pieces.sizes == (4, 8, 16, 24)
     compared = _compare_pieces_with_eager(llm, 1e-5)
     prompts, loras = _workload(adapters if enable_lora else [None] * 3)
@@ -172,7 +172,7 @@ def test_engine_outputs_with_piece_buckets_equal_those_without(base_dir, adapter
                   max_num_batched_tokens=20, num_kv_blocks=22,
                   piecewise_cuda_graph_sizes=sizes)
         core = llm.llm_engine.engine_core
-        pieces = core.runner.pieces
+        pieces = core.executor.runner.pieces
         assert (pieces is None) == (not sizes)
         runs = []
         if pieces is not None:
@@ -211,8 +211,8 @@ def test_piece_buckets_from_engine_args_and_flags():
     by the token budget; explicit ones anywhere; none under enforce_eager; the flag with no
     value turns them off; bad sizes named."""
     def sizes(device, **kw):
-        return _piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
-                            torch.device(device))
+        return piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
+                           torch.device(device))
 
     assert sizes("cuda") == (16, 32, 64, 96, 128, 160, 192, 256, 300)
     assert sizes("cpu") == ()
@@ -245,7 +245,7 @@ def test_piecewise_graph_replay_equals_the_eager_step(base_dir, adapters, max_lo
               max_loras=max(max_loras, 1), max_lora_rank=8, block_size=4, max_model_len=96,
               max_num_batched_tokens=24, enable_lora=bool(max_loras), max_num_seqs=8,
               piecewise_cuda_graph_sizes=(4, 8, 16, 32))
-    runner = llm.llm_engine.engine_core.runner
+    runner = llm.llm_engine.engine_core.executor.runner
     variants = 2 if max_loras else 1
     assert runner.pieces.num_graphs == (TINY["num_hidden_layers"] + 1) * 4 * variants
     compared = _compare_pieces_with_eager(llm, 1e-4)
@@ -272,8 +272,8 @@ def test_engine_tokens_with_piecewise_graphs_equal_those_without_on_gpu(base_dir
                   max_num_batched_tokens=32, num_kv_blocks=24, max_num_seqs=8,
                   piecewise_cuda_graph_sizes=sizes)
         core = llm.llm_engine.engine_core
-        assert core.runner.graphs is not None
-        assert (core.runner.pieces is None) == (sizes == ())
+        assert core.executor.runner.graphs is not None
+        assert (core.executor.runner.pieces is None) == (sizes == ())
         outs[sizes] = [o.outputs[0].token_ids
                        for o in llm.generate(prompts, params, loras, use_tqdm=False)]
         assert core.scheduler.num_preemptions > 0
