@@ -32,7 +32,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def worker_entry(target: Callable[..., Any], rank: int, tp_size: int, init_method: str,
-                  parent_pid: int, args: tuple) -> None:
+                 parent_pid: int, args: tuple) -> None:
     """What a spawned worker runs: ignore SIGINT, watch the parent, call ``target``, then end
     the process with ``os._exit`` (0 when ``target`` returned, 1 when it raised, after
     printing the traceback; ``SystemExit``'s code when it exited).

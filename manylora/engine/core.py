@@ -51,7 +51,7 @@ from manylora.scheduler.scheduler import Scheduler
 from manylora.scheduler_output import SchedulerOutput
 from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
 from manylora.structured.manager import StructuredOutputManager
-from manylora.worker.model_runner import ForwardStep, LaunchedStep
+from manylora.worker.step_sampler import ForwardStep, LaunchedStep
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from manylora.config import CacheConfig, LoRAConfig, ModelConfig
 from manylora.lora.manager import LoRAManager
 from manylora.sample.sampler import SampledTokens
 from manylora.scheduler_output import PreemptionCost, SchedulerOutput, SwapOp
-from manylora.worker.model_runner import ForwardStep, LaunchedStep
+from manylora.worker.step_sampler import ForwardStep, LaunchedStep
 
 
 class ExecutorArgs(Protocol):

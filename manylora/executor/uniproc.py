@@ -32,7 +32,8 @@ from manylora.sample.sampler import SampledTokens, set_random_seed
 from manylora.scheduler_output import SchedulerOutput, SwapOp
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost
-from manylora.worker.model_runner import ForwardStep, LaunchedStep, ModelRunner
+from manylora.worker.model_runner import ModelRunner
+from manylora.worker.step_sampler import ForwardStep, LaunchedStep
 from manylora.worker.warmup import warm_up_triton
 
 logger = logging.getLogger(__name__)

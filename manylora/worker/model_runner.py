@@ -1,17 +1,19 @@
 """Runs one scheduled step on the model: the persistent input batch, forward, logits,
-sampling, and the sampled tokens' way back to the host.
+then sampling and the sampled tokens' way back to the host (``StepSampler``,
+``worker/step_sampler.py``).
 
 The model runner never touches a queue: it reads a ``SchedulerOutput`` (deltas: new
 requests once, then new block ids) and returns the sampled tokens. Its ``InputBatch`` keeps
 a row per request and packs each step with numpy into one pinned buffer
 (``worker/step_inputs.py``); one host → device copy moves it, block-table changes are one
-scatter into the persistent device block table, and the KV slot lora_meta is computed on the
-device. Decode steps (one token per request) replay a CUDA graph captured on those
-persistent buffers when graphs are on (for a LoRA step, the graph of the projection kinds
-its slots target: ``StepLayout.lora_mask``, ``worker/graph_masks.py``); other steps of up
-to the largest piece bucket are padded to a token bucket and replay the model's pieces
-between attention calls (``worker/piecewise_graphs.py``), attention running eagerly; larger
-steps run eagerly.
+scatter into the persistent device block table, and the attention and LoRA metadata are
+computed on the device (``worker/step_metadata.py``). Decode steps (one token per request)
+replay a CUDA graph captured on those persistent buffers when graphs are on (the graphs are
+captured on all-padding steps, ``worker/padding_steps.py``; for a LoRA step, the graph of
+the projection kinds its slots target: ``StepLayout.lora_mask``, ``worker/graph_masks.py``);
+other steps of up to the largest piece bucket are padded to a token bucket and replay the
+model's pieces between attention calls (``worker/piecewise_graphs.py``), attention running
+eagerly; larger steps run eagerly.
 
 ``execute_async`` launches a step (``execute_forward``, then ``sample``) and returns at
 once with its tokens still on their way to the host (``AsyncSampledOutput``); ``get_output``
@@ -24,88 +26,32 @@ its bitmask can wait for the previous step's tokens (the matchers' state).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from manylora.lora.kernels.cost_model import (
-    LoRAVariantModel,
-    ProjectionShape,
-    gpu_model,
-    graph_block_m,
-)
-from manylora.lora.kernels.meta import (
-    LoRAKernelMeta,
-    fill_lora_segment,
-    lora_kernel_meta_arrays,
-    lora_kernel_meta_from_buffer,
-)
-from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.lora.linear import LoRALinear
+from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    prefill_block_q,
-    slot_mapping_from_block_table,
-)
-from manylora.ops.token_bitmask import apply_token_bitmask_
-from manylora.sample.penalties import penalize_logits
+from manylora.ops.attention import AttentionMetadata, KVCache, prefill_block_q
 from manylora.sample.prompt_logprobs import compute_prompt_logprobs, prompt_logits_chunks
-from manylora.sample.sampler import (
-    SampledTokens,
-    Sampler,
-    SamplingTensors,
-    flag_empty_rows,
-    make_generator,
-)
+from manylora.sample.sampler import SampledTokens
 from manylora.scheduler_output import SchedulerOutput
-from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.cuda_graph import DecodeGraphs
 from manylora.worker.input_batch import InputBatch, SampleInfo
+from manylora.worker.padding_steps import padding_decode_step, padding_piece_step
 from manylora.worker.piecewise_graphs import PiecewiseGraphs
-from manylora.worker.step_inputs import (
-    LORA_VARIANT_CODES,
-    StepBuffers,
-    StepInputs,
-    StepLayout,
-    split_segments,
-    total_size,
+from manylora.worker.prepare_inputs import prepare_inputs
+from manylora.worker.step_inputs import LORA_VARIANT_CODES, StepBuffers, StepInputs, StepLayout
+from manylora.worker.step_metadata import (
+    attention_metadata,
+    lora_kernel_meta,
+    lora_variant_model,
+    with_projection_mask,
 )
+from manylora.worker.step_sampler import ForwardStep, LaunchedStep, StepSampler
 
 #: Rows of the input batch (and device block table) before it first grows, without graphs.
 INITIAL_ROWS = 16
-
-
-class LaunchedStep(NamedTuple):
-    """A step on the device whose sampled tokens have not been read yet.
-
-    Attributes:
-        info: the host facts of its sampled rows.
-        output: its tokens (and log-probabilities) on their way to the host.
-    """
-
-    info: SampleInfo
-    output: AsyncSampledOutput
-
-
-class ForwardStep(NamedTuple):
-    """A step whose forward pass and logits are launched and whose sampling is not.
-
-    Attributes:
-        info: the host facts of its sampled rows.
-        logits: float32 ``[N, V]`` on the device, the sampled rows' logits; None when no
-            row samples (a prefill chunk that only computes prompt log-probabilities).
-        views: the device views of the step's buffer (the sampling columns).
-        prompt: float64, the flattened prompt log-probabilities of the step's prompt rows
-            (``ModelRunner.prompt_logprobs``), None when no row asks.
-    """
-
-    info: SampleInfo
-    logits: torch.Tensor | None
-    views: dict
-    prompt: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -157,8 +103,7 @@ class ModelRunner:
         self.num_queries_per_kv = cfg.num_heads // cfg.num_kv_heads
         self.block_q = prefill_block_q(self.num_queries_per_kv)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        self.sampler = Sampler()
-        self._generators: dict[str, torch.Generator] = {}
+        self.step_sampler = StepSampler(self.device, self.vocab_size)
         table = model.slot_table
         self.graphs = DecodeGraphs(cuda_graph_sizes,
                                    0 if table is None else table.full_mask,
@@ -168,17 +113,13 @@ class ModelRunner:
         rows = largest or INITIAL_ROWS
         self._batch_args = (rows, max_model_len, block_size, max_loras, self.vocab_size,
                             self.num_queries_per_kv, largest or None,
-                            lora_schedule_model(model, self.device))
+                            lora_variant_model(model, self.device))
         self._input_batch: InputBatch | None = None
         capacity = max(1 << 16, 32 * largest + 16 * max(piece_sizes, default=0)
                        + 8 * max_loras + 8192)
         self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
         self.on_step: Callable[[StepInputs], None] | None = None
         self.on_sampled: Callable[[torch.Tensor], None] | None = None
-        self._prev_sampled: torch.Tensor | None = None
-        self._bitmask_dev: torch.Tensor | None = None
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" \
-            else None
 
     @property
     def input_batch(self) -> InputBatch:
@@ -237,11 +178,12 @@ class ModelRunner:
             return None
         bucket_of = self.graphs.bucket if self.graphs is not None else _no_bucket
         pieces_of = self.pieces.bucket if self.pieces is not None else None
-        inputs, info = batch.prepare(out, ids, lora_slots, bucket_of, self.buffers, pieces_of)
-        inputs = self._with_mask(inputs)
+        inputs, info = prepare_inputs(batch, out, ids, lora_slots, bucket_of, self.buffers,
+                                      pieces_of)
+        inputs = with_projection_mask(inputs, self.model.slot_table, self.max_loras)
         if self.on_step is not None:
             self.on_step(inputs)
-        hidden, views = self.forward_step(inputs, self._prev_sampled)
+        hidden, views = self.forward_step(inputs, self.step_sampler.prev_sampled)
         if not info.req_ids and info.prompt is None:
             return None
         # the order of the tensor-parallel all-gathers (tp_worker replays it): the sampled
@@ -270,29 +212,7 @@ class ModelRunner:
         A row whose masks leave no token allowed is reported in ``get_output``'s
         ``no_token``, not as a token.
         """
-        info, logits, views, prompt = step
-        if logits is None:
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            return LaunchedStep(info, AsyncSampledOutput(
-                empty, empty, [], [], self._copy_stream, prompt, info.prompt, self.vocab_size))
-        if bitmask is not None:
-            apply_token_bitmask_(logits, self._bitmask_on_device(bitmask))
-        top_k = views["top_k"] if info.all_greedy else views["top_k"].long()
-        tensors = SamplingTensors(views["temperature"], top_k, views["top_p"], views["min_p"],
-                                  info.all_greedy, info.all_random, info.do_top_k,
-                                  info.do_top_p, info.do_min_p)
-        generators = {i: self._generator(info.req_ids[i]) for i in info.seeded}
-        sample_logits = logits
-        if info.penalties is not None:
-            sample_logits = penalize_logits(logits, info.penalties, self._prev_sampled)
-        sampled = self.sampler.sample(sample_logits, tensors, generators)
-        if self.on_sampled is not None:
-            self.on_sampled(sampled)
-        self._prev_sampled = sampled
-        reported = None if bitmask is None else flag_empty_rows(sampled, sample_logits)
-        return LaunchedStep(info, AsyncSampledOutput(
-            sampled, logits, [i for i, _ in info.logprobs], [k for _, k in info.logprobs],
-            self._copy_stream, prompt, info.prompt, self.vocab_size, reported))
+        return self.step_sampler.sample(step, bitmask, self._seed_of, self.on_sampled)
 
     def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
                         info: SampleInfo | None = None) -> torch.Tensor | None:
@@ -309,21 +229,6 @@ class ModelRunner:
         return compute_prompt_logprobs(hidden, rows, views["prompt_targets"],
                                        max(info.prompt.num_logprobs),
                                        self.model.compute_logits, self.vocab_size)
-
-    def _bitmask_on_device(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """``bitmask`` on the logits' device: one non-blocking copy into a persistent device
-        buffer (grown by doubling). The host buffer is refilled only after this step's
-        tokens were read, so after this copy ran."""
-        if self.device.type == "cpu":
-            return bitmask
-        k, width = bitmask.shape
-        dev = self._bitmask_dev
-        if dev is None or dev.shape[0] < k or dev.shape[1] != width:
-            rows = max(k, 2 * (0 if dev is None else dev.shape[0]), 16)
-            dev = self._bitmask_dev = torch.empty((rows, width), dtype=torch.int32,
-                                                  device=self.device)
-        dev[:k].copy_(bitmask, non_blocking=True)
-        return dev[:k]
 
     def get_output(self, step: LaunchedStep | None) -> SampledTokens:
         """Wait for a launched step's tokens, append them to the input batch, and return
@@ -343,20 +248,9 @@ class ModelRunner:
         """
         if step is None:
             return SampledTokens({}, {})
-        info, output = step
-        tokens, logprobs, prompt = output.result()
-        no_token = frozenset()
-        if info.masked is not None:
-            empty = [i for i in info.masked.tolist() if tokens[i] < 0]
-            if empty:
-                tokens = list(tokens)
-                for i in empty:
-                    tokens[i] = -1 - tokens[i]
-                no_token = frozenset(info.req_ids[i] for i in empty)
-        self.input_batch.append_sampled(info, tokens)
-        return SampledTokens(dict(zip(info.req_ids, tokens)),
-                             {info.req_ids[i]: lp for i, lp in zip(output.lp_rows, logprobs)},
-                             prompt, no_token)
+        tokens, sampled = self.step_sampler.read(step)
+        self.input_batch.append_sampled(step.info, tokens)
+        return sampled
 
     def forward_step(self, inputs: StepInputs, prev_sampled: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict]:
@@ -380,18 +274,6 @@ class ModelRunner:
             self.buffers.frozen = True
             self.graphs.capture(key, lambda: self._forward(views, layout, mask=key[2]))
         return self.graphs.replay(key), views
-
-    def _with_mask(self, inputs: StepInputs) -> StepInputs:
-        """A decode graph step with LoRA rows gets its projection mask in its layout
-        (``SlotTable.kind_mask`` of its active slots, from the host mirror); other steps are
-        returned as they are."""
-        layout, table = inputs.layout, self.model.slot_table
-        if layout.bucket < 0 or not layout.variant or table is None:
-            return inputs
-        lora = split_segments(inputs.data, layout, self.max_loras)["lora"]
-        start = 2 * layout.num_tokens
-        mask = table.kind_mask(lora[start: start + self.max_loras])
-        return StepInputs(layout._replace(lora_mask=mask), inputs.data)
 
     def _forward(self, views: dict, layout: StepLayout,
                  host: np.ndarray | None = None, mask: int | None = None) -> torch.Tensor:
@@ -417,46 +299,12 @@ class ModelRunner:
     def _lora_mapping(self, views: dict, layout: StepLayout,
                       host: np.ndarray | None = None,
                       mask: int | None = None) -> LoRAKernelMeta | None:
-        """The step's ``LoRAKernelMeta`` over its device buffer (None without a LoRA row).
-        Graph steps get fixed shapes (``padded``); a piecewise step on the CPU keeps the
-        host segments the PyTorch reference reads (its ``max_seg_len`` is the bucket). An
-        unpadded step with ``host`` (its host buffer) carries ``used_columns`` from
-        the rank table's host mirror: its projections that none of its slots targets launch
-        nothing. Every tensor-parallel rank computes the same from its own table. A padded
-        mapping with a ``mask`` short of every kind launches only the projections of the
-        mask's kinds (``SlotTable.mask_columns``)."""
-        if not layout.variant:
-            return None
-        buf = views["lora"]
-        padded = layout.bucket >= 0 or (layout.pieces >= 0 and buf.is_cuda)
-        table = self.model.slot_table
-        lora_host = None
-        if host is not None and table is not None and not padded:
-            lora_host = split_segments(host, layout, self.max_loras)["lora"]
-        columns = None
-        if padded and table is not None and mask is not None and mask != table.full_mask:
-            columns = table.mask_columns(mask)
-        return lora_kernel_meta_from_buffer(buf, layout.num_tokens, self.max_loras,
-                                            layout.max_seg_len, LORA_VARIANT_CODES[layout.variant],
-                                            padded=padded,
-                                            ranks_host=None if table is None else table.ranks_host,
-                                            host=lora_host, num_tiles=layout.lora_tiles,
-                                            block_m=layout.lora_block_m, columns=columns)
+        return lora_kernel_meta(views, layout, self.max_loras, self.model.slot_table, host,
+                                mask)
 
     def _attention_metadata(self, views: dict, layout: StepLayout) -> AttentionMetadata:
-        """The step's ``AttentionMetadata``: the slot mapping of every token row (-1 on
-        padding) and the step's block tables gathered from the persistent device table."""
-        table = self.buffers.block_table
-        positions = views["positions"]
-        return AttentionMetadata(
-            cache_loc=slot_mapping_from_block_table(positions, views["token_rows"], table,
-                                                       self.block_size),
-            block_tables=table[:, :layout.table_width].index_select(0, views["seq_rows"]),
-            query_start=views["query_start"], query_lens=views["query_lens"],
-            context_lens=views["seq_lens"], tile_seq=views["tile_seq"],
-            tile_query=views["tile_query"], num_decode_tiles=layout.num_decode_tiles,
-            prefill_block_q=self.block_q, block_size=self.block_size,
-            num_queries_per_kv=self.num_queries_per_kv, seqs=())
+        return attention_metadata(views, layout, self.buffers.block_table, self.block_size,
+                                  self.block_q, self.num_queries_per_kv)
 
     def logits(self, hidden: torch.Tensor, layout: StepLayout, views: dict) -> torch.Tensor:
         """float32 ``[N, vocab]``: the logits of the sampled rows.
@@ -488,61 +336,20 @@ class ModelRunner:
             variants = (None, "bgmv", "tiled") if self.max_loras else (None,)
             for size in reversed(self.graphs.capture_sizes):  # largest first: the pool fits all
                 for variant in variants:
-                    self.forward_step(self._padding_step(size, LORA_VARIANT_CODES.index(variant)))
+                    self.forward_step(padding_decode_step(
+                        self.buffers, size, LORA_VARIANT_CODES.index(variant), self.max_loras,
+                        self.max_blocks_per_seq))
         if self.pieces is not None:
             variants = (None, "tiled") if self.max_loras else (None,)
             for size in reversed(self.pieces.sizes):
                 for variant in variants:
-                    inputs = self._padding_piece_step(size, LORA_VARIANT_CODES.index(variant))
+                    inputs = padding_piece_step(self.buffers, size,
+                                                LORA_VARIANT_CODES.index(variant), self.max_loras)
                     views = self.buffers.upload(inputs, self.max_loras)
                     self.pieces.capture((size, variant), views["ids"], views["positions"],
                                         self._lora_mapping(views, inputs.layout))
         if self.graphs is not None:
             self.graphs.end_startup()
-
-    def _padding_step(self, size: int, variant: int) -> StepInputs:
-        """A decode step of ``size`` padding rows (the layout graphs are captured with)."""
-        layout = StepLayout(num_tokens=size, num_seqs=size, num_tiles=size,
-                            num_decode_tiles=size, table_width=self.max_blocks_per_seq,
-                            variant=variant, max_seg_len=size, num_table_updates=0,
-                            num_sampled=0, sample_prefix=1, bucket=size,
-                            table_rows=self.buffers.block_table.shape[0],
-                            **self._graph_tiles(size, variant))
-        data = self.buffers.host_array(total_size(layout, self.max_loras))
-        v = split_segments(data, layout, self.max_loras)
-        data[:] = 0
-        v["token_rows"][:] = -1
-        v["query_start"][:] = np.arange(size)
-        v["query_lens"][:] = 1
-        v["tile_seq"][:] = np.arange(size)
-        if variant:
-            _base_rows_mapping(v["lora"], size, self.max_loras, layout)
-        return StepInputs(layout, data)
-
-    def _padding_piece_step(self, size: int, variant: int) -> StepInputs:
-        """A piecewise step of ``size`` padding tokens and no sequence (the layout piece
-        graphs are captured with: the token segments at the bucket's offsets)."""
-        layout = StepLayout(num_tokens=size, num_seqs=0, num_tiles=0, num_decode_tiles=0,
-                            table_width=1, variant=variant, max_seg_len=size,
-                            num_table_updates=0, num_sampled=0, sample_prefix=1, bucket=-1,
-                            table_rows=self.buffers.block_table.shape[0], pieces=size,
-                            **self._graph_tiles(size, variant))
-        data = self.buffers.host_array(total_size(layout, self.max_loras))
-        v = split_segments(data, layout, self.max_loras)
-        data[:] = 0
-        v["token_rows"][:] = -1
-        if variant:
-            _base_rows_mapping(v["lora"], size, self.max_loras, layout)
-        return StepInputs(layout, data)
-
-    def _graph_tiles(self, size: int, variant: int) -> dict:
-        """The tile fields of a graph layout of ``size`` rows: ``graph_block_m`` and its
-        ``max_row_tiles`` bound for the tiled variant, none otherwise."""
-        if LORA_VARIANT_CODES[variant] != "tiled":
-            return {}
-        block_m = graph_block_m(size, self.max_loras)
-        return dict(lora_block_m=block_m,
-                    lora_tiles=max_row_tiles(size, self.max_loras, block_m))
 
     def release_graphs(self) -> None:
         """Destroy the captured graphs (decode and piecewise); later steps run eagerly."""
@@ -558,43 +365,11 @@ class ModelRunner:
         seeded generators."""
         if self._input_batch is not None:
             self._input_batch.remove(request_ids)
-        for rid in request_ids:
-            self._generators.pop(rid, None)
+        self.step_sampler.release(request_ids)
 
-    def _generator(self, req_id: str) -> torch.Generator:
-        gen = self._generators.get(req_id)
-        if gen is None:
-            seed = self.input_batch.requests[req_id].sampling_params.seed
-            gen = make_generator(seed, self.device)
-            self._generators[req_id] = gen
-        return gen
-
-
-def lora_schedule_model(model: LlamaForCausalLM, device: torch.device
-                        ) -> LoRAVariantModel | None:
-    """The ``LoRAVariantModel`` of ``model``'s first layer (its LoRA projections' ``in``
-    and slice widths, the slot buffers' rank and element size) on ``device``'s
-    ``gpu_model``; None without LoRA slots."""
-    shapes, rank, size = [], 0, 2
-    for m in model.model.layers[0].modules():
-        slots = getattr(m, "lora", None)
-        if isinstance(m, LoRALinear) and slots is not None:
-            a = slots.lora_a_stacked[0]
-            shapes.append(ProjectionShape(a.shape[2], tuple(n for _, n in slots.output_slices)))
-            rank, size = max(rank, a.shape[1]), a.element_size()
-    if not shapes:
-        return None
-    return LoRAVariantModel(tuple(shapes), rank, gpu_model(device), size)
+    def _seed_of(self, req_id: str) -> int | None:
+        return self.input_batch.requests[req_id].sampling_params.seed
 
 
 def _no_bucket(num_rows: int) -> None:
     return None
-
-
-def _base_rows_mapping(lora: np.ndarray, size: int, max_loras: int,
-                       layout: StepLayout) -> None:
-    """Fill a LoRA segment (``lora_kernel_meta_from_buffer``'s layout) with the mapping of
-    ``size`` base rows: no row on an adapter, no active slot, only padding tiles."""
-    arrays = lora_kernel_meta_arrays(np.full(size, -1), max_loras)
-    fill_lora_segment(lora, arrays, layout.lora_block_m,
-                      layout.lora_tiles if layout.lora_block_m else None)

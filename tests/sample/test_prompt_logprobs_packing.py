@@ -85,6 +85,7 @@ def test_input_batch_prompt_rows_follow_the_chunks():
     """A prompt of P tokens computed in chunks [s, s + n): rows s..min(s + n, P - 1) - 1 of
     each chunk, targets the next prompt tokens, none past the prompt."""
     from manylora.worker.input_batch import InputBatch
+    from manylora.worker.prepare_inputs import prompt_logprob_rows
 
     batch = InputBatch(4, 64, 4, 0, 100, 1)
     prompt = list(range(10, 20))                   # P = 10
@@ -93,8 +94,8 @@ def test_input_batch_prompt_rows_follow_the_chunks():
     batch.token_ids[1, :5] = [1, 2, 3, 4, 5]
     batch.num_prompt[1], batch.prompt_lp[1] = 5, -1
     for start, n in ((0, 4), (4, 4), (8, 3), (10, 2)):
-        plan, rows, targets = batch._prompt_rows(
-            ["a", "b"], np.array([0, 1]), np.array([start, 0]), np.array([n, 5]),
+        plan, rows, targets = prompt_logprob_rows(
+            batch, ["a", "b"], np.array([0, 1]), np.array([start, 0]), np.array([n, 5]),
             np.array([0, n]))
         want = [j for j in range(start, start + n) if j <= 8]
         if not want:

@@ -35,6 +35,7 @@ from manylora.scheduler_output import (
     SchedulerOutput,
 )
 from manylora.worker.input_batch import InputBatch
+from manylora.worker.prepare_inputs import prepare_inputs
 from manylora.worker.step_inputs import (
     LORA_VARIANT_CODES,
     StepBuffers,
@@ -105,8 +106,8 @@ class Harness:
                 sched.revert(out)
                 return out, None, None
             self.lora_slots = lora_slots or {}
-            inputs, info = batch.prepare(out, ids, self.lora_slots, self.bucket_of,
-                                         self.buffers, self.pieces_of)
+            inputs, info = prepare_inputs(batch, out, ids, self.lora_slots, self.bucket_of,
+                                          self.buffers, self.pieces_of)
             views = self.buffers.upload(inputs, self.max_loras, self.prev_sampled)
             self.check(out, inputs, info, views)
             sampled = {rid: next(self.tokens) for rid in info.req_ids}
@@ -278,7 +279,7 @@ def test_a_request_left_out_of_a_step_is_parked_and_restored():
                             r.sampling_params) for r in new],
             CachedRequestData(*(list(c) for c in cached)))
         ids = batch.update_states(out)
-        inputs, info = batch.prepare(out, ids, {}, _no_bucket, buffers)
+        inputs, info = prepare_inputs(batch, out, ids, {}, _no_bucket, buffers)
         buffers.upload(inputs, 0)
         tokens = [1000 + len(r.token_ids) for r in (s[0] for s in scheduled)]
         batch.append_sampled(info, tokens)
@@ -562,7 +563,7 @@ def test_sampling_columns_match_sampling_tensors_from_params():
            for i, r in enumerate(reqs)]
     out = SchedulerOutput([ScheduledRequest(r, 0, 3, True) for r in reqs], [], [], [], new)
     ids = batch.update_states(out)
-    inputs, info = batch.prepare(out, ids, {}, _no_bucket, buffers)
+    inputs, info = prepare_inputs(batch, out, ids, {}, _no_bucket, buffers)
     host = split_segments(inputs.data, inputs.layout, 0)
     ref = SamplingTensors.from_params(params, 50, "cpu")
     assert host["temperature"].tolist() == pytest.approx(ref.temperature.tolist())
