@@ -12,7 +12,6 @@ equal those without.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import numpy as np
@@ -20,8 +19,6 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.engine.arg_utils import EngineArgs
-from manylora.executor.sizing import piece_sizes
 from manylora.lora.kernels.meta import (
     default_variant,
     fill_lora_segment,
@@ -204,30 +201,6 @@ def test_greedy_outputs_with_piece_buckets_match_peft(base_dir, adapters):
     for out, ref in zip(outs, refs):
         ok, where = compare_greedy(out.outputs[0].token_ids, ref)
         assert ok, where
-
-
-def test_piece_buckets_from_engine_args_and_flags():
-    """Default buckets on one GPU only (not on the CPU, not under tensor parallelism), capped
-    by the token budget; explicit ones anywhere; none under enforce_eager; the flag with no
-    value turns them off; bad sizes named."""
-    def sizes(device, **kw):
-        return piece_sizes(EngineArgs(model="m", max_num_batched_tokens=300, **kw),
-                           torch.device(device))
-
-    assert sizes("cuda") == (16, 32, 64, 96, 128, 160, 192, 256, 300)
-    assert sizes("cpu") == ()
-    assert sizes("cuda", tensor_parallel_size=2) == ()
-    assert sizes("cuda", tensor_parallel_size=2, piecewise_cuda_graph_sizes=(64,)) == (64,)
-    assert sizes("cpu", piecewise_cuda_graph_sizes=(8, 1000)) == (8, 300)
-    assert sizes("cuda", piecewise_cuda_graph_sizes=()) == ()
-    assert sizes("cuda", enforce_eager=True, piecewise_cuda_graph_sizes=(8,)) == ()
-    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
-    flag = "--piecewise-cuda-graph-sizes"
-    for argv, want in (([], None), ([flag], ()), ([flag, "16", "64"], (16, 64))):
-        args = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *argv]))
-        assert args.piecewise_cuda_graph_sizes == want
-    with pytest.raises(ValueError, match="piecewise_cuda_graph_sizes"):
-        EngineArgs(model="m", piecewise_cuda_graph_sizes=(0, 16))
 
 
 # ---------------------------------------------------------------------------------- GPU
