@@ -21,19 +21,20 @@ that stops at step n computes one discarded token in step n+1.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from functools import partial
 
-from manylora.checkpoint.hub import resolve_model_path
-from manylora.config import SchedulerConfig
 from manylora.engine.arg_utils import EngineArgs
 from manylora.engine.core_adapters import CoreAdapters
 from manylora.engine.core_outputs import FINISH_REASONS, grammar_outputs, step_outputs
 from manylora.engine.core_requests import build_request, require_lora
+from manylora.engine.core_startup import (
+    build_scheduler,
+    build_structured_outputs,
+    freeze_startup_heap,
+)
 from manylora.engine.protocol import (
     CoreInfo,
     EngineCoreOutput,
@@ -46,11 +47,8 @@ from manylora.executor.factory import create_executor
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora_request import LoRARequest
 from manylora.request import RequestStatus
-from manylora.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
-from manylora.scheduler.scheduler import Scheduler
+from manylora.scheduler.kv_cache_manager import KVCacheStats
 from manylora.scheduler_output import SchedulerOutput
-from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
-from manylora.structured.manager import StructuredOutputManager
 from manylora.worker.step_sampler import ForwardStep, LaunchedStep
 
 logger = logging.getLogger(__name__)
@@ -79,31 +77,19 @@ class EngineCore:
 
     def __init__(self, args: EngineArgs) -> None:
         self.executor = executor = create_executor(args)
-        self.model_config = cfg = executor.model_config
+        self.model_config = executor.model_config
         self.max_model_len = executor.max_model_len
-        self.cache_config = cc = executor.cache_config
+        self.cache_config = executor.cache_config
         self.lora_config = executor.lora_config
         self.lora_manager = manager = executor.lora_manager
-        kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                    cc.num_host_blocks, executor.preemption_cost)
-        max_loras = self.lora_config.max_loras if self.lora_config else 0
-        self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
-                            args.lora_aging_steps, scheduling_policy=args.scheduling_policy,
-                            max_group_share=args.max_group_share),
-            kv_manager, manager)
+        self.scheduler = build_scheduler(args, executor)
+        self.structured = build_structured_outputs(args, executor)
         self._late_outputs: list[EngineCoreOutput] = []    # adapter failures met off-step
         self.async_scheduling = args.async_scheduling
         self._in_flight: tuple[SchedulerOutput, LaunchedStep | None] | None = None
-        self.structured = StructuredOutputManager(
-            None if args.skip_tokenizer_init else GrammarCompileService(
-                partial(_tokenizer_info, args, executor.model_dir, cfg.vocab_size),
-                cache_bytes=args.grammar_cache_bytes,
-                compile_seconds=args.max_grammar_compile_seconds),
-            cfg.vocab_size, args.max_num_seqs, pin_memory=executor.device.type == "cuda")
         self._adapters = None if manager is None else CoreAdapters(
             manager, self.scheduler, self.structured, self._finish)
-        _freeze_startup_heap()
+        freeze_startup_heap()
 
     def add_request(self, request: EngineCoreRequest) -> list[int]:
         """Queue a request; the session history prepended to its prompt (empty without
@@ -391,30 +377,6 @@ class EngineCore:
         if self.structured.compiler is not None:
             self.structured.compiler.shutdown()
         gc.unfreeze()
-
-
-def _freeze_startup_heap() -> None:
-    """Move every object alive now out of the collector's reach (vLLM's ``gc.freeze`` after
-    start-up): the start-up heap (modules, configs, tokenizer) never becomes garbage, so
-    generation-2 collections stop walking it. ``EngineCore.shutdown`` and interpreter exit
-    give it back."""
-    gc.collect()
-    gc.freeze()
-    global _unfreeze_at_exit
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)       # extension modules' leak checks run at exit
-        _unfreeze_at_exit = True
-
-
-_unfreeze_at_exit = False
-
-
-def _tokenizer_info(args: EngineArgs, model_dir, vocab_size: int):
-    """The grammar compiler's ``xgrammar.TokenizerInfo``: the front's tokenizer (``tokenizer``
-    or the checkpoint's) over the model's ``vocab_size`` (read on the grammar thread)."""
-    tok_dir = (resolve_model_path(args.tokenizer, args.revision, args.download_dir)
-               if args.tokenizer else model_dir)
-    return load_tokenizer_info(str(tok_dir), args.trust_remote_code, vocab_size)
 
 
 def _names(requests: Iterable[LoRARequest | None]) -> tuple[str, ...]:
