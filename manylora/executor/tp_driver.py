@@ -53,6 +53,7 @@ def slot_message(slot: int, pinned: PinnedAdapter, name: str, seq: int) -> dict:
             "lora_int_id": pinned.lora_int_id, "lora_name": pinned.name,
             "digest": pinned.digest, "rank": pinned.rank, "has_dora": pinned.has_dora}
 
+
 class TPDriver:
     """Rank 0's end: starts ranks 1..N-1, joins the process group with them, and sends
     them every message.
