@@ -16,7 +16,7 @@ softmax numerators::
 
 The codes convert exactly to the dot dtype (int8 and e4m3 values are bfloat16, float16 and
 float32 numbers), so the scales are the only extra rounding against attention over the
-dequantized rows. ``write_kv_triton`` quantizes as ``manylora.ops.attention.quantize_kv``:
+dequantized rows. ``write_kv_triton`` quantizes as ``manylora.ops.paged_kv.quantize_kv``:
 ``scale = max_d |x[d]| / QMAX`` per (token, KV head), ``code = round(x / scale)``.
 
 Design (FlashAttention-2's forward, Dao 2023, over vLLM's paged KV cache, Kwon et al. 2023,
@@ -60,13 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from manylora.ops.attention import (
-    KV_QUANT_MAX,
-    AttentionMetadata,
-    KVCache,
-    check_attention_inputs,
-    check_kv_cache,
-)
+from manylora.ops.attention_metadata import AttentionMetadata, check_attention_inputs
+from manylora.ops.paged_kv import KV_QUANT_MAX, KVCache, check_kv_cache
 from manylora.ops.host_math import cdiv, next_power_of_2
 
 _LOG2E = 1.4426950408889634
@@ -494,7 +489,7 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     cache_loc: torch.Tensor) -> None:
     """``data[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0; a quantized
     cache stores ``code = round(x / scale)`` and ``scale = max_d |x[d]| / QMAX`` per (row,
-    KV head) instead (``manylora.ops.attention.quantize_kv``, bit-exact for int8).
+    KV head) instead (``manylora.ops.paged_kv.quantize_kv``, bit-exact for int8).
 
     One program per token row, no host sync (CUDA-graph safe).
 
