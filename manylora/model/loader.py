@@ -53,7 +53,9 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
                load_format: str = "auto", tp: TPGroup | None = None) -> nn.Module:
     """Allocate the model (this rank's shard of it) on ``device`` and fill it from the
     checkpoint (TensorRT-LLM's loader). The class is the model registry's for
-    ``cfg.architecture`` (``manylora.model.registry``).
+    ``cfg.architecture`` (``manylora.model.registry``); each layer's linear method
+    (``manylora.ops.linear_method``) laid its weights out for the loader and then reworks
+    them (``process_weights_after_loading``), as vLLM's loader does.
 
     Args:
         model_dir: the checkpoint directory (or one weight file, e.g. a ``.gguf``).
@@ -81,6 +83,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
     else:
         rank = model.tp
         ModelWeightsLoader(model_dir, key_dict).load_model(model, rank.rank, rank.size)
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
 
 

@@ -61,8 +61,8 @@ import triton
 import triton.language as tl
 
 from manylora.ops.attention_metadata import AttentionMetadata, check_attention_inputs
-from manylora.ops.paged_kv import KV_QUANT_MAX, KVCache, check_kv_cache
 from manylora.ops.host_math import cdiv, next_power_of_2
+from manylora.ops.paged_kv import KV_QUANT_MAX, KVCache, check_kv_cache
 
 _LOG2E = 1.4426950408889634
 #: Upper bound on the key-range splits of a decode launch.
