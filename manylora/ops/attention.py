@@ -58,7 +58,7 @@ __all__ = [
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                        cache_loc: torch.Tensor) -> None:
-    """PyTorch reference of ``write_kv``: ``index_copy_`` of the rows whose slot is ≥ 0,
+    """PyTorch reference of ``write_kv``: ``index_copy_`` of the rows whose cache location is ≥ 0,
     quantized first by ``quantize_kv`` (codes and scales) when the cache is.
 
     Args as ``write_kv`` (``k``, ``v`` ``[T, num_kv_heads, head_dim]``, a ``KVCache``, int64
@@ -71,26 +71,26 @@ def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     data = kv_cache.data
     flat = data.view(2, -1, *data.shape[-2:])
     rows = torch.nonzero(cache_loc >= 0).squeeze(1)
-    slots = cache_loc.index_select(0, rows)
+    locs = cache_loc.index_select(0, rows)
     if not kv_cache.quantized:
-        flat[0].index_copy_(0, slots, k.index_select(0, rows))
-        flat[1].index_copy_(0, slots, v.index_select(0, rows))
+        flat[0].index_copy_(0, locs, k.index_select(0, rows))
+        flat[1].index_copy_(0, locs, v.index_select(0, rows))
         return
     flat_scale = kv_cache.scale.view(2, -1, data.shape[3])
     for i, x in enumerate((k, v)):
         codes, scale = quantize_kv(x.index_select(0, rows), data.dtype)
         # Byte views: index_copy_ has no float8 kernel on every device.
-        flat[i].view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
-        flat_scale[i].index_copy_(0, slots, scale)
+        flat[i].view(torch.uint8).index_copy_(0, locs, codes.view(torch.uint8))
+        flat_scale[i].index_copy_(0, locs, scale)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
              cache_loc: torch.Tensor) -> None:
-    """Store this step's keys and values: ``data[:, slot // bs, slot % bs] = (k, v)``, or for
+    """Store this step's keys and values: ``data[:, loc // bs, loc % bs] = (k, v)``, or for
     a quantized cache their codes and per-head scales (``quantize_kv``).
 
-    Rows whose slot is -1 (padding) write nothing (vLLM's ``reshape_and_cache``). CUDA: one
-    Triton launch, no host sync (CUDA-graph safe); elsewhere the PyTorch reference.
+    Rows whose cache location is -1 (padding) write nothing (vLLM's ``reshape_and_cache``).
+    CUDA: one Triton launch, no host sync (CUDA-graph safe); elsewhere the PyTorch reference.
 
     Args:
         k, v: ``[T, num_kv_heads, head_dim]`` (any strides): the cache's dtype when
@@ -98,7 +98,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
         kv_cache: the layer's ``KVCache`` (``data [2, num_blocks, block_size, num_kv_heads,
             head_dim]``, float32 ``scale [2, num_blocks, block_size, num_kv_heads]`` or None;
             contiguous on CUDA).
-        cache_loc: int64 ``[T]`` flat slots (``AttentionMetadata.cache_loc``).
+        cache_loc: int64 ``[T]`` flat cache locations (``AttentionMetadata.cache_loc``).
 
     Raises:
         ValueError: a malformed cache (``check_kv_cache``); (CUDA) shapes, dtypes or a cache
@@ -121,12 +121,12 @@ def _host_seqs(meta: AttentionMetadata) -> tuple[SeqAttention, ...]:
 
 
 def _gather_kv(flat: torch.Tensor, flat_scale: torch.Tensor | None,
-               slots: torch.Tensor) -> torch.Tensor:
-    """Rows ``slots`` of ``flat [S, Hkv, D]``: as stored, or dequantized to float32."""
+               locs: torch.Tensor) -> torch.Tensor:
+    """Rows ``locs`` of ``flat [S, Hkv, D]``: as stored, or dequantized to float32."""
     if flat_scale is None:
-        return flat.index_select(0, slots)
-    codes = flat.view(torch.uint8).index_select(0, slots).view(flat.dtype)
-    return dequantize_kv(codes, flat_scale.index_select(0, slots))
+        return flat.index_select(0, locs)
+    codes = flat.view(torch.uint8).index_select(0, locs).view(flat.dtype)
+    return dequantize_kv(codes, flat_scale.index_select(0, locs))
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
@@ -162,9 +162,9 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: Attentio
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         k_pos = torch.arange(seq.context_len, device=q.device)
         blocks = meta.block_tables[i].to(torch.int64).index_select(0, k_pos // bs)
-        kv_slots = blocks * bs + k_pos % bs
-        k = _gather_kv(flat[0], None if flat_scale is None else flat_scale[0], kv_slots)
-        v = _gather_kv(flat[1], None if flat_scale is None else flat_scale[1], kv_slots)
+        kv_locs = blocks * bs + k_pos % bs
+        k = _gather_kv(flat[0], None if flat_scale is None else flat_scale[0], kv_locs)
+        v = _gather_kv(flat[1], None if flat_scale is None else flat_scale[1], kv_locs)
         if group > 1:
             k = k.repeat_interleave(group, dim=1)                      # [C, H, D]
             v = v.repeat_interleave(group, dim=1)

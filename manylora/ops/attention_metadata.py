@@ -60,7 +60,7 @@ class AttentionMetadata(NamedTuple):
     depend only on the non-tensor fields and the shapes.
 
     Attributes:
-        cache_loc: int64 ``[T]``, the flat cache slot each new token's K/V is written to;
+        cache_loc: int64 ``[T]``, the flat cache location each new token's K/V is written to;
             -1 for padding rows (nothing written).
         block_tables: int32 ``[B, W]``, each sequence's physical blocks, padded with 0.
         query_start: int32 ``[B]``, first row of each sequence's new tokens.
@@ -125,11 +125,11 @@ def attention_tiles(query_lens: np.ndarray, seq_lens: np.ndarray,
 
 def slot_mapping_from_block_table(positions: torch.Tensor, token_rows: torch.Tensor,
                                   block_table: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The KV cache slot of every token row, computed on the tables' device (vLLM v1
+    """The KV cache location of every token row, computed on the tables' device (vLLM v1
     computes it on the GPU too)::
 
-        slot[t] = block_table[row[t], pos[t] // bs] * bs + pos[t] % bs   (row[t] >= 0)
-        slot[t] = -1                                                      (row[t] == -1)
+        loc[t] = block_table[row[t], pos[t] // bs] * bs + pos[t] % bs   (row[t] >= 0)
+        loc[t] = -1                                                      (row[t] == -1)
 
     A handful of elementwise kernels and one gather, no host sync: CUDA-graph safe.
 
@@ -140,14 +140,14 @@ def slot_mapping_from_block_table(positions: torch.Tensor, token_rows: torch.Ten
         block_size: tokens per block.
 
     Returns:
-        int64 ``[T]`` flat cache slots (``AttentionMetadata.cache_loc``).
+        int64 ``[T]`` flat cache locations (``AttentionMetadata.cache_loc``).
     """
     width = block_table.shape[1]
     flat = token_rows.clamp(min=0) * width + torch.div(positions, block_size,
                                                        rounding_mode="floor")
     blocks = block_table.view(-1).index_select(0, flat)
-    slots = blocks.to(torch.int64) * block_size + positions.remainder(block_size)
-    return torch.where(token_rows >= 0, slots, -1)
+    locs = blocks.to(torch.int64) * block_size + positions.remainder(block_size)
+    return torch.where(token_rows >= 0, locs, -1)
 
 
 def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[int],
@@ -158,7 +158,7 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
     """Lay out one step's batch for ``write_kv`` and ``paged_attention``.
 
     Sequence ``i``'s new tokens are rows ``sum(query_lens[:i]) ..`` of the flat batch, at
-    positions ``context_lens[i] - query_lens[i] + j``; their cache slots come from the
+    positions ``context_lens[i] - query_lens[i] + j``; their cache locations come from the
     block tables (``block_table[p // block_size] * block_size + p % block_size``). Every
     host list goes into one host buffer (pinned on CUDA) that is copied to ``device`` in
     one transfer; the tensor fields are views of it.
@@ -172,7 +172,7 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
         num_queries_per_kv: G = num_heads / num_kv_heads (sizes the prefill tiles).
         device: where the tensors go.
         pad_to: CUDA-graph decode: pad the batch to ``pad_to`` sequences of one token each,
-            so ``T = pad_to`` rows (padding sequences have context_len 0, slot -1 and an
+            so ``T = pad_to`` rows (padding sequences have context_len 0, cache location -1 and an
             all-zero table row; their output rows are zeros). Only valid when every sequence
             has query_len 1.
         max_blocks_per_seq: fixes the table width W (default: the longest table, at least 1).
@@ -239,20 +239,20 @@ def build_attention_metadata(query_lens: Sequence[int], context_lens: Sequence[i
     real_tokens = int(q_lens.sum())
     tok_seq = np.repeat(np.arange(num_seqs), q_lens)
     pos = cl[tok_seq] - ql[tok_seq] + (np.arange(real_tokens) - qs[tok_seq])
-    slots = np.full(num_tokens, -1, dtype=np.int64)
-    slots[:real_tokens] = tables[tok_seq, pos // block_size] * block_size + pos % block_size
+    locs = np.full(num_tokens, -1, dtype=np.int64)
+    locs[:real_tokens] = tables[tok_seq, pos // block_size] * block_size + pos % block_size
 
     block_q = prefill_block_q(num_queries_per_kv)
     tile_seq, tile_query, num_decode_tiles = attention_tiles(ql, cl, block_q)
 
-    # One host buffer: the int64 slots, then every int32 field; one copy to the device.
+    # One host buffer: the int64 cache locations, then every int32 field; one copy to the device.
     int32_parts = (tables.reshape(-1), qs, ql, cl, tile_seq, tile_query)
     sizes = [p.size for p in int32_parts]
     nbytes = 8 * num_tokens + 4 * sum(sizes)
     device = torch.device(device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     host_np = host.numpy()
-    host_np[: 8 * num_tokens].view(np.int64)[:] = slots
+    host_np[: 8 * num_tokens].view(np.int64)[:] = locs
     host_np[8 * num_tokens:].view(np.int32)[:] = np.concatenate(int32_parts)
     buf = host.to(device, non_blocking=True)
     cache_loc = buf[: 8 * num_tokens].view(torch.int64)

@@ -53,7 +53,7 @@ class KVCache(NamedTuple):
             values) in the model dtype (unquantized) or ``torch.int8`` /
             ``torch.float8_e4m3fn`` (quantized).
         scale: float32 ``[2, num_blocks, block_size, num_kv_heads]``, one scale per (K/V,
-            token slot, KV head), or None when unquantized. Slot ``s`` of head ``h`` holds
+            token, KV head), or None when unquantized. Cache location ``s`` of head ``h`` holds
             ``x ≈ data[:, s // bs, s % bs, h].float() * scale[:, s // bs, s % bs, h, None]``
             with ``scale = max_d |x[d]| / QMAX`` (``KV_QUANT_MAX``; see ``quantize_kv``).
 
