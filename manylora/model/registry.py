@@ -3,10 +3,13 @@
 
 The table is ``manylora.config.architectures.MODEL_ARCHITECTURES`` (``"module:Class"``
 under ``manylora.model``; ``ModelConfig.from_hf`` checks checkpoints against it); this
-module imports the named family module when a model is built. Every registered class takes
-``(cfg: ModelConfig, device, tp: TPGroup | None)`` and offers what the worker calls
-(``LlamaForCausalLM``'s interface: ``forward``, ``compute_logits``, ``embed``,
-``create_lora_slots``, ...).
+module imports the named family module when a model is built. A registered class takes
+``(cfg: ModelConfig, device, tp: TPGroup | None)`` and offers what the worker reaches,
+as ``LlamaForCausalLM`` does: ``cfg`` (the rank's), ``forward``, ``embed``, ``final_norm``,
+``compute_logits``, ``create_lora_slots`` / ``slot_table``, ``lora_module_weight``,
+``lora_dora_norm``, and for the piecewise CUDA graphs and the warm-up ``model.layers[i]``
+with ``pre_attention``, ``self_attn.rotate`` / ``self_attn.attend`` and
+``post_attention``, ``model.embed_tokens``, ``model.rotary`` and ``lm_head``.
 """
 
 from __future__ import annotations
