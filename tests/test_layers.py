@@ -69,7 +69,6 @@ _KNOWN = [
     ["manylora.entrypoints.ray_serve.app", "manylora.entrypoints.ray_serve.ingress",
      "manylora.entrypoints.ray_serve.replica"],
     ["manylora.lora.slot_table", "manylora.lora.slots"],
-    ["manylora.ops.attention", "manylora.ops.triton_attention"],
 ]
 
 
