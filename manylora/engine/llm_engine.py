@@ -26,10 +26,11 @@ from transformers import GenerationConfig
 from manylora.checkpoint.gguf import is_gguf, load_tokenizer
 from manylora.checkpoint.hub import resolve_model_path
 from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.core_client import AddDone, make_client
+from manylora.engine.core_client import make_client
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.protocol import (
+    AddDone,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,

@@ -207,6 +207,15 @@ class AddResult:
 
 
 @dataclass
+class AddDone:
+    """The front-side form of an ``AddResult``: the exception itself, not its record."""
+
+    request_id: str
+    history: list[int] = field(default_factory=list)
+    error: Exception | None = None
+
+
+@dataclass
 class CoreInfo:
     """What the front needs to know of a core that started.
 
