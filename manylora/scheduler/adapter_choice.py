@@ -24,7 +24,7 @@ the engine):
   their copies spread over steps instead of one compute-bound step that waits on several
   copies;
 * ``lora_staging_slots`` adapter slots (a quarter of ``max_loras`` at most, none below 4)
-  stay free of running adapters: the cache copies the next adapters (``wanted``) into them
+  stay free of running adapters: the adapter cache copies the next adapters (``wanted``) into them
   while steps run, so they join with no copy to wait for.
 
 Neither rule starves a request: aged requests still take free adapter slots in arrival order

@@ -22,7 +22,7 @@ whole lifetime. So each adapter's queue keeps one FIFO lane per group
 
 Preemption for fairness takes the same path as preemption for blocks: the request keeps its
 tokens, its full blocks stay in the prefix cache (children of one prompt share them, so
-their return mostly hits the cache), sessions are untouched (a session's turn is a request
+their return mostly hits the prefix cache), sessions are untouched (a session's turn is a request
 like any other), and under async scheduling a preempted request's token in flight is kept by
 ``Scheduler.update``. Only group counts and lane heads are read: no tensors, O(lanes) per
 step, O(running) per preemption. ``scheduling_policy="fcfs"`` keeps strict arrival order

@@ -32,7 +32,7 @@ from manylora.scheduler.adapter_choice import AdapterChoice
 from manylora.scheduler.fairness import GroupShares
 from manylora.scheduler.kv_cache_manager import KVCacheManager, PrefixHit
 from manylora.scheduler.runner_deltas import RunnerDeltas
-from manylora.scheduler.sessions import Session, SessionTable
+from manylora.scheduler.sessions import SessionTable
 from manylora.scheduler.waiting_queue import WaitingQueues
 from manylora.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -98,7 +98,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._step = 0
         self._lost: dict[str, int] = {}        # preempted request id → tokens it had computed
-        self.sessions = SessionTable()
+        self.sessions = SessionTable(kv)
 
     @property
     def num_preemptions(self) -> int:
@@ -126,7 +126,7 @@ class Scheduler:
             if turn is not None and (turn.lora_digest != request.lora_digest
                                      or request.adapter_pending       # (no digest yet)
                                      or request.needs_prompt_logprobs):
-                self._release_session_kv(sess)    # KV of another adapter, or prompt
+                self.sessions.release_kv(sess)    # KV of another adapter, or prompt
                 #                                   log-probabilities to compute: recompute
         self.requests[request.request_id] = request
         self._waiting.add(request, self._step)
@@ -160,7 +160,7 @@ class Scheduler:
                 continue
             n = min(total - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                if self._evict_idle_session():
+                if self.sessions.evict_lru():
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -241,7 +241,7 @@ class Scheduler:
             queue = queues[lid]
             req = queue.lanes[g][0]
             n = self._join(req, budget)
-            while n is None and self._evict_idle_session():
+            while n is None and self.sessions.evict_lru():
                 n = self._join(req, budget)
             if n is None:
                 break
@@ -295,34 +295,10 @@ class Scheduler:
         req.num_computed_tokens = computed
         return n
 
-    def _evict_idle_session(self) -> bool:
-        """Release the KV of the least recently used idle session (its full blocks stay in
-        the prefix cache or go to swap space); False when no idle session holds any."""
-        sess = self.sessions.lru_idle()
-        if sess is None:
-            return False
-        self.kv.swap_out(sess.last_turn, sess.holder)
-        sess.lost_tokens = sess.last_turn.num_computed_tokens
-        self._release_session_kv(sess)
-        self.kv.stats.evicted_sessions += 1
-        return True
-
-    def _release_session_kv(self, sess: Session) -> None:
-        self.kv.free(sess.holder)
-        self.sessions.released(sess)
-
     def end_session(self, session_id: str) -> bool:
         """Forget a session: the blocks only it held are freed (full ones stay in the prefix
         cache). A turn in flight finishes first. False for an unknown id."""
-        sess = self.sessions.get(session_id)
-        if sess is None:
-            return False
-        if sess.active_request is not None:
-            sess.ended = True
-        else:
-            self._release_session_kv(sess)
-            self.sessions.drop(sess)
-        return True
+        return self.sessions.end(session_id)
 
     def _plan(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -390,22 +366,6 @@ class Scheduler:
             self._lost.pop(rid, None)
             self._deltas.forget(rid)
             if req.session_id is not None:
-                self._end_turn(req, status)
+                self.sessions.end_turn(req, status)
             self.kv.free(rid)
             self._finished_ids.append(rid)
-
-    def _end_turn(self, req: Request, status: RequestStatus) -> None:
-        sess = self.sessions.get(req.session_id)
-        if sess is None or sess.active_request != req.request_id:
-            return
-        sess.active_request = None
-        # a step launched before the turn stopped may have computed its last token's KV
-        # (async scheduling); the session keeps what a synchronous step leaves: all but it
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        if sess.ended:
-            self._release_session_kv(sess)
-            self.sessions.drop(sess)
-        elif status is not RequestStatus.FINISHED_ABORTED:
-            self._release_session_kv(sess)        # its KV, if any, was not adopted
-            self.kv.rename(req.request_id, sess.holder)
-            self.sessions.keep(sess, req)
