@@ -100,9 +100,10 @@ class InputProcessor:
         raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}, got "
                          f"{type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: str | dict, params: SamplingParams,
-                lora_request: LoRARequest | None, session_id: str | None, arrival: float,
-                client_group: str | None) -> tuple[str | None, EngineCoreRequest]:
+    def process_inputs(self, request_id: str, prompt: str | dict, params: SamplingParams,
+                       lora_request: LoRARequest | None, session_id: str | None,
+                       arrival: float, client_group: str | None
+                       ) -> tuple[str | None, EngineCoreRequest]:
         """Tokenize and check one request: its prompt text (None for token ids) and the
         ``EngineCoreRequest`` for the core, whose params carry the server-wide structured
         output options and ``bad_words`` tokenized into ``bad_words_token_ids``.

@@ -251,7 +251,7 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
-        text, core_request = self.input_processor.process(
+        text, core_request = self.input_processor.process_inputs(
             request_id, r.prompt, params, r.lora_request, r.session_id, arrival,
             r.client_group)
         self.output_processor.add(request_id, text, core_request.prompt_token_ids,
