@@ -148,6 +148,32 @@ class OpenAIServing:
             f"choices; the server allows at most {self.max_choices} per request "
             "(--max-choices-per-request). Split it into several requests.", param=param)
 
+    async def admit(self, model: str | None, num_prompts: int, n: int, *,
+                    grammars: Sequence[tuple[StructuredOutputsParams | None, str | None]] = (),
+                    bad_words: list[str] | None = None,
+                    needs_tokenizer: tuple[str, str] | None = None
+                    ) -> tuple[str, LoRARequest | None, list[list[int]] | None]:
+        """The checks a generation request passes before its prompt is tokenized, in this
+        order: the choices bound (:meth:`check_choices`), the model (:meth:`resolve_model`),
+        the tokenizer when ``needs_tokenizer`` (what, param) asks for one, each grammar of
+        ``grammars`` ((params, param) pairs: :meth:`check_structured`), then ``bad_words``
+        (:meth:`bad_words_ids`).
+
+        Returns:
+            The model name to report, the adapter (None: the base model), and the
+            ``bad_words`` as token ids (None for none).
+
+        Raises:
+            OpenAIError: the first check's error (400, 404).
+        """
+        self.check_choices(num_prompts, n)
+        model_name, lora_request = self.resolve_model(model)
+        if needs_tokenizer is not None:
+            self.require_tokenizer(*needs_tokenizer)
+        for params, param in grammars:
+            await self.check_structured(params, param)
+        return model_name, lora_request, await self.bad_words_ids(bad_words)
+
     def require_tokenizer(self, what: str, param: str | None = None) -> Any:
         """The tokenizer, for ``what`` needs one.
 

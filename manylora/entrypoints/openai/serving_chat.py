@@ -194,12 +194,10 @@ class OpenAIServingChat(OpenAIServing):
                                      self.enable_auto_tool_choice)
         structured, structured_param = structured_params(request)
         n = request.n or 1
-        self.check_choices(1, n)
-        model_name, lora_request = self.resolve_model(request.model)
-        self.require_tokenizer("chat", param="messages")
-        await self.check_structured(structured, structured_param)
-        await self.check_structured(tools.structured, "tools")
-        bad_words = await self.bad_words_ids(request.bad_words)
+        model_name, lora_request, bad_words = await self.admit(
+            request.model, 1, n, needs_tokenizer=("chat", "messages"),
+            grammars=[(structured, structured_param), (tools.structured, "tools")],
+            bad_words=request.bad_words)
         text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")

@@ -122,10 +122,9 @@ class OpenAIServingCompletion(OpenAIServing):
         structured, structured_param = structured_params(request)
         n = request.n or 1
         items = _prompt_items(request.prompt)
-        self.check_choices(len(items), n)
-        model_name, lora_request = self.resolve_model(request.model)
-        await self.check_structured(structured, structured_param)
-        bad_words = await self.bad_words_ids(request.bad_words)
+        model_name, lora_request, bad_words = await self.admit(
+            request.model, len(items), n, grammars=[(structured, structured_param)],
+            bad_words=request.bad_words)
         prompts = await self._prompts(items, request)
         base_id, engine_id = response_ids("cmpl", request.request_id)
         children: list[ChildRequest] = []

@@ -36,9 +36,9 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette._utils import get_route_path
 
-from manylora.entrypoints.openai.middleware import BodyLimitMiddleware
 from manylora.entrypoints.openai.encoding import SafeJSONResponse
 from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.middleware import BodyLimitMiddleware
 from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.ray_serve.bridge import (
     HOP_HEADERS,
