@@ -45,7 +45,7 @@ class ServerConfig:
         enable_force_include_usage: every stream ends with the usage chunk, as if it asked
             for ``stream_options.include_usage`` (vLLM's flag).
         chat_template_content_format: ``auto``, ``string`` or ``openai`` (vLLM's flag;
-            ``serving_chat.content_format``).
+            ``chat_template.content_format``).
         enable_prompt_tokens_details: usage has ``prompt_tokens_details.cached_tokens``,
             the prompt tokens served from the prefix cache (vLLM's flag).
     """

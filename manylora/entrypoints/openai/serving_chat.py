@@ -133,17 +133,13 @@ class OpenAIServingChat(OpenAIServing):
                                  else get_reasoning_parser(reasoning_parser))
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template: the chat request's own
-        (``chat_template``, or that key of ``chat_template_kwargs``; refused by
-        ``check_fields`` without ``--trust-request-chat-template``), else the server's, else the
-        tokenizer's; ``documents`` and ``reasoning_effort`` are passed to the template as
-        vLLM passes them (``enable_thinking`` follows ``reasoning_effort`` unless
-        ``chat_template_kwargs`` sets it). The request's ``tools`` go to the template as
-        its ``tools=`` argument (a template that does not use them ignores it).
+        """The messages as prompt text, through the chat template
+        (:func:`~manylora.entrypoints.openai.chat_template.render_messages` with the
+        server's ``--chat-template`` and ``--chat-template-content-format``).
 
         Raises:
-            OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
-                part, or when the template fails on the messages.
+            OpenAIError: 400 without a tokenizer, and ``render_messages``' 400s (no chat
+                template, a non-text content part, a template failing on the messages).
         """
         tokenizer = self.require_tokenizer("chat", param="messages")
         return render_messages(tokenizer, request, self.chat_template, self.content_format)
