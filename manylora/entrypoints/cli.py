@@ -15,9 +15,9 @@ _BASE = ("base", "none", "-")
 
 
 def _parser() -> argparse.ArgumentParser:
-    from manylora.entrypoints.openai.launcher import add_serve_args
+    from manylora.entrypoints.openai.serve_args import add_serve_args
     from manylora.entrypoints.openai.vllm_flags import VllmArgumentParser
-    from manylora.entrypoints.ray_serve.app import add_ray_args
+    from manylora.entrypoints.ray_serve.args import add_ray_args
 
     parser = argparse.ArgumentParser(prog="manylora", description=__doc__)
     # serve's parser reads --config files
@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             raise SystemExit(f"manylora serve: {e}") from None
     if args.command == "serve-ray":
-        from manylora.entrypoints.ray_serve.app import parse, run_serve_ray
+        from manylora.entrypoints.ray_serve.app import run_serve_ray
+        from manylora.entrypoints.ray_serve.args import parse
 
         argv = sys.argv[1:] if argv is None else argv
         try:

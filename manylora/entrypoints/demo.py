@@ -76,7 +76,8 @@ def run_demo(model: str | None, device: str, per_task: int, max_tokens: int) -> 
         exact_match,
         held_out,
     )
-    from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
+    from manylora.entrypoints.openai.launcher import ServerThread, create_server
+    from manylora.entrypoints.openai.serve_args import serve_parser
     from manylora.testing import compare_greedy, hf_greedy_reference
 
     gguf = Path(model) if model else fetch_smollm2()

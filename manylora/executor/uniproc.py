@@ -28,7 +28,8 @@ from manylora.lora.formats.peft import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
-from manylora.sample.sampler import SampledTokens, set_random_seed
+from manylora.sample.generators import set_random_seed
+from manylora.sample.sampler import SampledTokens
 from manylora.scheduler_output import SchedulerOutput, SwapOp
 from manylora.worker.kv_cache import allocate_kv_caches, auto_num_blocks, block_bytes
 from manylora.worker.kv_swap import KVSwapper, measure_preemption_cost

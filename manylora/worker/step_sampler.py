@@ -12,14 +12,9 @@ from typing import NamedTuple
 import torch
 
 from manylora.ops.token_bitmask import apply_token_bitmask_
+from manylora.sample.generators import make_generator
 from manylora.sample.penalties import penalize_logits
-from manylora.sample.sampler import (
-    SampledTokens,
-    Sampler,
-    SamplingTensors,
-    flag_empty_rows,
-    make_generator,
-)
+from manylora.sample.sampler import SampledTokens, Sampler, SamplingTensors, flag_empty_rows
 from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.input_batch import SampleInfo
 

@@ -189,7 +189,8 @@ def test_preemption_and_prefix_cache_under_tensor_parallelism(base_dir, loras):
 def test_server_under_tensor_parallelism(base_dir):
     import openai
 
-    from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
+    from manylora.entrypoints.openai.launcher import ServerThread, create_server
+    from manylora.entrypoints.openai.serve_args import serve_parser
 
     texts = []
     for tp, variant in ((1, "--no-async-scheduling"), (2, "--async-scheduling")):

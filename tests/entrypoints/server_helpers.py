@@ -12,7 +12,8 @@ import time
 import pytest
 
 from manylora.engine.protocol import EngineCoreOutputs
-from manylora.entrypoints.openai.launcher import ServerThread, create_server, serve_parser
+from manylora.entrypoints.openai.launcher import ServerThread, create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256)

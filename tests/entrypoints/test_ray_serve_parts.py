@@ -21,12 +21,8 @@ from ray.exceptions import ActorDiedError
 from manylora.engine.arg_utils import EngineArgs
 from manylora.entrypoints.ray_serve import control as control_mod
 from manylora.entrypoints.ray_serve import replica as replica_mod
-from manylora.entrypoints.ray_serve.app import (
-    argv_of,
-    engine_deployment_options,
-    parse,
-    serve_ray_parser,
-)
+from manylora.entrypoints.ray_serve.app import engine_deployment_options
+from manylora.entrypoints.ray_serve.args import argv_of, parse, serve_ray_parser
 from manylora.entrypoints.ray_serve.bridge import HTTPRequest, ResponseHead, call_asgi
 from manylora.entrypoints.ray_serve.control import AdapterControl
 from manylora.entrypoints.ray_serve.ingress import IngressConfig, OpenAIIngress

@@ -15,11 +15,9 @@ from test_serving_unit import FakeEngine, FakeModels
 
 from manylora.entrypoints.openai.errors import OpenAIError
 from manylora.entrypoints.openai.protocol_responses import ResponsesRequest, ResponsesResponse
+from manylora.entrypoints.openai.responses_store import ResponseStore
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
-from manylora.entrypoints.openai.serving_responses import (
-    OpenAIServingResponses,
-    ResponseStore,
-)
+from manylora.entrypoints.openai.serving_responses import OpenAIServingResponses
 from manylora.sampling_params import RequestOutputKind
 
 

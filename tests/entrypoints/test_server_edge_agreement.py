@@ -14,7 +14,8 @@ import pytest
 from jsonschema import Draft202012Validator
 from server_helpers import BASE, engine_flags, running_server
 
-from manylora.entrypoints.openai.launcher import create_server, serve_parser
+from manylora.entrypoints.openai.launcher import create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 
 KEY = "edge-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

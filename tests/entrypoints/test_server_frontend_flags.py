@@ -20,11 +20,8 @@ from server_helpers import BASE, engine_flags, running_server
 
 from manylora.engine.stats import EngineSnapshot, IterationStats
 from manylora.entrypoints.openai.frontend_args import env_true, uvicorn_tls_options
-from manylora.entrypoints.openai.launcher import (
-    ServerThread,
-    create_server,
-    serve_parser,
-)
+from manylora.entrypoints.openai.launcher import ServerThread, create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 from manylora.metrics.log_stats import LoggingStatLogger
 from manylora.scheduler.kv_cache_manager import KVCacheStats
 

@@ -15,7 +15,8 @@ import pytest
 from pydantic import BaseModel
 from server_helpers import BASE, running_server
 
-from manylora.entrypoints.openai.launcher import create_server, serve_parser
+from manylora.entrypoints.openai.launcher import create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 from manylora.structured_params import StructuredOutputsConfig, StructuredOutputsParams
 
 

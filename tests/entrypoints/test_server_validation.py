@@ -13,7 +13,8 @@ import pytest
 from server_helpers import BASE, running_server
 from transformers import AutoTokenizer
 
-from manylora.entrypoints.openai.launcher import create_server, serve_parser
+from manylora.entrypoints.openai.launcher import create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -20,7 +20,8 @@ from server_helpers import BASE, ENGINE, running_server
 
 from manylora import LLM, SamplingParams
 from manylora.entrypoints.openai.generation_config import generation_defaults
-from manylora.entrypoints.openai.launcher import create_server, serve_parser
+from manylora.entrypoints.openai.launcher import create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 GREEDY = {"temperature": 0.0, "max_tokens": 5}

@@ -13,7 +13,8 @@ from pydantic import ValidationError
 
 from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
 from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from manylora.entrypoints.openai.errors import OpenAIError, not_found
+from manylora.entrypoints.openai.errors import OpenAIError, not_found, to_openai_error
+from manylora.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs
 from manylora.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
@@ -22,17 +23,13 @@ from manylora.entrypoints.openai.protocol import (
     DeltaMessage,
     StreamOptions,
 )
-from manylora.entrypoints.openai.serving import (
+from manylora.entrypoints.openai.request_sampling import (
     check_context_length,
     child_sampling_params,
     make_sampling_params,
-    to_openai_error,
 )
-from manylora.entrypoints.openai.serving_chat import OpenAIServingChat, chat_logprobs
-from manylora.entrypoints.openai.serving_completion import (
-    OpenAIServingCompletion,
-    completion_logprobs,
-)
+from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
+from manylora.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from manylora.entrypoints.openai.sse import (
     SSE_DONE,
     chunk_event,

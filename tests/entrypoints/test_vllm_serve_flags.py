@@ -19,11 +19,12 @@ from server_helpers import BASE, running_server
 from transformers import AutoTokenizer
 
 from manylora.entrypoints.cli import _parser
-from manylora.entrypoints.openai.launcher import create_server, serve_parser
-from manylora.entrypoints.openai.serving_chat import content_format
+from manylora.entrypoints.openai.chat_template import content_format
+from manylora.entrypoints.openai.launcher import create_server
+from manylora.entrypoints.openai.serve_args import serve_parser
 from manylora.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from manylora.entrypoints.openai.vllm_flags import check_vllm_flags
-from manylora.entrypoints.ray_serve.app import parse as parse_serve_ray
+from manylora.entrypoints.ray_serve.args import parse as parse_serve_ray
 
 FLAGS_FILE = Path(__file__).parent / "data" / "vllm_serve_flags.txt"
 

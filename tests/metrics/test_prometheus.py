@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
 from manylora.lora.manager import LoRACacheStats
-from manylora.metrics import METRICS, PrometheusStatLogger
-from manylora.metrics import prometheus as pm
+from manylora.metrics import METRICS, PrometheusStatLogger, vllm_names
+from manylora.metrics import catalog as pm
 from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 MODEL = "llama-test"
@@ -233,7 +233,7 @@ def test_every_metric_exposed_with_its_names_and_labels():
         else:
             assert spec.labels[0] == "model_name"
     # vLLM's names: its labels (engine "0"), samples of the same kind as ours.
-    for alias in pm.VLLM_METRICS.values():
+    for alias in vllm_names.VLLM_METRICS.values():
         spec = METRICS[alias.source]
         assert alias.name.startswith("vllm:")
         for suffix in (".", "_total", "_bucket", "_count", "_sum"):
@@ -245,11 +245,13 @@ def test_every_metric_exposed_with_its_names_and_labels():
     # Nothing exposed that the tables do not list (prometheus_client's _created aside).
     listed = {n for spec in METRICS.values() for n in spec.sample_names}
     listed |= {n.replace(METRICS[a.source].name, a.name, 1)
-               for a in pm.VLLM_METRICS.values() for n in METRICS[a.source].sample_names}
+               for a in vllm_names.VLLM_METRICS.values() for n in METRICS[a.source].sample_names}
     assert {n for n in names if not n.endswith("_created")} == listed
-    # The module docstring's table lists every metric.
-    for name in [*METRICS, *pm.VLLM_METRICS]:
+    # The modules' docstrings list every metric: ours in the catalog's table, vLLM's names.
+    for name in METRICS:
         assert f"``{name}``" in pm.__doc__
+    for name in vllm_names.VLLM_METRICS:
+        assert f"``{name}``" in vllm_names.__doc__
 
 
 def test_two_registries_do_not_clash():
@@ -382,7 +384,7 @@ def test_lora_label_bound_folds_later_adapters_into_other():
 
 
 def test_metrics_flags_parse():
-    from manylora.entrypoints.openai.launcher import serve_parser
+    from manylora.entrypoints.openai.serve_args import serve_parser
     args = serve_parser().parse_args(["--model", "m"])
     assert args.metrics_names == ("manylora", "vllm") and args.max_lora_metric_labels == 100
     args = serve_parser().parse_args(["--model", "m", "--metrics-names", "vllm",

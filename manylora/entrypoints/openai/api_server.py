@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,15 +28,14 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
-from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import manylora
 from manylora.engine.async_llm import AsyncLLM
 from manylora.entrypoints.openai.encoding import SafeJSONResponse, safe_text
-from manylora.entrypoints.openai.errors import OpenAIError, too_large
-from manylora.entrypoints.openai.frontend_args import FrontendConfig
-from manylora.entrypoints.openai.openapi import errors, install_openapi, needs_key, sse_content
+from manylora.entrypoints.openai.errors import OpenAIError, error_response
+from manylora.entrypoints.openai.middleware import AuthMiddleware, BodyLimitMiddleware
+from manylora.entrypoints.openai.openapi import errors, install_openapi, sse_content
 from manylora.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -64,7 +61,7 @@ from manylora.entrypoints.openai.protocol_tokenization import (
     TokenizerInfoResponse,
 )
 from manylora.entrypoints.openai.request_logger import RequestLogger
-from manylora.entrypoints.openai.serving import DEFAULT_MAX_CHOICES_PER_REQUEST
+from manylora.entrypoints.openai.server_config import ServerConfig
 from manylora.entrypoints.openai.serving_chat import OpenAIServingChat
 from manylora.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from manylora.entrypoints.openai.serving_models import (
@@ -74,68 +71,10 @@ from manylora.entrypoints.openai.serving_models import (
 )
 from manylora.entrypoints.openai.serving_responses import OpenAIServingResponses
 from manylora.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
 from manylora.entrypoints.openai.validation import ClientName, RequestModel, validation_error
-from manylora.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 2**20
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The server's own settings (the engine's are in ``EngineArgs``).
-
-    Attributes:
-        api_keys: accepted Bearer tokens; empty: no authentication.
-        max_request_body_bytes: the largest request body, bytes; larger ones get 413.
-        enable_lora_runtime_updates: serve the load/unload adapter routes.
-        chat_template: a Jinja chat template (text, or a file holding it) replacing the
-            tokenizer's, or None.
-        max_choices_per_request: the most engine requests (prompts x ``n``) one HTTP
-            request may create; more get 400 before anything is tokenized.
-        frontend: CORS, root path and request log settings (vLLM's front-end flags).
-        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM's flag).
-        tool_call_parser: the format auto tool calls are parsed in (vLLM's names), or None.
-        reasoning_parser: the format chat answers' reasoning is split out in (vLLM's
-            ``--reasoning-parser`` names), or None.
-        trust_request_chat_template: accept a request's own ``chat_template``.
-        sampling_defaults: defaults of the sampling fields requests leave unset
-            (``--generation-config``); ``max_tokens`` caps every request's.
-        max_logprobs: the most log-probabilities per token a request may ask for.
-        max_tools: the most ``tools`` one chat request may carry.
-        response_role: the role of chat answers to requests that add a generation prompt
-            (vLLM's ``--response-role``).
-        return_tokens_as_token_ids: the default of requests' ``return_tokens_as_token_ids``
-            (vLLM's flag).
-        enable_force_include_usage: every stream ends with the usage chunk, as if it asked
-            for ``stream_options.include_usage`` (vLLM's flag).
-        chat_template_content_format: ``auto``, ``string`` or ``openai`` (vLLM's flag;
-            ``serving_chat.content_format``).
-        enable_prompt_tokens_details: usage has ``prompt_tokens_details.cached_tokens``,
-            the prompt tokens served from the prefix cache (vLLM's flag).
-    """
-
-    api_keys: tuple[str, ...] = ()
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    enable_lora_runtime_updates: bool = False
-    chat_template: str | None = None
-    max_choices_per_request: int = DEFAULT_MAX_CHOICES_PER_REQUEST
-    frontend: FrontendConfig = FrontendConfig()
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    trust_request_chat_template: bool = False
-    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
-    max_logprobs: int = MAX_LOGPROBS
-    max_tools: int = DEFAULT_MAX_TOOLS
-    response_role: str = "assistant"
-    return_tokens_as_token_ids: bool = False
-    enable_force_include_usage: bool = False
-    chat_template_content_format: str = "auto"
-    enable_prompt_tokens_details: bool = False
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -160,93 +99,6 @@ class VersionInfo(BaseModel):
     """Body of ``GET /version``."""
 
     version: str
-
-
-def _error_response(error: OpenAIError, headers: dict[str, str] | None = None
-                    ) -> SafeJSONResponse:
-    return SafeJSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-class BodyLimitMiddleware:
-    """ASGI middleware: a request body over ``limit`` bytes gets 413, whether its
-    ``Content-Length`` says so or its chunks add up to more. The body is read whole (at
-    most ``limit`` bytes) before the app sees it."""
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        message = f"the request body is over {self.limit} bytes (--max-request-body-bytes)"
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await _error_response(too_large(message, code="request_too_large"))(
-                scope, receive, send)
-            return
-        body = bytearray()
-        more = True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                await self.app(scope, _replay(msg, receive), send)
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.limit:
-                await _error_response(too_large(message, code="request_too_large"))(
-                    scope, receive, send)
-                return
-        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
-        await self.app(scope, _replay(whole, receive), send)
-
-
-def _replay(first: dict, receive):
-    """A ``receive`` that gives ``first`` once, then defers to ``receive``."""
-    pending = [first]
-
-    async def replay():
-        return pending.pop() if pending else await receive()
-
-    return replay
-
-
-class AuthMiddleware:
-    """ASGI middleware: with ``keys``, every route :func:`needs_key` names (``/v1``, the
-    tokenizer routes) wants ``Authorization: Bearer <key>`` (compared in constant time) and
-    answers 401 otherwise, and to a request with more than one ``Authorization`` header
-    (which one a proxy or framework would read differs). The route is the path without the
-    app's ``root_path``, as the router matches it, so a prefixed path is guarded like the
-    bare one."""
-
-    def __init__(self, app, keys: tuple[str, ...]) -> None:
-        self.app = app
-        self.keys = tuple(k.encode() for k in keys)
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.keys and scope["type"] == "http" and needs_key(get_route_path(scope)):
-            values = [v for k, v in scope.get("headers") or () if k == b"authorization"]
-            error = None
-            if len(values) > 1:
-                error = OpenAIError(401, f"the request has {len(values)} Authorization "
-                                    "headers; send exactly one: 'Authorization: Bearer "
-                                    "<key>'", code="invalid_api_key")
-            elif not self._authorized(values[0] if values else b""):
-                error = OpenAIError(401, "a valid API key is needed: 'Authorization: "
-                                    "Bearer <key>'", code="invalid_api_key")
-            if error is not None:
-                await _error_response(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        token = token.strip()
-        # every key is compared, so the time taken does not say which one was close
-        matches = [secrets.compare_digest(token, k) for k in self.keys]
-        return scheme.lower() == b"bearer" and any(matches)
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -344,11 +196,11 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError):
-        return _error_response(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError):
-        return _error_response(validation_error(exc.errors()))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -359,13 +211,13 @@ def build_app(engine: AsyncLLM, models: OpenAIServingModels, config: ServerConfi
             allowed = (exc.headers or {}).get("Allow", "")
             message = (f"{request.method} is not allowed on {request.url.path} "
                        f"(allowed: {allowed})")
-        return _error_response(OpenAIError(exc.status_code, message), headers=exc.headers)
+        return error_response(OpenAIError(exc.status_code, message), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def server_bug(_: Request, exc: Exception):
         # Starlette's ServerErrorMiddleware re-raises after this answer, to be logged, and
         # uvicorn then drops the connection: "close" keeps a client from reusing it
-        return _error_response(OpenAIError(500, "internal server error", code="internal_error"),
+        return error_response(OpenAIError(500, "internal server error", code="internal_error"),
                                headers={"Connection": "close"})
 
     @app.get("/health", response_class=Response, responses={

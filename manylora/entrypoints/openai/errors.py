@@ -9,17 +9,22 @@ Every message passes through :func:`clean_message`, the one place that makes an 
 readable: terminal colour codes (torch's hints carry them) removed, a prefix said twice
 (``adapter 'x': adapter 'x': ...``) said once, server paths the caller never gave replaced
 by the ones it did, and code points UTF-8 cannot encode written as escapes.
+:func:`to_openai_error` maps what the engine raises to these errors; :func:`error_response`
+is the JSON response of one.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from http import HTTPStatus
 
 from pydantic import BaseModel
 
-from manylora.entrypoints.openai.encoding import safe_text
+from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
+from manylora.entrypoints.openai.encoding import SafeJSONResponse, safe_text
+from manylora.lora.adapter import LoRALoadTimeoutError
 
 # ECMA-48 control sequences (colours, cursor moves): ESC [ parameters intermediates final.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
@@ -117,3 +122,41 @@ def too_large(message: str, param: str | None = None, code: str | None = None) -
 def overloaded(message: str) -> OpenAIError:
     """503: the waiting queue is full, or the engine is not serving."""
     return OpenAIError(503, message)
+
+
+# What an engine ValueError's first word names, as the request's parameter: the engine
+# core checks token ids against the vocabulary (the server does not know its size).
+_ENGINE_PARAMS = {"prompt_token_ids": "prompt", "logit_bias": "logit_bias",
+                  "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words"}
+
+
+def to_openai_error(exc: BaseException) -> OpenAIError | None:
+    """The HTTP error for an exception from a request's checks or from the engine: itself
+    for an ``OpenAIError``, 400 for ``ValueError`` (bad prompt, parameters or adapter), 404
+    for a missing adapter file, 503 for ``EngineOverloadedError`` and ``EngineDeadError``,
+    504 for an adapter read over ``lora_load_timeout``; None for anything else (a server
+    bug, left to propagate). A ``ValueError`` whose message starts with a field the engine
+    core checks (``prompt_token_ids``, ``logit_bias``, ``allowed_token_ids``) names that
+    field as the 400's ``param``."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, LoRALoadTimeoutError):
+        return OpenAIError(504, str(exc), param="model", code="adapter_load_timeout")
+    if isinstance(exc, EngineOverloadedError):
+        return overloaded(f"the server is overloaded: {exc}")
+    if isinstance(exc, EngineDeadError):
+        return overloaded(f"the engine is not serving: {exc}")
+    if isinstance(exc, FileNotFoundError):       # the file's name, not the server's path
+        missing = (f"file {os.path.basename(str(exc.filename))} is" if exc.filename
+                   else "files are")
+        return not_found(f"the adapter's {missing} no longer on disk", param="model")
+    if isinstance(exc, ValueError):
+        message = str(exc)
+        return bad_request(message, param=_ENGINE_PARAMS.get(message.split(" ", 1)[0]))
+    return None
+
+
+def error_response(error: OpenAIError, headers: dict[str, str] | None = None
+                   ) -> SafeJSONResponse:
+    """The JSON response of ``error``: its status and :meth:`OpenAIError.body`."""
+    return SafeJSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -1,51 +1,37 @@
-"""What the completions and chat endpoints share.
-
-* :class:`OpenAIServing`: the base of both, holding the engine and the models registry:
-  model lookup, the bound on the choices of one request (prompts x ``n``, checked before
-  anything is tokenized), tokenization off the event loop (``tokenization.py``) after a
-  length check that needs no tokenizer, the context-length checks, and starting the engine
-  requests of one HTTP request (``n`` choices per prompt, each its own engine request, as
-  vLLM's parallel sampling: child ``i`` gets ``n=1`` and ``seed + i``).
-* The child requests' output streams, merged (``streams.py``) and framed as server-sent
-  events (``sse.py``).
-* The engine requests of a streamed HTTP request report ``DELTA`` outputs (only what is
-  new, with no part of a stop string ever in them), the others ``FINAL_ONLY`` (one output
-  at the end): :func:`output_kind`.
-* The mapping of engine errors to HTTP errors (:func:`to_openai_error`), sampling
-  parameters and context-length checks, log-probability values JSON can carry.
+"""``OpenAIServing``: the base of the completions, chat, Responses and tokenizer endpoints,
+holding the engine and the models registry, and the checks and start-up every request goes
+through in order: the bound on the choices of one request (prompts x ``n``, checked before
+anything is tokenized), model lookup, grammar and ``bad_words`` bounds, tokenization off
+the event loop (``tokenization.py``) after a length check that needs no tokenizer, and
+starting the engine requests of one HTTP request (``n`` choices per prompt, each its own
+engine request, as vLLM's parallel sampling), merged into one stream (``streams.py``).
 
 Every check of a request runs before its stream is handed back, so a bad request gets its
 own status code; an error after streaming began is sent as one ``data: {"error": ...}``
-event before ``data: [DONE]``.
+event before ``data: [DONE]`` (:meth:`OpenAIServing.stream_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from manylora.engine.async_llm import EngineDeadError, EngineOverloadedError
 from manylora.engine.outputs import RequestOutput
 from manylora.entrypoints.openai.errors import (
     OpenAIError,
     bad_request,
-    not_found,
-    overloaded,
+    to_openai_error,
     too_large,
 )
 from manylora.entrypoints.openai.request_logger import RequestLogger
 from manylora.entrypoints.openai.sse import sse_error
 from manylora.entrypoints.openai.streams import ChildRequest, MergedStream
 from manylora.entrypoints.openai.tokenization import PromptTokenizer
-from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.lora_request import LoRARequest
-from manylora.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from manylora.sampling_params import MAX_LOGPROBS
 from manylora.structured.bad_words import (
     DEFAULT_MAX_BAD_WORDS,
     bad_words_token_ids,
@@ -60,147 +46,12 @@ from manylora.structured_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "DEFAULT_MAX_CHOICES_PER_REQUEST",
-    "LOGPROB_FLOOR",
-    "OpenAIServing",
-    "check_context_length",
-    "child_sampling_params",
-    "clamp_logprob",
-    "make_sampling_params",
-    "output_kind",
-    "random_id",
-    "to_openai_error",
-    "token_text",
-]
+__all__ = ["DEFAULT_MAX_CHOICES_PER_REQUEST", "OpenAIServing"]
 
 #: The most choices (engine requests: prompts x ``n``) one HTTP request may ask for by
 #: default (``--max-choices-per-request``): room for an evaluation harness's batches, and a
 #: bound on what one request body can make the server do.
 DEFAULT_MAX_CHOICES_PER_REQUEST = 1024
-
-# JSON has no -inf: log-probabilities below this are sent as this (as vLLM).
-LOGPROB_FLOOR = -9999.0
-
-_SAMPLING_FIELDS = frozenset({
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
-    "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words"})
-
-# What an engine ValueError's first word names, as the request's parameter: the engine
-# core checks token ids against the vocabulary (the server does not know its size).
-_ENGINE_PARAMS = {"prompt_token_ids": "prompt", "logit_bias": "logit_bias",
-                  "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words"}
-
-
-def random_id(prefix: str) -> str:
-    """A fresh response id such as ``cmpl-<32 hex digits>``."""
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def clamp_logprob(value: float) -> float:
-    """A log-probability JSON can carry: ``-inf`` (and anything below) becomes
-    :data:`LOGPROB_FLOOR`, NaN too."""
-    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
-
-
-def token_text(token_id: int, decoded: str | None, as_token_id: bool = False) -> str:
-    """A token's text for log-probabilities: its decoded text, or ``token_id:<id>`` (vLLM's
-    form) when asked for (``return_tokens_as_token_ids``) or without a tokenizer."""
-    return f"token_id:{token_id}" if as_token_id or decoded is None else decoded
-
-
-def to_openai_error(exc: BaseException) -> OpenAIError | None:
-    """The HTTP error for an exception from a request's checks or from the engine: itself
-    for an ``OpenAIError``, 400 for ``ValueError`` (bad prompt, parameters or adapter), 404
-    for a missing adapter file, 503 for ``EngineOverloadedError`` and ``EngineDeadError``,
-    504 for an adapter read over ``lora_load_timeout``; None for anything else (a server
-    bug, left to propagate). A ``ValueError`` whose message starts with a field the engine
-    core checks (``prompt_token_ids``, ``logit_bias``, ``allowed_token_ids``) names that
-    field as the 400's ``param``."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, LoRALoadTimeoutError):
-        return OpenAIError(504, str(exc), param="model", code="adapter_load_timeout")
-    if isinstance(exc, EngineOverloadedError):
-        return overloaded(f"the server is overloaded: {exc}")
-    if isinstance(exc, EngineDeadError):
-        return overloaded(f"the engine is not serving: {exc}")
-    if isinstance(exc, FileNotFoundError):       # the file's name, not the server's path
-        missing = (f"file {os.path.basename(str(exc.filename))} is" if exc.filename
-                   else "files are")
-        return not_found(f"the adapter's {missing} no longer on disk", param="model")
-    if isinstance(exc, ValueError):
-        message = str(exc)
-        return bad_request(message, param=_ENGINE_PARAMS.get(message.split(" ", 1)[0]))
-    return None
-
-
-def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                         *, prompt_param: str = "prompt",
-                         max_tokens_param: str = "max_tokens") -> int:
-    """The number of tokens a choice may generate, after checking it fits the context.
-
-    Args:
-        num_prompt_tokens: the prompt's length in tokens.
-        max_tokens: what the request asked for; None: up to the end of the context.
-        max_model_len: the context length.
-        prompt_param, max_tokens_param: the parameter names errors report.
-
-    Raises:
-        OpenAIError: 400 (``max_tokens_param``) for ``max_tokens < 1``; 413
-            (``context_length_exceeded``) for a prompt of ``max_model_len`` tokens or more;
-            400 (``max_tokens_param``) when prompt + ``max_tokens`` exceeds the context.
-    """
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{max_tokens_param} must be at least 1, got {max_tokens}",
-                          param=max_tokens_param)
-    if num_prompt_tokens >= max_model_len:
-        raise too_large(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {num_prompt_tokens} tokens, leaving no room to generate. Please reduce the "
-            "length of the prompt.", param=prompt_param, code="context_length_exceeded")
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-            f"prompt, {max_tokens} in the completion). Please reduce the length of the "
-            f"prompt or {max_tokens_param}.", param=max_tokens_param)
-    return max_tokens
-
-
-def make_sampling_params(**fields: Any) -> SamplingParams:
-    """``SamplingParams(**fields)``, its ValueError turned into a 400.
-
-    Raises:
-        OpenAIError: 400 with SamplingParams' message, ``param`` the field it names.
-    """
-    try:
-        return SamplingParams(**fields)
-    except (ValueError, TypeError) as e:
-        message = str(e)
-        first = message.split(" ", 1)[0].split("[", 1)[0]
-        raise bad_request(message, param=first if first in _SAMPLING_FIELDS else None) from None
-
-
-def output_kind(stream: bool) -> RequestOutputKind:
-    """What the engine reports for a request: ``DELTA`` when streamed (each chunk is the
-    new part), else ``FINAL_ONLY`` (the response is built from the last output)."""
-    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-
-
-def child_sampling_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The ``n`` children's parameters for one prompt: the same, but child ``i`` seeded
-    with ``seed + i`` when a seed is set (vLLM's parallel sampling), wrapped into the
-    signed 64-bit range as a 64-bit addition wraps (any seed of that range takes any
-    ``n``)."""
-    if params.seed is None:
-        return [params] * n
-    return [dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
-            for i in range(n)]
 
 
 class OpenAIServing:
@@ -296,6 +147,32 @@ class OpenAIServing:
             f"this request asks for {num_prompts} prompt(s) x n={n} = {num_prompts * n} "
             f"choices; the server allows at most {self.max_choices} per request "
             "(--max-choices-per-request). Split it into several requests.", param=param)
+
+    async def admit(self, model: str | None, num_prompts: int, n: int, *,
+                    grammars: Sequence[tuple[StructuredOutputsParams | None, str | None]] = (),
+                    bad_words: list[str] | None = None,
+                    needs_tokenizer: tuple[str, str] | None = None
+                    ) -> tuple[str, LoRARequest | None, list[list[int]] | None]:
+        """The checks a generation request passes before its prompt is tokenized, in this
+        order: the choices bound (:meth:`check_choices`), the model (:meth:`resolve_model`),
+        the tokenizer when ``needs_tokenizer`` (what, param) asks for one, each grammar of
+        ``grammars`` ((params, param) pairs: :meth:`check_structured`), then ``bad_words``
+        (:meth:`bad_words_ids`).
+
+        Returns:
+            The model name to report, the adapter (None: the base model), and the
+            ``bad_words`` as token ids (None for none).
+
+        Raises:
+            OpenAIError: the first check's error (400, 404).
+        """
+        self.check_choices(num_prompts, n)
+        model_name, lora_request = self.resolve_model(model)
+        if needs_tokenizer is not None:
+            self.require_tokenizer(*needs_tokenizer)
+        for params, param in grammars:
+            await self.check_structured(params, param)
+        return model_name, lora_request, await self.bad_words_ids(bad_words)
 
     def require_tokenizer(self, what: str, param: str | None = None) -> Any:
         """The tokenizer, for ``what`` needs one.

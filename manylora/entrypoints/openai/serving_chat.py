@@ -8,19 +8,21 @@ off the event loop. The ``n`` choices are each one engine request.
 
 from __future__ import annotations
 
-import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.engine.outputs import RequestOutput
+from manylora.entrypoints.openai.chat_template import (
+    CONTENT_FORMATS,
+    load_chat_template,
+    render_messages,
+    thinking_kwargs,
+)
 from manylora.entrypoints.openai.echo import chat_echo_text, prompt_logprobs_json
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.logprobs import chat_logprobs, clamp_logprob
 from manylora.entrypoints.openai.protocol import (
-    ChatCompletionLogProb,
-    ChatCompletionLogProbs,
-    ChatCompletionLogProbsContent,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -35,22 +37,12 @@ from manylora.entrypoints.openai.reasoning_parsers import (
     ReasoningStream,
     get_reasoning_parser,
 )
-from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
-from manylora.entrypoints.openai.serving import (
-    OpenAIServing,
-    check_context_length,
+from manylora.entrypoints.openai.request_sampling import (
     child_sampling_params,
-    clamp_logprob,
-    make_sampling_params,
-    output_kind,
-    token_text,
+    request_sampling_params,
 )
-from manylora.entrypoints.openai.serving_tools import (
-    DEFAULT_MAX_TOOLS,
-    ToolPlan,
-    ToolStream,
-    template_tools,
-)
+from manylora.entrypoints.openai.serving import OpenAIServing
+from manylora.entrypoints.openai.serving_tools import DEFAULT_MAX_TOOLS, ToolPlan, ToolStream
 from manylora.entrypoints.openai.sse import (
     SSE_DONE,
     chunk_event,
@@ -65,90 +57,7 @@ from manylora.entrypoints.openai.streams import (
 from manylora.entrypoints.openai.tool_parsers import get_tool_parser
 from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
-__all__ = ["CONTENT_FORMATS", "OpenAIServingChat", "chat_logprobs", "content_format",
-           "load_chat_template"]
-
-#: vLLM's ``--chat-template-content-format`` values.
-CONTENT_FORMATS = ("auto", "string", "openai")
-
-# a Jinja loop over a message's content (``for part in message['content']``,
-# ``... in m.content``): the template reads content as a list of parts
-_LOOPS_OVER_CONTENT = re.compile(
-    r"\bfor\s+\w+\s+in\s+\w+\s*(?:\[\s*['\"]content['\"]\s*\]|\.content\b)")
-
-
-def content_format(flag: str, template: str | None) -> str:
-    """The form message content reaches a chat template in (vLLM's
-    ``--chat-template-content-format``): ``string`` (the text) or ``openai`` (a list of
-    ``{"type": "text", "text": ...}`` parts); ``auto`` is ``openai`` when the template loops
-    over a message's content (vLLM reads that from the template's Jinja syntax tree; here
-    from its text), else ``string``."""
-    if flag != "auto":
-        return flag
-    return "openai" if template and _LOOPS_OVER_CONTENT.search(template) else "string"
-
-
-def _as_parts(message: dict[str, Any]) -> dict[str, Any]:
-    """A template message with its text content as OpenAI content parts."""
-    text = message.get("content") or ""
-    return {**message, "content": [{"type": "text", "text": text}] if text else []}
-
-
-def load_chat_template(template: str | None) -> str | None:
-    """A chat template given as Jinja text or as the path of a file holding it (vLLM's
-    ``--chat-template`` takes both); None stays None.
-
-    Raises:
-        OSError: the path names a file that cannot be read.
-    """
-    if template is None:
-        return None
-    try:
-        path = Path(template)
-        is_file = path.is_file()
-    except (OSError, ValueError):        # not a usable path (too long, NUL bytes): text
-        return template
-    return path.read_text(encoding="utf-8") if is_file else template
-
-
-def _logprob_entry(token_id: int, lp: Logprob, as_token_id: bool) -> ChatCompletionLogProb:
-    text = token_text(token_id, lp.decoded_token, as_token_id)
-    return ChatCompletionLogProb(token=text, logprob=clamp_logprob(lp.logprob),
-                                 bytes=list(text.encode("utf-8", errors="replace")))
-
-
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
-                  num_top: int, as_token_ids: bool = False) -> ChatCompletionLogProbs:
-    """The chat ``logprobs`` object of some generated tokens.
-
-    Args:
-        token_ids: the generated ids.
-        logprobs: their ``{token_id: Logprob}`` dicts (sampled token first, then the top
-            ``num_top``; ``num_top`` entries in all when the sampled token is among them),
-            as ``CompletionOutput.logprobs``.
-        num_top: the request's ``top_logprobs``.
-        as_token_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)
-            instead of by their text.
-
-    Returns:
-        ``{"content": [...]}``: per token its text, log-probability (``-inf`` as -9999.0),
-        UTF-8 bytes and its ``top_logprobs``: the ``num_top`` most likely tokens, most
-        likely first (the sampled token only when it is one of them).
-    """
-    content = []
-    for token_id, entries in zip(token_ids, logprobs):
-        items = list(entries.items())
-        if len(items) > num_top:         # the sampled token came on top of the N best
-            items = [(tid, lp) for tid, lp in items if tid != token_id]
-        items.sort(key=lambda item: -item[1].logprob)
-        top = [_logprob_entry(tid, lp, as_token_ids) for tid, lp in items[:num_top]]
-        sampled = entries.get(token_id)
-        if sampled is None:
-            sampled = Logprob(float("-inf"))
-        entry = _logprob_entry(token_id, sampled, as_token_ids)
-        content.append(ChatCompletionLogProbsContent(
-            token=entry.token, logprob=entry.logprob, bytes=entry.bytes, top_logprobs=top))
-    return ChatCompletionLogProbs(content=content)
+__all__ = ["OpenAIServingChat"]
 
 
 @dataclass
@@ -157,27 +66,6 @@ class _ChoiceState:
     tools: ToolStream | None = None
     num_cached_tokens: int | None = None
     reasoning: ReasoningStream | None = None
-
-
-def template_extras(request: Any) -> dict[str, Any]:
-    """The chat-template keyword arguments vLLM adds from request fields: ``documents``,
-    ``reasoning_effort``, and ``enable_thinking`` (``reasoning_effort != "none"``) when a
-    reasoning effort is given; only those set."""
-    extras: dict[str, Any] = {}
-    if getattr(request, "documents", None) is not None:
-        extras["documents"] = request.documents
-    effort = getattr(request, "reasoning_effort", None)
-    if effort is not None:
-        extras["reasoning_effort"] = effort
-        extras["enable_thinking"] = effort != "none"
-    return extras
-
-
-def _thinking_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
-    """The chat-template keyword arguments a reasoning parser reads (``enable_thinking``):
-    the request's ``chat_template_kwargs`` over those :func:`template_extras` adds, as
-    :meth:`OpenAIServingChat.render` passes them."""
-    return {**template_extras(request), **(request.chat_template_kwargs or {})}
 
 
 def _prompt_fields(request: ChatCompletionRequest, prompt_ids: list[int],
@@ -245,47 +133,16 @@ class OpenAIServingChat(OpenAIServing):
                                  else get_reasoning_parser(reasoning_parser))
 
     def render(self, request: ChatCompletionRequest) -> str:
-        """The messages as prompt text, through the chat template: the chat request's own
-        (``chat_template``, or that key of ``chat_template_kwargs``; refused by
-        ``check_fields`` without ``--trust-request-chat-template``), else the server's, else the
-        tokenizer's; ``documents`` and ``reasoning_effort`` are passed to the template as
-        vLLM passes them (``enable_thinking`` follows ``reasoning_effort`` unless
-        ``chat_template_kwargs`` sets it). The request's ``tools`` go to the template as
-        its ``tools=`` argument (a template that does not use them ignores it).
+        """The messages as prompt text, through the chat template
+        (:func:`~manylora.entrypoints.openai.chat_template.render_messages` with the
+        server's ``--chat-template`` and ``--chat-template-content-format``).
 
         Raises:
-            OpenAIError: 400 without a tokenizer or a chat template, for a non-text content
-                part, or when the template fails on the messages.
+            OpenAIError: 400 without a tokenizer, and ``render_messages``' 400s (no chat
+                template, a non-text content part, a template failing on the messages).
         """
         tokenizer = self.require_tokenizer("chat", param="messages")
-        own = None                       # a request's own template (trusted: check_fields)
-        if isinstance(request, ChatCompletionRequest):
-            own = request.chat_template or (request.chat_template_kwargs or {}).get(
-                "chat_template")
-        template = own or self.chat_template
-        if template is None and not getattr(tokenizer, "chat_template", None):
-            raise bad_request("the model's tokenizer has no chat template, and the server "
-                              "was started without --chat-template", param="messages")
-        messages = [m.to_template() for m in request.messages]
-        if content_format(self.content_format,
-                          template or getattr(tokenizer, "chat_template", None)) == "openai":
-            messages = [_as_parts(m) for m in messages]
-        kwargs = dict(request.chat_template_kwargs or {})
-        for key, value in template_extras(request).items():
-            if key != "enable_thinking" or key not in kwargs:
-                kwargs[key] = value
-        kwargs.update(tokenize=False,
-                      add_generation_prompt=bool(request.add_generation_prompt),
-                      continue_final_message=bool(request.continue_final_message),
-                      chat_template=template, tools=template_tools(request))
-        try:
-            text = tokenizer.apply_chat_template(messages, **kwargs)
-        except Exception as e:
-            raise bad_request(f"the chat template could not render the messages: {e}",
-                              param="messages") from e
-        if not isinstance(text, str):
-            raise bad_request("the chat template did not render to text", param="messages")
-        return text
+        return render_messages(tokenizer, request, self.chat_template, self.content_format)
 
     def render_and_encode(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (no special tokens added: the template
@@ -333,31 +190,20 @@ class OpenAIServingChat(OpenAIServing):
                                      self.enable_auto_tool_choice)
         structured, structured_param = structured_params(request)
         n = request.n or 1
-        self.check_choices(1, n)
-        model_name, lora_request = self.resolve_model(request.model)
-        self.require_tokenizer("chat", param="messages")
-        await self.check_structured(structured, structured_param)
-        await self.check_structured(tools.structured, "tools")
-        bad_words = await self.bad_words_ids(request.bad_words)
+        model_name, lora_request, bad_words = await self.admit(
+            request.model, 1, n, needs_tokenizer=("chat", "messages"),
+            grammars=[(structured, structured_param), (tools.structured, "tools")],
+            bad_words=request.bad_words)
         text, token_ids = await self.prompts.run(self.render_and_encode, request)
         if not token_ids:
             raise bad_request("the messages rendered to an empty prompt", param="messages")
         requested, param = request.max_tokens_param()
-        max_tokens = cap_max_tokens(check_context_length(
-            len(token_ids), requested, self.max_model_len, prompt_param="messages",
-            max_tokens_param=param), self.sampling_defaults)
-        params = make_sampling_params(
-            **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
-            max_tokens=max_tokens, min_tokens=request.min_tokens or 0, stop=request.stop,
-            stop_token_ids=request.stop_token_ids, ignore_eos=bool(request.ignore_eos),
-            skip_special_tokens=(True if request.skip_special_tokens is None
-                                 else request.skip_special_tokens),
-            include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
+        params = request_sampling_params(
+            request, self.sampling_defaults, num_prompt_tokens=len(token_ids),
+            max_model_len=self.max_model_len, max_tokens=requested,
             logprobs=(request.top_logprobs or 0) if request.logprobs else None,
-            prompt_logprobs=request.prompt_logprobs,
-            structured_outputs=structured, bad_words_token_ids=bad_words,
-            output_kind=output_kind(bool(request.stream)))
+            prompt_logprobs=request.prompt_logprobs, structured=structured,
+            bad_words=bad_words, prompt_param="messages", max_tokens_param=param)
         params = tools.apply(params)
         reasoning = self.reasoning_parser
         if structured is not None or tools.structured is not None:
@@ -391,7 +237,7 @@ class OpenAIServingChat(OpenAIServing):
             thought, text = None, out.text
             if reasoning is not None:
                 thought, text = reasoning.split(out.text, prompt_text,
-                                                _thinking_kwargs(request))
+                                                thinking_kwargs(request))
             message, finish_reason = tools.message(text or "", out.finish_reason)
             if text is None and message.content == "":
                 message.content = None   # vLLM's: nothing after </think>
@@ -428,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens = len(children[0].prompt_token_ids)
         states = [_ChoiceState(tools=tools.stream(), reasoning=None if reasoning is None else
                                reasoning.stream(children[0].prompt_text or "",
-                                                _thinking_kwargs(request)))
+                                                thinking_kwargs(request)))
                   for _ in children]
         echo = chat_echo_text(request.echo, request.messages, request.add_generation_prompt)
         prompt = _prompt_fields(request, children[0].prompt_token_ids,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from manylora.engine.outputs import Logprob, RequestOutput
+from manylora.engine.outputs import RequestOutput
 from manylora.entrypoints.openai.echo import (
     echo_without_generation,
     engine_max_tokens,
@@ -21,8 +21,13 @@ from manylora.entrypoints.openai.echo import (
     prompt_logprobs_json,
 )
 from manylora.entrypoints.openai.errors import bad_request
+from manylora.entrypoints.openai.logprobs import (
+    clamp_logprob,
+    completion_logprobs,
+    decoded_token,
+    token_text,
+)
 from manylora.entrypoints.openai.protocol import (
-    CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
@@ -31,16 +36,11 @@ from manylora.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from manylora.entrypoints.openai.protocol_structured import structured_params
-from manylora.entrypoints.openai.request_sampling import cap_max_tokens, resolve_sampling
-from manylora.entrypoints.openai.serving import (
-    OpenAIServing,
-    check_context_length,
+from manylora.entrypoints.openai.request_sampling import (
     child_sampling_params,
-    clamp_logprob,
-    make_sampling_params,
-    output_kind,
-    token_text,
+    request_sampling_params,
 )
+from manylora.entrypoints.openai.serving import OpenAIServing
 from manylora.entrypoints.openai.sse import (
     SSE_DONE,
     chunk_event,
@@ -54,65 +54,7 @@ from manylora.entrypoints.openai.streams import (
 )
 from manylora.entrypoints.openai.vllm_fields import check_fields, response_ids, truncate_prompt
 
-__all__ = ["OpenAIServingCompletion", "completion_logprobs"]
-
-
-def completion_logprobs(token_ids: Sequence[int],
-                        logprobs: Sequence[dict[int, Logprob] | None],
-                        num_top: int, initial_offset: int = 0,
-                        as_token_ids: bool = False,
-                        decode: Callable[[int], str | None] | None = None
-                        ) -> CompletionLogProbs:
-    """The legacy ``logprobs`` object of some tokens (generated ones, after the prompt's
-    when echoed).
-
-    Args:
-        token_ids: the ids.
-        logprobs: their ``{token_id: Logprob}`` dicts (the token first, then the top
-            ``num_top``), as ``CompletionOutput.logprobs`` and
-            ``RequestOutput.prompt_logprobs``; None for a token without one (the prompt's
-            first): its ``token_logprobs`` and ``top_logprobs`` entries are null.
-        num_top: the request's ``logprobs``; each ``top_logprobs`` map holds the token and
-            the ``num_top`` most likely (``num_top + 1`` entries at most).
-        initial_offset: ``text_offset`` of the first token (the characters before it).
-        as_token_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)
-            instead of by their text.
-        decode: the text of a token whose entry is None (None: ``token_id:<id>``).
-
-    Returns:
-        ``tokens`` (token texts), ``token_logprobs``, ``top_logprobs`` and ``text_offset``
-        (running sum of the decoded token texts' lengths); ``-inf`` is sent as -9999.0.
-    """
-    out = CompletionLogProbs()
-    offset = initial_offset
-    for token_id, entries in zip(token_ids, logprobs):
-        if entries is None:
-            decoded = None if decode is None else decode(token_id)
-            out.tokens.append(token_text(token_id, decoded, as_token_ids))
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-            out.text_offset.append(offset)
-            offset += len(token_text(token_id, decoded))
-            continue
-        sampled = entries.get(token_id)
-        decoded = _decoded(entries, token_id)
-        out.tokens.append(token_text(token_id, decoded, as_token_ids))
-        out.token_logprobs.append(None if sampled is None else clamp_logprob(sampled.logprob))
-        top: dict[str, float] = {}
-        for k, (tid, lp) in enumerate(entries.items()):
-            if k > num_top:
-                break
-            top.setdefault(token_text(tid, lp.decoded_token, as_token_ids),
-                           clamp_logprob(lp.logprob))
-        out.top_logprobs.append(top)
-        out.text_offset.append(offset)
-        offset += len(token_text(token_id, decoded))
-    return out
-
-
-def _decoded(entries: dict[int, Logprob] | None, token_id: int) -> str | None:
-    sampled = None if entries is None else entries.get(token_id)
-    return None if sampled is None else sampled.decoded_token
+__all__ = ["OpenAIServingCompletion"]
 
 
 def _prompt_items(raw: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -180,31 +122,21 @@ class OpenAIServingCompletion(OpenAIServing):
         structured, structured_param = structured_params(request)
         n = request.n or 1
         items = _prompt_items(request.prompt)
-        self.check_choices(len(items), n)
-        model_name, lora_request = self.resolve_model(request.model)
-        await self.check_structured(structured, structured_param)
-        bad_words = await self.bad_words_ids(request.bad_words)
+        model_name, lora_request, bad_words = await self.admit(
+            request.model, len(items), n, grammars=[(structured, structured_param)],
+            bad_words=request.bad_words)
         prompts = await self._prompts(items, request)
         base_id, engine_id = response_ids("cmpl", request.request_id)
         children: list[ChildRequest] = []
         for p, prompt in enumerate(prompts):
-            max_tokens = cap_max_tokens(check_context_length(
-                len(prompt.token_ids), engine_max_tokens(request.echo, request.max_tokens),
-                self.max_model_len), self.sampling_defaults)
-            params = make_sampling_params(
-                **resolve_sampling(request, self.sampling_defaults), seed=request.seed,
-                max_tokens=max_tokens, min_tokens=request.min_tokens or 0,
-                stop=request.stop, stop_token_ids=request.stop_token_ids,
-                ignore_eos=bool(request.ignore_eos),
-                skip_special_tokens=(True if request.skip_special_tokens is None
-                                     else request.skip_special_tokens),
-                include_stop_str_in_output=bool(request.include_stop_str_in_output),
-                spaces_between_special_tokens=request.spaces_between_special_tokens is not False,
+            params = request_sampling_params(
+                request, self.sampling_defaults, num_prompt_tokens=len(prompt.token_ids),
+                max_model_len=self.max_model_len,
+                max_tokens=engine_max_tokens(request.echo, request.max_tokens),
                 logprobs=request.logprobs,
                 prompt_logprobs=engine_prompt_logprobs(request.prompt_logprobs, request.echo,
                                                        request.logprobs),
-                structured_outputs=structured, bad_words_token_ids=bad_words,
-                output_kind=output_kind(bool(request.stream)))
+                structured=structured, bad_words=bad_words)
             for i, child_params in enumerate(child_sampling_params(params, n)):
                 children.append(ChildRequest(f"{engine_id}-{p * n + i}", p, prompt.token_ids,
                                              prompt.text, child_params, request.cache_salt))
@@ -389,7 +321,7 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = completion_logprobs(new_ids, steps, request.logprobs, state.offset,
                                            bool(request.return_tokens_as_token_ids), decode)
             state.offset += sum(
-                len(token_text(t, _decoded(e, t) if e is not None or decode is None
+                len(token_text(t, decoded_token(e, t) if e is not None or decode is None
                                else decode(t)))
                 for t, e in zip(new_ids, steps))
         state.num_tokens += count

@@ -4,7 +4,7 @@ the reason when given a value that would change what the server does. ``--config
 file of flags, read as vLLM's ``FlexibleArgumentParser`` reads it) and the short aliases of
 flags manylora has (``-tp``) are here too.
 
-The flags manylora honours are its own (``EngineArgs``, ``launcher.py``, ``frontend_args.py``);
+The flags manylora honours are its own (``EngineArgs``, ``serve_args.py``, ``frontend_args.py``);
 this table holds what is left, so that a vLLM launch line starts or fails with a reason,
 never with argparse's ``unrecognized arguments``.
 """

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 #: own framing (the body is handed over whole).
 HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"te",
                          b"upgrade", b"proxy-connection", b"expect"})
+#: The response header naming the engine replica that served a request (set by the replica,
+#: read by the ingress).
+REPLICA_HEADER = "x-manylora-replica"
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,17 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from starlette._utils import get_route_path
 
-from manylora.entrypoints.openai.api_server import BodyLimitMiddleware
 from manylora.entrypoints.openai.encoding import SafeJSONResponse
 from manylora.entrypoints.openai.errors import OpenAIError
+from manylora.entrypoints.openai.middleware import BodyLimitMiddleware
 from manylora.entrypoints.openai.sse import sse_error
-from manylora.entrypoints.ray_serve.bridge import HOP_HEADERS, HTTPRequest, ResponseHead
+from manylora.entrypoints.ray_serve.bridge import (
+    HOP_HEADERS,
+    REPLICA_HEADER,
+    HTTPRequest,
+    ResponseHead,
+)
 from manylora.entrypoints.ray_serve.relabel import merge_replica_metrics
-from manylora.entrypoints.ray_serve.replica import REPLICA_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -26,14 +26,16 @@ from ray import serve
 from manylora.engine.arg_utils import EngineArgs
 from manylora.entrypoints.openai.errors import OpenAIError
 from manylora.entrypoints.openai.launcher import Server, create_server
-from manylora.entrypoints.ray_serve.app import serve_ray_parser
-from manylora.entrypoints.ray_serve.bridge import HTTPRequest, ResponseHead, call_asgi
+from manylora.entrypoints.ray_serve.args import serve_ray_parser
+from manylora.entrypoints.ray_serve.bridge import (
+    REPLICA_HEADER,
+    HTTPRequest,
+    ResponseHead,
+    call_asgi,
+)
 from manylora.entrypoints.ray_serve.control import POLL_S, AdapterEntry, DesiredAdapters
 
 logger = logging.getLogger(__name__)
-
-#: The response header naming the engine replica that served a request.
-REPLICA_HEADER = "x-manylora-replica"
 
 
 class _AdapterMarker:

@@ -29,8 +29,10 @@ once, and only such programs load the scale (and bias) tiles; ``HAS_DORA`` / ``H
 (a bias to shift by) are constexprs, so a launch without DoRA arguments compiles to the
 plain kernel.
 
-Launch sizes come from ``manylora.lora.kernels.plans``; the ops that launch these kernels, and
-their dispatcher registration, are in ``manylora.lora.kernels.triton_lora``.
+The SGMV kernels' row-tile loops, the rank reads, the stores and the DoRA epilogue are the
+``@triton.jit`` helpers of ``manylora.lora.kernels.jit_helpers``, shared with the tiled
+kernels. Launch sizes come from ``manylora.lora.kernels.plans``; the ops that launch these
+kernels, and their dispatcher registration, are in ``manylora.lora.kernels.triton_lora``.
 """
 
 from __future__ import annotations
@@ -38,51 +40,27 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from manylora.lora.kernels.jit_helpers import (
+    DORA_ARGS,
+    TABLE_ARGS,
+    expand_row_tile,
+    pick,
+    row_tile,
+    shard_rank,
+    shrink_row_tile,
+    slot_rank,
+    store_expanded,
+    store_or_add,
+)
+
 # The per-step LoRAKernelMeta tensors are views at offsets of one buffer that move with the row
-# count, the table's views start at each projection's column, and N_TILES varies with the
-# batch: Triton would otherwise compile one kernel per pointer alignment (16 bytes or not)
-# and per int that happens to be 1 or a multiple of 16.
-_TABLE_ARGS = ["ranks_ptr", "stride_rank"]
-_DORA_ARGS = ["dora_ptr", "stride_dora", "bias_ptr"]
+# count, and N_TILES varies with the batch: not specialized, as the table's arguments are not
+# (``jit_helpers.TABLE_ARGS``).
 _SEGMENT_PTRS = ["sorted_rows_ptr", "active_slots_ptr", "seg_start_ptr", "seg_len_ptr"]
 _GATHER_PTRS = ["token_lora_ptr"]
 
 
-@triton.jit
-def _pick(s, v0, v1, v2):
-    """The value of slice ``s`` (0, 1 or 2): a slice's pointer, width or column offset."""
-    if s == 0:
-        v = v0
-    elif s == 1:
-        v = v1
-    else:
-        v = v2
-    return v
-
-
-@triton.jit
-def _rank(ranks_ptr, stride_rank, slot, s):
-    """The rank of ``slot``'s adapter for slice ``s``: ``ranks[slot, s]`` of the table."""
-    return tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
-
-
-@triton.jit
-def _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr, s, slot,
-                   n_out, col0, offs_n, n_mask, HAS_SHIFT: tl.constexpr):
-    """``out * scale + (1 - scale) * bias`` (bias only with ``HAS_SHIFT``) where the table
-    flags (slot, s) DoRA, else ``out``; ``out`` float32 ``[..., BLOCK_N]`` over columns
-    ``offs_n`` of slice ``s``."""
-    if tl.load(dora_ptr + slot.to(tl.int64) * stride_dora + s) != 0:
-        p = _pick(s, sc0_ptr, sc1_ptr, sc2_ptr)
-        scale = tl.load(p + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=1.0)
-        out = out * scale
-        if HAS_SHIFT:
-            bias = tl.load(bias_ptr + col0 + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            out = out + (1.0 - scale) * bias
-    return out
-
-
-@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *_TABLE_ARGS, "rank_start"])
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *TABLE_ARGS, "rank_start"])
 def sgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr,
         ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -102,49 +80,27 @@ def sgmv_shrink_kernel(
     slot = tl.load(active_slots_ptr + seg)
     if slot < 0:
         return
-    rank = tl.minimum(tl.maximum(_rank(ranks_ptr, stride_rank, slot, s) - rank_start, 0), R)
+    rank = shard_rank(ranks_ptr, stride_rank, slot, s, rank_start, R)
     if pid_r * BLOCK_R >= rank:
         return
     seg_len = tl.load(seg_len_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask,
-                   other=0).to(tl.int64)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + slot.to(tl.int64) * (R * K) + offs_r[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        k_mask = offs_k < K
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            xt, at = xt.to(tl.float32), at.to(tl.float32)
-        acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
-        offs_k += BLOCK_K
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K
-
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + s * stride_os + offs_r[None, :]
-    mask = m_mask[:, None] & r_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(out_ptrs, acc, mask=mask)
+    a_ptr = pick(s, a0_ptr, a1_ptr, a2_ptr)
+    rows, m_mask = row_tile(sorted_rows_ptr, seg_start_ptr, seg, pid_m * BLOCK_M, seg_len,
+                            BLOCK_M)
+    shrink_row_tile(x_ptr, a_ptr, out_ptr, rows, m_mask, slot, s, rank, pid_r, pid_k, K,
+                    K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+                    R, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, DOT_FP32)
 
 
-@triton.jit(do_not_specialize=[*_GATHER_PTRS, *_TABLE_ARGS, "rank_start"])
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, *TABLE_ARGS, "rank_start"])
 def bgmv_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, token_lora_ptr, ranks_ptr,
         K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os, stride_rank, rank_start,
         R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr):
-    """Grid ``(T * r_tiles, split_k, NUM_SLICES)``; ranks as ``sgmv_shrink_kernel``'s."""
+    """Grid ``(T * r_tiles, split_k, NUM_SLICES)``; ranks as ``sgmv_shrink_kernel``'s. A
+    broadcast-multiply over ``[BLOCK_R, BLOCK_K]`` tiles of A, summed over ``k`` last."""
     R_TILES: tl.constexpr = (R + BLOCK_R - 1) // BLOCK_R
     t = tl.program_id(0) // R_TILES
     pid_r = tl.program_id(0) % R_TILES
@@ -153,10 +109,10 @@ def bgmv_shrink_kernel(
     slot = tl.load(token_lora_ptr + t)
     if slot < 0:
         return
-    rank = tl.minimum(tl.maximum(_rank(ranks_ptr, stride_rank, slot, s) - rank_start, 0), R)
+    rank = shard_rank(ranks_ptr, stride_rank, slot, s, rank_start, R)
     if pid_r * BLOCK_R >= rank:
         return
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
+    a_ptr = pick(s, a0_ptr, a1_ptr, a2_ptr)
 
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -174,13 +130,10 @@ def bgmv_shrink_kernel(
         a_ptrs += BLOCK_K
 
     out_ptrs = out_ptr + t.to(tl.int64) * stride_ot + s * stride_os + offs_r
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, tl.sum(acc, axis=1), mask=r_mask, sem="relaxed")
-    else:
-        tl.store(out_ptrs, tl.sum(acc, axis=1), mask=r_mask)
+    store_or_add(out_ptrs, tl.sum(acc, axis=1), r_mask, ATOMIC)
 
 
-@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *_TABLE_ARGS, *_DORA_ARGS, "N_TILES"])
+@triton.jit(do_not_specialize=[*_SEGMENT_PTRS, *TABLE_ARGS, *DORA_ARGS, "N_TILES"])
 def sgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr,
         ranks_ptr, sorted_rows_ptr, active_slots_ptr, seg_start_ptr, seg_len_ptr,
@@ -200,52 +153,26 @@ def sgmv_expand_kernel(
     slot = tl.load(active_slots_ptr + seg)
     if slot < 0:
         return
-    rank = _rank(ranks_ptr, stride_rank, slot, s)
+    rank = slot_rank(ranks_ptr, stride_rank, slot, s)
     if rank == 0:
         return
     seg_len = tl.load(seg_len_ptr + seg)
     if pid_m * BLOCK_M >= seg_len:
         return
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
-    n_out = _pick(s, N0, N1, N2)
-    col0 = _pick(s, OFF0, OFF1, OFF2)
+    b_ptr = pick(s, b0_ptr, b1_ptr, b2_ptr)
+    n_out = pick(s, N0, N1, N2)
+    col0 = pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    rows = tl.load(sorted_rows_ptr + tl.load(seg_start_ptr + seg) + offs_m, mask=m_mask,
-                   other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_out
-    offs_r = tl.arange(0, BLOCK_R)
-    buf_ptrs = buf_ptr + rows[:, None] * stride_bt + s * stride_bs + offs_r[None, :]
-    # B[slot] is [R, n_out], out fastest: the [BLOCK_R, BLOCK_N] tile loads along out.
-    b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[:, None] * n_out
-              + offs_n[None, :])
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in tl.static_range(0, R, BLOCK_R):
-        r_mask = r0 + offs_r < rank
-        vt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        vt = vt.to(bt.dtype)
-        if DOT_FP32:
-            vt, bt = vt.to(tl.float32), bt.to(tl.float32)
-        acc += tl.dot(vt, bt, input_precision="ieee")
-        buf_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R * n_out
-
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    out = y.to(tl.float32) + acc
-    if HAS_DORA:
-        out = _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
-                             s, slot, n_out, col0, offs_n, n_mask, HAS_SHIFT)
-    tl.store(y_ptrs, out.to(y.dtype), mask=mask)
+    rows, m_mask = row_tile(sorted_rows_ptr, seg_start_ptr, seg, pid_m * BLOCK_M, seg_len,
+                            BLOCK_M)
+    expand_row_tile(buf_ptr, b_ptr, y_ptr, rows, m_mask, slot, s, rank, n_out, col0, pid_n,
+                    dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
+                    stride_bt, stride_bs, stride_yt, stride_yn, stride_dora,
+                    R, BLOCK_M, BLOCK_N, BLOCK_R, DOT_FP32, HAS_DORA, HAS_SHIFT)
 
 
-@triton.jit(do_not_specialize=[*_GATHER_PTRS, *_TABLE_ARGS, *_DORA_ARGS])
+@triton.jit(do_not_specialize=[*_GATHER_PTRS, *TABLE_ARGS, *DORA_ARGS])
 def bgmv_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, token_lora_ptr, ranks_ptr,
         dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
@@ -253,19 +180,20 @@ def bgmv_expand_kernel(
         stride_bt, stride_bs, stride_yt, stride_yn, stride_rank, stride_dora,
         R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
         HAS_DORA: tl.constexpr, HAS_SHIFT: tl.constexpr):
-    """Grid ``(T, n_tiles, NUM_SLICES)``; B and DoRA as ``sgmv_expand_kernel``'s."""
+    """Grid ``(T, n_tiles, NUM_SLICES)``; B and DoRA as ``sgmv_expand_kernel``'s. A
+    broadcast-multiply over ``[BLOCK_N, BLOCK_R]`` tiles of B, summed over the rank last."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     s = tl.program_id(2)
     slot = tl.load(token_lora_ptr + t)
     if slot < 0:
         return
-    rank = _rank(ranks_ptr, stride_rank, slot, s)
+    rank = slot_rank(ranks_ptr, stride_rank, slot, s)
     if rank == 0:
         return
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
-    n_out = _pick(s, N0, N1, N2)
-    col0 = _pick(s, OFF0, OFF1, OFF2)
+    b_ptr = pick(s, b0_ptr, b1_ptr, b2_ptr)
+    n_out = pick(s, N0, N1, N2)
+    col0 = pick(s, OFF0, OFF1, OFF2)
     if pid_n * BLOCK_N >= n_out:
         return
 
@@ -287,8 +215,6 @@ def bgmv_expand_kernel(
 
     y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + (col0 + offs_n) * stride_yn
     y = tl.load(y_ptrs, mask=n_mask, other=0.0)
-    out = y.to(tl.float32) + tl.sum(acc, axis=1)
-    if HAS_DORA:
-        out = _dora_epilogue(out, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
-                             s, slot, n_out, col0, offs_n, n_mask, HAS_SHIFT)
-    tl.store(y_ptrs, out.to(y.dtype), mask=n_mask)
+    store_expanded(y_ptrs, y.to(tl.float32) + tl.sum(acc, axis=1), n_mask, dora_ptr,
+                   stride_dora, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr, s, slot, n_out, col0,
+                   offs_n, n_mask, HAS_DORA, HAS_SHIFT)

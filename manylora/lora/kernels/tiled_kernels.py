@@ -20,8 +20,10 @@ shrink: ``clamp(r - rank_start, 0, R)`` of A's rows under fully sharded parallel
 
 A program whose (slot, slice) has rank 0, or whose rank tile starts past the rank, returns
 before it loads x, A, B, the buffer or y. Shrink splits the reduction over ``in`` (split-K,
-float32 atomics into a zeroed buffer); expand tiles the output columns. Launches:
-``lora/kernels/triton_lora_tiled.py``; launch heuristics: ``lora/kernels/tiled_plans.py``.
+float32 atomics into a zeroed buffer); expand tiles the output columns. The loops over a row
+tile are the ``@triton.jit`` helpers of ``lora/kernels/jit_helpers.py``, shared with the
+SGMV kernels. Launches: ``lora/kernels/triton_lora_tiled.py``; launch heuristics:
+``lora/kernels/tiled_plans.py``.
 """
 
 from __future__ import annotations
@@ -29,25 +31,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# The mapping's views and the rank table's column views sit at offsets that move with the
-# row count or the (layer, module): Triton would otherwise compile one kernel per alignment.
-_TILE_PTRS = ["ranks_ptr", "sorted_rows_ptr", "tile_slot_ptr", "tile_start_ptr",
-              "tile_len_ptr"]
+from manylora.lora.kernels.jit_helpers import (
+    DORA_ARGS,
+    TABLE_ARGS,
+    expand_row_tile,
+    pick,
+    row_tile,
+    shard_rank,
+    shrink_row_tile,
+    slot_rank,
+)
+
+# The mapping's views sit at offsets that move with the row count: not specialized, as the
+# table's arguments are not (``jit_helpers.TABLE_ARGS``).
+_TILE_PTRS = ["sorted_rows_ptr", "tile_slot_ptr", "tile_start_ptr", "tile_len_ptr"]
 
 
-@triton.jit
-def _pick(s, v0, v1, v2):
-    """The value of slice ``s`` (0, 1 or 2): a slice's pointer, width or column offset."""
-    if s == 0:
-        v = v0
-    elif s == 1:
-        v = v1
-    else:
-        v = v2
-    return v
-
-
-@triton.jit(do_not_specialize=[*_TILE_PTRS, "stride_rank", "rank_start"])
+@triton.jit(do_not_specialize=[*_TILE_PTRS, *TABLE_ARGS, "rank_start"])
 def tiled_shrink_kernel(
         x_ptr, a0_ptr, a1_ptr, a2_ptr, out_ptr, ranks_ptr,
         sorted_rows_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
@@ -65,43 +65,18 @@ def tiled_shrink_kernel(
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
-    rank = tl.minimum(tl.maximum(rank - rank_start, 0), R)
+    rank = shard_rank(ranks_ptr, stride_rank, slot, s, rank_start, R)
     if pid_r * BLOCK_R >= rank:
         return
-    a_ptr = _pick(s, a0_ptr, a1_ptr, a2_ptr)
+    a_ptr = pick(s, a0_ptr, a1_ptr, a2_ptr)
     tile_len = tl.load(tile_len_ptr + tile)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < tile_len
-    rows = tl.load(sorted_rows_ptr + tl.load(tile_start_ptr + tile) + offs_m, mask=m_mask,
-                   other=0).to(tl.int64)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    offs_k = pid_k * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + slot.to(tl.int64) * (R * K) + offs_r[:, None] * K + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        k_mask = offs_k < K
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_FP32:
-            xt, at = xt.to(tl.float32), at.to(tl.float32)
-        acc += tl.dot(xt, tl.trans(at), input_precision="ieee")
-        offs_k += BLOCK_K
-        x_ptrs += BLOCK_K * stride_xk
-        a_ptrs += BLOCK_K
-
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + s * stride_os + offs_r[None, :]
-    mask = m_mask[:, None] & r_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        tl.store(out_ptrs, acc, mask=mask)
+    rows, m_mask = row_tile(sorted_rows_ptr, tile_start_ptr, tile, 0, tile_len, BLOCK_M)
+    shrink_row_tile(x_ptr, a_ptr, out_ptr, rows, m_mask, slot, s, rank, pid_r, pid_k, K,
+                    K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+                    R, BLOCK_M, BLOCK_R, BLOCK_K, ATOMIC, DOT_FP32)
 
 
-@triton.jit(do_not_specialize=[*_TILE_PTRS, "stride_rank", "dora_ptr", "stride_dora",
-                               "bias_ptr", "N_TILES"])
+@triton.jit(do_not_specialize=[*_TILE_PTRS, *TABLE_ARGS, *DORA_ARGS, "N_TILES"])
 def tiled_expand_kernel(
         buf_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, ranks_ptr,
         sorted_rows_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
@@ -120,48 +95,17 @@ def tiled_expand_kernel(
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + slot.to(tl.int64) * stride_rank + s)
+    rank = slot_rank(ranks_ptr, stride_rank, slot, s)
     if rank == 0:
         return
-    n_out = _pick(s, N0, N1, N2)
+    n_out = pick(s, N0, N1, N2)
     if pid_n * BLOCK_N >= n_out:
         return
-    b_ptr = _pick(s, b0_ptr, b1_ptr, b2_ptr)
-    col0 = _pick(s, OFF0, OFF1, OFF2)
+    b_ptr = pick(s, b0_ptr, b1_ptr, b2_ptr)
+    col0 = pick(s, OFF0, OFF1, OFF2)
     tile_len = tl.load(tile_len_ptr + tile)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < tile_len
-    rows = tl.load(sorted_rows_ptr + tl.load(tile_start_ptr + tile) + offs_m, mask=m_mask,
-                   other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_out
-    offs_r = tl.arange(0, BLOCK_R)
-    buf_ptrs = buf_ptr + rows[:, None] * stride_bt + s * stride_bs + offs_r[None, :]
-    # B[slot] is [R, n_out], rank-major: each of the tile's rank rows is contiguous in n.
-    b_ptrs = (b_ptr + slot.to(tl.int64) * R * n_out + offs_r[:, None].to(tl.int64) * n_out
-              + offs_n[None, :])
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in tl.static_range(0, R, BLOCK_R):
-        r_mask = r0 + offs_r < rank
-        vt = tl.load(buf_ptrs, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bt = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        vt = vt.to(bt.dtype)
-        if DOT_FP32:
-            vt, bt = vt.to(tl.float32), bt.to(tl.float32)
-        acc += tl.dot(vt, bt, input_precision="ieee")
-        buf_ptrs += BLOCK_R
-        b_ptrs += BLOCK_R * n_out
-
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
-    mask = m_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    out = y.to(tl.float32) + acc
-    if HAS_DORA:
-        if tl.load(dora_ptr + slot.to(tl.int64) * stride_dora + s) != 0:
-            sc_ptr = _pick(s, sc0_ptr, sc1_ptr, sc2_ptr)
-            scale = tl.load(sc_ptr + slot.to(tl.int64) * n_out + offs_n, mask=n_mask, other=1.0)
-            out = out * scale[None, :]
-            if HAS_SHIFT:
-                bias = tl.load(bias_ptr + col0 + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                out = out + ((1.0 - scale) * bias)[None, :]
-    tl.store(y_ptrs, out.to(y.dtype), mask=mask)
+    rows, m_mask = row_tile(sorted_rows_ptr, tile_start_ptr, tile, 0, tile_len, BLOCK_M)
+    expand_row_tile(buf_ptr, b_ptr, y_ptr, rows, m_mask, slot, s, rank, n_out, col0, pid_n,
+                    dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
+                    stride_bt, stride_bs, stride_yt, stride_yn, stride_dora,
+                    R, BLOCK_M, BLOCK_N, BLOCK_R, DOT_FP32, HAS_DORA, HAS_SHIFT)

@@ -578,6 +578,7 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
     from triton.compiler import ASTSource
 
     from manylora.lora.kernels import sgmv_kernels as tl_
+    from manylora.lora.kernels import tiled_kernels as tiled_
 
     def ptx(fn, types, consts):
         sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
@@ -586,6 +587,7 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
 
     types = {n: "*i32" for n in ("ranks_ptr", "sorted_rows_ptr", "active_slots_ptr",
                                  "seg_start_ptr", "seg_len_ptr", "token_lora_ptr",
+                                 "tile_slot_ptr", "tile_start_ptr", "tile_len_ptr",
                                  "dora_ptr")}
     types.update({n: "*bf16" for n in ("b0_ptr", "b1_ptr", "b2_ptr", "y_ptr", "bias_ptr")})
     types.update({n: "*fp32" for n in ("buf_ptr", "sc0_ptr", "sc1_ptr", "sc2_ptr")})
@@ -598,8 +600,10 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
         sgmv = ptx(tl_.sgmv_expand_kernel, types,
                    {**flags, "NUM_SLICES": 3, "BLOCK_M": 16, "DOT_FP32": False})
         bgmv = ptx(tl_.bgmv_expand_kernel, types, flags)
-        loads[dora, shift] = [code.count("ld.global") for code in (sgmv, bgmv)]
-    for i in range(2):
+        tiled = ptx(tiled_.tiled_expand_kernel, types,
+                    {**flags, "BLOCK_M": 16, "DOT_FP32": False})
+        loads[dora, shift] = [code.count("ld.global") for code in (sgmv, bgmv, tiled)]
+    for i in range(3):
         assert loads[False, False][i] < loads[True, False][i] < loads[True, True][i], loads
 """)
 
@@ -607,8 +611,8 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
 def test_expand_kernels_compile_for_h100():
     """The DoRA epilogue's runtime branch on the loaded flag must also compile for sm_90 (the
-    interpreter runs it as Python): each variant compiles, and the scale and bias loads exist
-    only in the variants that take them."""
+    interpreter runs it as Python): the SGMV, BGMV and tiled expand kernels compile, and the
+    scale and bias loads exist only in the variants that take them."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
