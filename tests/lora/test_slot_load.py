@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
-from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.lora.pinned import align, pin_adapter
 from manylora.lora.slot_layout import SlotLayout
