@@ -1,4 +1,4 @@
-"""The host tier's form of an adapter: one buffer in slot order, copied to a slot in one go.
+"""The host cache's form of an adapter: one buffer in slot order, copied to a slot in one go.
 
 ``pin_adapter`` lays an adapter out once, on the loader thread that read it, as one uint8
 buffer (page-locked on a CUDA host, or in shared memory under tensor parallelism) holding
@@ -67,7 +67,7 @@ class SlotLoad:
 
 @dataclass(frozen=True, eq=False)
 class PinnedAdapter:
-    """An adapter as the host tier keeps it.
+    """An adapter as the host cache keeps it.
 
     Attributes:
         lora_int_id, name, digest: the adapter's identity (``LoRAAdapter``'s).
@@ -92,7 +92,7 @@ class PinnedAdapter:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes it holds (the buffer and the descriptors), what the host tier's byte
+        """Host bytes it holds (the buffer and the descriptors), what the host cache's byte
         bound counts."""
         return self.buf.numel() + (0 if self.load is None else self.load.blob.numel())
 
