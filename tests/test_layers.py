@@ -68,7 +68,6 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 _KNOWN = [
     ["manylora.entrypoints.ray_serve.app", "manylora.entrypoints.ray_serve.ingress",
      "manylora.entrypoints.ray_serve.replica"],
-    ["manylora.lora.slot_table", "manylora.lora.slots"],
     ["manylora.ops.attention", "manylora.ops.triton_attention"],
 ]
 
