@@ -113,7 +113,7 @@ class AdapterReader:
         """The host cache's form of ``adapter``, with this engine rank's slot-load
         descriptors (any thread)."""
         pinned = pin_adapter(adapter, self.host_alloc)
-        return replace(pinned, load=self.layout.prepare(pinned))
+        return replace(pinned, slot_load=self.layout.prepare(pinned))
 
     def read(self, request: LoRARequest) -> PinnedAdapter:
         """Disk → pinned host memory, on the calling thread (any thread).

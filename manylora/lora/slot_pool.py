@@ -108,7 +108,7 @@ class SlotPool:
     def _write(self, slot: int, adapter: PinnedAdapter) -> None:
         if self.on_write_slot is not None:
             self.on_write_slot(slot, adapter)
-        self.layout.load(slot, adapter, adapter.load)
+        self.layout.load(slot, adapter, adapter.slot_load)
 
     def wait_for(self, slots: Iterable[int]) -> None:
         """Make the compute stream wait for the pending copies into ``slots`` (CUDA only)."""

@@ -196,7 +196,7 @@ def test_host_cache_counts_the_pinned_bytes():
                    + (0 if w.dora_scale is None else align(4 * w.b.shape[0]))
                    for w in adapter.weights.values())
     assert pinned.buf.numel() == expected
-    assert pinned.nbytes == expected + pinned.load.blob.numel()
+    assert pinned.nbytes == expected + pinned.slot_load.blob.numel()
     manager.host_cache.insert(pinned, must_fit=True)
     assert manager.host_bytes == pinned.nbytes
     manager.shutdown()
@@ -236,7 +236,7 @@ def test_cuda_slot_load_runs_on_the_side_stream_from_pinned_memory():
     manager = LoRAManager(config, target, slots)
     adapter = _adapter(cfg, TARGETS, torch.bfloat16)
     pinned = manager.reader.pin(adapter)
-    assert pinned.buf.is_pinned() and pinned.load.blob.is_pinned()
+    assert pinned.buf.is_pinned() and pinned.slot_load.blob.is_pinned()
     manager.slot_pool.load(1, pinned)
     assert 1 in manager.slot_pool._slot_events
     manager.slot_pool.wait_for([1])
