@@ -99,7 +99,7 @@ class LoRAManager:
         self.stats = LoRACacheStats()
         self._known: dict[int, _Known] = {}
         self._refs: Counter[int] = Counter()
-        self._failures: list[AdapterReloadError] = []
+        self._failures: list[AdapterLoadError] = []
         self._wanted: set[int] = set()
         self.layout = SlotLayout(dict(slots), target.module_shapes,
                                  lora_config.max_lora_rank)
@@ -109,7 +109,8 @@ class LoRAManager:
         self.slot_pool = SlotPool(self.layout, lora_config.max_loras, self.stats)
         self.background_dora_reads = True
 
-    # the parts' hooks, set by the engine (tensor parallelism) before any ``add``
+    # the parts' hooks the engine sets: notify; under tensor parallelism, before any
+    # ``add``, host_alloc and on_write_slot
     @property
     def host_alloc(self) -> Callable[[int], torch.Tensor]:
         return self.reader.host_alloc
