@@ -33,7 +33,7 @@ from benchmarks.common import (
 
 ADAPTERS, RANK, LAYERS = 64, 16, 32
 CALLS, REPLAYS = 6, 15
-LORA_VARIANT_CODES = ("bgmv", "tiled", "sgmv")
+VARIANTS = ("bgmv", "tiled", "sgmv")
 
 
 class Projection:
@@ -115,7 +115,7 @@ def main() -> None:
         floor = nbytes / bandwidth
         seg_len = np.bincount(np.arange(batch) % ADAPTERS, minlength=ADAPTERS)
         pick, _ = default_variant(seg_len, ADAPTERS, padded_rows=batch, model=model)
-        for variant in LORA_VARIANT_CODES:
+        for variant in VARIANTS:
             seconds = measure(batch, variant, device, projections)
             predicted = variant_time(seg_len, variant, model.shapes, RANK, ADAPTERS, gpu,
                                       block_m=graph_block_m(batch, ADAPTERS),

@@ -78,7 +78,6 @@ def _cycles(graph: grimp.ImportGraph) -> list[list[str]]:
 _KNOWN = [
     ["manylora.entrypoints.ray_serve.app", "manylora.entrypoints.ray_serve.ingress",
      "manylora.entrypoints.ray_serve.replica"],
-    ["manylora.ops.attention", "manylora.ops.triton_attention"],
 ]
 
 

@@ -331,8 +331,10 @@ class ModelWeightsLoader:
         set) go to ``param.weight_loader(param, tensors)`` when the parameter has one; otherwise
         they are concatenated along dim 0 and copied into ``param`` (converting dtype/device).
         A parameter with ``tp_slices`` (one ``TPSlice`` per external tensor, set by the
-        model's tensor-parallel layers) reads exactly those ranges instead (:meth:`load_part`)
-        whatever ``tp_rank``/``tp_size`` say: the slices already name the rank's rows.
+        model's tensor-parallel layers through their linear method's ``create_weights``)
+        reads exactly those ranges instead (:meth:`load_part`) whatever ``tp_rank``/
+        ``tp_size`` say: the slices already name the rank's rows. The parameters, their
+        layout and their ``weight_loader`` are the linear method's: the loader only reads.
 
         Raises:
             MissingWeightError: a parameter's external key is not in the checkpoint.

@@ -35,15 +35,15 @@ class EngineArgs:
         dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         max_loras: device adapter slots = distinct adapters per step.
-        max_lora_rank: rank every slot is padded to.
+        max_lora_rank: rank every adapter slot is padded to.
         max_cpu_loras: adapters kept in host memory; None means max(32, max_loras).
-        lora_target_modules: projections that get slot buffers; None means all seven.
-        enable_lora: allocate slots and accept LoRA requests.
+        lora_target_modules: projections that get adapter slot buffers; None means all seven.
+        enable_lora: allocate adapter slots and accept LoRA requests.
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: tokens computed per step.
         block_size: tokens per KV cache block.
         num_kv_blocks: KV cache blocks; None sizes the cache from free memory.
-        gpu_memory_utilization: share of GPU memory the engine may use (weights, slots, KV).
+        gpu_memory_utilization: share of GPU memory the engine may use (weights, adapter slots, KV).
         max_model_len: longest prompt + output; None means the model's limit.
         key_dict: extra checkpoint key translations (TensorRT-LLM's customized_key_dict).
         revision: hub revision for ``model``.
@@ -78,7 +78,7 @@ class EngineArgs:
             memory left free after the weights and the KV cache are placed (TensorRT-LLM's
             ``device_cache_percent``); replaces ``max_loras``.
         lora_aging_steps: steps a waiting request may be passed over for requests whose
-            adapters are resident before it takes the next free slot in arrival order.
+            adapters are resident before it takes the next free adapter slot in arrival order.
         enable_prefix_caching: reuse the KV of a cached prompt prefix computed under the
             same adapter weights (or the base model) instead of prefilling it again.
         swap_space: GiB of host memory (pinned on CUDA) that preempted requests' and evicted

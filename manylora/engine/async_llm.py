@@ -20,18 +20,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from manylora.engine.arg_utils import EngineArgs
+from manylora.engine.commands import Command, CommandQueue, Deferred
 from manylora.engine.llm_engine import LLMEngine
+from manylora.engine.output_streams import OutputStream, OutputStreams
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.protocol import EngineDeadError
 from manylora.engine.stats import EngineSnapshot, IterationStats
@@ -49,24 +49,6 @@ class StatLogger(Protocol):
     """Receives each step's ``IterationStats`` on the engine thread."""
 
     def record(self, stats: IterationStats) -> None: ...
-
-
-@dataclass
-class _Stream:
-    """One request's output queue on its caller's event loop, and when it arrived
-    (``time.monotonic``, seconds)."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    arrival: float
-
-
-@dataclass
-class _Command:
-    name: str
-    args: tuple
-    loop: asyncio.AbstractEventLoop | None = None
-    future: asyncio.Future | None = field(default=None, repr=False)
 
 
 class AsyncLLM:
@@ -100,10 +82,10 @@ class AsyncLLM:
         self.max_structured_output_spec_bytes = engine.max_structured_output_spec_bytes
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._commands = CommandQueue()
+        self._streams = OutputStreams()
         self._pending_adds = 0
-        self._adding: dict[str, _Command] = {}
+        self._adding: dict[str, Command] = {}
         self._pending_lock = threading.Lock()
         self._snapshot = EngineSnapshot(max_loras=self.max_loras)
         self._ids = itertools.count()
@@ -166,10 +148,10 @@ class AsyncLLM:
         self._check_alive()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._commands.put(_Command(name, args, loop, future))
+        self._commands.put(Command(name, args, loop, future))
         self.engine.wake()
         if self._drained is not None:   # the loop ended after the check: nobody takes it
-            self._fail_commands(self._drained)
+            self._commands.fail_all(self._drained)
         return await future
 
     async def generate(self, prompt: str | dict, sampling_params: SamplingParams,
@@ -214,7 +196,7 @@ class AsyncLLM:
             self._pending_adds += 1
         request_id = f"async-{next(self._ids)}" if request_id is None else request_id
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic())
+        stream = OutputStream(loop, asyncio.Queue(), time.monotonic())
         added = finished = False
         try:
             try:
@@ -234,7 +216,7 @@ class AsyncLLM:
                     return
         finally:
             if added and not finished and self._thread.is_alive():
-                self._commands.put(_Command("abort", ([request_id], stream)))
+                self._commands.put(Command("abort", ([request_id], stream)))
                 self.engine.wake()
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -242,7 +224,7 @@ class AsyncLLM:
         adapter references are freed. Unknown or finished ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         if ids and self._thread.is_alive():
-            self._commands.put(_Command("abort", (ids,)))
+            self._commands.put(Command("abort", (ids,)))
             self.engine.wake()
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
@@ -268,7 +250,7 @@ class AsyncLLM:
         """Stop the loop (running requests end with ``EngineDeadError``), join it, then
         stop the engine's workers and loader threads."""
         self._stopped = True
-        self._commands.put(_Command("stop", ()))
+        self._commands.put(Command("stop", ()))
         self.engine.wake()
         self._thread.join(timeout)
         self.engine.shutdown()
@@ -320,22 +302,17 @@ class AsyncLLM:
 
     def _take_commands(self, block: bool) -> bool:
         """Run every queued command (waiting for one when ``block``); False on stop."""
-        try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
+        cmd = self._commands.get(timeout=0.5 if block else None)
         # the requests added now reach the core in one message, so a burst starts whole
         with self.engine.one_message():
-            while True:
+            while cmd is not None:
                 if cmd.name == "stop":
                     return False
                 self._execute(cmd)
-                try:
-                    cmd = self._commands.get_nowait()
-                except queue.Empty:
-                    return True
+                cmd = self._commands.get()
+        return True
 
-    def _execute(self, cmd: _Command) -> None:
+    def _execute(self, cmd: Command) -> None:
         self._commands_ran = True
         result: Any = None
         error: BaseException | None = None
@@ -343,47 +320,43 @@ class AsyncLLM:
             result = getattr(self, f"_do_{cmd.name}")(*cmd.args)
         except Exception as e:
             error = e
-        if isinstance(result, _Deferred):       # answered when the core's answer comes
+        if isinstance(result, Deferred):        # answered when the core's answer comes
             self._adding[result.request_id] = cmd
             return
         if isinstance(result, Future):          # answered by the step that receives it
-            if cmd.future is not None:
-                result.add_done_callback(lambda f: _call_soon(
-                    cmd.loop, _settle, cmd.future, None if f.exception() else f.result(),
-                    f.exception()))
+            result.add_done_callback(lambda f: cmd.answer(
+                None if f.exception() else f.result(), f.exception()))
             return
-        if cmd.future is not None:
-            _call_soon(cmd.loop, _settle, cmd.future, result, error)
+        cmd.answer(result, error)
 
     def _do_add(self, request_id: str, prompt, params, lora_request,
-                stream: _Stream, client_group: str | None) -> _Deferred:
+                stream: OutputStream, client_group: str | None) -> Deferred:
         with self._pending_lock:
             self._pending_adds -= 1
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.engine.submit_request(request_id, prompt, params, lora_request,
                                    arrival_time=stream.arrival, client_group=client_group)
-        self._streams[request_id] = stream
-        return _Deferred(request_id)
+        self._streams.add(request_id, stream)
+        return Deferred(request_id)
 
     def _settle_adds(self) -> None:
         """Answer each ``generate`` whose request the core took or refused."""
         for done in self.engine.take_added():
             cmd = self._adding.pop(done.request_id, None)
             if done.error is not None:
-                self._streams.pop(done.request_id, None)
+                self._streams.discard(done.request_id)
             if cmd is not None:
-                _call_soon(cmd.loop, _settle, cmd.future, None, done.error)
+                cmd.answer(None, done.error)
 
-    def _do_abort(self, ids: list[str], only: _Stream | None = None) -> None:
-        live = [rid for rid in ids if rid in self._streams
-                and (only is None or self._streams[rid] is only)]
+    def _do_abort(self, ids: list[str], only: OutputStream | None = None) -> None:
+        live = self._streams.live(ids, only)
         if not live:
             return
         stats = IterationStats()
         self.engine.abort_request(live, stats)
         for rid in live:
-            del self._streams[rid]
+            self._streams.discard(rid)
             self._adding.pop(rid, None)
         self._log(stats)
 
@@ -395,21 +368,7 @@ class AsyncLLM:
 
     def _dispatch(self, outputs: list[RequestOutput], stats: IterationStats) -> None:
         self._log(stats)
-        batches: dict[asyncio.AbstractEventLoop,
-                      list[tuple[_Stream, RequestOutput | Exception]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
-                del self._streams[out.request_id]
-            # a request the core could not serve: its caller gets the error itself
-            batches.setdefault(stream.loop, []).append(
-                (stream, out if out.error is None else out.error))
-        # one wake-up of each caller's event loop per step, not one per request
-        gone = [out.request_id for loop, batch in batches.items()
-                if not _call_soon(loop, _put_all, batch)
-                for _, out in batch if isinstance(out, RequestOutput) and not out.finished]
+        gone = self._streams.dispatch(outputs)
         if gone:
             self._do_abort(gone)     # their callers' event loops have closed
 
@@ -432,57 +391,7 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         adding, self._adding = self._adding, {}
         for cmd in adding.values():
-            _call_soon(cmd.loop, _settle, cmd.future, None, error)
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            _deliver(stream, error)
+            cmd.answer(None, error)
+        self._streams.fail_all(error)
         self._drained = error
-        self._fail_commands(error)
-
-    def _fail_commands(self, error: BaseException) -> None:
-        """Answer every queued command with ``error`` (any thread, once the loop ended)."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd.future is not None:
-                _call_soon(cmd.loop, _settle, cmd.future, None, error)
-
-
-@dataclass(frozen=True)
-class _Deferred:
-    """What an add returns: its caller is answered when the core's answer to
-    ``request_id`` comes (``_settle_adds``)."""
-
-    request_id: str
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
-    """Schedule ``fn(*args)`` on ``loop``; False when the loop has closed."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        return False
-    return True
-
-
-def _put_all(batch: list[tuple[_Stream, RequestOutput | Exception]]) -> None:
-    for stream, out in batch:
-        stream.queue.put_nowait(out)
-
-
-def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
-    return _call_soon(stream.loop, stream.queue.put_nowait, item)
-
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-
+        self._commands.fail_all(error)

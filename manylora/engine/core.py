@@ -59,7 +59,7 @@ from manylora.lora_request import LoRARequest
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
 from manylora.request import Request, RequestStatus
-from manylora.sample.sampler import set_random_seed
+from manylora.sample.generators import set_random_seed
 from manylora.scheduler.kv_cache_manager import KVCacheManager, KVCacheStats
 from manylora.scheduler.scheduler import Scheduler
 from manylora.scheduler.stop import check_stop

@@ -72,7 +72,7 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._output_ids: list[int] = []
         self._chunks: list[str] = []
-        self._text_cache: str | None = ""
+        self._joined_text: str | None = ""
         # Decoded ids[prefix_offset:read_offset], recomputed only when the offsets move.
         self._prefix_text = self._decode(self._ids)
 
@@ -115,7 +115,7 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
         self._chunks.append(new_text)
-        self._text_cache = None
+        self._joined_text = None
         return new_text
 
     def skip(self, token_id: int) -> None:
@@ -147,16 +147,16 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         self._chunks.append(new_text)
-        self._text_cache = None
+        self._joined_text = None
         return new_text
 
     @property
     def text(self) -> str:
         """All output text emitted so far (the concatenation of :meth:`append` results)."""
-        if self._text_cache is None:
-            self._text_cache = "".join(self._chunks)
-            self._chunks = [self._text_cache]
-        return self._text_cache
+        if self._joined_text is None:
+            self._joined_text = "".join(self._chunks)
+            self._chunks = [self._joined_text]
+        return self._joined_text
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,19 +1,18 @@
 """``LLMEngine``: the engine's front. Text in, ``RequestOutput`` out, over an engine core
 that works on token ids (vLLM v1's ``LLMEngine`` over its ``EngineCoreClient``).
 
-The front tokenizes and checks a request and hands the core an ``EngineCoreRequest``; the
-core, in its own process by default (``engine/core_client.py``), schedules, runs the model
-and applies the token-level stop rules, and sends back per-request deltas (new token ids,
-their log-probabilities, its finish reason). The front's ``OutputProcessor`` turns them
-into text and ``RequestOutput``s: incremental detokenization, stop strings (a request that
-hits one is ended in the core), per-token log-probability dicts.
+The front tokenizes and checks a request (``engine/input_processor.py``) and hands the core
+an ``EngineCoreRequest``; the core, in its own process by default
+(``engine/core_client.py``), schedules, runs the model and applies the token-level stop
+rules, and sends back per-request deltas (new token ids, their log-probabilities, its
+finish reason). The front's ``OutputProcessor`` turns them into text and
+``RequestOutput``s: incremental detokenization, stop strings (a request that hits one is
+ended in the core), per-token log-probability dicts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import operator
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -21,15 +20,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
 
-from manylora.checkpoint.gguf import is_gguf, load_tokenizer
+from manylora.checkpoint.gguf import load_tokenizer
 from manylora.checkpoint.hub import resolve_model_path
 from manylora.engine.arg_utils import EngineArgs
-from manylora.engine.core_client import AddDone, make_client
+from manylora.engine.core_client import make_client
+from manylora.engine.input_processor import InputProcessor, eos_token_ids
 from manylora.engine.output_processor import OutputProcessor
 from manylora.engine.outputs import RequestOutput
 from manylora.engine.protocol import (
+    AddDone,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
@@ -38,24 +38,9 @@ from manylora.engine.protocol import (
 from manylora.engine.stats import IterationStats
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora_request import LoRARequest
-from manylora.model.loader import load_hf_config
 from manylora.sampling_params import SamplingParams
 from manylora.scheduler.kv_cache_manager import KVCacheStats
-from manylora.structured.bad_words import bad_words_token_ids, check_bad_words
-from manylora.structured.grammar import check_spec_size
 from manylora.structured_params import StructuredOutputsConfig
-
-
-def _cache_salt(prompt: str | dict) -> str | None:
-    """A prompt dict's ``cache_salt`` (vLLM's ``TokensPrompt`` key), or None.
-
-    Raises:
-        ValueError: a salt that is not a non-empty string.
-    """
-    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
-    return salt
 
 
 @dataclass
@@ -106,7 +91,8 @@ class LLMEngine:
                        if args.tokenizer else model_dir)
             self.tokenizer = load_tokenizer(tok_dir, args.trust_remote_code,
                                             use_fast=args.tokenizer_mode != "slow")
-        self.eos_token_ids = frozenset(self._eos_ids(model_dir, args.trust_remote_code))
+        self.eos_token_ids = frozenset(eos_token_ids(model_dir, self.tokenizer,
+                                                     args.trust_remote_code))
         self.max_bad_words = args.max_bad_words
         self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
         self.structured_outputs_config = StructuredOutputsConfig.parse(
@@ -118,6 +104,9 @@ class LLMEngine:
         self.vocab_size = info.vocab_size
         self.max_loras = info.max_loras
         self.num_gpu_blocks = info.num_gpu_blocks
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.eos_token_ids, self.vocab_size, self.max_bad_words,
+            self.max_structured_output_spec_bytes, self.structured_outputs_config)
         self.engine_core = getattr(self.client, "engine_core", None)
         self._stats = SchedulerStats()
         self._outputs: deque[EngineCoreOutputs] = deque()
@@ -140,46 +129,15 @@ class LLMEngine:
         if client is not None:
             client.shutdown()
 
-    def _eos_ids(self, model_dir, trust_remote_code: bool) -> set[int]:
-        ids: set[int] = set()
-        try:
-            if is_gguf(model_dir):  # a file: no generation_config.json, its metadata's eos
-                eos = getattr(load_hf_config(model_dir, trust_remote_code), "eos_token_id", None)
-            else:
-                eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        except OSError:
-            eos = getattr(load_hf_config(model_dir, trust_remote_code), "eos_token_id", None)
-        if eos is not None:
-            ids.update(eos if isinstance(eos, list) else [eos])
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
-
     def tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """A prompt (text or ``{"prompt_token_ids": [...]}``) → ``(text, token ids)``.
+        """A prompt (text or ``{"prompt_token_ids": [...]}``) → ``(text, token ids)``
+        (``InputProcessor.tokenize``).
 
         Raises:
             ValueError: a text prompt without a tokenizer, ids that are not integers or lie
                 outside the vocabulary, or a malformed prompt. (The core checks emptiness.)
         """
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer, but the engine was started "
-                                 "with skip_tokenizer_init: pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer(prompt).input_ids
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            raw = list(prompt["prompt_token_ids"])
-            not_ints = [t for t in raw if isinstance(t, bool) or not hasattr(t, "__index__")]
-            if not_ints:
-                raise ValueError(f"prompt_token_ids must be integers, got {not_ints[:5]}")
-            ids = [operator.index(t) for t in raw]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_token_ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-            return prompt.get("prompt"), ids
-        raise ValueError("a prompt must be a string or {'prompt_token_ids': [...]}, got "
-                         f"{type(prompt).__name__}")
+        return self.input_processor.tokenize(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | dict,
                     params: SamplingParams | None = None,
@@ -292,29 +250,13 @@ class LLMEngine:
             self._next_id += 1
         if request_id in self.output_processor.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize(r.prompt)
-        if self.tokenizer is None and params.stop:
-            raise ValueError("stop strings need a tokenizer, but the engine was started with "
-                             "skip_tokenizer_init")
-        if params.structured_outputs is not None:
-            check_spec_size(params.structured_outputs, self.max_structured_output_spec_bytes)
-            structured = self.structured_outputs_config.apply(params.structured_outputs)
-            if structured is not params.structured_outputs:
-                params = dataclasses.replace(params, structured_outputs=structured)
-        if params.bad_words:
-            check_bad_words(params.bad_words, self.max_bad_words,
-                            self.max_structured_output_spec_bytes)
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer, but the engine was started with "
-                                 "skip_tokenizer_init: pass bad_words_token_ids")
-            params = dataclasses.replace(
-                params, bad_words=None, bad_words_token_ids=(
-                    (params.bad_words_token_ids or [])
-                    + bad_words_token_ids(self.tokenizer, params.bad_words)))
         arrival = time.monotonic() if r.arrival_time is None else r.arrival_time
-        self.output_processor.add(request_id, text, ids, params, r.lora_request, arrival)
-        return EngineCoreRequest(request_id, ids, params, r.lora_request, self.eos_token_ids,
-                                 r.session_id, arrival, r.client_group, _cache_salt(r.prompt))
+        text, core_request = self.input_processor.process_inputs(
+            request_id, r.prompt, params, r.lora_request, r.session_id, arrival,
+            r.client_group)
+        self.output_processor.add(request_id, text, core_request.prompt_token_ids,
+                                  core_request.sampling_params, r.lora_request, arrival)
+        return core_request
 
     def wait_added(self, request_ids: Sequence[str]) -> dict[str, Exception | None]:
         """Wait for the core's answers to submitted requests: ``{id: None}`` for each

@@ -37,8 +37,8 @@ from manylora.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from manylora.engine.protocol import EngineCoreOutput, FinishReason
 from manylora.engine.stats import FinishedRequestStats, IterationStats
 from manylora.lora_request import LoRARequest
+from manylora.sample.logprobs import TokenLogprobs
 from manylora.sample.prompt_logprobs import PromptLogprobs
-from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)

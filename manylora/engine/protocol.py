@@ -23,8 +23,8 @@ from typing import Any
 from manylora.engine.serial import ErrorInfo
 from manylora.lora.manager import LoRACacheStats
 from manylora.lora_request import LoRARequest
+from manylora.sample.logprobs import TokenLogprobs
 from manylora.sample.prompt_logprobs import PromptLogprobs
-from manylora.sample.sampler import TokenLogprobs
 from manylora.sampling_params import SamplingParams
 from manylora.scheduler.kv_cache_manager import KVCacheStats
 
@@ -204,6 +204,15 @@ class AddResult:
     request_id: str
     history: list[int] = field(default_factory=list)
     error: ErrorInfo | None = None
+
+
+@dataclass
+class AddDone:
+    """The front-side form of an ``AddResult``: the exception itself, not its record."""
+
+    request_id: str
+    history: list[int] = field(default_factory=list)
+    error: Exception | None = None
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """The one LoRA-aware linear layer every adapter-targetable projection runs through.
 
-A packed projection (q/k/v, gate/up) is one base matmul over the fused weight followed by
+A packed projection (q/k/v, gate/up) is one base product over the fused weight followed by
 one shrink and one expand over all its LoRA-enabled slices and all adapters of the step
 (Punica; vLLM's ``MergedColumnParallelLinearWithLoRA``)::
 
-    y      = x W^T (+ b)                                  all rows, base weights read once
+    y      = linear_method.apply(x) (+ b)                 all rows, base weights read once
     buffer = shrink(x, (A_s)_s, lora_meta)                  [T, S, max_lora_rank] float32
     y     += expand(buffer, (B_s)_s, lora_meta)             in place, per slice's columns
 
@@ -13,6 +13,10 @@ rescales: ``y = (y + delta) * scale + shift`` with ``scale = m / ||W + BA||`` an
 ``shift = (1 - scale) * b`` (computed by the expand from the bias), i.e.
 ``scale * (x W^T + delta) + b``. Which (slot, module)s are DoRA, and each one's rank (0: not
 targeted, nothing launched or read for it), come from the model's ``SlotTable``.
+
+How the base product is computed and its weights stored is the layer's linear method
+(``manylora.ops.linear_method``: dense today); the shrink and expand are the same for every
+method.
 
 The slot buffers (``manylora.lora.slots``) are allocated once, up front, and only for the
 projections in ``LoRAConfig.target_modules``.
@@ -58,7 +62,7 @@ from manylora.distributed.parallel_state import PARALLEL_MODES, TPGroup
 from manylora.lora.dora import dora_row_norm_tp
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.slots import LoRASlots, SlotSharding
-from manylora.ops.triton_skinny import base_linear
+from manylora.ops.linear_method import LinearMethodBase, UnquantizedLinearMethod
 
 
 class LoRALinear(nn.Module):
@@ -81,11 +85,15 @@ class LoRALinear(nn.Module):
             heads); None: an even split.
         in_range: row-parallel only: the input columns ``[start, stop)`` this rank holds
             (e.g. an uneven share of attention heads); None: an even split.
+        linear_method: how the base product is computed and the weight stored (vLLM's
+            ``quant_method``); None: ``UnquantizedLinearMethod`` (a dense weight).
 
-    Parameters: ``weight [sum(local output sizes), local in]`` and optionally ``bias`` (the
-    local rows for column-parallel, whole for row-parallel). Under tensor parallelism each
-    carries ``tp_dim`` and ``tp_slices`` (``TPSlice`` per module) so that the weight loader
-    reads only the rank's rows (column) or columns (row) of each checkpoint tensor.
+    Parameters: the linear method's (dense: ``weight [sum(local output sizes), local in]``)
+    and optionally ``bias`` (the local rows for column-parallel, whole for row-parallel).
+    Under tensor parallelism the method receives ``tp_dim`` and ``tp_slices`` (``TPSlice``
+    per module, in the dense layout) for its weights, and the bias carries them, so that
+    the weight loader reads only the rank's rows (column) or columns (row) of each
+    checkpoint tensor.
     Forward: ``x [T, local in]`` and the step's ``LoRAKernelMeta`` (None: no adapters) →
     ``[T, local out]`` (column) or ``[T, out]`` summed over ranks (row). Every rank of the
     group must run the forward of a row-parallel or fully sharded layer together. An eager
@@ -104,7 +112,8 @@ class LoRALinear(nn.Module):
                  module_names: Sequence[str], bias: bool, dtype: torch.dtype,
                  device: torch.device, parallel: str | None = None, tp: TPGroup | None = None,
                  output_ranges: Sequence[tuple[int, int]] | None = None,
-                 in_range: tuple[int, int] | None = None) -> None:
+                 in_range: tuple[int, int] | None = None,
+                 linear_method: LinearMethodBase | None = None) -> None:
         super().__init__()
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {parallel!r}")
@@ -117,12 +126,16 @@ class LoRALinear(nn.Module):
         self.output_sizes = tuple(hi - lo for lo, hi in self.output_ranges)
         self.in_features = self.in_range[1] - self.in_range[0]
         out = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(out, self.in_features, dtype=dtype,
-                                               device=device), requires_grad=False)
+        self.params_dtype = dtype
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        weight_attrs = self._tp_attrs()
+        self.linear_method.create_weights(self, self.in_features, out, dtype,
+                                          torch.device(device), weight_attrs)
         bias_rows = sum(self.full_output_sizes) if self.parallel == "row" else out
         self.bias = (nn.Parameter(torch.empty(bias_rows, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
-        self._mark_tp_params()
+        if self.bias is not None and self.parallel == "column":
+            self.bias.tp_dim, self.bias.tp_slices = 0, weight_attrs["tp_slices"]
         self.lora: LoRASlots | None = None
         self.fully_sharded = False
         self._lora_cols: tuple[int, int] | None = None
@@ -161,18 +174,19 @@ class LoRALinear(nn.Module):
             return whole, (lo, hi)
         return whole, (0, self.full_in_features)
 
-    def _mark_tp_params(self) -> None:
-        """``tp_dim`` and ``tp_slices`` on the parameters the rank holds a slice of."""
+    def _tp_attrs(self) -> dict[str, object]:
+        """``tp_dim`` and ``tp_slices`` of the dense weight ``[out, in]``: the rank's rows of
+        each packed module (column-parallel) or its input columns (row-parallel); empty when
+        the rank holds the whole weight."""
         if self.parallel == "column":
             parts = tuple(TPSlice(0, lo, hi, n, hi - lo)
                           for (lo, hi), n in zip(self.output_ranges, self.full_output_sizes))
-            for p in (self.weight, self.bias):
-                if p is not None:
-                    p.tp_dim, p.tp_slices = 0, parts
-        elif self.parallel == "row":
+            return {"tp_dim": 0, "tp_slices": parts}
+        if self.parallel == "row":
             lo, hi = self.in_range
-            self.weight.tp_dim = 1
-            self.weight.tp_slices = (TPSlice(1, lo, hi, self.full_in_features, hi - lo),)
+            return {"tp_dim": 1,
+                    "tp_slices": (TPSlice(1, lo, hi, self.full_in_features, hi - lo),)}
+        return {}
 
     def create_lora_slots(self, enabled: Sequence[str], max_loras: int, max_lora_rank: int,
                           fully_sharded: bool = False,
@@ -218,19 +232,21 @@ class LoRALinear(nn.Module):
             bias = None if bias is None else bias[lo:hi]
             sharding = SlotSharding(full_out, ((lo, hi),), self.in_range)
         self.lora = LoRASlots(in_features, modules, max_loras, max_lora_rank,
-                              dtype or self.weight.dtype, self.weight.device, bias, sharding)
+                              dtype or self.params_dtype, next(self.parameters()).device,
+                              bias, sharding)
         return self.lora
 
     def module_weight(self, module: str) -> torch.Tensor:
-        """The rows of the (packed) weight that belong to ``module``: ``[out_s, in_features]``
-        (this rank's rows and columns under tensor parallelism).
+        """The rows of the (packed) weight that belong to ``module``, dense
+        (``LinearMethodBase.dense_weight``): ``[out_s, in_features]`` (this rank's rows and
+        columns under tensor parallelism).
 
         Raises:
             ValueError: ``module`` is not one of ``module_names``.
         """
         i = self.module_names.index(module)
         start = sum(self.output_sizes[:i])
-        return self.weight[start: start + self.output_sizes[i]]
+        return self.linear_method.dense_weight(self)[start: start + self.output_sizes[i]]
 
     def dora_norm(self, module: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """``||W + b @ a||`` per output row of ``module``'s whole weight, float32 ``[out]``
@@ -252,14 +268,14 @@ class LoRALinear(nn.Module):
         if lora is not None and not lora.used(lora_meta):
             lora = None               # an eager step none of whose slots targets this layer
         if self.parallel != "row":
-            y = base_linear(x, self.weight, self.bias)
+            y = self.linear_method.apply(self, x, self.bias)
             if lora is not None:
                 buffer = lora.shrink(x, lora_meta)
                 if lora.rank_sharded:
                     buffer = self.tp.all_gather(buffer, dim=-1)       # [T, S, max_lora_rank]
                 lora.expand(y, buffer, lora_meta)
             return y
-        y = base_linear(x, self.weight)                              # partial sum [T, out]
+        y = self.linear_method.apply(self, x)                        # partial sum [T, out]
         if lora is None or not self.fully_sharded:
             if lora is not None:
                 lora.expand(y, lora.shrink(x, lora_meta), lora_meta)      # partial delta too

@@ -31,7 +31,6 @@ from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.ops.attention import AttentionMetadata, KVCache, paged_attention, write_kv
-from manylora.ops.triton_skinny import base_linear
 
 
 def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...]:
@@ -277,8 +276,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden] → float32 [N, vocab]``: under tensor parallelism each rank's
         vocabulary rows, all-gathered, the padding past ``vocab_size`` dropped."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = base_linear(hidden, weight).float()                   # [N, vocab / tp]
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = head.linear_method.apply(head, hidden).float()        # [N, vocab / tp]
         if self.tp.size == 1:
             return logits
         logits = self.tp.all_gather(logits, dim=-1)                    # [N, padded vocab]

@@ -1,4 +1,4 @@
-"""From a checkpoint directory to a ready ``LlamaForCausalLM``: config, model, weights."""
+"""From a checkpoint directory to a ready model: config, the registry's class, weights."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoConfig
 
 from manylora.checkpoint.gguf import gguf_config, is_gguf
@@ -19,7 +20,7 @@ from manylora.checkpoint.weights import (
 )
 from manylora.config import ModelConfig
 from manylora.distributed.parallel_state import TPGroup
-from manylora.model.llama import LlamaForCausalLM
+from manylora.model.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,17 @@ _DUMMY_RANGE = 1e-3
 
 def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
                key_dict: Mapping[str, str | list[str]] | None = None,
-               load_format: str = "auto", tp: TPGroup | None = None) -> LlamaForCausalLM:
+               load_format: str = "auto", tp: TPGroup | None = None) -> nn.Module:
     """Allocate the model (this rank's shard of it) on ``device`` and fill it from the
-    checkpoint (TensorRT-LLM's loader).
+    checkpoint (TensorRT-LLM's loader). The class is the model registry's for
+    ``cfg.architecture`` (``manylora.model.registry``); each layer's linear method
+    (``manylora.ops.linear_method``) laid its weights out for the loader and then reworks
+    them (``process_weights_after_loading``), as vLLM's loader does.
 
     Args:
         model_dir: the checkpoint directory (or one weight file, e.g. a ``.gguf``).
-        cfg: the model's shape and dtype (the whole model's, or ``cfg.shard(tp.size)``).
+        cfg: the model's architecture, shape and dtype (the whole model's, or
+            ``cfg.shard(tp.size)``).
         device: where the weights live.
         key_dict: extra key translations (TensorRT-LLM's ``customized_key_dict``).
         load_format: ``"auto"`` reads the weights (only the rank's slices of them);
@@ -67,21 +72,26 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
 
     Raises:
         CheckpointError: missing, corrupt or mis-shaped weight files.
-        ValueError: an unknown ``load_format``, or a model that does not split over ``tp``.
+        ValueError: an unknown ``load_format``, an architecture the registry does not hold,
+            or a model that does not split over ``tp``.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}: use one of {LOAD_FORMATS}")
-    model = LlamaForCausalLM(cfg, device, tp)
+    model = model_class(cfg.architecture)(cfg, device, tp)
     if load_format == "dummy":
         _fill_dummy(model, device)
     else:
         rank = model.tp
         ModelWeightsLoader(model_dir, key_dict).load_model(model, rank.rank, rank.size)
+    for module in model.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
 
 
 @torch.no_grad()
-def _fill_dummy(model: LlamaForCausalLM, device: torch.device) -> None:
+def _fill_dummy(model: nn.Module, device: torch.device) -> None:
     """Seeded uniform noise, parameter by parameter; a sliced parameter draws its whole
     tensor (the one-rank shape) and keeps its ``tp_slices``."""
     gen = torch.Generator(device).manual_seed(0)

@@ -16,7 +16,7 @@ softmax numerators::
 
 The codes convert exactly to the dot dtype (int8 and e4m3 values are bfloat16, float16 and
 float32 numbers), so the scales are the only extra rounding against attention over the
-dequantized rows. ``write_kv_triton`` quantizes as ``manylora.ops.attention.quantize_kv``:
+dequantized rows. ``write_kv_triton`` quantizes as ``manylora.ops.paged_kv.quantize_kv``:
 ``scale = max_d |x[d]| / QMAX`` per (token, KV head), ``code = round(x / scale)``.
 
 Design (FlashAttention-2's forward, Dao 2023, over vLLM's paged KV cache, Kwon et al. 2023,
@@ -60,14 +60,9 @@ import torch
 import triton
 import triton.language as tl
 
-from manylora.ops.attention import (
-    KV_QUANT_MAX,
-    AttentionMetadata,
-    KVCache,
-    check_attention_inputs,
-    check_kv_cache,
-)
+from manylora.ops.attention_metadata import AttentionMetadata, check_attention_inputs
 from manylora.ops.host_math import cdiv, next_power_of_2
+from manylora.ops.paged_kv import KV_QUANT_MAX, KVCache, check_kv_cache
 
 _LOG2E = 1.4426950408889634
 #: Upper bound on the key-range splits of a decode launch.
@@ -103,27 +98,27 @@ def _quantize_store(x, data_ptrs, scale_ptrs, mask, row_mask, QMAX: tl.constexpr
     tl.store(scale_ptrs, scale, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["slot_ptr"])
+@triton.jit(do_not_specialize=["loc_ptr"])
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                     slot_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+                     loc_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
-    """One program per token row: copy its K and V heads into the cache slot (skip -1);
+    """One program per token row: copy its K and V heads into its cache location (skip -1);
     ``QUANT``: store their codes and per-head scales instead (``_quantize_store``)."""
     t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
+    loc = tl.load(loc_ptr + t)
     h = tl.arange(0, HEADS_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (h * 0 + slot >= 0)   # block-shaped test
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & (h * 0 + loc >= 0)   # block-shaped test
     heads = tl.arange(0, HEADS_PAD)
-    row_mask = (heads < NUM_KV_HEADS) & (heads * 0 + slot >= 0)
-    slot = tl.maximum(slot, 0)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    row_mask = (heads < NUM_KV_HEADS) & (heads * 0 + loc >= 0)
+    loc = tl.maximum(loc, 0)
+    dst = (loc // BLOCK_SIZE) * stride_cb + (loc % BLOCK_SIZE) * stride_cs + h * stride_ch + d
     row = t.to(tl.int64)
     if QUANT:
-        s_dst = (slot // BLOCK_SIZE) * stride_sb + (slot % BLOCK_SIZE) * stride_ss + heads
+        s_dst = (loc // BLOCK_SIZE) * stride_sb + (loc % BLOCK_SIZE) * stride_ss + heads
         k = tl.load(k_ptr + row * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
         _quantize_store(k, k_cache_ptr + dst, k_scale_ptr + s_dst, mask, row_mask, QMAX)
         v = tl.load(v_ptr + row * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
@@ -492,9 +487,9 @@ def _check_contiguous(kv_cache: KVCache) -> None:
 
 def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                     cache_loc: torch.Tensor) -> None:
-    """``data[:, slot // bs, slot % bs] = (k, v)`` for every row with slot ≥ 0; a quantized
+    """``data[:, loc // bs, loc % bs] = (k, v)`` for every row with ``cache_loc`` ≥ 0; a quantized
     cache stores ``code = round(x / scale)`` and ``scale = max_d |x[d]| / QMAX`` per (row,
-    KV head) instead (``manylora.ops.attention.quantize_kv``, bit-exact for int8).
+    KV head) instead (``manylora.ops.paged_kv.quantize_kv``, bit-exact for int8).
 
     One program per token row, no host sync (CUDA-graph safe).
 

@@ -8,8 +8,9 @@ memory busy (the split-free skinny GEMM of Triton's and FlashInfer's decode GEMM
 
     y[m, n] = Σ_k x[m, k] · W[n, k]  (+ b[n]),    float32 accumulation, one rounding
 
-``base_linear`` uses it inside CUDA-graph capture for CUDA ``bfloat16``/``float16`` inputs
-of at most ``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row
+The dense linear method (``manylora.ops.linear_method.UnquantizedLinearMethod``) uses it
+inside CUDA-graph capture for CUDA ``bfloat16``/``float16`` inputs of at most
+``SKINNY_MAX_ROWS`` rows where ``SKINNY_CONFIGS`` (measured on an H100, sm_90, per row
 bucket and weight shape by ``benchmarks/bench_skinny_gemm.py``) found it faster than
 cuBLAS, and ``torch.nn.functional.linear`` (cuBLAS) otherwise. No host synchronisation:
 CUDA-graph safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) 16-bit operands are widened to
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-#: Rows up to which ``base_linear`` runs the skinny kernel on CUDA.
+#: Rows up to which the dense linear method runs the skinny kernel on CUDA.
 SKINNY_MAX_ROWS = 64
 #: Row buckets (``BLOCK_M``): a launch of ``M`` rows uses the smallest bucket ≥ M.
 ROW_BUCKETS = (16, 32, 64)
@@ -139,17 +140,3 @@ def skinny_eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     config = skinny_config(x.shape[0], *weight.shape)
     return config is not None and weight.shape[1] % config[2] == 0
 
-
-def base_linear(x: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A projection's base product ``x Wᵀ (+ b)``: ``x [T, K]``, ``weight [N, K]``, ``bias
-    [N]`` or None → ``[T, N]`` in x's dtype.
-
-    The skinny kernel where ``skinny_eligible`` and a CUDA graph is being captured (the
-    decode graphs: a replay pays no launch cost); cuBLAS (``torch.nn.functional.linear``)
-    otherwise, including eager steps, where launching a Triton kernel from Python costs more
-    host time than cuBLAS's launch.
-    """
-    if x.is_cuda and torch.cuda.is_current_stream_capturing() and skinny_eligible(x, weight):
-        return skinny_linear(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)

@@ -2,7 +2,7 @@
 
 For a prompt ``x_0 .. x_{P-1}`` the entry of position ``j`` (``1 <= j < P``) is
 ``log_softmax(logits(h_{j-1}))[x_j]`` (the raw model distribution, float32, as
-``sample.sampler.compute_logprobs``), its rank, and the top ``N`` tokens at that position;
+``sample.logprobs.compute_logprobs``), its rank, and the top ``N`` tokens at that position;
 position 0 has no entry (the front reports None for it). ``h_{j-1}`` is the hidden state of
 prompt position ``j - 1`` computed by the prefill step itself, after every LoRA delta of the
 request's adapter, so nothing runs twice.

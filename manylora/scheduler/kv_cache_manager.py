@@ -6,7 +6,7 @@ cache manager, where a sequence pushed out of the cache keeps its token ids and 
 by recompute).
 
 * **Prefix caching** (on by default): a request's longest prefix of full blocks already in
-  the cache under the same adapter digest (``core.block_pool``) is reused, not prefilled.
+  the cache under the same adapter digest (``scheduler.block_pool``) is reused, not prefilled.
 * **Swap space** (``num_host_blocks`` > 0): a request preempted under memory pressure may
   have its full blocks copied to host memory, when ``PreemptionCost`` says copying them out
   and back costs less than recomputing them; a later lookup finds them by hash there and
@@ -68,7 +68,7 @@ class PrefixHit(NamedTuple):
 
 
 class KVCacheManager:
-    """Allocates blocks of ``block_size`` token slots to holders (request or session ids).
+    """Allocates blocks of ``block_size`` token positions to holders (request or session ids).
 
     Args:
         num_blocks: device blocks in the cache.

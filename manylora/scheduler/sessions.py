@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from manylora.request import Request
+from manylora.request import Request, RequestStatus
+from manylora.scheduler.kv_cache_manager import KVCacheManager
 
 
 @dataclass(eq=False)
@@ -47,9 +48,15 @@ class Session:
 
 
 class SessionTable:
-    """Sessions by id, and the idle ones that hold KV in least-recently-used order."""
+    """Sessions by id, and the idle ones that hold KV in least-recently-used order.
 
-    def __init__(self) -> None:
+    Args:
+        kv: the block allocator that holds an idle session's blocks under
+            ``Session.holder``.
+    """
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
         self.sessions: dict[str, Session] = {}
         self._idle_with_kv: OrderedDict[str, None] = OrderedDict()
 
@@ -98,3 +105,53 @@ class SessionTable:
     def drop(self, sess: Session) -> None:
         self.released(sess)
         self.sessions.pop(sess.session_id, None)
+
+    def release_kv(self, sess: Session) -> None:
+        """Free the blocks the session holds (full ones stay in the prefix cache)."""
+        self.kv.free(sess.holder)
+        self.released(sess)
+
+    def evict_lru(self) -> bool:
+        """Release the KV of the least recently used idle session (its full blocks stay in
+        the prefix cache or go to swap space); False when no idle session holds any."""
+        sess = self.lru_idle()
+        if sess is None:
+            return False
+        self.kv.swap_out(sess.last_turn, sess.holder)
+        sess.lost_tokens = sess.last_turn.num_computed_tokens
+        self.release_kv(sess)
+        self.kv.stats.evicted_sessions += 1
+        return True
+
+    def end(self, session_id: str) -> bool:
+        """Forget a session: the blocks only it held are freed (full ones stay in the prefix
+        cache). A turn in flight finishes first. False for an unknown id."""
+        sess = self.sessions.get(session_id)
+        if sess is None:
+            return False
+        if sess.active_request is not None:
+            sess.ended = True
+        else:
+            self.release_kv(sess)
+            self.drop(sess)
+        return True
+
+    def end_turn(self, req: Request, status: RequestStatus) -> None:
+        """A session's turn ended with ``status``, before the scheduler frees the turn's
+        blocks: a normal end makes the turn the history and moves its blocks under
+        ``Session.holder``; after an abort the history stays the previous turn's (the KV
+        the turn adopted is freed with it); a session ended meanwhile goes."""
+        sess = self.sessions.get(req.session_id)
+        if sess is None or sess.active_request != req.request_id:
+            return
+        sess.active_request = None
+        # a step launched before the turn stopped may have computed its last token's KV
+        # (async scheduling); the session keeps what a synchronous step leaves: all but it
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if sess.ended:
+            self.release_kv(sess)
+            self.drop(sess)
+        elif status is not RequestStatus.FINISHED_ABORTED:
+            self.release_kv(sess)        # its KV, if any, was not adopted
+            self.kv.rename(req.request_id, sess.holder)
+            self.keep(sess, req)

@@ -4,11 +4,13 @@ The scheduler holds one ``AdapterQueue`` per adapter (0 = the base model). A gro
 ``Request.group_key`` names: the requests one client call fanned out to (an HTTP request's
 prompts x n), or the request alone. Lanes let the scheduler admit across groups
 (least-running group first) while each group stays first-come first-served, without scanning
-the requests of a group that may not take a slot now.
+the requests of a group that may not join now. ``WaitingQueues`` holds the queues of every
+adapter.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Hashable, Iterator
 
@@ -104,3 +106,70 @@ class AdapterQueue:
             del self.lanes[req.group_key]
         self._len -= 1
         return True
+
+
+class WaitingQueues:
+    """Every request waiting in the scheduler: one ``AdapterQueue`` per adapter (0 = the
+    base model), each request's arrival number and the step it was queued in.
+
+    A preempted request goes back to its adapter's queue at its arrival position and keeps
+    the step it was first queued in (so its wait keeps ageing it).
+
+    Attributes:
+        queues: adapter id → its waiting requests; an adapter with none has no queue.
+        order: request id → arrival number, for every request the scheduler holds (waiting
+            or running).
+        since: request id → the scheduler step it was queued in.
+    """
+
+    def __init__(self) -> None:
+        self.queues: dict[int, AdapterQueue] = {}
+        self.order: dict[str, int] = {}
+        self.since: dict[str, int] = {}
+        self._arrivals = itertools.count()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def in_arrival_order(self) -> list[Request]:
+        """Every waiting request, oldest first (O(n log n))."""
+        order = self.order
+        return sorted((r for q in self.queues.values() for r in q),
+                      key=lambda r: order[r.request_id])
+
+    def add(self, req: Request, step: int) -> None:
+        """Queue a request that just arrived, at scheduler step ``step``."""
+        self.order[req.request_id] = next(self._arrivals)
+        self.since[req.request_id] = step
+        self._queue(req.lora_int_id).append(req)
+
+    def requeue(self, req: Request) -> None:
+        """Queue a preempted request again, ahead of its group's later arrivals."""
+        self._queue(req.lora_int_id).insert(req)
+
+    def take(self, lora_int_id: int, group: Hashable) -> Request:
+        """Take the oldest request of ``group`` waiting for adapter ``lora_int_id`` (the
+        adapter's queue goes when it empties).
+
+        Raises:
+            KeyError: no such adapter queue or group lane.
+        """
+        queue = self.queues[lora_int_id]
+        req = queue.popleft(group)
+        if not queue:
+            del self.queues[lora_int_id]
+        return req
+
+    def forget(self, req: Request) -> None:
+        """Drop a request that ended: from its queue if it waits, and its numbers."""
+        queue = self.queues.get(req.lora_int_id)
+        if queue is not None and queue.remove(req) and not queue:
+            del self.queues[req.lora_int_id]
+        self.order.pop(req.request_id, None)
+        self.since.pop(req.request_id, None)
+
+    def _queue(self, lora_int_id: int) -> AdapterQueue:
+        queue = self.queues.get(lora_int_id)
+        if queue is None:
+            queue = self.queues[lora_int_id] = AdapterQueue(self.order)
+        return queue

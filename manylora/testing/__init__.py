@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-from manylora.testing.factories import (
-    CHAT_TEMPLATE,
-    DEMO_ADAPTER_SPECS,
-    SUPPORTED_ARCHS,
-    DemoSet,
-    make_checkpoint,
-    make_demo_set,
-    make_peft_adapter,
-    make_tokenizer,
-)
+from manylora.testing.adapters import make_peft_adapter
+from manylora.testing.checkpoint import SUPPORTED_ARCHS, make_checkpoint
+from manylora.testing.demo_set import DEMO_ADAPTER_SPECS, DemoSet, make_demo_set
 from manylora.testing.reference import (
     ReferenceOutput,
     agreement,
     compare_greedy,
     hf_greedy_reference,
 )
+from manylora.testing.tokenizer import CHAT_TEMPLATE, make_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",

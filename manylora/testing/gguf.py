@@ -1,5 +1,5 @@
 """Tiny GGUF files for tests, written with the ``gguf`` package's ``GGUFWriter`` from a tiny
-Hugging Face checkpoint (:func:`~manylora.testing.factories.make_checkpoint`).
+Hugging Face checkpoint (:func:`~manylora.testing.checkpoint.make_checkpoint`).
 
 Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA and Qwen2 checkpoints, reduced
 to the metadata transformers reads: llama.cpp's tensor names, reversed shapes, and for

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from manylora.testing.factories import make_checkpoint
+from manylora.testing.checkpoint import make_checkpoint
 
 
 def periodic_batch(gen: torch.Generator, batch: int, length: int, period: int,

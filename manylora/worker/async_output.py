@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 import torch
 
+from manylora.sample.logprobs import (
+    TokenLogprobs,
+    flatten_tokens_and_logprobs,
+    unflatten_tokens_and_logprobs,
+)
 from manylora.sample.prompt_logprobs import (
     PromptLogprobs,
     PromptLogprobsPlan,
     unpack_prompt_logprobs,
-)
-from manylora.sample.sampler import (
-    TokenLogprobs,
-    flatten_tokens_and_logprobs,
-    unflatten_tokens_and_logprobs,
 )
 
 

@@ -51,15 +51,10 @@ from manylora.ops.attention import (
     slot_mapping_from_block_table,
 )
 from manylora.ops.token_bitmask import apply_token_bitmask_
+from manylora.sample.generators import make_generator
 from manylora.sample.penalties import penalize_logits
 from manylora.sample.prompt_logprobs import compute_prompt_logprobs, prompt_logits_chunks
-from manylora.sample.sampler import (
-    SampledTokens,
-    Sampler,
-    SamplingTensors,
-    flag_empty_rows,
-    make_generator,
-)
+from manylora.sample.sampler import SampledTokens, Sampler, SamplingTensors, flag_empty_rows
 from manylora.scheduler_output import SchedulerOutput
 from manylora.worker.async_output import AsyncSampledOutput
 from manylora.worker.cuda_graph import DecodeGraphs

@@ -62,3 +62,5 @@ def test_bad_salt_is_a_named_error(base_dir, salt):
     llm = LLM(str(base_dir), **ENGINE)
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt_token_ids": [1, 2], "cache_salt": salt}, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()     # the refused request left nothing
+    assert llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].finished

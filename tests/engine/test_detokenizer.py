@@ -235,7 +235,7 @@ def _processor_run(tok, ids, stop, **params):
     returns the finished ``CompletionOutput`` and the concatenated ``DELTA`` texts."""
     from manylora.engine.output_processor import OutputProcessor
     from manylora.engine.protocol import EngineCoreOutput, FinishReason
-    from manylora.sample.sampler import TokenLogprobs
+    from manylora.sample.logprobs import TokenLogprobs
     from manylora.sampling_params import RequestOutputKind, SamplingParams
 
     prompt = tok.encode("Q: ", add_special_tokens=False)

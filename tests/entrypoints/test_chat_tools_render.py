@@ -162,7 +162,7 @@ def test_without_tools_renders_as_transformers_without_tools(tokenizer, template
 
 
 def test_a_template_without_tools_still_renders(tokenizer):
-    from manylora.testing.factories import CHAT_TEMPLATE
+    from manylora.testing.tokenizer import CHAT_TEMPLATE
     chat = _chat(tokenizer, CHAT_TEMPLATE)
     messages = [{"role": "user", "content": "hi"}]
     with_tools = chat.render(ChatCompletionRequest(messages=messages, tools=[WEATHER_TOOL],

@@ -27,20 +27,21 @@ import zlib
 import pytest
 import torch
 
-from manylora.config import ModelConfig
+from manylora.config import KV_CACHE_DTYPES, ModelConfig
 from manylora.ops import triton_attention
 from manylora.ops.attention import (
-    KV_CACHE_DTYPES,
-    KV_QUANT_MAX,
-    KVCache,
     build_attention_metadata,
-    dequantize_kv,
-    kv_storage_dtype,
     paged_attention,
     paged_attention_reference,
-    quantize_kv,
     write_kv,
     write_kv_reference,
+)
+from manylora.ops.paged_kv import (
+    KV_QUANT_MAX,
+    KVCache,
+    dequantize_kv,
+    kv_storage_dtype,
+    quantize_kv,
 )
 from manylora.worker.kv_cache import allocate_kv_caches, block_bytes
 

@@ -1,5 +1,5 @@
 """The skinny projection kernel (``ops.triton_skinny``) against a float64 reference, its
-launch table, and ``base_linear``'s choice between it and cuBLAS.
+launch table, and the dense linear method's choice between it and cuBLAS.
 
 On CPU the kernel runs under ``TRITON_INTERPRET=1`` (tests/conftest.py); on a GPU
 (``gpu``) it runs for every measured shape and row bucket, also inside a CUDA graph.
@@ -7,19 +7,28 @@ On CPU the kernel runs under ``TRITON_INTERPRET=1`` (tests/conftest.py); on a GP
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from manylora.ops.linear_method import UnquantizedLinearMethod
 from manylora.ops.triton_skinny import (
     ROW_BUCKETS,
     SKINNY_CONFIGS,
     SKINNY_MAX_ROWS,
-    base_linear,
     row_bucket,
     skinny_config,
     skinny_eligible,
     skinny_linear,
 )
+
+DENSE = UnquantizedLinearMethod()
+
+
+def base_linear(x, w, b=None):
+    """The dense linear method's product over a layer holding ``w``."""
+    return DENSE.apply(SimpleNamespace(weight=w), x, b)
 
 
 def _reference(x, w, b):
@@ -82,7 +91,7 @@ def test_launch_table_is_consistent():
     assert skinny_config(1, 1000, 4096) is None             # not measured
 
 
-def test_base_linear_uses_cublas_off_cuda():
+def test_dense_method_uses_cublas_off_cuda():
     """On the CPU (and for float32, many rows or unmeasured shapes) the projection is
     PyTorch's linear, bit for bit."""
     x, w, b = torch.randn(3, 4096), torch.randn(6144, 4096), torch.randn(6144)
@@ -94,7 +103,7 @@ def test_base_linear_uses_cublas_off_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_measured_shapes_match_and_capture():
     """Every measured (bucket, shape) the table sends to the kernel, at the bucket's
-    smallest and largest row counts, against float64; ``base_linear`` captured in a CUDA
+    smallest and largest row counts, against float64; the dense method captured in a CUDA
     graph runs it (replayed on new inputs: equal to the kernel called directly), and eagerly
     runs cuBLAS."""
     dev = torch.device("cuda")

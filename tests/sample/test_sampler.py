@@ -1,4 +1,5 @@
-"""Tests for manylora.sample.sampler against straightforward per-row NumPy references."""
+"""Tests for manylora.sample.sampler, its filters and generators, against straightforward
+per-row NumPy references."""
 
 from __future__ import annotations
 
@@ -6,13 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from manylora.sample.sampler import (
-    Sampler,
-    SamplingTensors,
-    apply_min_p,
-    apply_top_k_top_p,
-    make_generator,
-)
+from manylora.sample.filters import apply_min_p, apply_top_k_top_p
+from manylora.sample.generators import make_generator
+from manylora.sample.sampler import Sampler, SamplingTensors
 from manylora.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

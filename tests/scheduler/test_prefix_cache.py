@@ -314,7 +314,7 @@ def test_idle_session_is_evicted_to_token_ids_and_comes_back():
 def test_evicted_session_finds_its_full_blocks_in_the_prefix_cache():
     sched = make_scheduler(num_blocks=8)
     r1, _ = _turn(sched, "s", prompt(9), max_tokens=3)           # 11 computed: 2 full blocks
-    sched._evict_idle_session()
+    sched.sessions.evict_lru()
     r2, p2 = _turn(sched, "s", prompt(2, 400))
     assert p2.start == 8                                          # the full blocks hit
     assert sched.kv.snapshot().recomputed_tokens == (r1.num_tokens - 1) - 8

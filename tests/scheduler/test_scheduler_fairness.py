@@ -281,11 +281,11 @@ def test_abort_and_finish_keep_group_counts():
     step(sched)
     sched.finish_requests([big[0].request_id, big[5].request_id],
                           RequestStatus.FINISHED_ABORTED)       # one running, one waiting
-    assert sched._group_running == {(True, "big"): 3}
+    assert sched._groups.running == {(True, "big"): 3}
     step(sched)
-    assert sched._group_running == {(True, "big"): 4}
+    assert sched._groups.running == {(True, "big"): 4}
     sched.finish_requests([r.request_id for r in big], RequestStatus.FINISHED_ABORTED)
-    assert not sched._group_running and sched.num_waiting == 0 and not sched._queues
+    assert not sched._groups.running and sched.num_waiting == 0 and not sched._waiting.queues
 
 
 def test_adapter_queue_lanes_keep_arrival_order_per_group():

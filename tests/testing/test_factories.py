@@ -21,13 +21,13 @@ from manylora.testing import (  # noqa: E402
     ReferenceOutput,
     agreement,
     compare_greedy,
-    factories,
     hf_greedy_reference,
     make_checkpoint,
     make_demo_set,
     make_peft_adapter,
     make_tokenizer,
 )
+from manylora.testing import tokenizer as tokenizer_mod  # noqa: E402
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -72,7 +72,7 @@ def test_tokenizer_round_trip_and_reload(tmp_path: Path) -> None:
     text = TEXTS[0]
     assert len(tok(text)["input_ids"]) < 0.6 * len(text.encode())
     # Deterministic: a second training run gives the same vocabulary.
-    factories._train_backend_tokenizer_json.cache_clear()
+    tokenizer_mod._train_backend_tokenizer_json.cache_clear()
     assert make_tokenizer().get_vocab() == tok.get_vocab()
 
 

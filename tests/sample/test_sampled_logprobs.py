@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-import manylora.sample.sampler as sampler_mod
-from manylora.sample.sampler import (
-    Sampler,
-    SamplingTensors,
+import manylora.sample.logprobs as logprobs_mod
+from manylora.sample.logprobs import (
     TokenLogprobs,
     compute_logprobs,
     tokens_and_logprobs_to_host,
 )
+from manylora.sample.sampler import Sampler, SamplingTensors
 from manylora.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -158,7 +157,7 @@ def test_to_host_without_logprob_rows_does_no_logprob_work(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("compute_logprobs must not run when no row asks")
 
-    monkeypatch.setattr(sampler_mod, "compute_logprobs", boom)
+    monkeypatch.setattr(logprobs_mod, "compute_logprobs", boom)
     ids, lps = tokens_and_logprobs_to_host(torch.randn(2, 8), torch.tensor([3, 4]), [], [])
     assert ids == [3, 4] and lps == []
     with pytest.raises(ValueError, match="rows"):

@@ -1,0 +1,30 @@
+"""Frozen configuration records, one per component, each checked when it is built.
+
+Every component receives the narrowest of these it needs: the scheduler gets a
+``SchedulerConfig``, the KV cache manager a ``CacheConfig``, the adapter manager a
+``LoRAConfig``, the model a ``ModelConfig``. One module per record (``model``, ``cache``,
+``scheduler``, ``lora``), the dtype/device names in ``dtypes`` and the model registry's
+table in ``architectures``; every name is importable from ``manylora.config``.
+"""
+
+from manylora.config.architectures import (
+    MODEL_ARCHITECTURES,
+    resolve_architecture,
+)
+from manylora.config.cache import KV_CACHE_DTYPES, CacheConfig
+from manylora.config.dtypes import (
+    LORA_DTYPE_NAMES,
+    resolve_device,
+    resolve_dtype,
+    resolve_lora_dtype,
+)
+from manylora.config.lora import LORA_TARGET_MODULES, LoRAConfig
+from manylora.config.model import ModelConfig
+from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, check_fairness
+
+__all__ = [
+    "KV_CACHE_DTYPES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES", "MODEL_ARCHITECTURES",
+    "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
+    "ModelConfig", "SchedulerConfig", "check_fairness", "resolve_architecture",
+    "resolve_device", "resolve_dtype", "resolve_lora_dtype",
+]

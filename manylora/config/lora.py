@@ -1,0 +1,68 @@
+"""Adapter slots and the host tier (``LoRAConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The projections an adapter may target, in the order the model applies them.
+LORA_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Adapter slots and the host tier (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules
+    and PEFT cache bounds).
+
+    Attributes:
+        max_loras: device slots, i.e. distinct adapters per step.
+        max_lora_rank: rank every slot buffer is padded to.
+        max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
+        target_modules: projections that get slot buffers; an adapter that targets another
+            one is refused.
+        max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (None: bounded
+            by count only).
+        fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
+            that is otherwise replicated (vLLM's ``fully_sharded_loras``, after S-LoRA):
+            A along the rank for column-parallel projections (``max_lora_rank`` must be
+            divisible by the number of ranks), B along its output for row-parallel ones, at
+            the cost of one more collective per column-parallel projection (an all-gather)
+            and two more per row-parallel one (an all-reduce, an all-gather). No effect on
+            one rank.
+        load_timeout: seconds one adapter read (disk to host memory: parse, validate,
+            digest, pin; from the moment a loader thread starts it) may go without progress
+            (a module read); one stuck longer fails alone (``LoRALoadTimeoutError``). None:
+            no bound.
+        dtype: of the slot buffers and the adapters in the host tier (adapters are cast to
+            it when read; ``resolve_lora_dtype``); None: the model's.
+    """
+
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    max_cpu_lora_bytes: int | None = None
+    fully_sharded_loras: bool = False
+    load_timeout: float | None = 60.0
+    dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        if self.load_timeout is not None and not self.load_timeout > 0:
+            raise ValueError(f"lora load_timeout must be > 0 seconds, got {self.load_timeout}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be ≥ 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be ≥ 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
+        if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 1:
+            raise ValueError(f"max_cpu_lora_bytes must be ≥ 1, got {self.max_cpu_lora_bytes}")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
+        if unknown or not self.target_modules:
+            raise ValueError(
+                f"lora_target_modules {unknown or '[]'} invalid: choose from "
+                f"{', '.join(LORA_TARGET_MODULES)}")
