@@ -92,7 +92,7 @@ def run_child(args: argparse.Namespace) -> None:
     startup = time.perf_counter() - t0
     manager = llm.llm_engine.engine_core.lora_manager
     reads: dict[int, list[tuple[float, float, str | None]]] = {}
-    original = manager._read
+    original = manager.reader.read
 
     def timed_read(request):
         start, error = time.perf_counter(), None
@@ -105,18 +105,18 @@ def run_child(args: argparse.Namespace) -> None:
             reads.setdefault(request.lora_int_id, []).append(
                 (start, time.perf_counter(), error))
 
-    manager._read = timed_read
+    manager.reader.read = timed_read
     packs: list[float] = []
-    original_pack = manager._pack
+    original_pin = manager.reader.pin
 
-    def timed_pack(adapter):
+    def timed_pin(adapter):
         start = time.perf_counter()
         try:
-            return original_pack(adapter)
+            return original_pin(adapter)
         finally:
             packs.append(time.perf_counter() - start)
 
-    manager._pack = timed_pack
+    manager.reader.pin = timed_pin
 
     rng = random.Random(0)
     vocab = config["vocab_size"]

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from manylora.lora.formats.trtllm import STORAGE_DTYPES, peft_to_trtllm, write_trtllm_dir
+from manylora.lora.formats.trtllm import STORAGE_DTYPES
+from manylora.lora.formats.trtllm_convert import peft_to_trtllm
+from manylora.lora.formats.trtllm_npy import write_trtllm_dir
 
 
 def convert_lora(input_dir: str, output_dir: str, storage_type: str,

@@ -138,7 +138,7 @@ def weights_digest(weights: Mapping[tuple[int, str], LoRAWeights]) -> str:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """A loaded adapter, as the format readers produce it (the host tier keeps it pinned:
+    """A loaded adapter, as the format readers produce it (the host cache keeps it pinned:
     ``manylora.lora.pinned.pin_adapter``).
 
     Attributes:

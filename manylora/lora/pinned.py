@@ -1,4 +1,4 @@
-"""The host tier's form of an adapter: one buffer in slot order, copied to a slot in one go.
+"""The host cache's form of an adapter: one buffer in slot order, copied to a slot in one go.
 
 ``pin_adapter`` lays an adapter out once, on the loader thread that read it, as one uint8
 buffer (page-locked on a CUDA host, or in shared memory under tensor parallelism) holding
@@ -52,7 +52,7 @@ class SlotLoad:
 
     Attributes:
         blob: uint8 host bytes copied after the buffer into the staging buffer: the
-            descriptors int64 ``[entries, DESC_COLS]`` (``ops.triton_slot_load``), then the
+            descriptors int64 ``[entries, DESC_COLS]`` (``lora.kernels.slot_load``), then the
             slot's rank and DoRA table rows (int32 ``[E]`` each).
         entries: rows of descriptors at the start of ``blob``.
         ranks, dora: int32 ``[E]``, views of the table rows in ``blob`` (what the scatter
@@ -67,14 +67,14 @@ class SlotLoad:
 
 @dataclass(frozen=True, eq=False)
 class PinnedAdapter:
-    """An adapter as the host tier keeps it.
+    """An adapter as the host cache keeps it.
 
     Attributes:
         lora_int_id, name, digest: the adapter's identity (``LoRAAdapter``'s).
         buf: uint8 ``[nbytes]``, the pieces of every targeted module (module docstring).
         plan: int64 ``[M, PLAN_COLS]`` on the CPU, one row per targeted (layer, module).
         dtype: the dtype of A and B (the model's).
-        load: this engine rank's scatter descriptors (``SlotLayout.prepare``); None until
+        slot_load: this engine rank's scatter descriptors (``SlotLayout.prepare``); None until
             prepared (and on tensor-parallel ranks > 0, which prepare their own).
         rank: the largest rank over its modules.
         has_dora: whether any module has DoRA scales.
@@ -88,13 +88,13 @@ class PinnedAdapter:
     dtype: torch.dtype
     rank: int
     has_dora: bool
-    load: SlotLoad | None = field(default=None)
+    slot_load: SlotLoad | None = field(default=None)
 
     @property
     def nbytes(self) -> int:
-        """Host bytes it holds (the buffer and the descriptors), what the host tier's byte
+        """Host bytes it holds (the buffer and the descriptors), what the host cache's byte
         bound counts."""
-        return self.buf.numel() + (0 if self.load is None else self.load.blob.numel())
+        return self.buf.numel() + (0 if self.slot_load is None else self.slot_load.blob.numel())
 
     def module_ranks(self) -> dict[tuple[int, str], int]:
         """``{(layer, module): rank}`` of its targeted modules."""

@@ -29,13 +29,26 @@ slots.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from manylora.lora.slots import LoRASlots
+
+class SlotColumns(Protocol):
+    """What the table needs of one projection's slot buffers (``LoRASlots``).
+
+    Attributes:
+        module_names: its slices' modules, e.g. ``("q_proj", "k_proj", "v_proj")``; it
+            gets one column per module.
+        max_loras: its number of slots.
+    """
+
+    module_names: tuple[str, ...]
+    max_loras: int
+
+    def bind(self, table: SlotTable, rank_col: int) -> None:
+        """Use columns ``[rank_col, rank_col + len(module_names))`` of ``table``."""
 
 
 class SlotTable:
@@ -63,9 +76,9 @@ class SlotTable:
             of modules it does not have.
     """
 
-    def __init__(self, slots: Mapping[tuple[int, str], LoRASlots], max_loras: int,
+    def __init__(self, slots: Mapping[tuple[int, str], SlotColumns], max_loras: int,
                  device: torch.device) -> None:
-        owners: dict[int, tuple[LoRASlots, int]] = {}
+        owners: dict[int, tuple[SlotColumns, int]] = {}
         for (layer, module), lora in slots.items():
             if module not in lora.module_names:
                 raise ValueError(f"({layer}, {module!r}) maps to slots of {lora.module_names}")
@@ -77,7 +90,7 @@ class SlotTable:
                 raise ValueError(f"slots of {lora.module_names} appear in layers {known[1]} "
                                  f"and {layer}")
         keys: list[tuple[int, str]] = []
-        bind: list[tuple[LoRASlots, int]] = []
+        bind: list[tuple[SlotColumns, int]] = []
         for lora, layer in owners.values():
             bind.append((lora, len(keys)))
             keys.extend((layer, name) for name in lora.module_names)

@@ -194,8 +194,8 @@ class LoRASlots(nn.Module):
     def used(self, lora_meta: LoRAKernelMeta) -> bool:
         """Whether this projection launches its LoRA kernels in the step: one of its columns
         is in ``lora_meta.used_columns`` (an eager step: some slot of the step has a nonzero
-        rank there; a CUDA-graph step: its kind is in the graph's projection mask), or the
-        mapping does not say."""
+        rank there; a CUDA-graph step: its kind is in the graph's projection mask), or
+        ``lora_meta`` does not say (``used_columns`` None)."""
         cols = lora_meta.used_columns
         return cols is None or any(cols[self.rank_col: self.rank_col + len(self.module_names)])
 

@@ -20,7 +20,7 @@ from manylora import LLM, SamplingParams
 from manylora.checkpoint.gguf import GGUFCheckpoint, gguf_config, gguf_model_names, is_gguf
 from manylora.checkpoint.weights import CheckpointError, ModelWeightsLoader, TPSlice
 from manylora.config import ModelConfig
-from manylora.lora.formats.trtllm import _BaseWeights
+from manylora.lora.formats.trtllm_convert import _BaseWeights
 from manylora.model.loader import load_hf_config
 from manylora.structured_params import StructuredOutputsParams
 from manylora.testing import make_checkpoint

@@ -19,7 +19,7 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.checkpoint.weights import CheckpointError
 from manylora.engine.protocol import EngineDeadError
 from manylora.lora.adapter import LoRAAdapterError
-from manylora.lora.formats.trtllm import peft_to_trtllm
+from manylora.lora.formats.trtllm_convert import peft_to_trtllm
 
 PROMPTS = ["The quick brown fox", "SELECT name FROM users WHERE", "Hello", "def add(a, b):"]
 ENGINE = dict(device="cpu", max_loras=2, max_lora_rank=32, num_kv_blocks=128, block_size=4)

@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load_file, save_file
 from server_helpers import BASE, running_server
 
-from manylora.lora import manager as manager_module
+from manylora.lora import reader as reader_module
 from manylora.testing import make_peft_adapter
 
 
@@ -126,14 +126,14 @@ def _load(http: httpx.Client, name: str, path: str) -> httpx.Response:
 def _blocking_reader(monkeypatch, prefix: str) -> threading.Event:
     """Reads of adapters named ``prefix...`` wait for the returned event."""
     gate = threading.Event()
-    original = manager_module.load_adapter_dir
+    original = reader_module.load_adapter_dir
 
     def reader(request, path, target):
         if request.lora_name.startswith(prefix):
             gate.wait()
         return original(request, path, target)
 
-    monkeypatch.setattr(manager_module, "load_adapter_dir", reader)
+    monkeypatch.setattr(reader_module, "load_adapter_dir", reader)
     return gate
 
 

@@ -13,7 +13,7 @@ from transformers import AutoConfig
 
 from manylora.config import LORA_TARGET_MODULES, ModelConfig
 from manylora.lora.dora import dora_row_norm
-from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.formats.target import AdapterTarget
 from manylora.testing import make_checkpoint, make_peft_adapter
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.lora.formats.trtllm import peft_to_trtllm
+from manylora.lora.formats.trtllm_convert import peft_to_trtllm
 from manylora.testing import compare_greedy, hf_greedy_reference, make_checkpoint, make_peft_adapter
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

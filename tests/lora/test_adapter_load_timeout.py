@@ -16,7 +16,7 @@ import pytest
 
 from manylora import EngineArgs, LoRARequest, SamplingParams
 from manylora.engine.async_llm import AsyncLLM
-from manylora.lora import manager as manager_module
+from manylora.lora import reader as reader_module
 from manylora.lora.adapter import LoRALoadTimeoutError
 from manylora.testing import make_checkpoint, make_peft_adapter
 
@@ -53,14 +53,14 @@ async def _tokens(async_llm, prompt, params, rid, lora=None) -> list[int]:
 
 def test_stuck_read_fails_alone_within_its_bound(base_dir, good_dir, monkeypatch):
     gate = threading.Event()
-    original = manager_module.load_adapter_dir
+    original = reader_module.load_adapter_dir
 
     def reader(request, path, target):
         if request.lora_name.startswith("stuck"):
             gate.wait()                     # a read that never ends on its own
         return original(request, path, target)
 
-    monkeypatch.setattr(manager_module, "load_adapter_dir", reader)
+    monkeypatch.setattr(reader_module, "load_adapter_dir", reader)
     with monkeypatch.context() as mp:
         mp.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "0")
         engine = AsyncLLM.from_engine_args(EngineArgs(model=str(base_dir), **ENGINE))

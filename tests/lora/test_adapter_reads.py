@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.lora import manager as manager_module
+from manylora.lora import reader as reader_module
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.testing.reference import hf_greedy_reference
@@ -111,7 +111,7 @@ class SlowReader:
         self.gate = threading.Event()
         self.paths: list[str] = []
         self.threads: set[str] = set()
-        original = manager_module.load_adapter_dir
+        original = reader_module.load_adapter_dir
 
         def slow(request, path, target):
             self.paths.append(str(path))
@@ -119,7 +119,7 @@ class SlowReader:
             assert self.gate.wait(60), "the test never released the read"
             return original(request, path, target)
 
-        monkeypatch.setattr(manager_module, "load_adapter_dir", slow)
+        monkeypatch.setattr(reader_module, "load_adapter_dir", slow)
 
     def release(self) -> None:
         self.gate.set()
@@ -182,7 +182,7 @@ def test_streams_run_while_a_new_adapter_is_read(engine, adapters, reference, mo
     assert stats.adapter_waits - stats0.adapter_waits == 2
     assert stats.adapter_wait_seconds > stats0.adapter_wait_seconds
     tensors = load_file(adapters["a"] / "adapter_model.safetensors")
-    packed = core.lora_manager._host[new.lora_int_id]          # what the host tier holds
+    packed = core.lora_manager.host_cache.get(new.lora_int_id)     # what the host cache holds
     assert stats.host_load_bytes - stats0.host_load_bytes == packed.nbytes
     assert packed.buf.numel() >= sum(
         t.numel() * 4 for k, t in tensors.items() if "lora_" in k)      # float32 A and B

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from manylora import EngineArgs, LoRARequest, SamplingParams
 from manylora.engine.async_llm import AsyncLLM
-from manylora.lora import manager as manager_module
+from manylora.lora import reader as reader_module
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.testing import make_checkpoint, make_peft_adapter
 
@@ -108,13 +108,13 @@ def test_bad_adapter_raises_in_its_streams_only(base_dir, good_dir, nan_dir, mon
 
 def test_streams_run_while_add_lora_reads(base_dir, good_dir, monkeypatch):
     gate = threading.Event()
-    original = manager_module.load_adapter_dir
+    original = reader_module.load_adapter_dir
 
     def slow(request, path, target):
         assert gate.wait(60), "the test never released the read"
         return original(request, path, target)
 
-    monkeypatch.setattr(manager_module, "load_adapter_dir", slow)
+    monkeypatch.setattr(reader_module, "load_adapter_dir", slow)
     engine = make_engine(base_dir, monkeypatch, own_process=False)
 
     async def main():

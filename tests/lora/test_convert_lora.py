@@ -17,7 +17,7 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.entrypoints.cli import main
 from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
 from manylora.lora.formats.peft import load_peft_adapter
-from manylora.lora.formats.trtllm import CONFIG_FILE, WEIGHTS_FILE, read_trtllm_dir
+from manylora.lora.formats.trtllm_npy import CONFIG_FILE, WEIGHTS_FILE, read_trtllm_dir
 from manylora.testing import compare_greedy, hf_greedy_reference, make_checkpoint
 from manylora.testing import make_peft_adapter as _make_peft_adapter
 

@@ -320,11 +320,11 @@ def _refused_without_reading(monkeypatch, path: Path, target, pattern: str) -> N
     """The load of ``path`` fails with ``pattern`` having read no tensor's data: no
     ``PeftWeights.read`` call, and resident memory grows by far less than the 2 GiB the
     header declares."""
-    from manylora.lora.formats import peft as peft_format
+    from manylora.lora.formats import peft_weights
 
     reads: list[str] = []
-    original = peft_format.PeftWeights.read
-    monkeypatch.setattr(peft_format.PeftWeights, "read",
+    original = peft_weights.PeftWeights.read
+    monkeypatch.setattr(peft_weights.PeftWeights, "read",
                         lambda self, key: reads.append(key) or original(self, key))
     before = _rss()
     with pytest.raises(LoRAAdapterError, match=pattern) as info:
@@ -383,7 +383,7 @@ def test_trtllm_npy_header_claiming_more_than_the_file_is_refused(good, tmp_path
     (``np.load`` would have allocated the array first)."""
     import numpy as np
 
-    from manylora.lora.formats.trtllm import WEIGHTS_FILE, write_trtllm_dir
+    from manylora.lora.formats.trtllm_npy import WEIGHTS_FILE, write_trtllm_dir
 
     adapter = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
     out = write_trtllm_dir(tmp_path / "trt", *adapter_to_trtllm(adapter, torch.float32))
@@ -404,7 +404,7 @@ def test_trtllm_rows_are_read_only_where_used(good, tmp_path, adapter_target):
     part of each row is read."""
     import numpy as np
 
-    from manylora.lora.formats.trtllm import CONFIG_FILE, WEIGHTS_FILE
+    from manylora.lora.formats.trtllm_npy import CONFIG_FILE, WEIGHTS_FILE
 
     adapter = load_peft_adapter(LoRARequest(NAME, 1, str(good)), good, adapter_target)
     weights, config = adapter_to_trtllm(adapter, torch.float32)
@@ -519,7 +519,7 @@ def test_bin_weights_load_as_safetensors_do(base_dir, tmp_path, adapter_target):
 def test_weights_truncated_while_read_are_an_error(good, tmp_path):
     """Tensor data is read from the file, not through a memory map: a file cut short after
     its header was checked is a named error, not SIGBUS."""
-    from manylora.lora.formats.peft import open_peft_weights
+    from manylora.lora.formats.peft_weights import open_peft_weights
 
     bad = _copy(good, tmp_path)
     weights = bad / "adapter_model.safetensors"

@@ -1,6 +1,6 @@
 """One-copy slot loads: slot contents, rank table, tensor-parallel cuts, device op count.
 
-An adapter is packed (``pin_adapter``) and loaded through ``SlotLayout`` into the slots of a
+An adapter is pinned (``pin_adapter``) and loaded through ``SlotLayout`` into the slots of a
 tiny llama, whole or as one rank of two (column-, row-parallel and fully sharded); the slot
 buffers are then compared with the adapter's own tensors cut by the projections' own ranges
 (``LoRALinear.output_ranges`` / ``in_range``), element by element. Every buffer starts
@@ -19,7 +19,7 @@ from transformers import LlamaConfig
 from manylora.config import LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.adapter import LoRAAdapter, LoRAWeights
-from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.lora.pinned import align, pin_adapter
 from manylora.lora.slot_layout import SlotLayout
@@ -125,8 +125,8 @@ def test_slot_holds_the_adapter_cut_to_this_rank(tp_rank, tp_size, fully_sharded
                         ModelConfig.from_hf(LlamaConfig(**TINY), dtype).module_shapes(),
                         MAX_RANK)
     adapter = _adapter(model.cfg, TARGETS, dtype)
-    packed = pin_adapter(adapter)
-    layout.load(1, packed, layout.prepare(packed))
+    pinned = pin_adapter(adapter)
+    layout.load(1, pinned, layout.prepare(pinned))
     _check_slot(model, slots, adapter, 1)
     for other in (0, 2):
         for lora in slots.values():
@@ -137,8 +137,8 @@ def test_slot_holds_the_adapter_cut_to_this_rank(tp_rank, tp_size, fully_sharded
     second = {(0, "q_proj"): (2, True), (1, "down_proj"): (8, False)}
     adapter2 = _adapter(model.cfg, second, dtype, seed=1, lid=2)
     _fill(slots)
-    packed2 = pin_adapter(adapter2)
-    layout.load(1, packed2, layout.prepare(packed2))
+    pinned2 = pin_adapter(adapter2)
+    layout.load(1, pinned2, layout.prepare(pinned2))
     _check_slot(model, slots, adapter2, 1)
 
 
@@ -182,7 +182,7 @@ def test_a_slot_load_is_three_device_operations_whatever_the_model(layers, tmp_p
     assert int((ranks == 4).sum()) == 4 * layers and int(ranks.sum()) == 16 * layers
 
 
-def test_host_tier_counts_the_packed_bytes():
+def test_host_cache_counts_the_pinned_bytes():
     model = _model(TPGroup.single(), torch.bfloat16)
     config = LoRAConfig(max_loras=2, max_lora_rank=MAX_RANK)
     slots = model.create_lora_slots(config)
@@ -191,14 +191,14 @@ def test_host_tier_counts_the_packed_bytes():
                            config.target_modules, cfg.dtype)
     manager = LoRAManager(config, target, slots)
     adapter = _adapter(cfg, TARGETS, torch.bfloat16)
-    packed = manager._pack(adapter)
+    pinned = manager.reader.pin(adapter)
     expected = sum(align(w.a.numel() * 2) + align(w.b.numel() * 2)
                    + (0 if w.dora_scale is None else align(4 * w.b.shape[0]))
                    for w in adapter.weights.values())
-    assert packed.buf.numel() == expected
-    assert packed.nbytes == expected + packed.load.blob.numel()
-    manager._insert_host(packed, must_fit=True)
-    assert manager.host_bytes == packed.nbytes
+    assert pinned.buf.numel() == expected
+    assert pinned.nbytes == expected + pinned.slot_load.blob.numel()
+    manager.host_cache.insert(pinned, must_fit=True)
+    assert manager.host_bytes == pinned.nbytes
     manager.shutdown()
 
 
@@ -217,13 +217,13 @@ def test_prepare_refuses_what_the_slots_cannot_hold():
         layout.prepare(pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)},
                                              torch.bfloat16)))
     with pytest.raises(ValueError, match="slot 2 outside"):
-        packed = pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)}, torch.float32))
-        layout.load(2, packed, layout.prepare(packed))
+        pinned = pin_adapter(_adapter(model.cfg, {(0, "q_proj"): (2, False)}, torch.float32))
+        layout.load(2, pinned, layout.prepare(pinned))
 
 
 @pytest.mark.gpu
 def test_cuda_slot_load_runs_on_the_side_stream_from_pinned_memory():
-    """On the GPU: the packed buffer and its descriptors are pinned, the load is enqueued on
+    """On the GPU: the buffer and its descriptors are page-locked, the load is enqueued on
     the manager's copy stream, and after the compute stream waits for the slot's event the
     slot holds the adapter."""
     model = _model(TPGroup.single(), torch.bfloat16, device="cuda")
@@ -235,11 +235,11 @@ def test_cuda_slot_load_runs_on_the_side_stream_from_pinned_memory():
                            config.target_modules, cfg.dtype)
     manager = LoRAManager(config, target, slots)
     adapter = _adapter(cfg, TARGETS, torch.bfloat16)
-    packed = manager._pack(adapter)
-    assert packed.buf.is_pinned() and packed.load.blob.is_pinned()
-    manager._load_slot(1, packed)
-    assert 1 in manager._slot_events
-    manager._wait_for([1])
+    pinned = manager.reader.pin(adapter)
+    assert pinned.buf.is_pinned() and pinned.slot_load.blob.is_pinned()
+    manager.slot_pool.load(1, pinned)
+    assert 1 in manager.slot_pool._slot_events
+    manager.slot_pool.wait_for([1])
     torch.cuda.synchronize()
     _check_slot(model, slots, adapter, 1)
     manager.shutdown()

@@ -15,14 +15,12 @@ import torch
 
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
 from manylora.lora.formats.loader import adapter_from_request, load_adapter_dir
-from manylora.lora.formats.peft import AdapterTarget
-from manylora.lora.formats.trtllm import (
+from manylora.lora.formats.target import AdapterTarget
+from manylora.lora.formats.trtllm import adapter_from_trtllm, adapter_to_trtllm
+from manylora.lora.formats.trtllm_modules import HF_TO_TRTLLM, LoraModuleType
+from manylora.lora.formats.trtllm_npy import (
     CONFIG_FILE,
-    HF_TO_TRTLLM,
     WEIGHTS_FILE,
-    LoraModuleType,
-    adapter_from_trtllm,
-    adapter_to_trtllm,
     read_trtllm_dir,
     write_trtllm_dir,
 )

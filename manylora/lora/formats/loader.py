@@ -8,13 +8,11 @@ from pathlib import Path
 
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.files import is_present
-from manylora.lora.formats.peft import AdapterTarget, check_peft_config, load_peft_adapter
-from manylora.lora.formats.trtllm import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    adapter_from_trtllm,
-    read_trtllm_dir,
-)
+from manylora.lora.formats.peft import load_peft_adapter
+from manylora.lora.formats.peft_config import check_peft_config
+from manylora.lora.formats.target import AdapterTarget
+from manylora.lora.formats.trtllm import adapter_from_trtllm
+from manylora.lora.formats.trtllm_npy import CONFIG_FILE, WEIGHTS_FILE, read_trtllm_dir
 from manylora.lora_request import LoRARequest
 
 #: Every file an adapter directory is read from (PEFT, then TensorRT-LLM's); nothing else
