@@ -24,7 +24,7 @@ from manylora.distributed.parallel_state import TPGroup
 from manylora.executor.abstract import Executor, ExecutorArgs
 from manylora.executor.sizing import graph_sizes, lora_config, piece_sizes, slots_from_memory
 from manylora.lora.dora import dora_row_norm
-from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops.attention import KVCache
