@@ -74,10 +74,10 @@ def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool,
 
     run(SEEDS[name][0], WARMUP_NEW)
     kinds: list[str] = []
-    variant, step = core.scheduler.variant, core.step
+    schedule, step = core.scheduler.schedule, core.step
 
-    def spied_variant():
-        out = variant()
+    def spied_schedule():
+        out = schedule()
         seqs = len(out.scheduled)
         kinds.append("prefill" if out.num_batched_tokens > seqs else
                      "decode" if seqs else "none")
@@ -87,7 +87,7 @@ def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool,
         with record_function(f"wl_step_{len(kinds)}"):
             return step()
 
-    core.scheduler.variant, core.step = spied_variant, windowed_step
+    core.scheduler.schedule, core.step = spied_schedule, windowed_step
     activities = [ProfilerActivity.CPU] + (
         [ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     try:
@@ -96,7 +96,7 @@ def profile_pass(model_dir: Path, adapters: list[Path], name: str, quick: bool,
             tokens = run(SEEDS[name][1], None)
             seconds = time.perf_counter() - start
     finally:
-        core.scheduler.variant, core.step = variant, step
+        core.scheduler.schedule, core.step = schedule, step
         llm.llm_engine.shutdown()
     result = {"name": name, "seconds": seconds, "tokens": tokens,
               "kernels": {kind: 0.0 for kind in ("GEMM", "attention", "LoRA", "other")}}

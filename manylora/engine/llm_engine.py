@@ -91,8 +91,7 @@ class LLMEngine:
                        if args.tokenizer else model_dir)
             self.tokenizer = load_tokenizer(tok_dir, args.trust_remote_code,
                                             use_fast=args.tokenizer_mode != "slow")
-        self.eos_token_ids = frozenset(eos_token_ids(model_dir, self.tokenizer,
-                                                     args.trust_remote_code))
+        eos = frozenset(eos_token_ids(model_dir, self.tokenizer, args.trust_remote_code))
         self.max_bad_words = args.max_bad_words
         self.max_structured_output_spec_bytes = args.max_structured_output_spec_bytes
         self.structured_outputs_config = StructuredOutputsConfig.parse(
@@ -105,7 +104,7 @@ class LLMEngine:
         self.max_loras = info.max_loras
         self.num_gpu_blocks = info.num_gpu_blocks
         self.input_processor = InputProcessor(
-            self.tokenizer, self.eos_token_ids, self.vocab_size, self.max_bad_words,
+            self.tokenizer, eos, self.vocab_size, self.max_bad_words,
             self.max_structured_output_spec_bytes, self.structured_outputs_config)
         self.engine_core = getattr(self.client, "engine_core", None)
         self._stats = SchedulerStats()
@@ -114,6 +113,16 @@ class LLMEngine:
         self._forget: set[str] = set()
         self._held: list[EngineCoreRequest] | None = None
         self._next_id = 0
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end generation: the generation config's and the tokenizer's (the
+        input processor stamps them on every request)."""
+        return self.input_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.input_processor.eos_token_ids = frozenset(ids)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, in_process: bool | None = None) -> LLMEngine:
