@@ -34,7 +34,8 @@ CALLS, REPLAYS = 10, 15
 def measure(batch: int, context: int, device: torch.device) -> float:
     """Median GPU seconds of one decode ``paged_attention_triton`` call at ``batch``
     sequences of ``context`` tokens."""
-    from manylora.ops.attention import KVCache, build_attention_metadata
+    from manylora.ops.attention_metadata import build_attention_metadata
+    from manylora.ops.paged_kv import KVCache
     from manylora.ops.triton_attention import paged_attention_triton
 
     blocks = -(-context // BLOCK_SIZE)

@@ -35,7 +35,7 @@ from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims, write_config
 from manylora.config import KV_CACHE_DTYPES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.lora_request import LoRARequest
 from manylora.model.loader import load_model
-from manylora.ops.attention import KVCache, quantize_kv
+from manylora.ops.paged_kv import KVCache, quantize_kv
 from manylora.request import Request
 from manylora.sampling_params import SamplingParams
 from manylora.scheduler_output import (

@@ -44,7 +44,7 @@ from manylora.engine.protocol import (
     SchedulerStats,
 )
 from manylora.executor.factory import create_executor
-from manylora.lora.manager import LoRACacheStats
+from manylora.lora.cache_report import LoRACacheStats
 from manylora.lora_request import LoRARequest
 from manylora.request import RequestStatus
 from manylora.scheduler.kv_cache_manager import KVCacheStats

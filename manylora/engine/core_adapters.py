@@ -12,7 +12,8 @@ from concurrent.futures import Future
 
 from manylora.engine.protocol import EngineCoreOutput, FinishReason
 from manylora.engine.serial import ErrorInfo
-from manylora.lora.manager import AdapterLoadError, LoRAManager
+from manylora.lora.cache_report import AdapterLoadError
+from manylora.lora.manager import LoRAManager
 from manylora.lora_request import LoRARequest
 from manylora.request import Request, RequestStatus
 from manylora.scheduler.scheduler import Scheduler

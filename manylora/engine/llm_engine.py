@@ -36,7 +36,7 @@ from manylora.engine.protocol import (
     SchedulerStats,
 )
 from manylora.engine.stats import IterationStats
-from manylora.lora.manager import LoRACacheStats
+from manylora.lora.cache_report import LoRACacheStats
 from manylora.lora_request import LoRARequest
 from manylora.sampling_params import SamplingParams
 from manylora.scheduler.kv_cache_manager import KVCacheStats

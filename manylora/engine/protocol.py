@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from manylora.engine.serial import ErrorInfo
-from manylora.lora.manager import LoRACacheStats
+from manylora.lora.cache_report import LoRACacheStats
 from manylora.lora_request import LoRARequest
 from manylora.sample.logprobs import TokenLogprobs
 from manylora.sample.prompt_logprobs import PromptLogprobs

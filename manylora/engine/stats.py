@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from manylora.lora.manager import LoRACacheStats
+from manylora.lora.cache_report import LoRACacheStats
 from manylora.scheduler.kv_cache_manager import KVCacheStats
 
 

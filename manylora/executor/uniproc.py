@@ -27,7 +27,7 @@ from manylora.lora.dora import dora_row_norm
 from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.manager import LoRAManager
 from manylora.model.loader import load_hf_config, load_model
-from manylora.ops.attention import KVCache
+from manylora.ops.paged_kv import KVCache
 from manylora.sample.generators import set_random_seed
 from manylora.sample.sampler import SampledTokens
 from manylora.scheduler_output import SchedulerOutput, SwapOp

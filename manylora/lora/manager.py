@@ -41,7 +41,7 @@ from manylora.lora.slot_pool import SlotPool
 from manylora.lora.slots import LoRASlots
 from manylora.lora_request import LoRARequest
 
-__all__ = ["AdapterEvents", "AdapterLoadError", "LoRACacheStats", "LoRAManager"]
+__all__ = ["LoRAManager"]
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,9 @@ from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
-from manylora.ops.attention import AttentionMetadata, KVCache, paged_attention, write_kv
+from manylora.ops.attention import paged_attention, write_kv
+from manylora.ops.attention_metadata import AttentionMetadata
+from manylora.ops.paged_kv import KVCache
 
 
 def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...]:

@@ -31,29 +31,14 @@ import torch.nn.functional as F
 from manylora.ops.attention_metadata import (
     AttentionMetadata,
     SeqAttention,
-    attention_tiles,
-    build_attention_metadata,
     check_attention_inputs,
-    prefill_block_q,
-    slot_mapping_from_block_table,
 )
 from manylora.ops.paged_kv import (
-    KV_QUANT_MAX,
     KVCache,
     check_kv_cache,
     dequantize_kv,
-    kv_storage_dtype,
     quantize_kv,
 )
-
-# The attention op's public names: the entry points below and the types and helpers they
-# take, defined in ``paged_kv`` (the cache) and ``attention_metadata`` (the step's layout).
-__all__ = [
-    "KV_QUANT_MAX", "AttentionMetadata", "KVCache", "SeqAttention", "attention_tiles",
-    "build_attention_metadata", "check_attention_inputs", "check_kv_cache", "dequantize_kv",
-    "kv_storage_dtype", "paged_attention", "paged_attention_reference", "prefill_block_q",
-    "quantize_kv", "slot_mapping_from_block_table", "write_kv", "write_kv_reference",
-]
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

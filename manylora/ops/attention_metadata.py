@@ -45,7 +45,7 @@ class AttentionMetadata(NamedTuple):
     on the step's device: from ``build_attention_metadata``, views of one buffer copied
     there in one transfer; from the model runner, views of its persistent step buffer, with
     ``cache_loc`` and ``block_tables`` computed on the device from its persistent block
-    table (``slot_mapping_from_block_table``).
+    table (``cache_loc_from_block_table``).
 
     Work partition of the Triton kernel: a *tile* is ``(sequence, first query)``; tiles
     ``0 .. num_decode_tiles-1`` are the sequences with one new token (decode, one token per
@@ -123,7 +123,7 @@ def attention_tiles(query_lens: np.ndarray, seq_lens: np.ndarray,
             np.concatenate([np.zeros_like(decode), pre_query[order]]), int(decode.size))
 
 
-def slot_mapping_from_block_table(positions: torch.Tensor, token_rows: torch.Tensor,
+def cache_loc_from_block_table(positions: torch.Tensor, token_rows: torch.Tensor,
                                   block_table: torch.Tensor, block_size: int) -> torch.Tensor:
     """The KV cache location of every token row, computed on the tables' device (vLLM v1
     computes it on the GPU too)::

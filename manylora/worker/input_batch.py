@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from manylora.lora.kernels.cost_model import LoRAVariantModel
-from manylora.ops.attention import prefill_block_q
+from manylora.ops.attention_metadata import prefill_block_q
 from manylora.sample.penalties import PenaltyInputs
 from manylora.sample.prompt_logprobs import PromptLogprobsPlan
 from manylora.sampling_params import SamplingParams

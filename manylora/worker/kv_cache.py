@@ -8,7 +8,7 @@ import os
 import torch
 
 from manylora.config import ModelConfig
-from manylora.ops.attention import KVCache, kv_storage_dtype
+from manylora.ops.paged_kv import KVCache, kv_storage_dtype
 
 logger = logging.getLogger(__name__)
 

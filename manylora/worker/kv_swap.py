@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from manylora.config import ModelConfig
-from manylora.ops.attention import KVCache
+from manylora.ops.paged_kv import KVCache
 from manylora.scheduler_output import PreemptionCost, SwapOp
 
 

@@ -32,7 +32,8 @@ import torch
 
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import AttentionMetadata, KVCache, prefill_block_q
+from manylora.ops.attention_metadata import AttentionMetadata, prefill_block_q
+from manylora.ops.paged_kv import KVCache
 from manylora.sample.prompt_logprobs import compute_prompt_logprobs, prompt_logits_chunks
 from manylora.sample.sampler import SampledTokens
 from manylora.scheduler_output import SchedulerOutput

@@ -32,7 +32,8 @@ import torch
 
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import AttentionMetadata, KVCache
+from manylora.ops.attention_metadata import AttentionMetadata
+from manylora.ops.paged_kv import KVCache
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import numpy as np
 from manylora.lora.kernels.cost_model import graph_block_m
 from manylora.lora.kernels.meta import default_variant, fill_lora_segment, lora_kernel_meta_arrays
 from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.ops.attention import attention_tiles
+from manylora.ops.attention_metadata import attention_tiles
 from manylora.sample.penalties import PenaltyInputs
 from manylora.sample.prompt_logprobs import PromptLogprobsPlan
 from manylora.scheduler_output import SchedulerOutput

@@ -27,7 +27,7 @@ LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_kernel_meta_from_buffer`
 ``query_start``       B              first token row of each sequence
 ``query_lens``        B              new tokens per sequence (1 for padding)
 ``seq_lens``          B              tokens in the cache after the step (0 for padding)
-``tile_seq``          num_tiles      attention tiles (``ops.attention.attention_tiles``)
+``tile_seq``          num_tiles      attention tiles (``ops.attention_metadata.attention_tiles``)
 ``tile_query``        num_tiles
 ``table_index``       U              flat ``row * W + col`` of each block-table write
 ``table_value``       U              the block id written there

@@ -13,7 +13,7 @@ from manylora.lora.kernels.meta import LoRAKernelMeta, lora_kernel_meta_from_buf
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slot_table import SlotTable
 from manylora.model.llama import LlamaForCausalLM
-from manylora.ops.attention import AttentionMetadata, slot_mapping_from_block_table
+from manylora.ops.attention_metadata import AttentionMetadata, cache_loc_from_block_table
 from manylora.worker.step_inputs import (
     LORA_VARIANT_CODES,
     StepInputs,
@@ -29,7 +29,7 @@ def attention_metadata(views: dict, layout: StepLayout, block_table: torch.Tenso
     padding) and the step's block tables gathered from the persistent device table
     (int32 ``[rows, max_blocks_per_seq]``)."""
     return AttentionMetadata(
-        cache_loc=slot_mapping_from_block_table(views["positions"], views["token_rows"],
+        cache_loc=cache_loc_from_block_table(views["positions"], views["token_rows"],
                                                 block_table, block_size),
         block_tables=block_table[:, :layout.table_width].index_select(0, views["seq_rows"]),
         query_start=views["query_start"], query_lens=views["query_lens"],

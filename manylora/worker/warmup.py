@@ -56,7 +56,8 @@ from manylora.lora.linear import LoRALinear
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
-from manylora.ops.attention import KVCache, build_attention_metadata
+from manylora.ops.attention_metadata import build_attention_metadata
+from manylora.ops.paged_kv import KVCache
 
 logger = logging.getLogger(__name__)
 

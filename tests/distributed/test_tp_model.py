@@ -35,11 +35,11 @@ from transformers import AutoConfig
 from manylora.config import LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.formats.loader import load_adapter_dir
-from manylora.lora.formats.peft import AdapterTarget
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora_request import LoRARequest
 from manylora.model.loader import load_model
-from manylora.ops.attention import build_attention_metadata
+from manylora.ops.attention_metadata import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from manylora.engine.stats import EngineSnapshot, FinishedRequestStats, IterationStats
-from manylora.lora.manager import LoRACacheStats
+from manylora.lora.cache_report import LoRACacheStats
 from manylora.metrics import METRICS, PrometheusStatLogger, vllm_names
 from manylora.metrics import catalog as pm
 from manylora.scheduler.kv_cache_manager import KVCacheStats

@@ -24,14 +24,13 @@ import torch
 
 from manylora.ops import triton_attention
 from manylora.ops.attention import (
-    AttentionMetadata,
-    KVCache,
-    build_attention_metadata,
     paged_attention,
     paged_attention_reference,
     write_kv,
     write_kv_reference,
 )
+from manylora.ops.attention_metadata import AttentionMetadata, build_attention_metadata
+from manylora.ops.paged_kv import KVCache
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

@@ -30,12 +30,12 @@ import torch
 from manylora.config import KV_CACHE_DTYPES, ModelConfig
 from manylora.ops import triton_attention
 from manylora.ops.attention import (
-    build_attention_metadata,
     paged_attention,
     paged_attention_reference,
     write_kv,
     write_kv_reference,
 )
+from manylora.ops.attention_metadata import build_attention_metadata
 from manylora.ops.paged_kv import (
     KV_QUANT_MAX,
     KVCache,

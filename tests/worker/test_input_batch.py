@@ -23,7 +23,7 @@ from manylora.config import SchedulerConfig
 from manylora.lora.kernels.cost_model import graph_block_m
 from manylora.lora.kernels.meta import lora_kernel_meta_arrays
 from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.ops.attention import slot_mapping_from_block_table
+from manylora.ops.attention_metadata import cache_loc_from_block_table
 from manylora.request import Request, RequestStatus
 from manylora.sample.sampler import SamplingTensors
 from manylora.scheduler.kv_cache_manager import KVCacheManager
@@ -168,7 +168,7 @@ class Harness:
             got = table[self.batch.row_of[rid], :len(truth)].tolist()
             assert got == truth, rid
         # Slot mapping computed from the device table vs the reference formula.
-        slots = slot_mapping_from_block_table(views["positions"], views["token_rows"], table,
+        slots = cache_loc_from_block_table(views["positions"], views["token_rows"], table,
                                               BLOCK_SIZE)
         ref = []
         for s in out.scheduled:
@@ -467,12 +467,12 @@ def test_a_plan_the_batch_cannot_follow_is_refused_by_name_and_changes_nothing()
     assert not batch.requests
 
 
-def test_slot_mapping_matches_the_formula_on_random_tables():
+def test_cache_loc_matches_the_formula_on_random_tables():
     gen = torch.Generator().manual_seed(0)
     table = torch.randint(0, 1000, (6, 9), generator=gen, dtype=torch.int32)
     rows = torch.tensor([3, 3, 0, -1, 5, 1, -1], dtype=torch.int32)
     pos = torch.tensor([0, 17, 35, 0, 8, 4, 0], dtype=torch.int32)
-    got = slot_mapping_from_block_table(pos, rows, table, 4).tolist()
+    got = cache_loc_from_block_table(pos, rows, table, 4).tolist()
     want = [-1 if r < 0 else int(table[r, p // 4]) * 4 + p % 4
             for r, p in zip(rows.tolist(), pos.tolist())]
     assert got == want

@@ -36,7 +36,7 @@ from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops import triton_attention, triton_fused
-from manylora.ops.attention import build_attention_metadata
+from manylora.ops.attention_metadata import build_attention_metadata
 from manylora.testing import make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
