@@ -23,13 +23,13 @@ class LoRARequest:
     * ``LoRARequest(task_id=id, weights=w, config=c)``: TensorRT-LLM's tensor format (see
       ``manylora.lora.formats.trtllm``); the first request for a task must carry both.
     * ``LoRARequest(task_id=id)`` (or ``LoRARequest(name, id)``): an adapter the engine
-      already caches. One that is not cached (never seen, or evicted from the host tier
+      already caches. One that is not cached (never seen, or evicted from the host cache
       when it has no path to reload from) is an error for that request alone.
 
     Attributes:
         lora_name: a human-readable name (reported in outputs and metrics); defaults to
             ``"task_<id>"``.
-        lora_int_id: a unique integer ≥ 1; the adapter's identity in the host tier, the
+        lora_int_id: a unique integer ≥ 1; the adapter's identity in the host cache, the
             device slots and the scheduler. Two requests with the same id share one loaded
             copy.
         lora_path: see above; empty for the tensor form.

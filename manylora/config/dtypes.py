@@ -32,7 +32,7 @@ LORA_DTYPE_NAMES = ("auto", "float16", "bfloat16", "float32")
 
 
 def resolve_lora_dtype(lora_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the adapter slots, the host tier and the LoRA kernels' operands.
+    """The dtype of the adapter slots, the host cache and the LoRA kernels' operands.
 
     ``"auto"``: the model's. Otherwise the model's or float32: the kernels run the
     activations in the slots' dtype, and float32 holds every float16 / bfloat16 activation

@@ -1,4 +1,4 @@
-"""Adapter slots and the host tier (``LoRAConfig``)."""
+"""Adapter slots and the host cache (``LoRAConfig``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ LORA_TARGET_MODULES: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Adapter slots and the host tier (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules
+    """Adapter slots and the host cache (vLLM's LoRAConfig, TensorRT-LLM's lora_target_modules
     and PEFT cache bounds).
 
     Attributes:
@@ -23,7 +23,7 @@ class LoRAConfig:
         max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
         target_modules: projections that get slot buffers; an adapter that targets another
             one is refused.
-        max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (None: bounded
+        max_cpu_lora_bytes: bytes of adapter tensors the host cache may hold (None: bounded
             by count only).
         fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
             that is otherwise replicated (vLLM's ``fully_sharded_loras``, after S-LoRA):
@@ -36,7 +36,7 @@ class LoRAConfig:
             digest, pin; from the moment a loader thread starts it) may go without progress
             (a module read); one stuck longer fails alone (``LoRALoadTimeoutError``). None:
             no bound.
-        dtype: of the slot buffers and the adapters in the host tier (adapters are cast to
+        dtype: of the slot buffers and the adapters in the host cache (adapters are cast to
             it when read; ``resolve_lora_dtype``); None: the model's.
     """
 

@@ -1,15 +1,15 @@
 """Host buffers in named shared memory, which every tensor-parallel rank maps by name.
 
-Under tensor parallelism the host tier's pinned adapters (``manylora.lora.pinned``) are
+Under tensor parallelism the host cache's pinned adapters (``manylora.lora.pinned``) are
 written once, by rank 0's loader thread, into files of ``/dev/shm``; a slot-load message
 carries only the file's name and the adapter's small plan, and each rank maps the file and
 copies its own part to its GPU (no broadcast of the adapter's tensors). On CUDA each
 mapping is page-locked in place (``cudaHostRegister``) so that its host → device copies
 run asynchronously, as from ``pin_memory`` tensors.
 
-Lifetimes: rank 0 unlinks a file when its last tensor is freed (the host tier dropped the
+Lifetimes: rank 0 unlinks a file when its last tensor is freed (the host cache dropped the
 adapter and no copy of it is in flight). A rank that has already mapped the file keeps its
-pages until it drops the mapping (``SharedHostCache``, bounded like the host tier), so
+pages until it drops the mapping (``SharedHostCache``, bounded like the host cache), so
 rank 0 must keep each adapter it sent alive until every rank has opened it: the ranks
 report the last slot message they handled in a shared ``int64`` array (``Acks``).
 
@@ -136,7 +136,7 @@ class SharedHostCache:
     """A worker rank's mappings of rank 0's shared buffers, least recently used dropped first.
 
     Args:
-        capacity: mappings kept (the host tier's ``max_cpu_loras``).
+        capacity: mappings kept (the host cache's ``max_cpu_loras``).
     """
 
     def __init__(self, capacity: int) -> None:

@@ -72,7 +72,7 @@ class EngineArgs:
             under tensor parallelism and on the CPU; empty: off. Explicit sizes on the CPU
             pad the steps and run the pieces eagerly (no graphs there), which is what the
             CPU tests exercise.
-        max_cpu_lora_bytes: bytes of adapter tensors the host tier may hold (pinned memory
+        max_cpu_lora_bytes: bytes of adapter tensors the host cache may hold (pinned memory
             on CUDA); None: bounded by ``max_cpu_loras`` only.
         lora_device_cache_percent: size the device slots as this share (0, 1] of the GPU
             memory left free after the weights and the KV cache are placed (TensorRT-LLM's

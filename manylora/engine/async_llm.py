@@ -228,7 +228,7 @@ class AsyncLLM:
             self.engine.wake()
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
-        """Read an adapter into the host tier now (``LLMEngine.add_lora``); the engine's
+        """Read an adapter into the host cache now (``LLMEngine.add_lora``); the engine's
         steps go on while the core reads it, and this returns once it is in.
 
         Raises:

@@ -131,7 +131,7 @@ class EngineCore:
         return history
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``),
+        """Load an adapter into the host cache ahead of its requests (vLLM's ``add_lora``),
         waiting for its read on this thread (``add_lora_async`` does not wait).
 
         Raises:
@@ -145,7 +145,7 @@ class EngineCore:
         return future.result()
 
     def add_lora_async(self, lora_request: LoRARequest) -> Future:
-        """Start loading an adapter into the host tier (``add_lora``) without waiting: a
+        """Start loading an adapter into the host cache (``add_lora``) without waiting: a
         new path is read on a loader thread while steps go on.
 
         Returns:
@@ -188,7 +188,7 @@ class EngineCore:
         return EngineCoreOutputs(self._poll_adapters())
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)
+        """Drop an adapter from the host cache and its device slot (vLLM's ``remove_lora``)
         once no request uses it: requests already accepted finish with it first.
 
         Returns:

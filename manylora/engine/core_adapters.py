@@ -51,7 +51,7 @@ class CoreAdapters:
         self._awaiting.setdefault(req.lora_int_id, {})[req.request_id] = (req, time.monotonic())
 
     def add_lora_async(self, lora_request: LoRARequest) -> Future:
-        """Start reading an adapter into the host tier (``EngineCore.add_lora_async``); a
+        """Start reading an adapter into the host cache (``EngineCore.add_lora_async``); a
         future of True, answered by ``poll``."""
         lid = lora_request.lora_int_id
         digest = self.manager.add(lora_request)

@@ -299,7 +299,7 @@ class LLMEngine:
             self.output_processor.answered(message.request_id, message.history)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter into the host tier ahead of its requests (vLLM's ``add_lora``),
+        """Load an adapter into the host cache ahead of its requests (vLLM's ``add_lora``),
         waiting until it is there (the core reads it on a loader thread and keeps stepping;
         outputs that arrive meanwhile wait for the next ``step``).
 
@@ -323,7 +323,7 @@ class LLMEngine:
         return self.client.has_pending_calls()
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Drop an adapter from the host tier and its device slot (vLLM's ``remove_lora``)
+        """Drop an adapter from the host cache and its device slot (vLLM's ``remove_lora``)
         once no request uses it (``EngineCore.remove_lora``); True when it went now."""
         return self.client.call("remove_lora", lora_int_id)
 

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def lora_config(args: ExecutorArgs, max_loras: int, model_dtype: torch.dtype) -> LoRAConfig:
-    """The slots' config for ``max_loras`` slots (the host tier holds at least as many
+    """The slots' config for ``max_loras`` slots (the host cache holds at least as many
     adapters as there are slots when the slots are sized from memory), in
     ``args.lora_dtype`` resolved against ``model_dtype``."""
     max_cpu_loras = args.max_cpu_loras

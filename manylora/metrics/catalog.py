@@ -82,9 +82,9 @@ decode time from its first token to its last, inference time prefill + decode;
 (requests with two tokens or more); ``request_max_num_generation_tokens`` observes its
 generated tokens (one sequence per engine request) and ``iteration_tokens_total`` each
 step's prompt + generation tokens (steps with none are not observed). ``lora_loads`` is
-disk reads for the host tier (= host misses) and host → device copies into a slot for the
+disk reads for the host cache (= host misses) and host → device copies into a slot for the
 device tier (= device misses, slot loads); ``lora_load_seconds`` is the disk reads' wall
-time (read, validate, digest, pin; on loader threads) for the host tier and the copies' GPU
+time (read, validate, digest, pin; on loader threads) for the host cache and the copies' GPU
 time (CUDA events on the copy stream; host time on the CPU) for the device tier.
 ``lora_adapter_waits`` counts requests that arrived while their adapter was on disk only (a
 first read, or a re-read after an eviction) and ``lora_adapter_wait_seconds`` the time they
@@ -306,7 +306,7 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
     MetricSpec(LORA_DEVICE_LOAD_BYTES, "counter", _M, "bytes",
                "Bytes of completed host to device adapter copies."),
     MetricSpec(LORA_HOST_LOAD_BYTES, "counter", _M, "bytes",
-               "Bytes of adapter tensors read from disk into the host tier."),
+               "Bytes of adapter tensors read from disk into the host cache."),
     MetricSpec(LORA_LOAD_FAILURES, "counter", _M, "adapters",
                "Adapter disk reads that failed (their requests ended with the error)."),
     MetricSpec(LORA_ADAPTER_WAITS, "counter", _M, "requests",

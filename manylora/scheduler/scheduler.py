@@ -42,7 +42,7 @@ class AdapterResidency(Protocol):
 
     def is_ready(self, lora_int_id: int) -> bool:
         """Whether a step could use the adapter without reading a disk: it is in a device
-        slot or staged in the host tier."""
+        slot or staged in the host cache."""
 
     def is_resident(self, lora_int_id: int) -> bool:
         """Whether the adapter already sits in a device slot (using it copies nothing)."""

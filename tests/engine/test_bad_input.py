@@ -409,7 +409,7 @@ def test_failing_generate_leaves_nothing_queued(llm, engine, good_lora, tmp_path
 
 
 def test_deleted_adapter_evicted_from_host_tier_fails_only_its_requests(base_dir, root):
-    """An adapter that loaded fine, then left the host tier and lost its files: its requests
+    """An adapter that loaded fine, then left the host cache and lost its files: its requests
     end with finish_reason "error" and the error when the engine fails to reload it; the
     others complete."""
     doomed_dir = make_peft_adapter(base_dir, root / "doomed", r=4, seed=7)
@@ -419,7 +419,7 @@ def test_deleted_adapter_evicted_from_host_tier_fails_only_its_requests(base_dir
     doomed, survivor = lora(doomed_dir), lora(other_dir)
 
     eng.add_lora(doomed)                   # read once (the reads end before add_lora returns)
-    eng.add_lora(survivor)                 # evicts doomed from the one-adapter host tier
+    eng.add_lora(survivor)                 # evicts doomed from the one-adapter host cache
     manager = eng.engine_core.lora_manager
     assert not manager.is_ready(doomed.lora_int_id) and manager.is_ready(survivor.lora_int_id)
     eng.add_request("doomed-1", PROMPTS[0], GREEDY8, doomed)

@@ -92,7 +92,7 @@ def test_unreadable_adapter_fails_its_requests_and_metrics_count_reads(base_dir,
                         str(reads_root), max_loras=1, max_cpu_loras=1) as (_, url):
         http = httpx.Client(base_url=url, timeout=60)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        for name, path in (("one", one), ("two", two)):   # two evicts one from the host tier
+        for name, path in (("one", one), ("two", two)):   # two evicts one from the host cache
             r = http.post("/v1/load_lora_adapter", json={"lora_name": name,
                                                          "lora_path": str(path)})
             assert r.status_code == 200, r.text
@@ -115,7 +115,7 @@ def test_unreadable_adapter_fails_its_requests_and_metrics_count_reads(base_dir,
         assert _value(samples, "manylora:lora_adapter_wait_seconds_total") > 0
         assert _value(samples, "manylora:lora_load_failures_total") == 0
 
-        shutil.rmtree(two)           # "two" left the host tier for "one": its re-read fails
+        shutil.rmtree(two)           # "two" left the host cache for "one": its re-read fails
         with pytest.raises(openai.NotFoundError, match="no longer on disk") as info:
             client.completions.create(model="two", prompt="hi", max_tokens=4)
         assert info.value.status_code == 404

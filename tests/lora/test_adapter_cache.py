@@ -95,7 +95,7 @@ def test_task_id_hit_miss_and_eviction(base_dir, adapters):
 
     with pytest.raises(ValueError, match="task_id 99 .*not cached"):
         engine.add_request(None, prompt[0], GREEDY, LoRARequest(task_id=99))
-    for task, name in ((6, "a1"), (7, "a2")):          # the host tier holds 2: task 5 goes
+    for task, name in ((6, "a1"), (7, "a2")):          # the host cache holds 2: task 5 goes
         w, c = _trtllm(adapters[name])
         llm.generate(prompt, GREEDY, LoRARequest(task_id=task, weights=w, config=c),
                      use_tqdm=False)

@@ -433,7 +433,7 @@ def write_random_adapters(root: Path, count: int, base_dir: Path,
 
 
 def test_a_burst_of_new_adapters_loads_while_the_engine_decodes(base_dir, root):
-    """64 adapters never seen (more than the host tier's 32 and the 16 slots; 64 paths and
+    """64 adapters never seen (more than the host cache's 32 and the 16 slots; 64 paths and
     ids over 8 weight sets, so that peft's reference loads 8) named at once
     by requests arriving while base streams decode: every read succeeds, the base streams
     keep producing tokens meanwhile, and every request's tokens equal transformers +

@@ -124,7 +124,7 @@ def test_fewer_slots_than_adapters(demo_set, prompts, reference):
     stats = llm.llm_engine.lora_cache_stats()
     assert stats.device_misses >= len(demo_set.adapters)     # 4 adapters through 2 slots
     assert all(slot is not None for slot in manager.slot_to_id)
-    # the host tier (2 entries) read every adapter and evicted at least 2 of them; whether
+    # the host cache (2 entries) read every adapter and evicted at least 2 of them; whether
     # an evicted one is read again depends on when the reads end against the steps
     assert stats.host_misses >= len(demo_set.adapters)
     assert stats.host_evictions >= len(demo_set.adapters) - 2

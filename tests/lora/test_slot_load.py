@@ -157,7 +157,7 @@ class _CountOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("layers", [2, 4])
 def test_a_slot_load_is_three_device_operations_whatever_the_model(layers, tmp_path):
-    """Through the manager (``activate`` of a PEFT adapter read into the host tier): two
+    """Through the manager (``activate`` of a PEFT adapter read into the host cache): two
     copies and one scatter, for a model of 2 or 4 layers with slots on all seven
     projections."""
     shape = {k: v for k, v in TINY.items() if k != "vocab_size"}

@@ -322,7 +322,7 @@ class OpenAIServingModels:
     async def unload_lora_adapter(self, lora_name: str) -> str:
         """``POST /v1/unload_lora_adapter``: stop serving ``lora_name``. New requests for
         it get 404 at once; requests already accepted finish with it, then it leaves the
-        host tier and its slot. A message saying so.
+        host cache and its slot. A message saying so.
 
         Raises:
             OpenAIError: 404 for a name no adapter has.

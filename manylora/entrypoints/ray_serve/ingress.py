@@ -3,7 +3,7 @@ to, which forwards it to an engine replica chosen by Ray Serve's model multiplex
 
 * A request whose JSON body names an adapter in ``model`` goes through the engine
   deployment's handle with ``multiplexed_model_id`` set to that name: Ray Serve prefers a
-  replica that reports the adapter (in a GPU slot or the host tier, ``replica.py``), the
+  replica that reports the adapter (in a GPU slot or the host cache, ``replica.py``), the
   least loaded of them, and sends an adapter no replica holds to one holding the fewest
   adapters. Base-model requests, and every other route, are balanced by load (power of two
   choices on queue length).

@@ -5,7 +5,7 @@ The ingress forwards each HTTP request here through a streaming deployment handl
 ``multiplexed_model_id`` is the request's adapter (:meth:`EngineReplica.forward`). Ray Serve's
 model multiplexing then routes by what each replica reports holding: the replica marks an
 adapter in its ``@serve.multiplexed`` cache each time it serves one, and that cache is as large
-as the engine's host tier (``max_cpu_loras``, which holds every adapter in a GPU slot too), so
+as the engine's host cache (``max_cpu_loras``, which holds every adapter in a GPU slot too), so
 the ids a replica reports are the adapters most likely still in its slots or host memory.
 The cache entries are markers only: the engine's own LoRA cache decides residency, as on a
 single server.
