@@ -1,4 +1,5 @@
-"""The LLaMA-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
+"""The LLaMA-family decoder (Llama 2/3, Mistral, Qwen2; Qwen3 subclasses it) over a flat
+batch of tokens.
 
 No padding: the step's tokens of every sequence are concatenated into ``[T]`` rows, and
 attention finds each sequence's keys through its block table. Parameter names match
@@ -106,10 +107,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    #: The attention module's class (a family whose attention differs subclasses it).
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                  device: torch.device, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, rotary, device, tp)
+        self.self_attn = self.attention_class(cfg, layer_idx, rotary, device, tp)
         self.mlp = LlamaMLP(cfg, device, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
@@ -141,12 +145,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    #: The decoder layer's class (a family whose layers differ subclasses it).
+    layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, tp)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len).to(device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary, device, tp) for i in range(cfg.num_layers))
+            self.layer_class(cfg, i, self.rotary, device, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
 
@@ -180,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
             does not split over them (``ModelConfig.shard``).
     """
 
+    #: The decoder stack's class (a family whose layers differ subclasses it).
+    model_class: type[LlamaModel] = LlamaModel
+
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or TPGroup.single()
@@ -188,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
                              f"has {self.tp.size}")
         cfg = cfg.shard(self.tp.size, self.tp.rank)
         self.cfg = cfg
-        self.model = LlamaModel(cfg, device, self.tp)
+        self.model = self.model_class(cfg, device, self.tp)
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(
             cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, self.tp)
         self.slot_table: SlotTable | None = None

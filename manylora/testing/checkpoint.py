@@ -19,7 +19,7 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def _transformers_major() -> int:
@@ -29,9 +29,10 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+               "qwen3": Qwen3Config}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -161,13 +162,15 @@ def make_checkpoint(
 
     Args:
         out_dir: target directory (created if missing).
-        arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"`` (whose per-head
+            ``q_norm`` / ``k_norm`` weights are drawn like the other norms; ``head_dim``
+            may be given in ``config_overrides``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
             ``rope_theta``) on transformers 5 and as ``rope_scaling`` on transformers 4.
             ``rope_theta`` may be given in ``config_overrides`` (default 10000).
-        sliding_window: Mistral's (and qwen2's, with ``use_sliding_window=True`` in
+        sliding_window: Mistral's (and qwen2's / qwen3's, with ``use_sliding_window=True`` in
             ``config_overrides``) attention window; ``None`` means full attention.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"20KB"``) to force sharding.
         config_overrides: any other config attribute.
@@ -188,10 +191,10 @@ def make_checkpoint(
 
     overrides = dict(config_overrides)
     rope_kwargs = _rope_kwargs(rope_scaling, overrides)
-    if arch in ("mistral", "qwen2"):
+    if arch in ("mistral", "qwen2", "qwen3"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
-        raise ValueError("sliding_window is only supported for mistral and qwen2")
+        raise ValueError("sliding_window is only supported for mistral, qwen2 and qwen3")
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

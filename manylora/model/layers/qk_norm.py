@@ -1,0 +1,30 @@
+"""Query/key normalization: an RMSNorm over each head's query and key vectors after the
+projection and before RoPE (Qwen3's ``q_norm`` / ``k_norm``, as transformers applies them)."""
+
+from __future__ import annotations
+
+import torch
+
+from manylora.model.layers.norm import RMSNorm
+
+
+def rms_norm_heads_(norm: RMSNorm, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Normalize every ``head_dim``-wide head of ``x`` with ``norm`` (one weight ``[head_dim]``
+    shared by all heads), in place.
+
+    Rounds as transformers' ``Qwen3RMSNorm`` on ``x.view(T, H, head_dim)`` (``RMSNorm``: the
+    statistic in float32, the product with the weight in ``x``'s dtype). Writing back into
+    ``x`` keeps the packed ``qkv`` the piecewise CUDA graphs hold static.
+
+    Args:
+        norm: an ``RMSNorm`` of width ``head_dim``.
+        x: ``[T, H * head_dim]``, any row stride with unit stride along the last dimension
+            (the q or k view of the packed ``qkv``).
+        head_dim: the head width.
+
+    Returns:
+        ``x``, normalized.
+    """
+    heads = x.view(x.shape[0], -1, head_dim)                          # [T, H, D]
+    heads.copy_(norm(heads))
+    return x
