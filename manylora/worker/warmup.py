@@ -321,8 +321,10 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     norms = {(n.weight.shape, n.weight.dtype): n for n in model.modules()
              if isinstance(n, RMSNorm)}
     for norm in norms.values():
-        triton_fused.rms_norm_triton(hidden, norm.weight, norm.eps)
-        triton_fused.fused_add_rms_norm_triton(hidden, hidden.clone(), norm.weight, norm.eps)
+        # each width its rows: the hidden size, or a head (Qwen3's q/k norms)
+        rows = hidden[:, :norm.weight.shape[0]].contiguous()
+        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps)
+        triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps)
         launches += 2
     triton_fused.silu_and_mul_triton(
         torch.zeros(_ROWS, 2 * cfg.intermediate_size, dtype=dtype, device=device))

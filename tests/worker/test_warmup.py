@@ -168,6 +168,7 @@ MODELS = {
     "llama-int8-kv": ({}, "int8"),
     "mistral-window": (dict(arch="mistral", sliding_window=6), "auto"),
     "qwen2-bias": (dict(arch="qwen2"), "auto"),
+    "qwen3-qk-norm": (dict(arch="qwen3", head_dim=24), "auto"),
 }
 
 

@@ -1,0 +1,122 @@
+"""Qwen3 (per-head q/k RMSNorm before RoPE, a ``head_dim`` other than hidden / heads) and
+Qwen2.5 (a Qwen2 config as its small checkpoints write it: tied embeddings, q/k/v biases,
+``rope_theta`` 1e6) against transformers + peft on the same weights, greedy, token for token.
+
+The checkpoints are written by transformers' own ``save_pretrained`` (``make_checkpoint``),
+the adapters by peft's (``make_peft_adapter``): attention only, every linear layer, and a
+DoRA one, of three ranks. manylora runs them as one mixed batch with the base model, through
+a single slot (fewer slots than adapters), twice so that the second pass reads the prefix
+cache, and under tensor parallelism 2 (gloo, CPU). The reference runs each prompt alone
+(``hf_greedy_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from manylora import LLM, LoRARequest, SamplingParams
+from manylora.testing import (
+    compare_greedy,
+    hf_greedy_reference,
+    make_checkpoint,
+    make_peft_adapter,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_kv_blocks=64,
+              max_model_len=128)
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+# a shared 9-token prefix (two full blocks of 4) under the same adapter
+TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
+         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
+         "Low-rank adaptation"]
+ADAPTERS = ["attn", None, "attn", "all", "dora"]
+SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+         "all": dict(r=8, target_modules="all-linear"),
+         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
+
+
+def _family(root, arch, **checkpoint_kwargs):
+    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
+    from transformers import AutoTokenizer
+
+    from manylora.testing.hf import hf_causal_lm
+
+    base = make_checkpoint(root / "base", arch, seed=0, **TINY, **checkpoint_kwargs)
+    model = hf_causal_lm(base, attn_implementation="eager")
+    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
+                                        **spec)
+                for i, (name, spec) in enumerate(SPECS.items())}
+    tok = AutoTokenizer.from_pretrained(base)
+    prompts = [tok(t).input_ids for t in TEXTS]
+    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
+                                    base_model=model)
+    return base, adapters, prompts, reference
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    # head_dim 24 ≠ 64 / 4; tied embeddings as Qwen3-0.6B to 4B have them
+    return _family(tmp_path_factory.mktemp("qwen3"), "qwen3", head_dim=24,
+                   tie_word_embeddings=True)
+
+
+def _generate(llm, adapters, prompts):
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
+                for n in ADAPTERS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                        lora_request=requests, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_matches(tokens, reference):
+    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=True)):
+        ok, pos = compare_greedy(ours, ref)
+        assert ok, (f"prompt {i} (adapter {ADAPTERS[i]}): diverges at token {pos}: "
+                    f"ours {ours} ref {ref.token_ids}")
+
+
+def test_qwen3_mixed_batch_one_slot_prefix_cache_matches_peft(qwen3):
+    base, adapters, prompts, reference = qwen3
+    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    try:
+        engine = llm.llm_engine
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+        hits, misses = engine.kv_cache_stats().prefix_hits, engine.lora_cache_stats().device_misses
+        assert misses >= len(adapters)
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+        assert engine.kv_cache_stats().prefix_hits > hits
+        # three adapters through one slot: at most one of them was still there
+        assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_qwen3_tensor_parallel_2_matches_peft(qwen3):
+    """Each rank holds its heads' q/k/v rows and the whole (replicated) q/k norm weights."""
+    base, adapters, prompts, reference = qwen3
+    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2)
+    try:
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_qwen2_5_config_runs_as_qwen2_and_matches_peft(tmp_path):
+    """Qwen2.5-0.5B's config shape: ``Qwen2ForCausalLM``, tied embeddings, q/k/v biases,
+    ``rope_theta`` 1e6, no sliding window."""
+    base, adapters, prompts, reference = _family(
+        tmp_path, "qwen2", tie_word_embeddings=True, rope_theta=1000000.0,
+        use_sliding_window=False, max_window_layers=2)
+    llm = LLM(str(base), **ENGINE, max_loras=3)
+    try:
+        assert json.loads((base / "config.json").read_text())["architectures"] == [
+            "Qwen2ForCausalLM"]
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+    finally:
+        llm.llm_engine.shutdown()
