@@ -1,5 +1,4 @@
-"""The LLaMA-family decoder (Llama 2/3, Mistral, Qwen2; Qwen3 subclasses it) over a flat
-batch of tokens.
+"""The LLaMA-family decoder (Llama 2/3, Mistral, Qwen2) over a flat batch of tokens.
 
 No padding: the step's tokens of every sequence are concatenated into ``[T]`` rows, and
 attention finds each sequence's keys through its block table. Parameter names match

@@ -1,13 +1,15 @@
-"""The Qwen3 decoder: the LLaMA-family decoder (``manylora.model.llama``) with an RMSNorm on
-every query and key head after the projection and before RoPE (transformers'
-``Qwen3Attention``: ``q_norm`` / ``k_norm``, one weight ``[head_dim]`` each, shared by the
-heads). ``head_dim`` is the config's, which may differ from ``hidden_size / heads``; the
+"""The Qwen3 decoder: the LLaMA-family decoder with a per-head q/k RMSNorm before RoPE.
+
+Transformers' ``Qwen3Attention`` normalizes every query and key head after the projection
+(``q_norm`` / ``k_norm``, one weight ``[head_dim]`` each, shared by the heads).
+``head_dim`` is the config's, which may differ from ``hidden_size / heads``; the
 projections carry a bias only with ``attention_bias`` (``ModelConfig.from_hf``).
 
 Everything else, tensor parallelism and LoRA included, is ``LlamaForCausalLM``'s. The norm
 weights are per head, so under tensor parallelism every rank holds the whole (replicated)
-weights and normalizes its own heads. The norm runs inside ``rotate``, the method the
-forward, the piecewise CUDA graphs and the warm-up call, so all three run it.
+weights and normalizes its own heads. The norm runs inside ``rotate``, writing into the
+packed ``qkv``, so the forward and the piecewise CUDA graphs (which keep ``qkv`` static)
+both run it; the warm-up launches every RMSNorm at its own width.
 """
 
 from __future__ import annotations

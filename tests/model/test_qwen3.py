@@ -15,8 +15,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from transformers import Qwen3Config
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.config import ModelConfig
+from manylora.model.qwen3 import Qwen3ForCausalLM
+from manylora.model.registry import model_class
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
@@ -38,6 +43,16 @@ ADAPTERS = ["attn", None, "attn", "all", "dora"]
 SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
          "all": dict(r=8, target_modules="all-linear"),
          "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
+
+
+def test_qwen3_resolves_by_transformers_name_and_reads_head_dim():
+    hf = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=64,
+                     max_position_embeddings=64)
+    cfg = ModelConfig.from_hf(hf, torch.float32)        # names only its model_type
+    assert cfg.architecture == "Qwen3ForCausalLM"
+    assert (cfg.head_dim, cfg.qkv_bias, cfg.o_bias) == (16, False, False)
+    assert model_class(cfg.architecture) is Qwen3ForCausalLM
 
 
 def _family(root, arch, **checkpoint_kwargs):

@@ -1,5 +1,8 @@
-"""Query/key normalization: an RMSNorm over each head's query and key vectors after the
-projection and before RoPE (Qwen3's ``q_norm`` / ``k_norm``, as transformers applies them)."""
+"""Query/key RMSNorm per head after the projection and before RoPE (Qwen3's ``q_norm`` /
+``k_norm``).
+
+As transformers applies it: each head's vector normalized on its own, one weight
+``[head_dim]`` shared by all heads, so under tensor parallelism every rank holds it whole."""
 
 from __future__ import annotations
 
