@@ -1,10 +1,11 @@
 """Tiny GGUF files for tests, written with the ``gguf`` package's ``GGUFWriter`` from a tiny
 Hugging Face checkpoint (:func:`~manylora.testing.checkpoint.make_checkpoint`).
 
-Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA and Qwen2 checkpoints, reduced
-to the metadata transformers reads: llama.cpp's tensor names, reversed shapes, and for
-``llama`` the Q/K row permutation of ``LlamaModel.permute`` (Qwen2's converter permutes
-nothing). No tokenizer is written: engines on these files run with ``skip_tokenizer_init``.
+Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA, Qwen2 and Qwen3
+checkpoints, reduced to the metadata transformers reads: llama.cpp's tensor names, reversed
+shapes, and for ``llama`` the Q/K row permutation of ``LlamaModel.permute`` (the Qwen
+converters permute nothing). No tokenizer is written: engines on these files run with
+``skip_tokenizer_init``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ _NAMES = {
     "embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
 
@@ -48,8 +50,10 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                qtype: Any = None, architecture: str | None = None,
                metadata: dict[str, Any] | None = None,
                float64: tuple[str, ...] = ()) -> Path:
-    """Write ``checkpoint_dir`` (a llama or qwen2 :func:`make_checkpoint`, one safetensors
-    file) as the GGUF file ``out``.
+    """Write ``checkpoint_dir`` (a llama, qwen2 or qwen3 :func:`make_checkpoint`, one
+    safetensors file) as the GGUF file ``out``. transformers reads no head width from a
+    GGUF (its ``Qwen3Config`` default, 128, holds), so a qwen3 checkpoint needs
+    ``head_dim`` 128.
 
     Args:
         checkpoint_dir: the Hugging Face checkpoint.
@@ -84,7 +88,7 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     for key, value in (metadata or {}).items():
         writer.add_uint32(key, value)
     tensors = load_file(str(checkpoint_dir / "model.safetensors"))

@@ -135,3 +135,28 @@ def test_qwen2_5_config_runs_as_qwen2_and_matches_peft(tmp_path):
         _assert_matches(_generate(llm, adapters, prompts), reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_qwen3_gguf_matches_transformers_peft(tmp_path):
+    """A Qwen3 GGUF (F32, llama.cpp's names, ``attn_q_norm`` / ``attn_k_norm``) against
+    transformers' own GGUF loading + peft. transformers reads no head width from a GGUF, so
+    the checkpoint has Qwen3's real one, 128."""
+    from manylora.testing.gguf import write_gguf
+
+    ckpt = make_checkpoint(tmp_path / "hf", "qwen3", seed=2, **TINY, head_dim=128)
+    path = write_gguf(ckpt, tmp_path / "qwen3.gguf")
+    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
+                                         target_modules="all-linear", seed=3)}
+    prompts = [[1, 40, 41, 42, 43], [1, 7, 9]]
+    names = ["all", None]
+    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                            lora_request=[LoRARequest("all", 1, str(adapters["all"])), None],
+                            use_tqdm=False)
+        for out, ref in zip(outs, reference, strict=True):
+            ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
+            assert ok, (pos, out.outputs[0].token_ids, ref.token_ids)
+    finally:
+        llm.llm_engine.shutdown()
