@@ -112,10 +112,13 @@ def test_qwen3_mixed_batch_one_slot_prefix_cache_matches_peft(qwen3):
         llm.llm_engine.shutdown()
 
 
-def test_qwen3_tensor_parallel_2_matches_peft(qwen3):
-    """Each rank holds its heads' q/k/v rows and the whole (replicated) q/k norm weights."""
+def test_qwen3_tensor_parallel_2_piecewise_matches_peft(qwen3):
+    """Each rank holds its heads' q/k/v rows and the whole (replicated) q/k norm weights.
+    The steps run as the piecewise CUDA graphs' pieces (eager on CPU), which keep the
+    packed qkv static and read the normalized, rotated q and k back from it."""
     base, adapters, prompts, reference = qwen3
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2)
+    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+              piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
         _assert_matches(_generate(llm, adapters, prompts), reference)
     finally:
