@@ -317,12 +317,11 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     device = kv_caches[0].data.device
     dtype = cfg.dtype
     launches = 0
-    hidden = torch.zeros(_ROWS, cfg.hidden_size, dtype=dtype, device=device)
     norms = {(n.weight.shape, n.weight.dtype): n for n in model.modules()
              if isinstance(n, RMSNorm)}
     for norm in norms.values():
-        # each width its rows: the hidden size, or a head (Qwen3's q/k norms)
-        rows = hidden[:, :norm.weight.shape[0]].contiguous()
+        # rows of the norm's own width: the hidden size, or a head (Qwen3's q/k norms)
+        rows = torch.zeros(_ROWS, norm.weight.shape[0], dtype=dtype, device=device)
         triton_fused.rms_norm_triton(rows, norm.weight, norm.eps)
         triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps)
         launches += 2
