@@ -7,7 +7,9 @@ adapters of different ranks and targets (attention only; all seven linear layers
 adapter slot, with prefix caching (the batch runs twice, the second time from cached
 prefixes), and under tensor parallelism 2 (gloo, CPU). The checkpoint's 6 query / 3 KV
 heads split unevenly over 2 ranks (rank 0 holds two KV-head groups, rank 1 one), so the
-q/k norms' all-reduced mean square and the norm weights' slices follow that split.
+q/k norms' all-reduced mean square and the norm weights' slices follow that split; an MQA
+checkpoint (one KV head, replicated on both ranks) checks that the k norm counts the
+replicated head once.
 """
 
 from __future__ import annotations
@@ -65,10 +67,10 @@ def _requests(adapters):
     return [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in NAMES]
 
 
-def _assert_matches(outs, reference):
+def _assert_matches(outs, reference, names=NAMES):
     for i, (out, ref) in enumerate(zip(outs, reference, strict=True)):
         ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
-        assert ok, (f"prompt {i} (adapter {NAMES[i]}): diverges at token {pos}: "
+        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
                     f"ours {out.outputs[0].token_ids} ref {ref.token_ids}")
 
 
@@ -100,11 +102,27 @@ def test_mixed_batch_with_prefix_caching_matches_peft(base_dir, adapters, refere
         llm.llm_engine.shutdown()
 
 
-def test_tensor_parallel_2_matches_peft(base_dir, adapters, reference):
+def _generate_tp2(base_dir, adapters, names):
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
     llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                            lora_request=_requests(adapters), use_tqdm=False)
-        _assert_matches(outs, reference)
+        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:len(names)]], GREEDY,
+                            lora_request=requests, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_2_matches_peft(base_dir, adapters, reference):
+    _assert_matches(_generate_tp2(base_dir, adapters, NAMES), reference)
+
+
+def test_tensor_parallel_2_with_a_replicated_kv_head_matches_peft(tmp_path):
+    base = make_checkpoint(tmp_path / "mqa", "olmo2", seed=5,
+                           **{**TINY, "num_attention_heads": 4, "num_key_value_heads": 1,
+                              "hidden_size": 64})
+    adapters = {"all": make_peft_adapter(base, tmp_path / "all", r=8, lora_alpha=16,
+                                         target_modules=list(LORA_TARGET_MODULES), seed=4)}
+    names = [None, "all"]
+    reference = hf_greedy_reference(base, adapters, PROMPTS[:2], names, MAX_NEW)
+    _assert_matches(_generate_tp2(base, adapters, names), reference, names)
