@@ -86,10 +86,24 @@ def test_registry_builds_olmo2(base_dir):
     assert model_class(cfg.architecture) is Olmo2ForCausalLM
 
 
-def test_mixed_batch_with_prefix_caching_matches_peft(base_dir, adapters, reference):
+def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(base_dir, adapters,
+                                                                  reference, monkeypatch):
     """One slot for two adapters and base rows; the second run starts from cached prefixes
-    (under each adapter's own cache key) and still matches peft."""
-    llm = LLM(str(base_dir), **ENGINE, enable_prefix_caching=True)
+    (under each adapter's own cache key) and still matches peft. Steps are padded to piece
+    buckets and run piece by piece (on the CPU eagerly, over the pieces' static buffers), so
+    the layer's methods compose along the piecewise CUDA graphs' cut."""
+    from manylora.worker.piecewise_graphs import PiecewiseGraphs
+
+    pieces = []
+    real_run = PiecewiseGraphs.run
+
+    def spy(self, key, *args, **kwargs):
+        pieces.append(key)
+        return real_run(self, key, *args, **kwargs)
+
+    monkeypatch.setattr(PiecewiseGraphs, "run", spy)
+    llm = LLM(str(base_dir), **ENGINE, enable_prefix_caching=True, max_num_batched_tokens=32,
+              piecewise_cuda_graph_sizes=(8, 32))
     try:
         for run in range(2):
             before = llm.llm_engine.kv_cache_stats().prefix_hits
@@ -98,6 +112,7 @@ def test_mixed_batch_with_prefix_caching_matches_peft(base_dir, adapters, refere
             _assert_matches(outs, reference)
             if run:
                 assert llm.llm_engine.kv_cache_stats().prefix_hits > before
+        assert pieces
     finally:
         llm.llm_engine.shutdown()
 
