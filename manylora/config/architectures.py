@@ -18,11 +18,13 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama:LlamaForCausalLM",
     "MistralForCausalLM": "llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
+    "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
 }
 
 #: Architecture of a config that names only its ``model_type``.
 MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
 
 

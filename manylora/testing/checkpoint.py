@@ -19,7 +19,7 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "olmo2")
 
 
 def _transformers_major() -> int:
@@ -29,9 +29,10 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config
 
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
+               "olmo2": Olmo2Config}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -161,7 +162,7 @@ def make_checkpoint(
 
     Args:
         out_dir: target directory (created if missing).
-        arch: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        arch: one of ``SUPPORTED_ARCHS`` (``"olmo2"``: transformers' ``Olmo2Config``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
