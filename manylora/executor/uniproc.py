@@ -51,7 +51,7 @@ class UniProcExecutor(Executor):
         RuntimeError: no memory is left for the KV cache.
 
     Attributes:
-        model: the loaded ``LlamaForCausalLM`` (this rank's shard).
+        model: the loaded model (the registry's class for the checkpoint; this rank's shard).
         runner: its ``ModelRunner``.
         swapper: the ``KVSwapper`` of the swap space (None without one).
     """

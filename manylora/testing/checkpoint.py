@@ -19,7 +19,7 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
 
 
 def _transformers_major() -> int:
@@ -29,10 +29,10 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config}
+               "qwen3": Qwen3Config, "olmo2": Olmo2Config}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -162,9 +162,8 @@ def make_checkpoint(
 
     Args:
         out_dir: target directory (created if missing).
-        arch: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"qwen3"`` (whose per-head
-            ``q_norm`` / ``k_norm`` weights are drawn like the other norms; ``head_dim``
-            may be given in ``config_overrides``).
+        arch: one of ``SUPPORTED_ARCHS`` (``"qwen3"``: transformers' ``Qwen3Config``, whose
+            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
