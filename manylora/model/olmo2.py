@@ -30,14 +30,13 @@ from manylora.checkpoint.weights import TPSlice
 from manylora.config import ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.kernels.meta import LoRAKernelMeta
-from manylora.lora.slot_table import SlotTable
-from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
+    LlamaModel,
     qkv_output_ranges,
 )
 
@@ -130,14 +129,8 @@ class Olmo2DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h, lora)), h
 
 
-class Olmo2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, tp)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len).to(device)
-        self.layers = nn.ModuleList(
-            Olmo2DecoderLayer(cfg, i, self.rotary, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+class Olmo2Model(LlamaModel):
+    layer_class = Olmo2DecoderLayer
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
@@ -145,15 +138,4 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     and methods (shapes, errors) over ``Olmo2Model``'s layers. Adapters target the same
     seven projections as on LLaMA (peft's names; the q/k norms are not targetable)."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup | None = None) -> None:
-        nn.Module.__init__(self)
-        self.tp = tp or TPGroup.single()
-        if cfg.tp_size not in (1, self.tp.size):
-            raise ValueError(f"the config is sharded for {cfg.tp_size} ranks, the group "
-                             f"has {self.tp.size}")
-        cfg = cfg.shard(self.tp.size, self.tp.rank)
-        self.cfg = cfg
-        self.model = Olmo2Model(cfg, device, self.tp)
-        self.lm_head = None if cfg.tie_word_embeddings else Embedding(
-            cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, self.tp)
-        self.slot_table: SlotTable | None = None
+    model_class = Olmo2Model
