@@ -22,7 +22,9 @@ row-parallel biases, DoRA shifts), Qwen2 (q/k/v biases) with a vocabulary of 509
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,14 +155,15 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, adapter_dirs: d
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
-    try:
-        result = _run(model_dir, adapter_dirs, TPGroup.from_process_group(), device)
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-        # no rank tears its connections down while another still uses them (gloo then
-        # aborts the slower rank: "terminate called without an active exception")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    result = _run(model_dir, adapter_dirs, TPGroup.from_process_group(), device)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    # As the engine's workers end (``worker_entry``): no process-group teardown, whose
+    # gloo threads abort a rank that ends while a peer still closes its connections
+    # ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------ expected slices
