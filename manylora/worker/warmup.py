@@ -20,9 +20,10 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   per step, the tile height ``BLOCK_M`` and what ``tiled_shrink_plan`` /
   ``tiled_expand_plan`` pick from the tile count (``tiled_row_cases``).
 * Attention (``triton_attention``): the model's G, head_dim, block_size, KV-cache dtype
-  (``QUANT``), each layer's window (``USE_WINDOW``); per step, decode tiles vs prefill tiles
-  (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the decode launch's ``NUM_SPLITS``
-  (with the combine kernel), which ``decode_split_choices`` enumerates.
+  (``QUANT``), each layer's window (``USE_WINDOW``) and soft cap (``SOFTCAP``); per step,
+  decode tiles vs prefill tiles (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the
+  decode launch's ``NUM_SPLITS`` (with the combine kernel), which ``decode_split_choices``
+  enumerates.
 * Fused elementwise (``triton_fused``): RMSNorm with and without the residual; SiLU-and-mul
   and RoPE have one specialization per model.
 * Skinny projections (``triton_skinny``): per row bucket (``BLOCK_M``) and weight shape,
@@ -334,8 +335,9 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     seen = set()
     for layer, kv_cache in zip(model.model.layers, kv_caches):
         attn = layer.self_attn
-        key = (attn.sliding_window, kv_cache.data.dtype, tuple(kv_cache.data.shape[2:]),
-               kv_cache.quantized)
+        softcap = getattr(attn, "softcap", None)          # Gemma 2's attention soft cap
+        key = (attn.sliding_window, softcap, kv_cache.data.dtype,
+               tuple(kv_cache.data.shape[2:]), kv_cache.quantized)
         if key in seen:
             continue
         seen.add(key)
@@ -352,7 +354,7 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
         # one prefill sequence of _ROWS tokens: the prefill launch
         meta = build_attention_metadata([_ROWS], [_ROWS], [[0]], block_size, group, device)
         triton_attention.paged_attention_triton(q, kv_cache, meta, attn.scale,
-                                                attn.sliding_window)
+                                                attn.sliding_window, softcap=softcap)
         launches += 3
         # one decode sequence, once per split count the heuristic can pick
         meta = build_attention_metadata([1], [1], [[0]], block_size, group, device)
@@ -360,6 +362,7 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
                 group, cfg.num_kv_heads, cfg.head_dim, q.dtype, block_size, max_blocks_per_seq,
                 max_num_seqs, attn.sliding_window, device):
             triton_attention.paged_attention_triton(q[:1], kv_cache, meta, attn.scale,
-                                                    attn.sliding_window, num_splits=splits)
+                                                    attn.sliding_window, num_splits=splits,
+                                                    softcap=softcap)
             launches += 1
     return launches

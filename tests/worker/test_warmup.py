@@ -6,7 +6,8 @@ Triton specializes, whether an int is 1 / a multiple of 16 and whether a pointer
 aligned), and launches nothing. The model's forward pass, forced onto the Triton entry
 points, then runs random steps (decode, prefill over cached prefixes, mixed, CUDA-graph
 padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a model with LoRA slots and its KV
-caches (llama, an int8 KV cache, mistral's window, qwen2's biases): every key those steps
+caches (llama, an int8 KV cache, mistral's window, qwen2's biases, gemma 2's soft cap over
+sliding and global layers): every key those steps
 produce must be among the keys the warm-up produces.
 
 GPU: an engine with LoRA (DoRA and plain adapters) and prefix caching serves a mixed
@@ -31,7 +32,7 @@ from manylora.lora.kernels import tiled_plans as lora_tiled_plans
 from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.model import llama
+from manylora.model import gemma2, llama
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
@@ -115,8 +116,9 @@ def _force_triton(monkeypatch) -> None:
     PyTorch references)."""
     monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
     monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
-    monkeypatch.setattr(llama, "write_kv", triton_attention.write_kv_triton)
-    monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention_triton)
+    for family in (llama, gemma2):
+        monkeypatch.setattr(family, "write_kv", triton_attention.write_kv_triton)
+        monkeypatch.setattr(family, "paged_attention", triton_attention.paged_attention_triton)
     monkeypatch.setattr(llama, "silu_and_mul", triton_fused.silu_and_mul_triton)
 
     def norm(self, x, residual=None):
@@ -169,6 +171,8 @@ MODELS = {
     "mistral-window": (dict(arch="mistral", sliding_window=6), "auto"),
     "qwen2-bias": (dict(arch="qwen2"), "auto"),
     "qwen3-qk-norm": (dict(arch="qwen3", head_dim=24), "auto"),
+    "gemma2-softcap-windows": (dict(arch="gemma2", head_dim=16, sliding_window=6,
+                                    attn_logit_softcapping=5.0), "auto"),
 }
 
 
@@ -202,9 +206,12 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     stepped = set(keys)
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}
-    assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
-            "tiled_shrink_kernel", "tiled_expand_kernel",
-            "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
+    expected = {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
+                "tiled_shrink_kernel", "tiled_expand_kernel", "_rotary_kernel",
+                "_write_kv_kernel"}
+    if any(isinstance(m, RMSNorm) for m in model.modules()):    # Gemma's norms are PyTorch
+        expected.add("_rms_norm_kernel")
+    assert expected <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
         map(str, sorted(missing, key=str)))
