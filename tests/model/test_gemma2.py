@@ -157,3 +157,30 @@ def test_gemma2_tensor_parallel_2_piecewise_matches_peft(gemma2):
         assert_matches(generate(llm, adapters, prompts), reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_gemma2_gguf_matches_transformers_peft(tmp_path):
+    """A Gemma 2 GGUF (F32, llama.cpp's names, norms stored as ``1 + w``) against
+    transformers' own GGUF loading + peft. transformers reads no soft caps or
+    ``query_pre_attn_scalar`` from a GGUF (its ``Gemma2Config`` defaults hold: 50, 30,
+    256), so the checkpoint has those."""
+    from manylora.testing.gguf import write_gguf
+
+    tiny = {k: v for k, v in TINY.items() if k != "query_pre_attn_scalar"}
+    ckpt = make_checkpoint(tmp_path / "hf", "gemma2", seed=2, **tiny)
+    path = write_gguf(ckpt, tmp_path / "gemma2.gguf")
+    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
+                                         target_modules="all-linear", seed=3)}
+    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]]
+    names = ["all", None]
+    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                            lora_request=[LoRARequest("all", 1, str(adapters["all"])), None],
+                            use_tqdm=False)
+        for out, ref in zip(outs, reference, strict=True):
+            ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
+            assert ok, (pos, out.outputs[0].token_ids, ref.token_ids)
+    finally:
+        llm.llm_engine.shutdown()

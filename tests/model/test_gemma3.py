@@ -151,3 +151,29 @@ def test_gemma3_tied_embeddings_base_logprobs_match(tmp_path):
         _assert_matches(_generate(llm, {}, prompts, names), reference, names)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_gemma3_gguf_matches_transformers_peft(tmp_path):
+    """A Gemma 3 GGUF (F32, llama.cpp's names, norms stored as ``1 + w``) against
+    transformers' own GGUF loading + peft. transformers reads the global RoPE base and the
+    window from a GGUF, the rest from ``Gemma3TextConfig``'s defaults (local base 10 000,
+    ``query_pre_attn_scalar`` 256, five sliding layers per global one), so the checkpoint
+    has those."""
+    from manylora.testing.gguf import write_gguf
+
+    tiny = {k: v for k, v in TINY.items()
+            if k not in ("query_pre_attn_scalar", "rope_local_base_freq", "rope_scaling",
+                         "layer_types")}
+    ckpt = make_checkpoint(tmp_path / "hf", "gemma3", seed=2, **tiny)
+    path = write_gguf(ckpt, tmp_path / "gemma3.gguf")
+    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
+                                         target_modules="all-linear", seed=3)}
+    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]]
+    names = ["all", None]
+    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
+    try:
+        outs = _generate(llm, adapters, prompts, names)
+        _assert_matches(outs, reference, names)
+    finally:
+        llm.llm_engine.shutdown()
