@@ -153,9 +153,11 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.final_softcap = float(cap) if cap else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[T]`` → ``embed_tokens(ids) * normalizer``, ``[T, hidden]`` in the model
-        dtype (all-reduced under tensor parallelism)."""
-        return self.model.embed_tokens(input_ids) * self.normalizer
+        """int64 ``[T]`` → ``LlamaForCausalLM.embed(ids) * normalizer``, ``[T, hidden]`` in
+        the model dtype (all-reduced under tensor parallelism). Whatever the inherited
+        embedding adds is scaled with it, as peft scales an embedding adapter's output by
+        the base layer's ``embed_scale``."""
+        return super().embed(input_ids) * self.normalizer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``LlamaForCausalLM.compute_logits`` (float32 ``[N, vocab]``), then ``cap *
