@@ -24,7 +24,8 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   decode tiles vs prefill tiles (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the
   decode launch's ``NUM_SPLITS`` (with the combine kernel), which ``decode_split_choices``
   enumerates.
-* Fused elementwise (``triton_fused``): RMSNorm with and without the residual; SiLU-and-mul
+* Fused elementwise (``triton_fused``): RMSNorm with and without the residual, Llama's and
+  Gemma's (``UNIT_OFFSET``); SiLU-and-mul
   and RoPE have one specialization per model.
 * Skinny projections (``triton_skinny``): per row bucket (``BLOCK_M``) and weight shape,
   the measured launch constants, and whether the projection has a bias; the row count is
@@ -54,7 +55,7 @@ from manylora.lora.kernels import tiled_plans as lora_tiled_plans
 from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
-from manylora.model.layers.norm import RMSNorm
+from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention_metadata import build_attention_metadata
@@ -318,13 +319,15 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     device = kv_caches[0].data.device
     dtype = cfg.dtype
     launches = 0
-    norms = {(n.weight.shape, n.weight.dtype): n for n in model.modules()
-             if isinstance(n, RMSNorm)}
+    norms = {(type(n), n.weight.shape, n.weight.dtype): n for n in model.modules()
+             if isinstance(n, (RMSNorm, GemmaRMSNorm))}
     for norm in norms.values():
         # rows of the norm's own width: the hidden size, or a head (Qwen3's q/k norms)
         rows = torch.zeros(_ROWS, norm.weight.shape[0], dtype=dtype, device=device)
-        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps)
-        triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps)
+        gemma = isinstance(norm, GemmaRMSNorm)          # (1 + w): UNIT_OFFSET
+        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps, unit_offset=gemma)
+        triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps,
+                                               unit_offset=gemma)
         launches += 2
     triton_fused.silu_and_mul_triton(
         torch.zeros(_ROWS, 2 * cfg.intermediate_size, dtype=dtype, device=device))

@@ -7,7 +7,7 @@ aligned), and launches nothing. The model's forward pass, forced onto the Triton
 points, then runs random steps (decode, prefill over cached prefixes, mixed, CUDA-graph
 padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a model with LoRA slots and its KV
 caches (llama, an int8 KV cache, mistral's window, qwen2's biases, gemma 2's soft cap over
-sliding and global layers): every key those steps
+sliding and global layers, gemma 3's per-head q/k norms): every key those steps
 produce must be among the keys the warm-up produces.
 
 GPU: an engine with LoRA (DoRA and plain adapters) and prefix caching serves a mixed
@@ -33,7 +33,7 @@ from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.model import gemma2, llama
-from manylora.model.layers.norm import RMSNorm
+from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops import triton_attention, triton_fused
@@ -127,6 +127,14 @@ def _force_triton(monkeypatch) -> None:
         return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
 
     monkeypatch.setattr(RMSNorm, "forward", norm)
+
+    def gemma_norm(self, x, residual=None):
+        if residual is None:
+            return triton_fused.rms_norm_triton(x, self.weight, self.eps, unit_offset=True)
+        return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
+                                                      unit_offset=True)
+
+    monkeypatch.setattr(GemmaRMSNorm, "forward", gemma_norm)
     monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, positions, q, k:
                         triton_fused.rotary_embedding_triton(positions, q, k, self.cos,
                                                              self.sin))
@@ -173,6 +181,8 @@ MODELS = {
     "qwen3-qk-norm": (dict(arch="qwen3", head_dim=24), "auto"),
     "gemma2-softcap-windows": (dict(arch="gemma2", head_dim=16, sliding_window=6,
                                     attn_logit_softcapping=5.0), "auto"),
+    "gemma3-qk-norm": (dict(arch="gemma3", head_dim=16, sliding_window=6,
+                            layer_types=["sliding_attention", "full_attention"]), "auto"),
 }
 
 
@@ -206,12 +216,9 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     stepped = set(keys)
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}
-    expected = {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
-                "tiled_shrink_kernel", "tiled_expand_kernel", "_rotary_kernel",
-                "_write_kv_kernel"}
-    if any(isinstance(m, RMSNorm) for m in model.modules()):    # Gemma's norms are PyTorch
-        expected.add("_rms_norm_kernel")
-    assert expected <= kernels
+    assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
+            "tiled_shrink_kernel", "tiled_expand_kernel",
+            "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
         map(str, sorted(missing, key=str)))

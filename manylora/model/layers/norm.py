@@ -80,8 +80,8 @@ class GemmaRMSNorm(nn.Module):
     Rounds as transformers' ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``: normalize ``x.float()``,
     multiply by ``1 + weight.float()``, cast to ``x``'s dtype once (``RMSNorm`` casts before
     the product instead). The checkpoint stores ``w`` (zero-centred). With a residual it
-    adds first, as ``RMSNorm`` does. PyTorch on every device (no Triton launch; CUDA-graph
-    safe).
+    adds first, as ``RMSNorm`` does. CUDA tensors run ``RMSNorm``'s Triton launch with
+    ``unit_offset`` (``manylora.ops.triton_fused``; CUDA-graph safe); others run PyTorch.
 
     Args:
         hidden_size: width of the last dimension.
@@ -108,6 +108,14 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from manylora.ops import triton_fused
+
+            if residual is None:
+                return triton_fused.rms_norm_triton(x, self.weight, self.eps,
+                                                    unit_offset=True)
+            return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
+                                                          unit_offset=True)
         if residual is None:
             return self._norm(x)
         x = x + residual
