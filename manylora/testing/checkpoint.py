@@ -19,7 +19,7 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 
 
 def _transformers_major() -> int:
@@ -29,10 +29,17 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config, "olmo2": Olmo2Config}
+               "qwen3": Qwen3Config, "olmo2": Olmo2Config, "granite": GraniteConfig}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -163,7 +170,10 @@ def make_checkpoint(
     Args:
         out_dir: target directory (created if missing).
         arch: one of ``SUPPORTED_ARCHS`` (``"qwen3"``: transformers' ``Qwen3Config``, whose
-            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``).
+            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``;
+            ``"granite"``: ``GraniteConfig`` with Granite 3.x's ``embedding_multiplier`` 12,
+            ``residual_multiplier`` 0.22, ``logits_scaling`` 8 and ``attention_multiplier``
+            ``1 / head_dim``, unless ``config_overrides`` gives them).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
@@ -190,6 +200,10 @@ def make_checkpoint(
 
     overrides = dict(config_overrides)
     rope_kwargs = _rope_kwargs(rope_scaling, overrides)
+    if arch == "granite":       # Granite 3.x's scalars (attention: 1 / head_dim, not 1 / sqrt)
+        overrides = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                     "attention_multiplier": num_attention_heads / hidden_size,
+                     "logits_scaling": 8.0, **overrides}
     if arch in ("mistral", "qwen2", "qwen3"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
