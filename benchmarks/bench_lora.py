@@ -6,13 +6,13 @@ The model and settings of issue 16's benchmarks (``bench_engine.write_setting`` 
 ``engine_kwargs``): a Llama-3-8B-shaped model with random bf16 weights (``load_format=
 "dummy"``, token ids in and out), rank-16 q/k/v/o adapters in PEFT's format
 (``llama3_8b.write_peft_adapters``), ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192,
-prefix caching on, CUDA graphs for decode. ``--arch qwen3`` / ``--arch gemma2`` run the same
-parts on a Qwen3-8B- or Gemma-2-9B-shaped model instead (``shapes.SHAPES``; Gemma 2 needs
-its family in the model registry). Only public engine APIs are used (``LLM``,
-``LLMEngine``, ``AsyncLLM``, ``EngineArgs``, ``LoRARequest``, the stats accessors), so the
-script runs on any commit that keeps them. Every timed pass has token ids of its own: no
-prompt a warm-up pass ran is found in the prefix cache (the tables show the prefix-hit
-tokens; 0 expected).
+prefix caching on, CUDA graphs for decode. ``--arch qwen3`` / ``gemma2`` / ``granite`` run
+the same parts on a Qwen3-8B-, Gemma-2-9B- or Granite-3.1-8B-shaped model instead
+(``shapes.SHAPES``; Gemma 2 needs its family in the model registry). Only public engine
+APIs are used (``LLM``, ``LLMEngine``, ``AsyncLLM``, ``EngineArgs``, ``LoRARequest``, the
+stats accessors), so the script runs on any commit that keeps them. Every timed pass has
+token ids of its own: no prompt a warm-up pass ran is found in the prefix cache (the tables
+show the prefix-hit tokens; 0 expected).
 
 Parts (``--parts``, several allowed, run in this order; each engine in a fresh process):
 
@@ -55,6 +55,7 @@ included; not yet timed), each under one device call's 10 minutes:
     python -m benchmarks.bench_lora --parts batch kernels ttft     # ~3 min
     python -m benchmarks.bench_lora --parts batch --arch qwen3     # ~3 min, three engines
     python -m benchmarks.bench_lora --parts batch --arch gemma2    # ~3 min
+    python -m benchmarks.bench_lora --parts batch --arch granite   # ~3 min
     python -m benchmarks.bench_lora --quick                        # every part, tiny, CPU
 
 Each part prints and records (``common.record``: GPU, date, commit — ``$MANYLORA_COMMIT``
@@ -592,8 +593,8 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=3,
                     help="requests for never-seen adapters in the ttft part")
     ap.add_argument("--arch", choices=tuple(SHAPES), default="llama",
-                    help="the model's shape (benchmarks/shapes.py): Llama-3-8B, Qwen3-8B or "
-                    "Gemma-2-9B; a tiny one of the family with --quick")
+                    help="the model's shape (benchmarks/shapes.py): Llama-3-8B, Qwen3-8B, "
+                    "Gemma-2-9B or Granite-3.1-8B; a tiny one of the family with --quick")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """The model shapes the benchmarks run with random weights (``load_format="dummy"``, only a
-``config.json`` on disk): Llama-3-8B's, Qwen3-8B's and Gemma-2-9B's, and a tiny model of
-each family for smoke runs on CPU (``--arch`` of ``bench_lora``).
+``config.json`` on disk): Llama-3-8B's, Qwen3-8B's, Gemma-2-9B's and Granite-3.1-8B's, and
+a tiny model of each family for smoke runs on CPU (``--arch`` of ``bench_lora``).
 
 Each shape is the Hugging Face ``config.json`` fields that set it (transformers' names), as
 the published checkpoints' configs give them.
@@ -35,6 +35,17 @@ GEMMA2_9B = dict(
     attn_logit_softcapping=50.0, final_logit_softcapping=30.0, torch_dtype="bfloat16",
     bos_token_id=2, eos_token_id=1, pad_token_id=0)
 
+#: Granite-3.1-8B: Llama's layout with its embedding, residual, attention and logits
+#: multipliers, tied embeddings.
+GRANITE3_8B = dict(
+    architectures=["GraniteForCausalLM"], model_type="granite", hidden_size=4096,
+    intermediate_size=12800, num_hidden_layers=40, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=49155, rope_theta=10000000.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    attention_bias=False, embedding_multiplier=12.0, residual_multiplier=0.22,
+    attention_multiplier=0.0078125, logits_scaling=16.0, torch_dtype="bfloat16",
+    bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
 
 def tiny(config: dict, **override) -> dict:
     """``config`` shrunk for a CPU smoke run: 2 layers, hidden 64, 4 heads over 2 KV heads,
@@ -61,4 +72,6 @@ SHAPES: dict[str, Shape] = {
     "gemma2": Shape("Gemma-2-9B", GEMMA2_9B, tiny(
         GEMMA2_9B, head_dim=32, query_pre_attn_scalar=32, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"])),
+    "granite": Shape("Granite-3.1-8B", GRANITE3_8B, tiny(GRANITE3_8B,
+                                                         attention_multiplier=1 / 16)),
 }

@@ -94,5 +94,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``LlamaForCausalLM.compute_logits`` (same arguments; float32 ``[N, vocab]``)
-        divided by ``logits_scaling``."""
+        divided by ``logits_scaling``, in float32 (transformers divides in the model dtype:
+        the same logits in float32, closer to the exact quotient in bf16)."""
         return super().compute_logits(hidden, *args, **kwargs) / self.logits_scaling
