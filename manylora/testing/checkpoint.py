@@ -19,7 +19,8 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2",
+                   "gemma3")
 #: Families whose norms compute ``(1 + w)``: their norm weights are drawn around 0.
 _ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 
@@ -34,6 +35,7 @@ def _config_class(arch: str) -> Any:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         Olmo2Config,
@@ -42,8 +44,8 @@ def _config_class(arch: str) -> Any:
     )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config, "olmo2": Olmo2Config, "gemma2": Gemma2Config,
-               "gemma3": Gemma3TextConfig}
+               "qwen3": Qwen3Config, "olmo2": Olmo2Config, "granite": GraniteConfig,
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -178,6 +180,9 @@ def make_checkpoint(
         out_dir: target directory (created if missing).
         arch: one of ``SUPPORTED_ARCHS`` (``"qwen3"``: transformers' ``Qwen3Config``, whose
             ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``;
+            ``"granite"``: ``GraniteConfig`` with Granite 3.x's ``embedding_multiplier`` 12,
+            ``residual_multiplier`` 0.22, ``logits_scaling`` 8 and ``attention_multiplier``
+            ``1 / head_dim``, unless ``config_overrides`` gives them);
             ``"gemma2"`` / ``"gemma3"``: ``Gemma2Config`` / ``Gemma3TextConfig``, whose norm
             weights, ``(1 + w)``, are drawn as normal(0, 0.1); their ``layer_types``,
             ``query_pre_attn_scalar``, soft caps and (gemma3) ``rope_local_base_freq`` go
@@ -209,6 +214,10 @@ def make_checkpoint(
 
     overrides = dict(config_overrides)
     rope_kwargs = _rope_kwargs(rope_scaling, overrides)
+    if arch == "granite":       # Granite 3.x's scalars (attention: 1 / head_dim, not 1 / sqrt)
+        overrides = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                     "attention_multiplier": num_attention_heads / hidden_size,
+                     "logits_scaling": 8.0, **overrides}
     if arch == "gemma3":
         # RoPE per layer type: the global layers' (rope_theta, scaling), the sliding ones'
         local = float(overrides.pop("rope_local_base_freq", 10000.0))
