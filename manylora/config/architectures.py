@@ -20,12 +20,14 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 }
 
 #: Architecture of a config that names only its ``model_type``.
 MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

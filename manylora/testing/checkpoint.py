@@ -19,7 +19,7 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3")
 
 
 def _transformers_major() -> int:
@@ -29,10 +29,17 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config, "olmo2": Olmo2Config}
+               "qwen3": Qwen3Config, "olmo2": Olmo2Config, "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -163,14 +170,19 @@ def make_checkpoint(
     Args:
         out_dir: target directory (created if missing).
         arch: one of ``SUPPORTED_ARCHS`` (``"qwen3"``: transformers' ``Qwen3Config``, whose
-            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``).
+            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``;
+            ``"phi3"``: ``Phi3Config``, fused ``qkv_proj`` / ``gate_up_proj`` weights, with
+            ``partial_rotary_factor`` and ``original_max_position_embeddings`` (for a
+            ``longrope`` ``rope_scaling`` with ``short_factor`` / ``long_factor``) in
+            ``config_overrides``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
             ``rope_theta``) on transformers 5 and as ``rope_scaling`` on transformers 4.
             ``rope_theta`` may be given in ``config_overrides`` (default 10000).
-        sliding_window: Mistral's (and qwen2's / qwen3's, with ``use_sliding_window=True`` in
-            ``config_overrides``) attention window; ``None`` means full attention.
+        sliding_window: Mistral's and Phi-3's (and qwen2's / qwen3's, with
+            ``use_sliding_window=True`` in ``config_overrides``) attention window; ``None``
+            means full attention.
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"20KB"``) to force sharding.
         config_overrides: any other config attribute.
 
@@ -190,10 +202,10 @@ def make_checkpoint(
 
     overrides = dict(config_overrides)
     rope_kwargs = _rope_kwargs(rope_scaling, overrides)
-    if arch in ("mistral", "qwen2", "qwen3"):
+    if arch in ("mistral", "qwen2", "qwen3", "phi3"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
-        raise ValueError("sliding_window is only supported for mistral, qwen2 and qwen3")
+        raise ValueError("sliding_window is only supported for mistral, qwen2, qwen3 and phi3")
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
