@@ -18,9 +18,12 @@ import torch
 from transformers import Phi3Config
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.config import ModelConfig
+from manylora.config import ModelConfig, SchedulerConfig
 from manylora.model.phi3 import Phi3ForCausalLM
 from manylora.model.registry import model_class
+from manylora.request import Request
+from manylora.scheduler.kv_cache_manager import KVCacheManager
+from manylora.scheduler.scheduler import Scheduler
 from manylora.testing import (
     compare_greedy,
     hf_greedy_reference,
@@ -122,3 +125,87 @@ def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
         _assert_matches(_generate(llm, adapters, prompts), reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+# longrope past 16 positions (Phi-3-mini-128k's scheme at a tiny scale), rotary dim 12
+LONG_SHORT = [1.0, 1.2, 1.5, 2.0, 3.0, 4.0]
+LONG_LONG = [1.5, 3.0, 6.0, 12.0, 24.0, 48.0]
+LONG_NEW = 10
+_PREFIX = [40 + i for i in range(12)]
+# 5 + 10 stays short; 12 + 10 crosses 16 while decoding; 16 + 10 is long from its first
+# generated token; 20 (the 12-token prompt's prefix and 8 more) is long from position 0
+LONG_PROMPTS = [[7, 9, 11, 13, 15], _PREFIX, [60 + i for i in range(16)],
+                _PREFIX + [90 + i for i in range(8)]]
+LONG_ADAPTERS = [None, "all", None, "all"]
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope(tmp_path_factory):
+    return _family(tmp_path_factory.mktemp("phi3_longrope"), lambda tok: LONG_PROMPTS,
+                   LONG_ADAPTERS, {"all": SPECS["all"]}, LONG_NEW, **TINY,
+                   original_max_position_embeddings=16,
+                   rope_scaling={"rope_type": "longrope", "short_factor": LONG_SHORT,
+                                 "long_factor": LONG_LONG})
+
+
+def test_phi3_longrope_short_and_long_sequences_in_one_batch_match_transformers(
+        phi3_longrope):
+    """Each sequence takes the short or the long factors by its own length, as
+    transformers' ``longrope_frequency_update`` does for that sequence alone, and a
+    sequence that grows past the original length while decoding is computed again with the
+    long factors, as Phi-3's ``generate`` does: one batch holds a sequence that stays short,
+    two that turn long while decoding and a prompt longer than the original length,
+    computed in chunks of 8 tokens. The 20-token prompt shares its first 12 tokens (3
+    blocks) with a short one under the same adapter, but not their rotation: the second
+    pass, which reads the prefix cache, must not give it the short one's blocks."""
+    base, adapters, prompts, reference = phi3_longrope
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW)
+    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True,
+              max_num_batched_tokens=8)
+    try:
+        engine = llm.llm_engine
+        _assert_matches(_generate(llm, adapters, prompts, LONG_ADAPTERS, params),
+                        reference, LONG_ADAPTERS)
+        hits = engine.kv_cache_stats().prefix_hits
+        _assert_matches(_generate(llm, adapters, prompts, LONG_ADAPTERS, params),
+                        reference, LONG_ADAPTERS)
+        assert engine.kv_cache_stats().prefix_hits > hits
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_longrope_sequence_growing_past_the_original_length_is_computed_again():
+    """The scheduler alone (no model): a request of 6 tokens under ``long_rope_after=8``
+    decodes short up to 8 tokens; the step that would compute its 9th token gives its
+    blocks back and computes all 9 again (in the same step, as a new request for the
+    runner), marked ``long_rope``, not counted as a preemption; under async scheduling
+    (its token still in flight) it waits one step for that token first."""
+    sched = Scheduler(SchedulerConfig(4, 64, 1), KVCacheManager(32, 4), long_rope_after=8)
+    req = Request("r", None, list(range(100, 106)), SamplingParams(max_tokens=20), None, 26)
+    sched.add_request(req)
+    for _ in range(3):                     # the prompt, then 7 and 8 tokens held
+        out = sched.schedule()
+        sched.update(out, {"r": 5})
+        assert not req.long_rope and not out.preempted
+    out = sched.schedule()                 # the 9th token: computed again, from 0
+    assert out.preempted == ["r"]
+    assert [(s.start, s.num_tokens, s.sample) for s in out.scheduled] == [(0, 9, True)]
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["r"]
+    assert req.long_rope and req.num_preemptions == 0
+    sched.update(out, {"r": 5})
+    out = sched.schedule()                 # long from then on: plain decode
+    assert not out.preempted and [(s.start, s.num_tokens) for s in out.scheduled] == [(9, 1)]
+
+    async_req = Request("a", None, list(range(200, 208)), SamplingParams(max_tokens=20),
+                        None, 28)
+    sched.add_request(async_req)
+    sched.update(out, {"r": 5})
+    first = sched.schedule()               # its 8-token prompt: sampled, not yet arrived
+    second = sched.schedule()              # 9 tokens with one in flight: it waits
+    assert "a" not in [s.request.request_id for s in second.scheduled]
+    sched.update(first, {"a": 5, "r": 5})
+    sched.update(second, {"r": 5})
+    third = sched.schedule()
+    assert third.preempted == ["a"] and async_req.long_rope
+    assert [(s.start, s.num_tokens) for s in third.scheduled
+            if s.request.request_id == "a"] == [(0, 9)]

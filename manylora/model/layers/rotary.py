@@ -8,11 +8,11 @@ run time and is refused.
 
 ``longrope`` (Phi-3's, named ``su`` in older configs) picks its frequencies by the sequence
 length: transformers' ``longrope_frequency_update`` uses ``long_factor`` when the length
-(cached + new tokens) exceeds ``original_max_position_embeddings`` and ``short_factor``
-otherwise, and cached keys keep the rotation they were written with. The table then holds
-both, ``[short rows; long rows]``, and each token picks its half by its own sequence
-(``rope_rows``), so a batch may mix short and long sequences (vLLM switches the whole
-batch at once).
+exceeds ``original_max_position_embeddings`` and ``short_factor`` otherwise (and Phi-3's
+``generate`` computes a sequence again when it grows past that length, so that all its
+keys rotate the long way). The table then holds both, ``[short rows; long rows]``, and each
+token picks its half by its own sequence (``rope_rows``), so a batch may mix short and long
+sequences (vLLM switches the whole batch at once).
 """
 
 from __future__ import annotations
@@ -100,28 +100,28 @@ def is_longrope(hf_config: Any) -> bool:
     return rope_parameters(hf_config)["rope_type"] in ("longrope", "su")
 
 
-def rope_rows(positions: np.ndarray, prompt_lens: np.ndarray,
+def rope_rows(positions: np.ndarray, seq_lens: np.ndarray,
               long_rows: tuple[int, int]) -> np.ndarray:
     """The rows of a ``longrope`` table (``RotaryEmbedding.long_rows``) that tokens read.
 
-    A token at position ``p`` of a sequence whose prompt has ``n`` tokens is computed, in
-    transformers' ``generate``, in a forward whose sequence length is ``max(n, p + 1)`` (the
-    whole prompt at once, then one token per step), so it rotates with the long factors
-    exactly when ``max(n, p + 1) > original``: the same whichever chunks the prompt is
-    computed in, and whether its blocks come from the prefix cache of a sequence of the
-    same kind.
+    transformers rotates a sequence with the long factors once it holds more than
+    ``original`` tokens, all of its keys included: Phi-3's ``generate`` drops the cache when
+    the sequence grows past that length and computes it again
+    (``Phi3ForCausalLM.prepare_inputs_for_generation``); the scheduler does the same
+    (``Request.long_rope``). So a token reads the long rows exactly when its sequence holds
+    more than ``original`` tokens (its prompt and the tokens generated so far, the one being
+    computed included), whichever chunk it is computed in.
 
     Args:
         positions: int ``[T]``, each token's position in its sequence.
-        prompt_lens: int ``[T]``, the prompt length of each token's sequence.
+        seq_lens: int ``[T]``, the tokens each token's sequence holds.
         long_rows: ``(original_max_position_embeddings, offset of the long rows)``.
 
     Returns:
         int64 ``[T]``: ``p``, or ``p + offset`` for a token rotated with the long factors.
     """
     original, offset = long_rows
-    long = np.maximum(prompt_lens, positions + 1) > original
-    return positions + offset * long
+    return positions + offset * (seq_lens > original)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
