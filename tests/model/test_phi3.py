@@ -127,6 +127,28 @@ def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
         llm.llm_engine.shutdown()
 
 
+def test_phi3_trtllm_fused_module_ids_match_peft(phi3, tmp_path):
+    """The all-linear and the DoRA adapters converted to TensorRT-LLM's tensors
+    (``peft_to_trtllm``, the DoRA magnitudes normalized against the fused base weights):
+    Phi-3's ``qkv_proj`` and ``gate_up_proj`` become rows of module ids 0 (``attn_qkv``) and
+    18 (``mlp_gate_up``), which manylora splits onto the q/k/v and gate/up slices again."""
+    from manylora.lora.formats.trtllm_convert import peft_to_trtllm
+    from manylora.lora.formats.trtllm_npy import write_trtllm_dir
+
+    base, adapters, prompts, reference = phi3
+    converted = {}
+    for name in ("all", "dora"):
+        weights, config = peft_to_trtllm(adapters[name], torch.float32, base)
+        ids = set(config[0, :, 0].tolist())             # no q/k/v, gate, up rows of their own
+        assert ids == ({0, 4, 6, 18} if name == "all" else {0, 6})
+        converted[name] = write_trtllm_dir(tmp_path / name, weights, config)
+    names = ADAPTERS[3:]
+    llm = LLM(str(base), **ENGINE, max_loras=2)
+    try:
+        _assert_matches(_generate(llm, converted, prompts[3:], names), reference[3:], names)
+    finally:
+        llm.llm_engine.shutdown()
+
 # longrope past 16 positions (Phi-3-mini-128k's scheme at a tiny scale), rotary dim 12
 LONG_SHORT = [1.0, 1.2, 1.5, 2.0, 3.0, 4.0]
 LONG_LONG = [1.5, 3.0, 6.0, 12.0, 24.0, 48.0]
