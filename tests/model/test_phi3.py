@@ -98,7 +98,26 @@ def _assert_matches(tokens, reference, names=ADAPTERS):
                     f"ours {ours} ref {ref.token_ids}")
 
 
-def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3):
+def _trtllm_adapters(adapters, base, root):
+    """The all-linear and the DoRA adapters converted to TensorRT-LLM's tensors
+    (``peft_to_trtllm``, the DoRA magnitudes normalized against the fused base weights):
+    Phi-3's ``qkv_proj`` and ``gate_up_proj`` become rows of module ids 0 (``attn_qkv``) and
+    18 (``mlp_gate_up``), and no q/k/v, gate or up rows of their own."""
+    from manylora.lora.formats.trtllm_convert import peft_to_trtllm
+    from manylora.lora.formats.trtllm_npy import write_trtllm_dir
+
+    converted = {}
+    for name in ("all", "dora"):
+        weights, config = peft_to_trtllm(adapters[name], torch.float32, base)
+        assert set(config[0, :, 0].tolist()) == ({0, 4, 6, 18} if name == "all" else {0, 6})
+        converted[f"trt-{name}"] = write_trtllm_dir(root / name, weights, config)
+    return converted
+
+
+def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3, tmp_path):
+    """The peft adapters twice (the second pass from the prefix cache), then the
+    TensorRT-LLM conversions of two of them (``_trtllm_adapters``), which manylora splits
+    onto the q/k/v and gate/up slices again."""
     base, adapters, prompts, reference = phi3
     llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
@@ -109,6 +128,9 @@ def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3):
         _assert_matches(_generate(llm, adapters, prompts), reference)
         assert engine.kv_cache_stats().prefix_hits > hits
         assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
+        trt = {**adapters, **_trtllm_adapters(adapters, base, tmp_path)}
+        names = ["trt-all", "trt-dora"]
+        _assert_matches(_generate(llm, trt, prompts[3:], names), reference[3:], names)
     finally:
         llm.llm_engine.shutdown()
 
@@ -127,25 +149,25 @@ def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
         llm.llm_engine.shutdown()
 
 
-def test_phi3_trtllm_fused_module_ids_match_peft(phi3, tmp_path):
-    """The all-linear and the DoRA adapters converted to TensorRT-LLM's tensors
-    (``peft_to_trtllm``, the DoRA magnitudes normalized against the fused base weights):
-    Phi-3's ``qkv_proj`` and ``gate_up_proj`` become rows of module ids 0 (``attn_qkv``) and
-    18 (``mlp_gate_up``), which manylora splits onto the q/k/v and gate/up slices again."""
-    from manylora.lora.formats.trtllm_convert import peft_to_trtllm
-    from manylora.lora.formats.trtllm_npy import write_trtllm_dir
+def test_phi3_gguf_fused_tensors_match_transformers_peft(tmp_path):
+    """A Phi-3 GGUF (Q8_0, llama.cpp's fused ``attn_qkv`` and ``ffn_up``; Phi-3's 32064-token
+    vocabulary) against transformers' own GGUF loading + peft. transformers reads no
+    ``partial_rotary_factor`` from a GGUF, so the rotary is whole."""
+    import gguf
 
-    base, adapters, prompts, reference = phi3
-    converted = {}
-    for name in ("all", "dora"):
-        weights, config = peft_to_trtllm(adapters[name], torch.float32, base)
-        ids = set(config[0, :, 0].tolist())             # no q/k/v, gate, up rows of their own
-        assert ids == ({0, 4, 6, 18} if name == "all" else {0, 6})
-        converted[name] = write_trtllm_dir(tmp_path / name, weights, config)
-    names = ADAPTERS[3:]
-    llm = LLM(str(base), **ENGINE, max_loras=2)
+    from manylora.testing.gguf import write_gguf
+
+    tiny = {k: v for k, v in TINY.items() if k != "partial_rotary_factor"}
+    ckpt = make_checkpoint(tmp_path / "hf", "phi3", seed=2, **tiny)
+    path = write_gguf(ckpt, tmp_path / "phi3.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
+                                         target_modules="all-linear", seed=3)}
+    prompts = [[1, 40, 41, 42, 43], [1, 7, 9]]
+    names = ["all", None]
+    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
     try:
-        _assert_matches(_generate(llm, converted, prompts[3:], names), reference[3:], names)
+        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
     finally:
         llm.llm_engine.shutdown()
 
