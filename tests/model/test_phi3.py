@@ -253,3 +253,36 @@ def test_longrope_sequence_growing_past_the_original_length_is_computed_again():
     assert third.preempted == ["a"] and async_req.long_rope
     assert [(s.start, s.num_tokens) for s in third.scheduled
             if s.request.request_id == "a"] == [(0, 9)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton path needs CUDA"))])
+def test_rotary_partial_longrope_rows_match_transformers(device):
+    """``RotaryEmbedding`` (PyTorch on CPU, Triton on CUDA) over the first 12 of 16
+    elements of each head, its short and long rows against transformers' own
+    ``Phi3RotaryEmbedding`` and ``apply_rotary_pos_emb`` at a sequence length on each side
+    of ``original_max_position_embeddings``."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    from manylora.model.layers.rotary import RotaryEmbedding, rope_rows
+
+    hf = Phi3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=256, original_max_position_embeddings=16,
+                    partial_rotary_factor=0.75,
+                    rope_scaling={"rope_type": "longrope", "short_factor": LONG_SHORT,
+                                  "long_factor": LONG_LONG})
+    ours = RotaryEmbedding(hf, 16, 64).to(device)
+    assert (ours.rotary_dim, ours.long_rows) == (12, (16, 64))
+    gen = torch.Generator().manual_seed(0)
+    for seq_len in (16, 40):                                      # short, then long
+        positions = torch.arange(seq_len)
+        q = torch.randn(seq_len, 4, 16, generator=gen)
+        k = torch.randn(seq_len, 2, 16, generator=gen)
+        cos, sin = Phi3RotaryEmbedding(hf)(q, positions[None])
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              cos, sin)
+        rows = torch.from_numpy(rope_rows(positions.numpy(), positions.numpy() * 0 + seq_len,
+                                          ours.long_rows))
+        got_q, got_k = ours(rows.to(device), q.to(device), k.to(device))
+        torch.testing.assert_close(got_q.cpu(), want_q[0].transpose(0, 1))
+        torch.testing.assert_close(got_k.cpu(), want_k[0].transpose(0, 1))
