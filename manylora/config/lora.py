@@ -6,10 +6,23 @@ from dataclasses import dataclass
 
 import torch
 
-#: The projections an adapter may target, in the order the model applies them.
-LORA_TARGET_MODULES: tuple[str, ...] = (
+#: The decoder layers' projections, in the order the model applies them: the modules that
+#: get slot buffers by default (``lora_target_modules`` unset).
+LORA_PROJECTIONS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
+
+#: The model's vocabulary-wide modules an adapter may target (peft's ``embed_tokens`` /
+#: ``lm_head`` LoRA): slot buffers only when ``lora_target_modules`` names them, since each
+#: slot holds a ``[max_lora_rank, vocab]`` table for each.
+LORA_VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+
+#: Every module an adapter may target.
+LORA_TARGET_MODULES: tuple[str, ...] = LORA_PROJECTIONS + LORA_VOCAB_MODULES
+
+#: The layer index of ``embed_tokens`` and ``lm_head`` in an adapter's ``(layer, module)``
+#: keys and the slot table (they belong to no decoder layer).
+MODEL_LAYER = -1
 
 
 @dataclass(frozen=True)
@@ -21,8 +34,9 @@ class LoRAConfig:
         max_loras: device slots, i.e. distinct adapters per step.
         max_lora_rank: rank every slot buffer is padded to.
         max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
-        target_modules: projections that get slot buffers; an adapter that targets another
-            one is refused.
+        target_modules: modules that get slot buffers (default: the seven projections;
+            ``embed_tokens`` and ``lm_head`` only when named, as TensorRT-LLM's
+            ``lora_target_modules``); an adapter that targets another one is refused.
         max_cpu_lora_bytes: bytes of adapter tensors the host cache may hold (None: bounded
             by count only).
         fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
@@ -43,7 +57,7 @@ class LoRAConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
+    target_modules: tuple[str, ...] = LORA_PROJECTIONS
     max_cpu_lora_bytes: int | None = None
     fully_sharded_loras: bool = False
     load_timeout: float | None = 60.0

@@ -13,7 +13,7 @@ from typing import Any
 from manylora.config import (
     KV_CACHE_DTYPES,
     LORA_DTYPE_NAMES,
-    LORA_TARGET_MODULES,
+    LORA_PROJECTIONS,
     check_fairness,
 )
 from manylora.structured.bad_words import DEFAULT_MAX_BAD_WORDS
@@ -37,7 +37,8 @@ class EngineArgs:
         max_loras: device adapter slots = distinct adapters per step.
         max_lora_rank: rank every adapter slot is padded to.
         max_cpu_loras: adapters kept in host memory; None means max(32, max_loras).
-        lora_target_modules: projections that get adapter slot buffers; None means all seven.
+        lora_target_modules: modules that get adapter slot buffers; None means the seven
+            projections (``embed_tokens`` / ``lm_head`` only when named).
         enable_lora: allocate adapter slots and accept LoRA requests.
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: tokens computed per step.
@@ -183,7 +184,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(32, self.max_loras)
-        self.lora_target_modules = tuple(self.lora_target_modules or LORA_TARGET_MODULES)
+        self.lora_target_modules = tuple(self.lora_target_modules or LORA_PROJECTIONS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be ≥ 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

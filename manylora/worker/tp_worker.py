@@ -141,9 +141,9 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 # logits' all-gathers, then (async scheduling) the broadcast of its samples
                 num_sampled = inputs.layout.num_sampled
                 if num_sampled:
-                    runner.logits(hidden, inputs.layout, views)
+                    runner.logits(hidden, inputs.layout, views, inputs.data)
                 if inputs.layout.num_prompt_lp:
-                    runner.prompt_logprobs(hidden, inputs.layout, views)
+                    runner.prompt_logprobs(hidden, inputs.layout, views, host=inputs.data)
                 if num_sampled and msg["share_sampled"]:
                     prev_sampled = torch.empty(num_sampled, dtype=torch.int64, device=device)
                     dist.broadcast(prev_sampled, src=0)

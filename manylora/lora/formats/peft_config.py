@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_CONFIG = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+    "trainable_token_indices": ("trainable_token_indices (peft's TrainableTokens: trained "
+                                "rows of the embedding) is not supported"),
 }
 
 
@@ -49,6 +51,10 @@ FUSED_PEFT_MODULES: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+
+#: The paths of the vocabulary-wide modules in HF's LLaMA-family models.
+_VOCAB_PATHS = ("model.embed_tokens", "lm_head")
 
 
 #: The module path of a decoder layer's projection, from ``layers.`` on.
@@ -221,12 +227,14 @@ class PeftScaling:
         return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
-def model_module_names(num_layers: int) -> list[str]:
+def model_module_names(num_layers: int, vocab: bool = True) -> list[str]:
     """The names peft matches ``target_modules`` against for the base model's adaptable
-    projections: ``model.layers.{i}.{self_attn|mlp}.{projection}`` (HF's LLaMA-family names,
-    fused ``qkv_proj`` / ``gate_up_proj`` included)."""
-    return [f"model.layers.{i}.{block}.{m}" for i in range(num_layers)
-            for block, modules in _BLOCK_MODULES for m in modules]
+    modules: ``model.layers.{i}.{self_attn|mlp}.{projection}`` (HF's LLaMA-family names,
+    fused ``qkv_proj`` / ``gate_up_proj`` included), then, with ``vocab``,
+    ``model.embed_tokens`` and ``lm_head``."""
+    names = [f"model.layers.{i}.{block}.{m}" for i in range(num_layers)
+             for block, modules in _BLOCK_MODULES for m in modules]
+    return names + list(_VOCAB_PATHS) if vocab else names
 
 
 def _layer_filter(cfg: dict, what: str, num_layers: int
@@ -285,7 +293,7 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
     peft's ``check_target_module_exists`` decides: a list of names matches a module named
     so or ending in ``.name``, then ``layers_to_transform`` (with ``layers_pattern``) keeps
     the modules of those layers; a string is a regex the whole name must match
-    (``"all-linear"``: every projection).
+    (``"all-linear"``: every projection, neither ``lm_head`` nor ``embed_tokens``, as peft).
 
     Args:
         cfg: the config (``read_peft_config``).
@@ -313,7 +321,7 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
     names = model_module_names(num_layers)
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            return set(names)
+            return set(model_module_names(num_layers, vocab=False))
         if len(targets) > MAX_TARGET_REGEX_CHARS:
             raise LoRAAdapterError(f"{what}: the target_modules regex is {len(targets)} "
                                    f"characters long, more than {MAX_TARGET_REGEX_CHARS}")
