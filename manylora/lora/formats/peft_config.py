@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_TARGET_MODULES, LORA_VOCAB_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
@@ -351,6 +351,15 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
             message += f", layers_pattern {cfg['layers_pattern']!r}"
         raise LoRAAdapterError(message)
     return found
+
+
+def may_target_vocab(cfg: dict) -> bool:
+    """Whether a config's ``target_modules`` may reach ``embed_tokens`` or ``lm_head``: a
+    list naming one, a regex other than ``"all-linear"``, or none (the tensors decide)."""
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        return any(t.rsplit(".", 1)[-1] in LORA_VOCAB_MODULES for t in targets)
+    return not (isinstance(targets, str) and targets.lower() == "all-linear")
 
 
 def layer_path(module_key: str) -> str:
