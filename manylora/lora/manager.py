@@ -188,7 +188,8 @@ class LoRAManager:
                 known = None
             if known is None:
                 self.host_cache.insert(self.reader.pin(adapter), must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest, _collective_read(adapter))
+                self._known[lid] = known = _Known(request, adapter.digest,
+                                                  _collective_read(adapter))
             else:
                 self.host_cache.touch(lid)
         elif request.lora_path:

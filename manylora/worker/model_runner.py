@@ -45,8 +45,8 @@ from manylora.worker.prepare_inputs import prepare_inputs
 from manylora.worker.step_inputs import LORA_VARIANT_CODES, StepBuffers, StepInputs, StepLayout
 from manylora.worker.step_metadata import (
     attention_metadata,
-    lora_kernel_meta,
     logits_rows_meta,
+    lora_kernel_meta,
     lora_variant_model,
     with_projection_mask,
 )
