@@ -19,7 +19,7 @@ from manylora.config.dtypes import (
     resolve_lora_dtype,
 )
 from manylora.config.lora import (
-    LORA_PROJECTIONS,
+    LORA_ALL_MODULES,
     LORA_TARGET_MODULES,
     LORA_VOCAB_MODULES,
     MODEL_LAYER,
@@ -29,7 +29,7 @@ from manylora.config.model import ModelConfig
 from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, check_fairness
 
 __all__ = [
-    "KV_CACHE_DTYPES", "LORA_DTYPE_NAMES", "LORA_PROJECTIONS", "LORA_TARGET_MODULES",
+    "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES",
     "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES", "MODEL_LAYER",
     "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
     "ModelConfig", "SchedulerConfig", "check_fairness", "resolve_architecture",

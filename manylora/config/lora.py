@@ -8,7 +8,7 @@ import torch
 
 #: The decoder layers' projections, in the order the model applies them: the modules that
 #: get slot buffers by default (``lora_target_modules`` unset).
-LORA_PROJECTIONS: tuple[str, ...] = (
+LORA_TARGET_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
 
@@ -17,8 +17,8 @@ LORA_PROJECTIONS: tuple[str, ...] = (
 #: slot holds a ``[max_lora_rank, vocab]`` table for each.
 LORA_VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 
-#: Every module an adapter may target.
-LORA_TARGET_MODULES: tuple[str, ...] = LORA_PROJECTIONS + LORA_VOCAB_MODULES
+#: Every module an adapter may target (and ``lora_target_modules`` may name).
+LORA_ALL_MODULES: tuple[str, ...] = LORA_TARGET_MODULES + LORA_VOCAB_MODULES
 
 #: The layer index of ``embed_tokens`` and ``lm_head`` in an adapter's ``(layer, module)``
 #: keys and the slot table (they belong to no decoder layer).
@@ -57,7 +57,7 @@ class LoRAConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    target_modules: tuple[str, ...] = LORA_PROJECTIONS
+    target_modules: tuple[str, ...] = LORA_TARGET_MODULES
     max_cpu_lora_bytes: int | None = None
     fully_sharded_loras: bool = False
     load_timeout: float | None = 60.0
@@ -75,8 +75,8 @@ class LoRAConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 1:
             raise ValueError(f"max_cpu_lora_bytes must be ≥ 1, got {self.max_cpu_lora_bytes}")
-        unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
+        unknown = [m for m in self.target_modules if m not in LORA_ALL_MODULES]
         if unknown or not self.target_modules:
             raise ValueError(
                 f"lora_target_modules {unknown or '[]'} invalid: choose from "
-                f"{', '.join(LORA_TARGET_MODULES)}")
+                f"{', '.join(LORA_ALL_MODULES)}")

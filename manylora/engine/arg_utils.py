@@ -13,7 +13,7 @@ from typing import Any
 from manylora.config import (
     KV_CACHE_DTYPES,
     LORA_DTYPE_NAMES,
-    LORA_PROJECTIONS,
+    LORA_TARGET_MODULES,
     check_fairness,
 )
 from manylora.structured.bad_words import DEFAULT_MAX_BAD_WORDS
@@ -184,7 +184,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.max_cpu_loras is None:
             self.max_cpu_loras = max(32, self.max_loras)
-        self.lora_target_modules = tuple(self.lora_target_modules or LORA_PROJECTIONS)
+        self.lora_target_modules = tuple(self.lora_target_modules or LORA_TARGET_MODULES)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be ≥ 0 GiB, got {self.swap_space}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.config import LORA_TARGET_MODULES, ModelConfig
+from manylora.config import LORA_ALL_MODULES, ModelConfig
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import load_peft_adapter
 from manylora.lora.formats.target import AdapterTarget
@@ -265,7 +265,7 @@ def target(untied):
     base = untied[0]
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(base), torch.float32)
     state = load_file(base / "model.safetensors")
-    return AdapterTarget(cfg.module_shapes(), cfg.num_layers, 8, LORA_TARGET_MODULES,
+    return AdapterTarget(cfg.module_shapes(), cfg.num_layers, 8, LORA_ALL_MODULES,
                          torch.float32,
                          dora_norm=lambda layer, module, a, b: torch.ones(b.shape[0]),
                          base_weight_equal=lambda module, w: torch.equal(

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from manylora.config import LORA_TARGET_MODULES, LORA_VOCAB_MODULES
+from manylora.config import LORA_ALL_MODULES, LORA_VOCAB_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
@@ -151,10 +151,10 @@ def _check_target_names(cfg: dict, name: str, target: AdapterTarget) -> None:
         return  # a regex or "all-linear": the tensors say what it targets
     for t in targets:
         module = t.rsplit(".", 1)[-1]
-        if module not in LORA_TARGET_MODULES and module not in FUSED_PEFT_MODULES:
+        if module not in LORA_ALL_MODULES and module not in FUSED_PEFT_MODULES:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets module {t!r}, which the base model does not have "
-                f"as a LoRA-targetable projection ({', '.join(LORA_TARGET_MODULES)})")
+                f"as a LoRA-targetable module ({', '.join(LORA_ALL_MODULES)})")
 
 
 class PeftScaling:
