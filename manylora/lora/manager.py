@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from manylora.config import MODEL_LAYER, LoRAConfig
-from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.cache_report import (
     AdapterEvents,
     AdapterLoadError,
@@ -53,10 +53,11 @@ class _Known:
     collective: bool = False  # its read is a collective under tensor parallelism
 
 
-def _collective_read(adapter: PinnedAdapter) -> bool:
+def _collective_read(adapter: PinnedAdapter | LoRAAdapter) -> bool:
     """Whether reading ``adapter`` again enters a collective under tensor parallelism:
     DoRA's norms, or the check of an ``embed_tokens`` / ``lm_head`` table peft saved."""
-    return adapter.has_dora or any(layer == MODEL_LAYER for layer, _ in adapter.module_ranks())
+    keys = adapter.weights if isinstance(adapter, LoRAAdapter) else adapter.module_ranks()
+    return adapter.has_dora or any(layer == MODEL_LAYER for layer, _ in keys)
 
 
 def _check_unchanged(adapter: PinnedAdapter, known: _Known) -> None:

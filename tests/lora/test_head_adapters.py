@@ -344,3 +344,11 @@ def test_adapter_without_sized_slots_fails_only_its_requests(untied):
     assert isinstance(outs[0].error, LoRAAdapterError)
     assert "lm_head" in str(outs[0].error) and "--lora-target-modules" in str(outs[0].error)
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == MAX_NEW
+
+
+def test_trtllm_conversion_names_the_module_it_has_no_id_for(untied):
+    """TensorRT-LLM's LoRA module ids (0..18) have none for the embedding or the LM head."""
+    from manylora.lora.formats.trtllm_convert import peft_to_trtllm
+
+    with pytest.raises(LoRAAdapterError, match=r"targets embed_tokens, for which TensorRT-LLM"):
+        peft_to_trtllm(untied[1]["embed"], torch.float32)
