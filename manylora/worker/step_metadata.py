@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from manylora.config import MODEL_LAYER
 from manylora.lora.kernels.cost_model import LoRAVariantModel, ProjectionShape, gpu_model
 from manylora.lora.kernels.meta import (
     LoRAKernelMeta,
@@ -80,15 +81,17 @@ def logits_rows_meta(host: np.ndarray, layout: StepLayout, max_loras: int,
     in ``segment`` of the step's host buffer (``"sample_rows"`` or ``"prompt_rows"``;
     ``span``: its entries ``[lo, hi)`` only), from the step's per-token slots; built on the
     host and copied once (``build_lora_kernel_meta``), with ``used_columns`` from the slot
-    table's host mirror. None when the step has no LoRA row or none of these rows has an
-    adapter. Every tensor-parallel rank computes the same from its own copy of the buffer.
+    table's host mirror. None when the step has no LoRA row or none of these rows' adapters
+    targets ``lm_head`` (``table`` has its column). Every tensor-parallel rank computes the
+    same from its own copy of the buffer.
     """
     if not layout.variant:
         return None
     views = split_segments(host, layout, max_loras)
     rows = views[segment] if span is None else views[segment][span[0]: span[1]]
     slots = views["lora"][: layout.num_tokens][rows]
-    if not (slots >= 0).any():
+    head = table.ranks_host[:, table.column(MODEL_LAYER, "lm_head")]
+    if not head[slots[slots >= 0]].any():
         return None
     return build_lora_kernel_meta(slots, max_loras, device, ranks_host=table.ranks_host)
 

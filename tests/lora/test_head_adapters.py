@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.config import LORA_ALL_MODULES, ModelConfig
+from manylora.config import LORA_ALL_MODULES, LoRAConfig, ModelConfig
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.peft import load_peft_adapter
 from manylora.lora.formats.target import AdapterTarget
@@ -352,3 +352,23 @@ def test_trtllm_conversion_names_the_module_it_has_no_id_for(untied):
 
     with pytest.raises(LoRAAdapterError, match=r"targets embed_tokens, for which TensorRT-LLM"):
         peft_to_trtllm(untied[1]["embed"], torch.float32)
+
+
+def test_slot_bytes_count_the_vocabulary_modules_once(untied):
+    """``slot_bytes`` (what ``lora_device_cache_percent`` divides free memory by) equals the
+    bytes ``create_lora_slots`` allocates per slot: the projections' per layer, the
+    vocabulary modules' once."""
+    from manylora.lora.sizing import slot_bytes
+    from manylora.model.loader import load_hf_config, load_model
+
+    base = untied[0]
+    cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
+    model = load_model(base, cfg, torch.device("cpu"))
+    targets = ("q_proj", "down_proj", "embed_tokens", "lm_head")
+    slots = model.create_lora_slots(LoRAConfig(3, 8, 3, targets))
+    allocated = sum(b.numel() * b.element_size() for s in {id(s): s for s in slots.values()}
+                    .values() for b in s.buffers())
+    table = model.slot_table
+    allocated += table.ranks.numel() * 4 + table.dora.numel() * 4
+    assert slot_bytes(cfg.module_shapes(), cfg.num_layers, targets, 8,
+                      torch.float32) * 3 == allocated
