@@ -10,6 +10,7 @@ bytes (``batch x context x 8 heads x 128 x 2 (K and V) x 2 bytes``) over the mea
 bandwidth.
 
     python -m benchmarks.bench_attention                 # ~1 min on one H100
+    python -m benchmarks.bench_attention --softcap 50    # Gemma 2's attention soft cap
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CALLS, REPLAYS = 10, 15
 
 
-def measure(batch: int, context: int, device: torch.device) -> float:
+def measure(batch: int, context: int, device: torch.device,
+            softcap: float | None = None) -> float:
     """Median GPU seconds of one decode ``paged_attention_triton`` call at ``batch``
-    sequences of ``context`` tokens."""
+    sequences of ``context`` tokens (logits soft-capped at ``softcap`` when given)."""
     from manylora.ops.attention_metadata import build_attention_metadata
     from manylora.ops.paged_kv import KVCache
     from manylora.ops.triton_attention import paged_attention_triton
@@ -52,7 +54,7 @@ def measure(batch: int, context: int, device: torch.device) -> float:
     kv = KVCache(data, None)
 
     def call():
-        paged_attention_triton(q, kv, meta, HEAD_DIM ** -0.5, out=out)
+        paged_attention_triton(q, kv, meta, HEAD_DIM ** -0.5, out=out, softcap=softcap)
 
     return time_graph_calls(lambda i: call(), CALLS, REPLAYS)
 
@@ -61,6 +63,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["1x512", "64x700", "256x700", "256x2000"],
                     help="BATCHxCONTEXT")
+    ap.add_argument("--softcap", type=float, default=None,
+                    help="soft-cap the attention logits at this value (Gemma 2: 50)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -70,14 +74,15 @@ def main() -> None:
     rows = []
     for case in args.cases:
         batch, context = (int(v) for v in case.split("x"))
-        seconds = measure(batch, context, device)
+        seconds = measure(batch, context, device, args.softcap)
         nbytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
         rows.append([batch, context, f"{nbytes / 1e6:,.1f}", f"{seconds * 1e6:,.1f}",
                      f"{nbytes / bandwidth * 1e6:,.1f}",
                      f"{nbytes / seconds / 1e9:,.0f}", f"{nbytes / seconds / bandwidth:.0%}"])
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    record(f"Decode paged attention vs the KV bytes ({gpu_name(device)})",
+    capped = "" if args.softcap is None else f", logits soft-capped at {args.softcap:g}"
+    record(f"Decode paged attention vs the KV bytes ({gpu_name(device)}{capped})",
            command_line("benchmarks.bench_attention"),
            ["batch", "context (tokens)", "KV MB per layer", "GPU µs per layer (median)",
             "floor µs (bytes / copy BW)", "achieved GB/s", "% of copy BW"], rows,

@@ -6,11 +6,13 @@ The model and settings of issue 16's benchmarks (``bench_engine.write_setting`` 
 ``engine_kwargs``): a Llama-3-8B-shaped model with random bf16 weights (``load_format=
 "dummy"``, token ids in and out), rank-16 q/k/v/o adapters in PEFT's format
 (``llama3_8b.write_peft_adapters``), ``max_num_seqs`` 256, ``max_num_batched_tokens`` 8192,
-prefix caching on, CUDA graphs for decode. Only public engine APIs are used (``LLM``,
-``LLMEngine``, ``AsyncLLM``, ``EngineArgs``, ``LoRARequest``, the stats accessors), so the
-script runs on any commit that keeps them. Every timed pass has token ids of its own: no
-prompt a warm-up pass ran is found in the prefix cache (the tables show the prefix-hit
-tokens; 0 expected).
+prefix caching on, CUDA graphs for decode. ``--arch qwen3`` / ``gemma2`` / ``granite`` run
+the same parts on a Qwen3-8B-, Gemma-2-9B- or Granite-3.1-8B-shaped model instead
+(``shapes.SHAPES``; Gemma 2 needs its family in the model registry). Only public engine
+APIs are used (``LLM``, ``LLMEngine``, ``AsyncLLM``, ``EngineArgs``, ``LoRARequest``, the
+stats accessors), so the script runs on any commit that keeps them. Every timed pass has
+token ids of its own: no prompt a warm-up pass ran is found in the prefix cache (the tables
+show the prefix-hit tokens; 0 expected).
 
 Parts (``--parts``, several allowed, run in this order; each engine in a fresh process):
 
@@ -30,7 +32,8 @@ Parts (``--parts``, several allowed, run in this order; each engine in a fresh p
 * ``batch``: 64 requests on 64 distinct adapters (prompt 128, 64 new), 64 slots, slot
   buffers on all seven projections (the default) and on q/k/v/o only
   (``lora_target_modules``): output tok/s, median of ``--repeats`` passes (target: within
-  3%).
+  3%); and the same passes on the base model with LoRA disabled (``enable_lora=False``),
+  the ratio to which a family's adapters should keep as Llama's do.
 * ``kernels``: on the same two engines, decode steps at batch 64 and 256 with 64 distinct
   adapters (request i on adapter i % 64, prompt 128) under ``torch.profiler``: the LoRA
   kernels' GPU time per step (every kernel whose name holds sgmv, bgmv, lora, shrink or
@@ -50,6 +53,9 @@ included; not yet timed), each under one device call's 10 minutes:
 
     python -m benchmarks.bench_lora --parts churn                  # ~4 min, both rows
     python -m benchmarks.bench_lora --parts batch kernels ttft     # ~3 min
+    python -m benchmarks.bench_lora --parts batch --arch qwen3     # ~3 min, three engines
+    python -m benchmarks.bench_lora --parts batch --arch gemma2    # ~3 min
+    python -m benchmarks.bench_lora --parts batch --arch granite   # ~3 min
     python -m benchmarks.bench_lora --quick                        # every part, tiny, CPU
 
 Each part prints and records (``common.record``: GPU, date, commit — ``$MANYLORA_COMMIT``
@@ -83,7 +89,8 @@ from benchmarks.common import (
     prefix_hit_tokens,
     record,
 )
-from benchmarks.llama3_8b import LLAMA3_8B, TINY, module_dims, write_config, write_peft_adapters
+from benchmarks.llama3_8b import module_dims, write_config, write_peft_adapters
+from benchmarks.shapes import SHAPES
 
 PARTS = ("churn", "batch", "kernels", "ttft")
 #: vLLM 0.26's churn figure on an H100 (issue 17) and the targets.
@@ -99,7 +106,8 @@ LORA_KERNELS = ("sgmv", "bgmv", "lora", "shrink", "expand")
 NOT_KERNELS = ("Memcpy", "Memset", "gpu_user_annotation")
 SEVEN = "all seven (default)"
 QKVO = "q/k/v/o"
-SETTING = ("Llama-3-8B shape, random bf16 weights, token ids in and out, rank-16 q/k/v/o "
+OFF = "LoRA off (enable_lora=False)"
+SETTING = ("{shape} shape, random bf16 weights, token ids in and out, rank-16 q/k/v/o "
            "PEFT adapters, max_num_seqs 256, max_num_batched_tokens 8192, max_lora_rank 16, "
            "prefix caching on, CUDA graphs for decode, greedy, ignore_eos.")
 
@@ -181,7 +189,7 @@ def adapter_bytes(config: dict, rank: int, targets: Sequence[str], itemsize: int
 # (a) churn
 
 
-def run_churn(model_dir: Path, adapters: list[Path], slots: int, sizes: Sizes,
+def run_churn(model_dir: Path, config: dict, adapters: list[Path], slots: int, sizes: Sizes,
               quick: bool) -> dict:
     """One engine with ``slots`` slots and a host tier of every adapter: every adapter read
     into the host tier (``preload``), a warm-up pass through every decode batch size
@@ -195,7 +203,7 @@ def run_churn(model_dir: Path, adapters: list[Path], slots: int, sizes: Sizes,
     from manylora import LLM, SamplingParams
 
     h2d = float("nan")
-    one = adapter_bytes(TINY if quick else LLAMA3_8B, RANK, LORA_TARGETS)
+    one = adapter_bytes(config, RANK, LORA_TARGETS)
     if torch.cuda.is_available() and not quick:
         h2d = pinned_h2d_bandwidth(max(one, 64 << 20))
     llm = LLM(str(model_dir), **_engine(quick, max_loras=slots,
@@ -304,23 +312,27 @@ def churn_table(results: list[dict]) -> tuple[list[str], list[list]]:
 
 def run_batch_and_kernels(model_dir: Path, adapters: list[Path], targets: tuple | None,
                           parts: Sequence[str], sizes: Sizes, repeats: int, steps: int,
-                          quick: bool) -> dict:
+                          quick: bool, lora: bool = True) -> dict:
     """One engine (core in this process) with ``sizes.distinct`` slots and slot buffers on
     ``targets`` (None: all seven): with ``batch`` in ``parts``, a warm-up pass and
     ``repeats`` timed passes of the batch (``tokens``, ``seconds`` per pass, prefix hits);
     with ``kernels``, ``profile_decode`` at each batch of ``sizes.kernel_batches``, with
-    adapters and on the base model; on CUDA the copy bandwidth, measured first."""
+    adapters and on the base model; on CUDA the copy bandwidth, measured first. ``lora``
+    False: the engine has LoRA disabled (``enable_lora=False``, no slots) and runs the same
+    passes on the base model (``targets`` and ``adapters`` unused)."""
     os.environ["MANYLORA_ENABLE_MULTIPROCESSING"] = "0"
     from manylora import LLM, SamplingParams
 
-    bandwidth = measure_copy_bandwidth("cuda") if torch.cuda.is_available() and not quick \
-        else float("nan")
+    bandwidth = measure_copy_bandwidth("cuda") \
+        if torch.cuda.is_available() and not quick and "kernels" in parts else float("nan")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     n = sizes.distinct
-    llm = LLM(str(model_dir), **_engine(quick, max_loras=n, max_cpu_loras=n,
-                                        lora_target_modules=targets))
-    loras = _loras(adapters[:n])
+    engine = _engine(quick, max_loras=n, max_cpu_loras=n, lora_target_modules=targets) \
+        if lora else engine_kwargs(quick, lora=False)
+    llm = LLM(str(model_dir), **engine)
+    loras = _loras(adapters[:n]) if lora else None
+    label = "LoRA off" if not lora else targets or "seven"
     vocab = llm.llm_engine.vocab_size
     result: dict = {"targets": targets, "bandwidth": bandwidth, "passes": [], "kernels": []}
     try:
@@ -340,15 +352,14 @@ def run_batch_and_kernels(model_dir: Path, adapters: list[Path], targets: tuple 
                     raise RuntimeError(f"batch: {tokens} tokens, asked {n * sizes.new}")
                 result["passes"].append({"tokens": tokens, "seconds": seconds,
                                          "prefix_hits": prefix_hit_tokens(llm) - hits})
-                print(f"batch ({targets or 'seven'}): {result['passes'][-1]}", flush=True)
+                print(f"batch ({label}): {result['passes'][-1]}", flush=True)
         if "kernels" in parts:
             for batch in sizes.kernel_batches:
                 for with_lora in (True, False):
                     result["kernels"].append(profile_decode(
                         llm.llm_engine, loras if with_lora else None, batch, sizes.prompt,
                         steps))
-                    print(f"kernels ({targets or 'seven'}): {result['kernels'][-1]}",
-                          flush=True)
+                    print(f"kernels ({label}): {result['kernels'][-1]}", flush=True)
     finally:
         llm.llm_engine.shutdown()
     return result
@@ -414,17 +425,19 @@ def batch_table(results: list[dict], sizes: Sizes) -> tuple[list[str], list[list
     for r in results:
         p = r["passes"]
         rates[r["label"]] = p[0]["tokens"] / _median([x["seconds"] for x in p])
-    ref = rates.get(QKVO)
+    ref, off = rates.get(QKVO), rates.get(OFF)
     columns = ["slot buffers on", "passes", "output tokens per pass", "tok/s (median pass)",
-               "vs q/k/v/o", f"within {BATCH_TOLERANCE:.0%}", "prefix-hit tokens"]
+               "vs q/k/v/o", f"within {BATCH_TOLERANCE:.0%}", "vs LoRA off",
+               "prefix-hit tokens"]
     rows = []
     for r in results:
         rate = rates[r["label"]]
         ratio = rate / ref if ref else float("nan")
         rows.append([r["label"], len(r["passes"]), f"{r['passes'][0]['tokens']:,}",
-                     _fmt(rate), _fmt(ratio, ".3f"),
-                     "-" if r["label"] == QKVO else _verdict(
+                     _fmt(rate), "-" if r["label"] == OFF else _fmt(ratio, ".3f"),
+                     "-" if r["label"] in (QKVO, OFF) else _verdict(
                          abs(ratio - 1) <= BATCH_TOLERANCE, f"{ratio - 1:+.1%}"),
+                     _fmt(rate / off, ".3f") if off else "n/a",
                      f"{sum(x['prefix_hits'] for x in r['passes']):,}"])
     return columns, rows
 
@@ -579,6 +592,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="decode steps profiled per case")
     ap.add_argument("--cold", type=int, default=3,
                     help="requests for never-seen adapters in the ttft part")
+    ap.add_argument("--arch", choices=tuple(SHAPES), default="llama",
+                    help="the model's shape (benchmarks/shapes.py): Llama-3-8B, Qwen3-8B, "
+                    "Gemma-2-9B or Granite-3.1-8B; a tiny one of the family with --quick")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -587,7 +603,9 @@ def main() -> None:
     if not quick and not torch.cuda.is_available():
         raise SystemExit("bench_lora needs a CUDA GPU (or --quick for a CPU smoke run)")
     sizes = QUICK if quick else FULL
-    config = TINY if quick else LLAMA3_8B
+    shape = SHAPES[args.arch]
+    config = shape.tiny if quick else shape.full
+    setting = SETTING.format(shape=shape.name)
     device = torch.device("cpu" if quick else "cuda")
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_lora")
@@ -606,13 +624,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if "churn" in parts:
-            results = [in_child(run_churn, model_dir, adapters, slots, sizes, quick)
+            results = [in_child(run_churn, model_dir, config, adapters, slots, sizes, quick)
                        for slots in (sizes.churn_slots, sizes.churn_adapters)]
             columns, rows = churn_table(results)
-            record(f"LoRA churn ({gpu}): {sizes.churn_requests:,} requests, adapters drawn "
-                   f"Zipf(1.0) over {sizes.churn_adapters}, {sizes.churn_slots} slots vs all "
-                   "fit", command, columns, rows,
-                   notes=SETTING + f" Prompt {sizes.prompt} random token ids, {sizes.new} new "
+            record(f"LoRA churn ({shape.name}, {gpu}): {sizes.churn_requests:,} requests, "
+                   f"adapters drawn Zipf(1.0) over {sizes.churn_adapters}, "
+                   f"{sizes.churn_slots} slots vs all fit", command, columns, rows,
+                   notes=setting + f" Prompt {sizes.prompt} random token ids, {sizes.new} new "
                    "tokens, every request at once in one `LLM.generate` call (core in its own "
                    f"process); {results[0]['distinct']} distinct adapters drawn "
                    "(`benchmarks/churn_workload.py`, seed 0). Untimed first: every adapter "
@@ -639,24 +657,30 @@ def main() -> None:
                 r["label"] = label
                 batch_results.append(r)
         if "batch" in parts:
-            columns, rows = batch_table(batch_results, sizes)
-            record(f"LoRA slot buffers on seven projections vs q/k/v/o ({gpu}): "
-                   f"{sizes.distinct} distinct adapters at batch {sizes.distinct}", command,
-                   columns, rows,
-                   notes=SETTING + f" {sizes.distinct} slots; request i on adapter i; prompt "
+            off = in_child(run_batch_and_kernels, model_dir, adapters, None, ("batch",),
+                           sizes, args.repeats, args.steps, quick, False)
+            off["label"] = OFF
+            columns, rows = batch_table([*batch_results, off], sizes)
+            record(f"LoRA slot buffers on seven projections vs q/k/v/o, and LoRA off "
+                   f"({shape.name}, {gpu}): {sizes.distinct} distinct adapters at batch "
+                   f"{sizes.distinct}", command, columns, rows,
+                   notes=setting + f" {sizes.distinct} slots; request i on adapter i; prompt "
                    f"{sizes.prompt}, {sizes.new} new tokens; one warm-up pass (other token "
                    f"ids, 16 new), then {args.repeats} timed `LLM.generate` passes on token ids "
                    "of their own; tok/s = output tokens / the median pass time. The core runs "
                    "in the measuring process (`MANYLORA_ENABLE_MULTIPROCESSING=0`, shared with "
                    "the kernels part). The adapters target q/k/v/o: with slot buffers on all "
                    "seven projections the engine must skip gate/up/down for them. Target: "
-                   f"within {BATCH_TOLERANCE:.0%}.", write=write, device=device)
+                   f"within {BATCH_TOLERANCE:.0%}. LoRA off: the same passes on the base "
+                   "model, on an engine with LoRA disabled (enable_lora=False).", write=write,
+                   device=device)
         if "kernels" in parts:
             floor_bytes = sizes.distinct * adapter_bytes(config, RANK, LORA_TARGETS)
             columns, rows = kernels_table(batch_results, floor_bytes)
-            record(f"LoRA kernels' GPU time per decode step vs the adapters' bytes ({gpu}): "
+            record(f"LoRA kernels' GPU time per decode step vs the adapters' bytes "
+                   f"({shape.name}, {gpu}): "
                    f"{sizes.distinct} distinct adapters", command, columns, rows,
-                   notes=SETTING + f" {sizes.distinct} slots; request i on adapter i % "
+                   notes=setting + f" {sizes.distinct} slots; request i on adapter i % "
                    f"{sizes.distinct}, prompt {sizes.prompt}; after the prefill and 5 decode "
                    f"steps, {args.steps} `step()` calls of the in-process core under "
                    "torch.profiler (CUDA activity); kernel ms / step = summed kernel durations "
@@ -671,8 +695,8 @@ def main() -> None:
             result = in_child(run_ttft, model_dir, adapters, cold, sizes, quick)
             columns, rows = ttft_table(result, sizes.streams)
             record(f"LoRA: first token of an adapter only on disk while {sizes.streams} "
-                   f"streams decode ({gpu})", command, columns, rows,
-                   notes=SETTING + f" `AsyncLLM` (core in its own process); {sizes.streams} "
+                   f"streams decode ({shape.name}, {gpu})", command, columns, rows,
+                   notes=setting + f" `AsyncLLM` (core in its own process); {sizes.streams} "
                    f"streams (prompt {sizes.prompt}, up to {sizes.stream_tokens} new tokens, "
                    "started again on a new prompt if they end: the last column counts those "
                    "restarts inside a request's windows, whose prefill then shares the steps) "

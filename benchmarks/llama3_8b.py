@@ -29,11 +29,13 @@ def write_config(directory: Path, config: dict) -> Path:
 
 
 def module_dims(config: dict) -> dict[str, tuple[int, int]]:
-    """``{module: (in_features, out_features)}`` of the seven LoRA-targetable projections."""
+    """``{module: (in_features, out_features)}`` of the seven LoRA-targetable projections
+    (the config's ``head_dim`` when it has one, as Qwen3's and Gemma 2's do, else hidden /
+    heads)."""
     h, i = config["hidden_size"], config["intermediate_size"]
-    head = h // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head
-    return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+    head = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 

@@ -21,6 +21,8 @@ fi
 "$py" -m pip install -q -e ".[test]"
 case "$mode" in
   demo) exec "$venv/bin/manylora" demo "$@" ;;
-  test) exec "$py" -m pytest -q "$@" ;;
+  # Two pytest-xdist workers (CI has two cores); a file's tests stay in one worker, so a
+  # module's fixtures are built once. Pass `-n 0` to run in one process.
+  test) exec "$py" -m pytest -q -n 2 --dist loadfile "$@" ;;
   *) echo "unknown mode $mode: use demo or test" >&2; exit 2 ;;
 esac

@@ -20,12 +20,17 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    "GraniteForCausalLM": "granite:GraniteForCausalLM",
+    "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
 }
 
 #: Architecture of a config that names only its ``model_type``.
 MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
 }
 
 

@@ -245,7 +245,11 @@ def _kv_head_range(kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
 
 
 def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
-    """Per-layer attention windows, as transformers applies them (Mistral, Qwen2)."""
+    """Per-layer attention windows, as transformers applies them: ``layer_types`` (Gemma 2
+    and 3 alternate ``sliding_attention`` and ``full_attention`` layers), Qwen2's
+    ``max_window_layers``, or one window for every layer (Mistral). A window ``W`` lets a
+    query see itself and the ``W - 1`` keys before it (transformers'
+    ``sliding_window_overlay``: ``kv_idx > q_idx - W``)."""
     n = hf_config.num_hidden_layers
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)

@@ -9,11 +9,15 @@ step, query ``j`` sits at position ``qp = context_len - query_len + j`` and atte
 every key position ``kp`` with ``kp <= qp`` (and ``qp - kp < window`` under a sliding
 window)::
 
-    out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]
+    s[j, h, kp] = q[j, h] · k[kp, h // G] * scale
+    s[j, h, kp] = cap * tanh(s[j, h, kp] / cap)          (soft-capping, when cap is given)
+    out[j, h] = softmax_kp(s[j, h, kp]) @ v[kp, h // G]
 
-with ``G = num_heads / num_kv_heads`` (GQA; MQA when num_kv_heads is 1, MHA when G is 1)
-and, for a quantized cache, ``k``/``v`` the dequantized rows ``code * scale``. Prefill, chunked
-prefill over cached blocks and decode are the same formula. A query with no key to attend
+with ``G = num_heads / num_kv_heads`` (GQA; MQA when num_kv_heads is 1, MHA when G is 1),
+the soft cap ``cap`` Gemma 2's ``attn_logit_softcapping`` (as transformers' eager
+attention: the cap applies before the mask), and, for a quantized cache, ``k``/``v`` the
+dequantized rows ``code * scale``. Prefill, chunked prefill over cached blocks and decode
+are the same formula. A query with no key to attend
 (a padding sequence, ``context_len`` 0) yields zeros.
 
 On CUDA, ``write_kv`` and ``paged_attention`` run the Triton kernels of
@@ -32,6 +36,7 @@ from manylora.ops.attention_metadata import (
     AttentionMetadata,
     SeqAttention,
     check_attention_inputs,
+    check_softcap,
 )
 from manylora.ops.paged_kv import (
     KVCache,
@@ -115,10 +120,13 @@ def _gather_kv(flat: torch.Tensor, flat_scale: torch.Tensor | None,
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
-                              scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                              scale: float, sliding_window: int | None = None, *,
+                              softcap: float | None = None) -> torch.Tensor:
     """PyTorch reference of ``paged_attention``: per sequence, gather its keys/values through
     the block table and run ``scaled_dot_product_attention`` with the causal (and window)
-    mask of the module's formula. Rows of padding sequences (context_len 0) are zeros. A
+    mask of the module's formula (with a ``softcap``, the same steps written out: logits,
+    ``cap * tanh(logits / cap)``, the mask, a float32 softmax, as transformers' eager
+    attention). Rows of padding sequences (context_len 0) are zeros. A
     quantized cache is gathered and dequantized to float32 (``dequantize_kv``) and attended
     in float32 (q upcast), the result cast to q's dtype.
 
@@ -127,11 +135,12 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: Attentio
     when it is empty, the per-sequence tensors, which syncs on CUDA).
 
     Raises:
-        ValueError: as ``check_attention_inputs``, or a sliding_window < 1.
+        ValueError: as ``check_attention_inputs``, a sliding_window < 1, or a softcap ≤ 0.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be ≥ 1 or None, got {sliding_window}")
     check_attention_inputs(q, kv_cache, meta)
+    check_softcap(softcap)
     num_heads, head_dim = q.shape[1], q.shape[2]
     bs = meta.block_size
     data = kv_cache.data
@@ -158,20 +167,36 @@ def paged_attention_reference(q: torch.Tensor, kv_cache: KVCache, meta: Attentio
         if sliding_window is not None:
             mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
         q_seq = q[rows] if flat_scale is None else q[rows].float()
-        o = F.scaled_dot_product_attention(
-            q_seq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            attn_mask=mask, scale=scale)                               # [H, Q, D]
+        q_seq, k, v = q_seq.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if softcap:
+            o = _softcapped_attention(q_seq, k, v, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(q_seq, k, v, attn_mask=mask,
+                                               scale=scale)            # [H, Q, D]
         out[rows] = o.transpose(0, 1).to(q.dtype)
     return out.view(q.shape[0], num_heads * head_dim)
 
 
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """``q [H, Q, D]``, ``k``/``v [H, C, D]``, boolean ``mask [Q, C]`` → ``[H, Q, D]``:
+    ``softmax(cap * tanh(q kᵀ * scale / cap), masked) @ v``, the softmax in float32."""
+    logits = torch.matmul(q, k.transpose(1, 2)) * scale                # [H, Q, C]
+    logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, *,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its cached keys/values.
 
     ``out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]`` over the
     key positions ``kp ≤ qp`` (and ``qp - kp < sliding_window``) of the query's sequence,
+    each logit ``s`` first soft-capped to ``softcap * tanh(s / softcap)`` when given,
     ``k``/``v`` dequantized (``code * scale``) when the cache is quantized; see the module
     docstring. CUDA: the Triton kernels of ``manylora.ops.triton_attention``
     (FlashAttention-2 online softmax over paged KV, as vLLM's unified attention; quantized
@@ -192,6 +217,8 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
             written instead of a new tensor (a piecewise CUDA graph's static input); rows no
             sequence covers (token padding past the last sequence) are unspecified (kept on
             CUDA, zeros on the reference path).
+        softcap: the attention logits' soft cap (Gemma 2's ``attn_logit_softcapping``), or
+            None / 0 for none.
 
     Returns:
         ``[T, num_heads * head_dim]`` in the dtype of ``q`` (a view of ``out`` when given);
@@ -199,13 +226,15 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
 
     Raises:
         ValueError: shapes, dtypes or ``num_queries_per_kv`` that do not match the metadata,
-            a malformed cache, a sliding_window < 1, or (CUDA) a non-contiguous cache.
+            a malformed cache, a sliding_window < 1, a softcap ≤ 0, or (CUDA) a
+            non-contiguous cache.
     """
     if q.is_cuda:
         from manylora.ops.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, kv_cache, meta, scale, sliding_window, out=out)
-    o = paged_attention_reference(q, kv_cache, meta, scale, sliding_window)
+        return paged_attention_triton(q, kv_cache, meta, scale, sliding_window, out=out,
+                                      softcap=softcap)
+    o = paged_attention_reference(q, kv_cache, meta, scale, sliding_window, softcap=softcap)
     if out is None:
         return o
     if out.shape != q.shape or out.dtype != q.dtype:

@@ -303,3 +303,13 @@ def check_attention_inputs(q: torch.Tensor, kv_cache: KVCache,
             raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
     elif q.dtype != data.dtype:
         raise ValueError(f"q is {q.dtype} but the cache is {data.dtype}")
+
+
+def check_softcap(softcap: float | None) -> None:
+    """The attention logits' soft cap is None or 0 (off) or a finite number > 0.
+
+    Raises:
+        ValueError: a negative, infinite or NaN cap.
+    """
+    if softcap and not 0.0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be > 0 (or None / 0 for none), got {softcap}")

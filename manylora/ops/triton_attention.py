@@ -3,7 +3,9 @@
 Computes the formula of ``manylora.ops.attention``: for query ``j`` of a sequence at
 position ``qp = context_len - query_len + j``::
 
-    out[j, h] = softmax_kp(q[j, h] · k[kp, h // G] * scale) @ v[kp, h // G]
+    s[j, h, kp] = q[j, h] · k[kp, h // G] * scale
+    s[j, h, kp] = cap * tanh(s[j, h, kp] / cap)          (soft-capping, when cap is given)
+    out[j, h] = softmax_kp(s[j, h, kp]) @ v[kp, h // G]
     over kp ≤ qp (and qp - kp < window), zeros when no key is visible.
 
 With a quantized cache (``KVCache.scale`` not None) the rows are dequantized, ``k[kp, g] =
@@ -11,7 +13,7 @@ kc[kp, g] * ks[kp, g]`` and ``v[kp, g] = vc[kp, g] * vs[kp, g]`` (int8 / float8 
 one float32 scale per position and KV head), and the kernel computes, with ``p`` the
 softmax numerators::
 
-    s[r, kp]  = (q[r] · kc[kp]) * ks[kp] * scale
+    s[r, kp]  = (q[r] · kc[kp]) * ks[kp] * scale          (then capped as above)
     out[r]    = Σ_kp (p[r, kp] * vs[kp]) · vc[kp] / Σ_kp p[r, kp]
 
 The codes convert exactly to the dot dtype (int8 and e4m3 values are bfloat16, float16 and
@@ -29,8 +31,9 @@ organised like vLLM's Triton "unified attention"):
 * It walks key tiles of ``BLOCK_N`` positions from the window start to its causal limit,
   gathers each key/value row through the block table (``block_table[kp // block_size]``, any
   block_size), and keeps the FlashAttention-2 online softmax in float32 (base-2 exponent,
-  scale folded into ``log2 e``). Key tiles that every row of the tile sees in full skip the
-  mask; only the tiles on the causal diagonal and at the window start are masked.
+  scale folded into ``log2 e``; with soft-capping the scale divided by the cap goes inside
+  the tanh and ``cap · log2 e`` outside it). Key tiles that every row of the tile sees in
+  full skip the mask; only the tiles on the causal diagonal and at the window start are masked.
 * Two launches share the kernel: decode tiles (``BLOCK_Q`` 1, ``BLOCK_M`` = max(16, G)) and
   prefill tiles (``BLOCK_Q = metadata.prefill_block_q``, 128 rows for G ≤ 128). When the
   decode launch has fewer programs than the GPU has SMs, its key range is split over a third
@@ -46,10 +49,11 @@ use tensor cores with float32 accumulation (P rounded to the input dtype, as Fla
 head_dim need not be a power of two (padded to ≥ 16 and masked). Under
 ``TRITON_INTERPRET=1`` the same kernels run on CPU tensors (bfloat16 dots widened to float32
 there: the interpreter multiplies bfloat16 bit patterns as integers). Quantization is chosen
-by the ``QUANT`` constexpr, so the unquantized kernels compile to the same code as without
-it; their scale pointers get a never-read float32 dummy. The interpreter's float32 → float8
-cast does not round correctly (it drops the carry from the mantissa into the exponent), so
-only the float8 *write* is wrong there; reading float8 codes is exact.
+by the ``QUANT`` constexpr and soft-capping by ``SOFTCAP``, so the unquantized, uncapped
+kernels compile to the same code as without them; their scale pointers get a never-read
+float32 dummy. The interpreter's float32 → float8 cast does not round correctly (it drops
+the carry from the mantissa into the exponent), so only the float8 *write* is wrong there;
+reading float8 codes is exact.
 """
 
 from __future__ import annotations
@@ -60,7 +64,11 @@ import torch
 import triton
 import triton.language as tl
 
-from manylora.ops.attention_metadata import AttentionMetadata, check_attention_inputs
+from manylora.ops.attention_metadata import (
+    AttentionMetadata,
+    check_attention_inputs,
+    check_softcap,
+)
 from manylora.ops.host_math import cdiv, next_power_of_2
 from manylora.ops.paged_kv import KV_QUANT_MAX, KVCache, check_kv_cache
 
@@ -131,12 +139,22 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))`` in float32: the exponential
+    is at most 1, so nothing overflows at any ``|x|`` (the interpreter and the GPU alike)."""
+    t = tl.exp2(-2.8853900817779268 * tl.abs(x))                  # e^(-2|x|): 2 log2 e
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0.0, -y, y)
+
+
+@triton.jit
 def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_start, j_end,
-               q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb, stride_cs, stride_sb,
-               stride_ss, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+               q_pos, ctx, window, qk_scale, softcap, offs_n, offs_d, stride_cb, stride_cs,
+               stride_sb, stride_ss, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
                USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr, IN_DTYPE: tl.constexpr):
+               UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr, IN_DTYPE: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Online softmax over key tiles ``j_start .. j_end - 1`` (positions ``j * BLOCK_N ..``).
 
     ``MASKED`` tiles apply the causal / window / context mask; the others are seen in full
@@ -146,7 +164,8 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_star
     the logit columns (``s[:, n] *= k_scale[n]``) and the probability columns fed to the PV
     dot (``p[:, n] * v_scale[n]``, after ``l_i`` took the unscaled ``p``; for float16
     ``p[:, n] * v_scale[n] / max(v_scale)`` and the dot times ``max(v_scale)``, so that small
-    scales do not underflow float16).
+    scales do not underflow float16). ``SOFTCAP``: ``qk_scale`` is ``scale / cap`` and the
+    logits are ``softcap · tanh(q · k · qk_scale)`` with ``softcap = cap · log2 e``.
     """
     d_mask = offs_d < HEAD_DIM
     for j in range(j_start, j_end):
@@ -178,6 +197,8 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_star
             if UPCAST_DOT:
                 k = k.to(tl.float32)
             s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = softcap * _tanh(s)
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             if USE_WINDOW:
@@ -226,13 +247,13 @@ def _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_star
 def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
                  out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
                  v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-                 window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
+                 softcap, window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot,
+                 stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
                  G: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
+                 UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr):
     """Rows ``row0 .. row0 + ROWS - 1`` of a tile (row = token ``row // G``, head
     ``kv_head * G + row % G``) over the keys they see, in one online-softmax pass."""
     rows = row0 + tl.arange(0, ROWS)
@@ -280,20 +301,20 @@ def _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, j_lo,
-                               jf_lo, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
-                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                               HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
-                               QUANT, q_ptr.dtype.element_ty)
+                               jf_lo, q_pos, ctx, window, qk_scale, softcap, offs_n, offs_d,
+                               stride_cb, stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N,
+                               HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION,
+                               UPCAST_DOT, QUANT, q_ptr.dtype.element_ty, SOFTCAP)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, jf_lo,
-                               jf_hi, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
-                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                               HEAD_DIM_PAD, False, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
-                               QUANT, q_ptr.dtype.element_ty)
+                               jf_hi, q_pos, ctx, window, qk_scale, softcap, offs_n, offs_d,
+                               stride_cb, stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N,
+                               HEAD_DIM, HEAD_DIM_PAD, False, USE_WINDOW, DOT_PRECISION,
+                               UPCAST_DOT, QUANT, q_ptr.dtype.element_ty, SOFTCAP)
     acc, l_i, m_i = _key_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, jf_hi,
-                               j_hi, q_pos, ctx, window, qk_scale, offs_n, offs_d, stride_cb,
-                               stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                               HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION, UPCAST_DOT,
-                               QUANT, q_ptr.dtype.element_ty)
+                               j_hi, q_pos, ctx, window, qk_scale, softcap, offs_n, offs_d,
+                               stride_cb, stride_cs, stride_sb, stride_ss, BLOCK_SIZE, BLOCK_N,
+                               HEAD_DIM, HEAD_DIM_PAD, True, USE_WINDOW, DOT_PRECISION,
+                               UPCAST_DOT, QUANT, q_ptr.dtype.element_ty, SOFTCAP)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -313,17 +334,19 @@ def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr, v_scale_cache_ptr,
         block_tables_ptr, query_start_ptr, query_lens_ptr, context_lens_ptr,
         tile_seq_ptr, tile_query_ptr, part_acc_ptr, part_ml_ptr,
-        qk_scale, window, num_tiles, num_heads,
+        qk_scale, softcap, window, num_tiles, num_heads,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, PASS_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr):
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, QUANT: tl.constexpr,
+        SOFTCAP: tl.constexpr):
     """Program (tile, kv_head, split): ``BLOCK_Q`` queries × ``G`` heads (``BLOCK_M`` rows)
     over one key range, in passes of ``PASS_M`` rows (one pass unless float32 FMA dots).
     ``QUANT``: the cache holds codes whose float32 scales (``[blocks, block_size, Hkv]``,
-    strides ``stride_sb``, ``stride_ss``, 1) are at ``k/v_scale_cache_ptr``."""
+    strides ``stride_sb``, ``stride_ss``, 1) are at ``k/v_scale_cache_ptr``. ``SOFTCAP``: the
+    logits are soft-capped (``_key_tiles``)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -336,21 +359,21 @@ def _paged_attention_kernel(
         _attend_rows(0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
                      out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
                      v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr, qk_scale,
-                     window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot, stride_oh,
-                     stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss, G,
-                     BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW,
-                     NUM_SPLITS, DOT_PRECISION, UPCAST_DOT, QUANT)
+                     softcap, window, num_tiles, num_heads, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, stride_sb, stride_ss,
+                     G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD,
+                     USE_WINDOW, NUM_SPLITS, DOT_PRECISION, UPCAST_DOT, QUANT, SOFTCAP)
     else:
         num_rows = tl.minimum(BLOCK_Q, q_len - q_first) * G
         for row0 in range(0, num_rows, PASS_M):
             _attend_rows(row0, tile, kv_head, split, seq, q_first, q_start, q_len, ctx,
                          out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_cache_ptr,
                          v_scale_cache_ptr, block_tables_ptr, part_acc_ptr, part_ml_ptr,
-                         qk_scale, window, num_tiles, num_heads, stride_qt, stride_qh,
-                         stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                         stride_sb, stride_ss, G, BLOCK_Q, PASS_M, BLOCK_N, BLOCK_SIZE,
-                         HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS, DOT_PRECISION,
-                         UPCAST_DOT, QUANT)
+                         qk_scale, softcap, window, num_tiles, num_heads, stride_qt,
+                         stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                         stride_bt, stride_sb, stride_ss, G, BLOCK_Q, PASS_M, BLOCK_N,
+                         BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, USE_WINDOW, NUM_SPLITS,
+                         DOT_PRECISION, UPCAST_DOT, QUANT, SOFTCAP)
 
 
 @triton.jit(do_not_specialize=["tile_seq_ptr", "query_start_ptr", "num_tiles"])
@@ -536,8 +559,8 @@ def write_kv_triton(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata,
                            scale: float, sliding_window: int | None = None, *,
-                           num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, out: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Paged attention of the module formula: one launch over the decode tiles (split over
     the key range when few), one over the prefill tiles. No host sync; CUDA-graph safe. A
     quantized cache is dequantized in registers (codes × per-position scales); the softmax
@@ -554,15 +577,19 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
         num_splits: key-range splits of the decode launch; None picks ``decode_splits``.
         out: optional ``[T, num_heads, head_dim]`` buffer of q's dtype (last dim contiguous)
             to write into instead of a new one.
+        softcap: the logits' soft cap (> 0; Gemma 2's ``attn_logit_softcapping``), or None /
+            0 for none (compiled out).
 
     Returns:
         ``[T, num_heads * head_dim]`` in q's dtype (a view of ``out`` when given); every
         element written (zeros for padding rows).
 
     Raises:
-        ValueError: shapes, dtypes, layouts, window or ``num_splits`` out of range.
+        ValueError: shapes, dtypes, layouts, window, ``num_splits`` or ``softcap`` out of
+            range.
     """
     check_attention_inputs(q, kv_cache, meta)
+    check_softcap(softcap)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be ≥ 1 or None, got {sliding_window}")
     if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
@@ -586,7 +613,9 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
     # operands are widened to float32 first (same products; p still rounded to bfloat16).
     upcast = q.dtype == torch.bfloat16 and not q.is_cuda
     common = dict(
-        qk_scale=scale * _LOG2E, window=sliding_window or 0, num_heads=num_heads,
+        qk_scale=scale / softcap if softcap else scale * _LOG2E,
+        softcap=softcap * _LOG2E if softcap else 0.0,
+        window=sliding_window or 0, num_heads=num_heads,
         stride_qt=q.stride(0), stride_qh=q.stride(1),
         stride_ot=out.stride(0), stride_oh=out.stride(1),
         stride_cb=k_cache.stride(0), stride_cs=k_cache.stride(1), stride_ch=k_cache.stride(2),
@@ -594,7 +623,7 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
         G=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
-        UPCAST_DOT=upcast, QUANT=kv_cache.quantized)
+        UPCAST_DOT=upcast, QUANT=kv_cache.quantized, SOFTCAP=bool(softcap))
     tensors = (meta.block_tables, meta.query_start, meta.query_lens, meta.context_lens)
 
     if num_decode:

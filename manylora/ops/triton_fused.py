@@ -10,7 +10,9 @@ value to ``dt``:
 
 * RMSNorm (HF's ``LlamaRMSNorm``): ``h = x.float()``,
   ``out = r_out(w * r(h * rsqrt(mean(h * h) + eps)))``; with a residual (vLLM's
-  ``fused_add_rms_norm``) ``h = r(x + residual)`` is also returned.
+  ``fused_add_rms_norm``) ``h = r(x + residual)`` is also returned. Gemma's ``(1 + w)``
+  variant (``unit_offset``, HF's ``Gemma2RMSNorm``): ``out = r(h * rsqrt(...) * (1 + w))``,
+  the product in float32 and one rounding.
 * SiLU-and-mul (HF's ``act_fn(gate) * up``): ``out = r(r(g / (1 + exp(-g))) * u)``.
 * RoPE (HF's ``apply_rotary_pos_emb``): ``c = r(cos[p])``, ``s = r(sin[p])``,
   ``q' = r(r(q * c) + r(rotate_half(q) * s))``, the same for ``k``.
@@ -108,8 +110,9 @@ def _rms_norm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         stride_x, stride_res, stride_out, stride_res_out, n_cols, eps,
         HAS_RESIDUAL: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr,
-        GPU_MATH: tl.constexpr):
-    """Grid ``(rows,)``: one program normalizes one row of ``n_cols`` elements."""
+        GPU_MATH: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """Grid ``(rows,)``: one program normalizes one row of ``n_cols`` elements;
+    ``UNIT_OFFSET``: times ``1 + w`` in float32, rounded once (Gemma)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     res_row = res_ptr + row * stride_res
@@ -128,7 +131,10 @@ def _rms_norm_kernel(
         var = tl.math.div_rn(tl.sum(h * h, axis=0), tl.cast(n_cols, tl.float32))
         inv = _rsqrt(var + eps, GPU_MATH)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = _round(w * _round(h * inv, act), out_dtype)
+        if UNIT_OFFSET:
+            y = _round(h * inv * (1.0 + w), out_dtype)
+        else:
+            y = _round(w * _round(h * inv, act), out_dtype)
         tl.store(out_row + cols, y, mask=mask)
     else:
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -152,7 +158,10 @@ def _rms_norm_kernel(
             else:
                 h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = _round(w * _round(h * inv, act), out_dtype)
+            if UNIT_OFFSET:
+                y = _round(h * inv * (1.0 + w), out_dtype)
+            else:
+                y = _round(w * _round(h * inv, act), out_dtype)
             tl.store(out_row + offs, y, mask=mask)
 
 
@@ -273,7 +282,8 @@ def _out_rows(name: str, out: torch.Tensor | None, shape: tuple[int, ...], dtype
 
 def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float, out: torch.Tensor | None, residual_out: torch.Tensor | None,
-                     block_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     block_size: int | None, unit_offset: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     n_cols = x.shape[-1] if x.dim() else 0
     _check_dtype("x", x)
     _check_dtype("weight", weight)
@@ -293,7 +303,8 @@ def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     else:
         block = block_size
-    out, out2 = _out_rows("out", out, x.shape, torch.promote_types(weight.dtype, x.dtype), x)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out, out2 = _out_rows("out", out, x.shape, out_dtype, x)
     res_out = res_out2 = None
     if residual is not None:
         res_out, res_out2 = _out_rows("residual_out", residual_out, x.shape, x.dtype, x)
@@ -310,13 +321,14 @@ def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         x2, r2, w, out2, res_out2,
         x2.stride(0), r2.stride(0), out2.stride(0), res_out2.stride(0), n_cols, eps,
         HAS_RESIDUAL=residual is not None, ONE_PASS=block >= n_cols, BLOCK=block,
-        GPU_MATH=_GPU_MATH, num_warps=max(1, min(16, block // 512)), enable_fp_fusion=False)
+        GPU_MATH=_GPU_MATH, UNIT_OFFSET=unit_offset, num_warps=max(1, min(16, block // 512)),
+        enable_fp_fusion=False)
     return out, res_out
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                    out: torch.Tensor | None = None,
-                    block_size: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, block_size: int | None = None,
+                    unit_offset: bool = False) -> torch.Tensor:
     """RMSNorm as HF's ``LlamaRMSNorm`` rounds it; vLLM's ``rms_norm`` op, one launch.
 
     ``out = weight * (x.float() * rsqrt(mean(x.float()^2, -1) + eps)).to(x.dtype)``: the
@@ -332,6 +344,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
             ``x`` itself (in place).
         block_size: columns a program holds at once, a power of two; default the row rounded
             up to a power of two, at most 16384 (wider rows take two passes over memory).
+        unit_offset: Gemma's variant (HF's ``Gemma2RMSNorm``): ``out = (x.float() * rsqrt(
+            ...) * (1 + weight.float())).to(x.dtype)``, ``out`` of ``x``'s dtype.
 
     Returns:
         ``out`` (a new contiguous tensor unless given).
@@ -339,13 +353,13 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     Raises:
         ValueError: dtypes, shapes, strides or devices it does not take.
     """
-    return _rms_norm_launch(x, None, weight, eps, out, None, block_size)[0]
+    return _rms_norm_launch(x, None, weight, eps, out, None, block_size, unit_offset)[0]
 
 
 def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                               eps: float, *, out: torch.Tensor | None = None,
                               residual_out: torch.Tensor | None = None,
-                              block_size: int | None = None,
+                              block_size: int | None = None, unit_offset: bool = False,
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add and RMSNorm in one launch; vLLM's ``fused_add_rms_norm`` op.
 
@@ -354,7 +368,7 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
 
     Args:
         x, residual: ``[..., N]``, same shape and dtype (float32 / bfloat16 / float16).
-        weight, eps, block_size: as in :func:`rms_norm_triton`.
+        weight, eps, block_size, unit_offset: as in :func:`rms_norm_triton`.
         out: optional destination of the norm, as in :func:`rms_norm_triton`; it may be
             ``x`` itself.
         residual_out: optional destination of ``new_residual``, ``x``'s shape and dtype; it
@@ -368,7 +382,8 @@ def fused_add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: t
     Raises:
         ValueError: dtypes, shapes, strides or devices it does not take.
     """
-    out, res_out = _rms_norm_launch(x, residual, weight, eps, out, residual_out, block_size)
+    out, res_out = _rms_norm_launch(x, residual, weight, eps, out, residual_out, block_size,
+                                    unit_offset)
     assert res_out is not None
     return out, res_out
 

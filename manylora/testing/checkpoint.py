@@ -19,7 +19,10 @@ from manylora.testing.tokenizer import make_tokenizer
 logger = logging.getLogger(__name__)
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2",
+                   "gemma3")
+#: Families whose norms compute ``(1 + w)``: their norm weights are drawn around 0.
+_ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 
 
 def _transformers_major() -> int:
@@ -29,10 +32,20 @@ def _transformers_major() -> int:
 
 
 def _config_class(arch: str) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
-               "qwen3": Qwen3Config, "olmo2": Olmo2Config}
+               "qwen3": Qwen3Config, "olmo2": Olmo2Config, "granite": GraniteConfig,
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -43,6 +56,7 @@ def _rope_type_of(config: Any) -> str:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if not params:
         return "default"
+    params = params.get("full_attention", params)      # Gemma 3: per layer type
     return params.get("rope_type", params.get("type", "default"))
 
 
@@ -74,13 +88,15 @@ def _rope_kwargs(
 
 
 @torch.no_grad()
-def _reinit_(model: torch.nn.Module, seed: int, init_std: float) -> None:
-    """Re-initialise every parameter: normal(0, init_std); norms: 1 + normal(0, 0.1)."""
+def _reinit_(model: torch.nn.Module, seed: int, init_std: float,
+             norm_centre: float = 1.0) -> None:
+    """Re-initialise every parameter: normal(0, init_std); norms: norm_centre + normal(0,
+    0.1)."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if name.endswith("norm.weight"):
-            value = 1.0 + 0.1 * noise
+            value = norm_centre + 0.1 * noise
         else:
             value = init_std * noise
         param.copy_(value.to(param.dtype))
@@ -163,14 +179,22 @@ def make_checkpoint(
     Args:
         out_dir: target directory (created if missing).
         arch: one of ``SUPPORTED_ARCHS`` (``"qwen3"``: transformers' ``Qwen3Config``, whose
-            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``).
+            ``head_dim`` may be given in ``config_overrides``; ``"olmo2"``: ``Olmo2Config``;
+            ``"granite"``: ``GraniteConfig`` with Granite 3.x's ``embedding_multiplier`` 12,
+            ``residual_multiplier`` 0.22, ``logits_scaling`` 8 and ``attention_multiplier``
+            ``1 / head_dim``, unless ``config_overrides`` gives them);
+            ``"gemma2"`` / ``"gemma3"``: ``Gemma2Config`` / ``Gemma3TextConfig``, whose norm
+            weights, ``(1 + w)``, are drawn as normal(0, 0.1); their ``layer_types``,
+            ``query_pre_attn_scalar``, soft caps and (gemma3) ``rope_local_base_freq`` go
+            in ``config_overrides``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
             ``rope_theta``) on transformers 5 and as ``rope_scaling`` on transformers 4.
             ``rope_theta`` may be given in ``config_overrides`` (default 10000).
         sliding_window: Mistral's (and qwen2's / qwen3's, with ``use_sliding_window=True`` in
-            ``config_overrides``) attention window; ``None`` means full attention.
+            ``config_overrides``; gemma's sliding layers') attention window; ``None`` means
+            full attention (a gemma config must have one).
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"20KB"``) to force sharding.
         config_overrides: any other config attribute.
 
@@ -190,10 +214,21 @@ def make_checkpoint(
 
     overrides = dict(config_overrides)
     rope_kwargs = _rope_kwargs(rope_scaling, overrides)
-    if arch in ("mistral", "qwen2", "qwen3"):
+    if arch == "granite":       # Granite 3.x's scalars (attention: 1 / head_dim, not 1 / sqrt)
+        overrides = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                     "attention_multiplier": num_attention_heads / hidden_size,
+                     "logits_scaling": 8.0, **overrides}
+    if arch == "gemma3":
+        # RoPE per layer type: the global layers' (rope_theta, scaling), the sliding ones'
+        local = float(overrides.pop("rope_local_base_freq", 10000.0))
+        rope_kwargs = {"rope_parameters": {
+            "full_attention": rope_kwargs["rope_parameters"],
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+    if arch in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
-        raise ValueError("sliding_window is only supported for mistral, qwen2 and qwen3")
+        raise ValueError("sliding_window is only supported for mistral, qwen2, qwen3, gemma2 "
+                         "and gemma3")
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -213,7 +248,7 @@ def make_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model = model.to(torch.float32)
-    _reinit_(model, seed, init_std)
+    _reinit_(model, seed, init_std, 0.0 if arch in _ZERO_CENTRED_NORMS else 1.0)
     if tie_word_embeddings and model.get_output_embeddings() is not None:
         model.tie_weights()
     model = model.to(dtype)

@@ -1,11 +1,12 @@
 """Tiny GGUF files for tests, written with the ``gguf`` package's ``GGUFWriter`` from a tiny
 Hugging Face checkpoint (:func:`~manylora.testing.checkpoint.make_checkpoint`).
 
-Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA, Qwen2 and Qwen3
-checkpoints, reduced to the metadata transformers reads: llama.cpp's tensor names, reversed
-shapes, and for ``llama`` the Q/K row permutation of ``LlamaModel.permute`` (the Qwen
-converters permute nothing). No tokenizer is written: engines on these files run with
-``skip_tokenizer_init``.
+Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA, Qwen2, Qwen3, Gemma 2 and
+Gemma 3 checkpoints, reduced to the metadata transformers reads: llama.cpp's tensor names,
+reversed shapes, for ``llama`` the Q/K row permutation of ``LlamaModel.permute`` (the Qwen
+and Gemma converters permute nothing), for Gemma the norm weights stored as ``1 + w`` (its
+``Gemma2Model.modify_tensors``) and the head width and window in the metadata. No
+tokenizer is written: engines on these files run with ``skip_tokenizer_init``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None = 
             .swapaxes(1, 2).reshape(weights.shape))
 
 
+#: ``model_type`` → llama.cpp's architecture, for the families whose converter stores norm
+#: weights as ``1 + w`` and whose tensor names come from gguf's own name map.
+_GEMMA = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
+
+
 def _gguf_name(hf_name: str) -> str:
     parts = hf_name.removeprefix("model.").split(".")
     suffix = parts[-1]
@@ -50,10 +56,10 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                qtype: Any = None, architecture: str | None = None,
                metadata: dict[str, Any] | None = None,
                float64: tuple[str, ...] = ()) -> Path:
-    """Write ``checkpoint_dir`` (a llama, qwen2 or qwen3 :func:`make_checkpoint`, one
-    safetensors file) as the GGUF file ``out``. transformers reads no head width from a
-    GGUF (its ``Qwen3Config`` default, 128, holds), so a qwen3 checkpoint needs
-    ``head_dim`` 128.
+    """Write ``checkpoint_dir`` (a llama, qwen2, qwen3, gemma2 or gemma3
+    :func:`make_checkpoint`, one safetensors file) as the GGUF file ``out``. transformers
+    reads no head width from a qwen3 GGUF (its ``Qwen3Config`` default, 128, holds), so a
+    qwen3 checkpoint needs ``head_dim`` 128.
 
     Args:
         checkpoint_dir: the Hugging Face checkpoint.
@@ -75,6 +81,12 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     config = json.loads((checkpoint_dir / "config.json").read_text())
     arch = architecture or config["model_type"]
+    gemma = config["model_type"] in _GEMMA
+    if gemma:
+        gguf_arch = _GEMMA[config["model_type"]]
+        arch = architecture or gguf_arch
+        names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, gguf_arch.upper()),
+                                         config["num_hidden_layers"])
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(out), arch)
@@ -89,6 +101,10 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    if gemma:
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_sliding_window(config["sliding_window"])
     for key, value in (metadata or {}).items():
         writer.add_uint32(key, value)
     tensors = load_file(str(checkpoint_dir / "model.safetensors"))
@@ -98,12 +114,19 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = llama_cpp_permute(data, heads, kv_heads)
-        if name in float64:
-            writer.add_tensor(_gguf_name(name), data.astype(np.float64))
-        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(_gguf_name(name), gguf.quantize(data, qtype), raw_dtype=qtype)
+        if gemma and name.endswith("norm.weight"):
+            data = data + 1.0
+        if gemma:
+            base, suffix = name.rsplit(".", 1)
+            gguf_name = f"{names.get_name(base)}.{suffix}"
         else:
-            writer.add_tensor(_gguf_name(name), data)
+            gguf_name = _gguf_name(name)
+        if name in float64:
+            writer.add_tensor(gguf_name, data.astype(np.float64))
+        elif data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, gguf.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

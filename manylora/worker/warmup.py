@@ -20,10 +20,12 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
   per step, the tile height ``BLOCK_M`` and what ``tiled_shrink_plan`` /
   ``tiled_expand_plan`` pick from the tile count (``tiled_row_cases``).
 * Attention (``triton_attention``): the model's G, head_dim, block_size, KV-cache dtype
-  (``QUANT``), each layer's window (``USE_WINDOW``); per step, decode tiles vs prefill tiles
-  (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the decode launch's ``NUM_SPLITS``
-  (with the combine kernel), which ``decode_split_choices`` enumerates.
-* Fused elementwise (``triton_fused``): RMSNorm with and without the residual; SiLU-and-mul
+  (``QUANT``), each layer's window (``USE_WINDOW``) and soft cap (``SOFTCAP``); per step,
+  decode tiles vs prefill tiles (``BLOCK_Q``, ``BLOCK_M`` and the tile config) and the
+  decode launch's ``NUM_SPLITS`` (with the combine kernel), which ``decode_split_choices``
+  enumerates.
+* Fused elementwise (``triton_fused``): RMSNorm with and without the residual, Llama's and
+  Gemma's (``UNIT_OFFSET``); SiLU-and-mul
   and RoPE have one specialization per model.
 * Skinny projections (``triton_skinny``): per row bucket (``BLOCK_M``) and weight shape,
   the measured launch constants, and whether the projection has a bias; the row count is
@@ -54,7 +56,7 @@ from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slots import LoRASlots
-from manylora.model.layers.norm import RMSNorm
+from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention_metadata import build_attention_metadata
@@ -340,13 +342,15 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     device = kv_caches[0].data.device
     dtype = cfg.dtype
     launches = 0
-    norms = {(n.weight.shape, n.weight.dtype): n for n in model.modules()
-             if isinstance(n, RMSNorm)}
+    norms = {(type(n), n.weight.shape, n.weight.dtype): n for n in model.modules()
+             if isinstance(n, (RMSNorm, GemmaRMSNorm))}
     for norm in norms.values():
         # rows of the norm's own width: the hidden size, or a head (Qwen3's q/k norms)
         rows = torch.zeros(_ROWS, norm.weight.shape[0], dtype=dtype, device=device)
-        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps)
-        triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps)
+        gemma = isinstance(norm, GemmaRMSNorm)          # (1 + w): UNIT_OFFSET
+        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps, unit_offset=gemma)
+        triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps,
+                                               unit_offset=gemma)
         launches += 2
     triton_fused.silu_and_mul_triton(
         torch.zeros(_ROWS, 2 * cfg.intermediate_size, dtype=dtype, device=device))
@@ -357,8 +361,9 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     seen = set()
     for layer, kv_cache in zip(model.model.layers, kv_caches):
         attn = layer.self_attn
-        key = (attn.sliding_window, kv_cache.data.dtype, tuple(kv_cache.data.shape[2:]),
-               kv_cache.quantized)
+        softcap = getattr(attn, "softcap", None)          # Gemma 2's attention soft cap
+        key = (attn.sliding_window, softcap, kv_cache.data.dtype,
+               tuple(kv_cache.data.shape[2:]), kv_cache.quantized)
         if key in seen:
             continue
         seen.add(key)
@@ -375,7 +380,7 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
         # one prefill sequence of _ROWS tokens: the prefill launch
         meta = build_attention_metadata([_ROWS], [_ROWS], [[0]], block_size, group, device)
         triton_attention.paged_attention_triton(q, kv_cache, meta, attn.scale,
-                                                attn.sliding_window)
+                                                attn.sliding_window, softcap=softcap)
         launches += 3
         # one decode sequence, once per split count the heuristic can pick
         meta = build_attention_metadata([1], [1], [[0]], block_size, group, device)
@@ -383,6 +388,7 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
                 group, cfg.num_kv_heads, cfg.head_dim, q.dtype, block_size, max_blocks_per_seq,
                 max_num_seqs, attn.sliding_window, device):
             triton_attention.paged_attention_triton(q[:1], kv_cache, meta, attn.scale,
-                                                    attn.sliding_window, num_splits=splits)
+                                                    attn.sliding_window, num_splits=splits,
+                                                    softcap=softcap)
             launches += 1
     return launches

@@ -55,12 +55,12 @@ TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users 
 ADAPTERS = ["both", None, "both", "head", "embed", "plain", None]
 
 
-def _family(root, **checkpoint_kwargs):
+def _family(root, arch="llama", **checkpoint_kwargs):
     from transformers import AutoTokenizer
 
     from manylora.testing.hf import hf_causal_lm
 
-    base = make_checkpoint(root / "base", "llama", seed=0, **TINY, **checkpoint_kwargs)
+    base = make_checkpoint(root / "base", arch, seed=0, **{**TINY, **checkpoint_kwargs})
     model = hf_causal_lm(base, attn_implementation="eager")
     adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
                                         **spec)
@@ -202,6 +202,23 @@ def test_tied_embeddings_keep_the_base_tied_and_the_adapter_its_own(tmp_path):
     try:
         model = llm.llm_engine.engine_core.executor.model
         assert model.lm_head is None and model.head_lora is not None
+        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("arch, kwargs", [
+    ("gemma2", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
+                    layer_types=["sliding_attention", "full_attention"])),
+    ("granite", {}),
+])
+def test_families_that_scale_the_embedding_and_the_logits(tmp_path, arch, kwargs):
+    """Gemma 2 (the embedding times sqrt(hidden), soft-capped logits, tied) and Granite
+    (embedding multiplier, logits divided, tied): each scales what the adapters add too, as
+    transformers scales the adapted modules' outputs."""
+    base, adapters, prompts, names, reference = _family(tmp_path, arch, **kwargs)
+    llm = LLM(str(base), **ENGINE, max_loras=2)
+    try:
         _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
     finally:
         llm.llm_engine.shutdown()

@@ -8,6 +8,9 @@ query row and head it takes a plain float64 softmax over the visible positions::
     out[j, h] = softmax_{kp ≤ qp, qp - kp < window}(q[j, h] · k[kp, h // G] * scale)
                 @ v[kp, h // G]                       (zeros when no position is visible)
 
+with, under a soft cap (Gemma 2), every logit ``s = q · k * scale`` replaced by
+``cap * tanh(s / cap)`` before the softmax.
+
 Inputs are fresh random tensors from seeded generators (the whole cache is random, unused
 blocks included, and physical blocks are shuffled); Triton outputs are poisoned with NaN
 first so that every element must be written. Without CUDA the Triton kernels run under
@@ -60,7 +63,8 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 # ------------------------------------------------------------------ float64 reference
 
 
-def reference_attention(q, cache, query_lens, context_lens, tables, scale, window=None):
+def reference_attention(q, cache, query_lens, context_lens, tables, scale, window=None,
+                        softcap=None):
     """Plain loops in float64; returns ``[T, H, D]`` (rows past the sequences stay zero)."""
     q, cache = q.double().cpu(), cache.double().cpu()
     num_heads, block_size, num_kv_heads = q.shape[1], cache.shape[2], cache.shape[3]
@@ -74,8 +78,11 @@ def reference_attention(q, cache, query_lens, context_lens, tables, scale, windo
             qp = ctx - q_len + j
             visible = [p for p in range(ctx) if p <= qp and (window is None or qp - p < window)]
             for h in range(num_heads):
-                logits = torch.stack([keys[p][h // group] @ q[row + j, h] for p in visible])
-                weights = torch.exp(logits * scale - (logits * scale).max())
+                logits = torch.stack([keys[p][h // group] @ q[row + j, h]
+                                      for p in visible]) * scale
+                if softcap:
+                    logits = softcap * torch.tanh(logits / softcap)
+                weights = torch.exp(logits - logits.max())
                 weights = weights / weights.sum()
                 out[row + j, h] = sum(w * vals[p][h // group] for w, p in zip(weights, visible))
         row += q_len
@@ -120,14 +127,15 @@ class Case:
             self.num_heads // self.num_kv_heads, DEVICE, pad_to=pad_to,
             max_blocks_per_seq=max_blocks_per_seq)
 
-    def expected(self, window=None):
+    def expected(self, window=None, softcap=None):
         return reference_attention(self.q, self.cache, self.query_lens, self.context_lens,
-                                   self.tables, self.scale, window)
+                                   self.tables, self.scale, window, softcap)
 
-    def triton(self, window=None, num_splits=None):
+    def triton(self, window=None, num_splits=None, softcap=None):
         out = torch.full_like(self.q, float("nan"))
         got = triton_attention.paged_attention_triton(
-            self.q, self.kv, self.meta, self.scale, window, num_splits=num_splits, out=out)
+            self.q, self.kv, self.meta, self.scale, window, num_splits=num_splits, out=out,
+            softcap=softcap)
         assert got.shape == (self.q.shape[0], self.num_heads * self.head_dim)
         assert got.dtype == self.dtype
         return got.view_as(self.q)
@@ -297,6 +305,46 @@ def test_attention_pad_to(num_splits):
     got = case.triton(num_splits=num_splits)
     check(got, case.expected(), torch.float32)
     assert torch.equal(got[3:], torch.zeros_like(got[3:]))
+
+
+@pytest.mark.parametrize("scenario", ["decode", "prefill", "chunked", "mixed"])
+def test_attention_softcap(scenario):
+    """A cap of 0.5 on logits of spread about 1: tanh bends most of them, and the result is
+    far from the uncapped attention."""
+    case = Case(SCENARIOS[scenario], heads=(8, 2), head_dim=16, block_size=4, key="cap")
+    got = case.triton(softcap=0.5)
+    check(got, case.expected(softcap=0.5), torch.float32)
+    assert rel_err(got, case.expected()) > 100 * TOL[torch.float32]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_softcap_window_splits_fp16(num_splits):
+    """Soft-capping with a sliding window through the flash-decoding splits, float16."""
+    case = Case([(1, 90), (1, 7), (13, 40)], heads=(4, 1), head_dim=16, block_size=16,
+                dtype=torch.float16, key=("cap", num_splits))
+    check(case.triton(9, num_splits=num_splits, softcap=0.7), case.expected(9, softcap=0.7),
+          torch.float16)
+
+
+def test_attention_softcap_saturates_without_overflow():
+    """Logits in the thousands: tanh is ±1 there, with no inf or NaN on the way."""
+    case = Case(SCENARIOS["mixed"], heads=(8, 2), head_dim=16, block_size=4, key="big")
+    case.scale = 300.0
+    check(case.triton(softcap=2.0), case.expected(softcap=2.0), torch.float32)
+
+
+def test_reference_softcap_matches_float64():
+    case = Case(SCENARIOS["mixed"], heads=(8, 2), head_dim=12, key="ref-cap")
+    got = paged_attention(case.q, case.kv, case.meta, case.scale, 6, softcap=0.5)
+    check(got.view_as(case.q), case.expected(6, softcap=0.5), torch.float32)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, float("inf"), float("nan")])
+def test_attention_softcap_errors(softcap):
+    case = Case([(1, 5)], heads=(8, 2))
+    for attend in (triton_attention.paged_attention_triton, paged_attention_reference):
+        with pytest.raises(ValueError, match="softcap"):
+            attend(case.q, case.kv, case.meta, 1.0, softcap=softcap)
 
 
 def test_attention_errors():

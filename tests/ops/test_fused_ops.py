@@ -50,7 +50,7 @@ import torch
 import transformers
 
 from manylora.model.layers.activation import SiluAndMul, silu_and_mul
-from manylora.model.layers.norm import RMSNorm
+from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding, _rotate_half
 from manylora.ops.triton_fused import (
     fused_add_rms_norm_triton,
@@ -168,6 +168,52 @@ def test_rms_norm(dtype, n_rows, n_cols, block_size, residual):
     # (b) two roundings (normalized value, product with the weight) + the float32 statistic
     ref = _f64_rms_norm(h, weight, EPS)
     _assert_f64_bound(got, ref, (2 * UNIT[dtype] + FP32_SLACK) * ref.abs())
+
+
+def _hf_gemma_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' own ``Gemma2RMSNorm`` on ``h`` (``(1 + w)``, float32, one cast)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    norm = Gemma2RMSNorm(h.shape[-1], eps).to(device=h.device, dtype=weight.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    return norm(h)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("block_size", [None, 64], ids=["one_pass", "chunked"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gemma_rms_norm(dtype, block_size, residual):
+    """``unit_offset`` (Gemma's ``(1 + w)`` norm, zero-centred weights) against
+    transformers' ``Gemma2RMSNorm``: one rounding of a float32 product, so only the float32
+    statistic can move an element, to a neighbouring value, and rarely."""
+    gen = _gen("gemma_rms", dtype, block_size, residual)
+    x = _randn(gen, 5, 200, scale=3.0, dtype=dtype)
+    weight = _randn(gen, 200, scale=0.5).to(dtype)
+    out = _nan((5, 200), dtype)
+    if residual:
+        res = _randn(gen, 5, 200, scale=3.0, dtype=dtype)
+        got, got_res = fused_add_rms_norm_triton(x, res, weight, EPS, out=out,
+                                                 block_size=block_size, unit_offset=True)
+        h = x + res
+        assert torch.equal(got_res, h)
+    else:
+        got = rms_norm_triton(x, weight, EPS, out=out, block_size=block_size,
+                              unit_offset=True)
+        h = x
+    assert got is out and not got.isnan().any()
+    want = _hf_gemma_rms_norm(h, weight, EPS)
+    if dtype == torch.float32:
+        rel = (got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-300)
+        assert rel.max().item() <= 1e-6, rel.max().item()
+    else:
+        ok = (got == want) | (got == _neighbours(want)[0]) | (got == _neighbours(want)[1])
+        assert ok.all()
+        assert (got != want).double().mean().item() < MAX_DIFF_FRACTION
+    h64 = h.double()
+    ref = (h64 / torch.sqrt(h64.pow(2).mean(-1, keepdim=True) + EPS)
+           * (1.0 + weight.double()))
+    _assert_f64_bound(got, ref, (UNIT[dtype] + FP32_SLACK) * ref.abs())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -342,6 +388,12 @@ def test_layers_torch_path_is_hf_formula():
     assert torch.equal(new_res, x + res)
     assert torch.equal(out, _torch_rms_norm(x + res, norm.weight, EPS)[0])
     assert torch.equal(x, x0) and torch.equal(res, res0)
+    gemma = GemmaRMSNorm(48, EPS, torch.bfloat16, torch.device("cpu"))
+    gemma.weight.copy_(0.5 * torch.randn(48, generator=gen))
+    assert torch.equal(gemma(x), _hf_gemma_rms_norm(x, gemma.weight, EPS))
+    out, new_res = gemma(x, res)
+    assert torch.equal(new_res, x + res)
+    assert torch.equal(out, _hf_gemma_rms_norm(x + res, gemma.weight, EPS))
 
     gu = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     want = torch.nn.functional.silu(gu[:, :32]) * gu[:, 32:]
@@ -370,6 +422,9 @@ def test_layers_dispatch_to_triton_on_cuda():
     out, new_res = norm(x, res)
     want_out, want_res = fused_add_rms_norm_triton(x, res, norm.weight, EPS)
     assert torch.equal(out, want_out) and torch.equal(new_res, want_res)
+    gemma = GemmaRMSNorm(256, EPS, torch.bfloat16, DEVICE)
+    gemma.weight.copy_(_randn(gen, 256, scale=0.5))
+    assert torch.equal(gemma(x), rms_norm_triton(x, gemma.weight, EPS, unit_offset=True))
     gu = _randn(gen, 4, 512, dtype=torch.bfloat16)
     assert torch.equal(silu_and_mul(gu), silu_and_mul_triton(gu))
     rope = RotaryEmbedding(_rope_config(), 64, 128).to(DEVICE)
@@ -488,10 +543,13 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     p = ["x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr"]
     s = ["stride_x", "stride_res", "stride_out", "stride_res_out"]
-    rms = ptx(tf._rms_norm_kernel, {**dict.fromkeys(p, "*bf16"), **dict.fromkeys(s, "i32"),
-                                    "n_cols": "i32", "eps": "fp32"},
-              {"HAS_RESIDUAL": True, "ONE_PASS": True, "BLOCK": 4096, "GPU_MATH": True},
+    rms_types = {**dict.fromkeys(p, "*bf16"), **dict.fromkeys(s, "i32"), "n_cols": "i32",
+                 "eps": "fp32"}
+    rms_consts = {"HAS_RESIDUAL": True, "ONE_PASS": True, "BLOCK": 4096, "GPU_MATH": True}
+    rms = ptx(tf._rms_norm_kernel, rms_types, {**rms_consts, "UNIT_OFFSET": False},
               p + s + ["n_cols"], 8)
+    gemma = ptx(tf._rms_norm_kernel, rms_types, {**rms_consts, "UNIT_OFFSET": True},
+                p + s + ["n_cols"], 8)
     silu = ptx(tf._silu_and_mul_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16",
                                          "stride_x": "i32", "stride_out": "i32",
                                          "n_inter": "i32"},
@@ -504,7 +562,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
                                    "n_k_heads": "i32", "half": "i32"},
                {"BLOCK_H": 16, "BLOCK_HALF": 64},
                ["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", *rs, "half"], 4)
-    assert "fma" not in rms and "fma" not in rope, "FMA contraction"
+    assert "fma" not in rms and "fma" not in gemma and "fma" not in rope, "FMA contraction"
     assert "div.rn.f32" in rms and "div.rn.f32" in silu and "div.full" not in silu
     assert "rsqrt.approx" in rms
     for code in (rms, silu, rope):

@@ -6,7 +6,8 @@ Triton specializes, whether an int is 1 / a multiple of 16 and whether a pointer
 aligned), and launches nothing. The model's forward pass, forced onto the Triton entry
 points, then runs random steps (decode, prefill over cached prefixes, mixed, CUDA-graph
 padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a model with LoRA slots and its KV
-caches (llama, an int8 KV cache, mistral's window, qwen2's biases): every key those steps
+caches (llama, an int8 KV cache, mistral's window, qwen2's biases, gemma 2's soft cap over
+sliding and global layers, gemma 3's per-head q/k norms): every key those steps
 produce must be among the keys the warm-up produces.
 
 GPU: an engine with LoRA (DoRA and plain adapters) and prefix caching serves a mixed
@@ -31,8 +32,8 @@ from manylora.lora.kernels import tiled_plans as lora_tiled_plans
 from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.model import llama
-from manylora.model.layers.norm import RMSNorm
+from manylora.model import gemma2, llama
+from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
 from manylora.ops import triton_attention, triton_fused
@@ -115,8 +116,9 @@ def _force_triton(monkeypatch) -> None:
     PyTorch references)."""
     monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
     monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
-    monkeypatch.setattr(llama, "write_kv", triton_attention.write_kv_triton)
-    monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention_triton)
+    for family in (llama, gemma2):
+        monkeypatch.setattr(family, "write_kv", triton_attention.write_kv_triton)
+        monkeypatch.setattr(family, "paged_attention", triton_attention.paged_attention_triton)
     monkeypatch.setattr(llama, "silu_and_mul", triton_fused.silu_and_mul_triton)
 
     def norm(self, x, residual=None):
@@ -125,6 +127,14 @@ def _force_triton(monkeypatch) -> None:
         return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
 
     monkeypatch.setattr(RMSNorm, "forward", norm)
+
+    def gemma_norm(self, x, residual=None):
+        if residual is None:
+            return triton_fused.rms_norm_triton(x, self.weight, self.eps, unit_offset=True)
+        return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
+                                                      unit_offset=True)
+
+    monkeypatch.setattr(GemmaRMSNorm, "forward", gemma_norm)
     monkeypatch.setattr(RotaryEmbedding, "forward", lambda self, positions, q, k:
                         triton_fused.rotary_embedding_triton(positions, q, k, self.cos,
                                                              self.sin))
@@ -169,18 +179,24 @@ MODELS = {
     "mistral-window": (dict(arch="mistral", sliding_window=6), "auto"),
     "qwen2-bias": (dict(arch="qwen2"), "auto"),
     "qwen3-qk-norm": (dict(arch="qwen3", head_dim=24), "auto"),
+    "gemma2-softcap-windows": (dict(arch="gemma2", head_dim=16, sliding_window=6,
+                                    attn_logit_softcapping=5.0), "auto"),
+    "gemma3-qk-norm": (dict(arch="gemma3", head_dim=16, sliding_window=6,
+                            layer_types=["sliding_attention", "full_attention"]), "auto"),
 }
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_and_caches(request, tmp_path_factory):
     """A model with LoRA slots (every projection targeted; the plain Llama also its
-    ``embed_tokens`` and ``lm_head``) and its KV caches, on CPU."""
+    ``embed_tokens`` and ``lm_head``, and Gemma 2, whose embedding and logits wrap them)
+    and its KV caches, on CPU."""
     checkpoint_kwargs, kv_cache_dtype = MODELS[request.param]
     base = make_checkpoint(tmp_path_factory.mktemp(request.param), **checkpoint_kwargs)
     cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
     model = load_model(base, cfg, torch.device("cpu"))
-    targets = LORA_ALL_MODULES if request.param == "llama" else LORA_TARGET_MODULES
+    vocab = request.param in ("llama", "gemma2-softcap-windows")
+    targets = LORA_ALL_MODULES if vocab else LORA_TARGET_MODULES
     model.create_lora_slots(LoRAConfig(MAX_LORAS, 16, target_modules=targets))
     kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"),
                                    kv_cache_dtype)

@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated activation of the LLaMA MLP (SwiGLU, Shazeer 2020)."""
+"""Gated activations of the MLP: SiLU-and-mul (the LLaMA MLP's SwiGLU, Shazeer 2020) and
+GELU(tanh)-and-mul (Gemma's GeGLU)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of the packed ``gate_up_proj`` output (GeGLU, Gemma's MLP with
+    ``hidden_activation`` ``gelu_pytorch_tanh``); vLLM's ``gelu_tanh_and_mul``.
+
+    Rounds as transformers' ``Gemma2MLP`` (``act_fn(gate_proj(x)) * up_proj(x)`` with
+    ``gelu(approximate="tanh")``): the activation rounded to the dtype, then the product.
+    PyTorch on every device.
+
+    Args:
+        x: ``[T, 2 * I]``, gate columns first, then up.
+
+    Returns:
+        ``[T, I]`` in ``x.dtype``.
+    """
+    gate, up = x.chunk(2, dim=-1)
+    return nn.functional.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,5 @@
-"""RMSNorm (Zhang & Sennrich, 2019), computed as LLaMA does in transformers."""
+"""RMSNorm (Zhang & Sennrich, 2019), computed as LLaMA does in transformers, and Gemma's
+``(1 + w)`` variant."""
 
 from __future__ import annotations
 
@@ -71,3 +72,56 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + w)``, all in float32, then cast.
+
+    Rounds as transformers' ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``: normalize ``x.float()``,
+    multiply by ``1 + weight.float()``, cast to ``x``'s dtype once (``RMSNorm`` casts before
+    the product instead). The checkpoint stores ``w`` (zero-centred). With a residual it
+    adds first, as ``RMSNorm`` does. CUDA tensors run ``RMSNorm``'s Triton launch with
+    ``unit_offset`` (``manylora.ops.triton_fused``; CUDA-graph safe); others run PyTorch.
+
+    Args:
+        hidden_size: width of the last dimension.
+        eps: added to the mean square.
+        dtype, device: of the weight.
+
+    Shapes: ``x [..., hidden_size]`` → same shape and dtype; with ``residual`` (same shape
+    and dtype) ``(norm(x + residual), x + residual)``, the sum rounded to the dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.eps = eps
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda:
+            from manylora.ops import triton_fused
+
+            if residual is None:
+                return triton_fused.rms_norm_triton(x, self.weight, self.eps,
+                                                    unit_offset=True)
+            return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
+                                                          unit_offset=True)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,0 +1,179 @@
+"""The Gemma 3 text model (``Gemma3ForCausalLM``, ``model_type`` ``gemma3_text``) against
+transformers + peft on the same weights: greedy, token for token, and the generated tokens'
+log-probabilities.
+
+The tiny checkpoint is written by transformers' own ``save_pretrained``
+(``make_checkpoint``, ``Gemma3TextConfig``): a sliding-window layer (window 4, shorter than
+every prompt) with its own RoPE base (``rope_local_base_freq`` 100) before a global layer
+with another (``rope_theta`` 1000, linear scaling × 2), per-head ``(1 + w)`` q/k norms,
+``query_pre_attn_scalar`` 12, and an ``attn_logit_softcapping`` that transformers' Gemma 3
+attention ignores (so must manylora). Adapters by peft: attention only, every linear layer,
+DoRA, of three ranks, in one mixed batch with the base through one slot, with the prefix
+cache, and under tensor parallelism 2 (gloo, CPU) as the piecewise CUDA graphs' pieces.
+Tied embeddings (Gemma 3's default) are checked on the base model's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig
+
+from manylora import LLM, LoRARequest, SamplingParams
+from manylora.config import ModelConfig
+from manylora.model.gemma3 import Gemma3ForCausalLM
+from manylora.model.registry import model_class
+from manylora.testing import (
+    compare_greedy,
+    hf_greedy_reference,
+    make_checkpoint,
+    make_peft_adapter,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, init_std=0.3,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=12, rope_theta=1000.0, rope_local_base_freq=100.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0})
+ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_kv_blocks=64,
+              max_model_len=128)
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
+# a shared 9-token prefix (two full blocks of 4) under the same adapter
+TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
+         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
+         "Low-rank adaptation"]
+ADAPTERS = ["attn", None, "attn", "all", "dora"]
+SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+         "all": dict(r=8, target_modules="all-linear"),
+         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
+
+
+def _prompts(base):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    return [tok(t).input_ids for t in TEXTS]
+
+
+def _generate(llm, adapters, prompts, names):
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                        lora_request=requests, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_matches(outputs, reference, names=ADAPTERS):
+    """Greedy tokens equal to the reference's, each token's log-probability equal to
+    ``log_softmax`` of transformers' logits."""
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        ok, pos = compare_greedy(out.token_ids, ref)
+        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
+                    f"ours {out.token_ids} ref {ref.token_ids}")
+        for tok, entry, logits in zip(out.token_ids, out.logprobs, ref.logits):
+            want = torch.log_softmax(logits.double(), -1)[tok].item()
+            assert entry[tok].logprob == pytest.approx(want, abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from manylora.testing.hf import hf_causal_lm
+
+    root = tmp_path_factory.mktemp("gemma3")
+    base = make_checkpoint(root / "base", "gemma3", seed=0, **TINY,
+                           attn_logit_softcapping=5.0)
+    model = hf_causal_lm(base, attn_implementation="eager")
+    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
+                                        **spec)
+                for i, (name, spec) in enumerate(SPECS.items())}
+    prompts = _prompts(base)
+    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
+                                    base_model=model)
+    return base, adapters, prompts, reference
+
+
+def test_gemma3_text_config_resolves():
+    hf = Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=8,
+                          vocab_size=64, max_position_embeddings=64, sliding_window=8)
+    cfg = ModelConfig.from_hf(hf, torch.float32)        # names only its model_type
+    assert cfg.architecture == "Gemma3ForCausalLM"
+    # transformers' default pattern: five sliding layers, then a global one
+    assert cfg.sliding_windows == (8, 8, 8, 8, 8, None)
+    assert model_class(cfg.architecture) is Gemma3ForCausalLM
+
+
+def test_gemma3_refuses_bidirectional_attention():
+    hf = Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          vocab_size=64, max_position_embeddings=64,
+                          use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        Gemma3ForCausalLM(ModelConfig.from_hf(hf, torch.float32), torch.device("cpu"))
+
+
+def test_gemma3_mixed_batch_one_slot_prefix_cache_matches_peft(gemma3):
+    base, adapters, prompts, reference = gemma3
+    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    try:
+        engine = llm.llm_engine
+        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
+        hits = engine.kv_cache_stats().prefix_hits
+        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
+        assert engine.kv_cache_stats().prefix_hits > hits
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_gemma3_tensor_parallel_2_piecewise_matches_peft(gemma3):
+    """Each rank holds its heads and the whole q/k norm weights; the pieces keep the packed
+    qkv static and read the normed, rotated q and k back from it."""
+    base, adapters, prompts, reference = gemma3
+    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+              piecewise_cuda_graph_sizes=(8, 16, 32))
+    try:
+        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_gemma3_tied_embeddings_base_logprobs_match(tmp_path):
+    """Tied embeddings (the head reads the unscaled embedding table) with a final soft cap."""
+    base = make_checkpoint(tmp_path / "tied", "gemma3", seed=1,
+                           **{**TINY, "init_std": 0.2}, tie_word_embeddings=True,
+                           final_logit_softcapping=4.0)
+    prompts = _prompts(base)[:2]
+    names = [None, None]
+    reference = hf_greedy_reference(base, {}, prompts, names, MAX_NEW)
+    llm = LLM(str(base), **ENGINE, enable_lora=False)
+    try:
+        _assert_matches(_generate(llm, {}, prompts, names), reference, names)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_gemma3_gguf_matches_transformers_peft(tmp_path):
+    """A Gemma 3 GGUF (F32, llama.cpp's names, norms stored as ``1 + w``) against
+    transformers' own GGUF loading + peft. transformers reads the global RoPE base and the
+    window from a GGUF, the rest from ``Gemma3TextConfig``'s defaults (local base 10 000,
+    ``query_pre_attn_scalar`` 256, five sliding layers per global one), so the checkpoint
+    has those."""
+    from manylora.testing.gguf import write_gguf
+
+    tiny = {k: v for k, v in TINY.items()
+            if k not in ("query_pre_attn_scalar", "rope_local_base_freq", "rope_scaling",
+                         "layer_types")}
+    ckpt = make_checkpoint(tmp_path / "hf", "gemma3", seed=2, **tiny)
+    path = write_gguf(ckpt, tmp_path / "gemma3.gguf")
+    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
+                                         target_modules="all-linear", seed=3)}
+    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]]
+    names = ["all", None]
+    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
+    try:
+        outs = _generate(llm, adapters, prompts, names)
+        _assert_matches(outs, reference, names)
+    finally:
+        llm.llm_engine.shutdown()

@@ -1,0 +1,137 @@
+"""Granite (``GraniteForCausalLM``: embedding, residual, attention and logits multipliers)
+against transformers + peft on the same weights, greedy, token for token.
+
+The checkpoint is written by transformers' own ``save_pretrained`` (``make_checkpoint``) with
+Granite 3.x's multipliers, none of them 1 (``attention_multiplier`` 1 / head_dim, not
+1 / sqrt(head_dim)); the adapters by peft's (``make_peft_adapter``): attention only, every
+linear layer with one module of its own rank (``rank_pattern``), and a DoRA one, of three
+ranks. manylora runs them as one mixed batch with the base model, through a single slot
+(fewer slots than adapters), twice so that the second pass reads the prefix cache, and under
+tensor parallelism 2 (gloo, CPU) as the piecewise CUDA graphs' pieces. The reference runs
+each prompt alone (``hf_greedy_reference``); the log-probabilities of the sampled tokens
+are checked against the log-softmax of its logits, which ``logits_scaling`` divides.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import GraniteConfig
+
+from manylora import LLM, LoRARequest, SamplingParams
+from manylora.config import ModelConfig
+from manylora.model.granite import GraniteForCausalLM
+from manylora.model.registry import model_class
+from manylora.testing import (
+    compare_greedy,
+    hf_greedy_reference,
+    make_checkpoint,
+    make_peft_adapter,
+)
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256)
+ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_kv_blocks=64,
+              max_model_len=128)
+MAX_NEW = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
+# a shared 9-token prefix (two full blocks of 4) under the same adapter
+TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
+         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
+         "Low-rank adaptation"]
+ADAPTERS = ["attn", None, "attn", "all", "dora"]
+SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+         "all": dict(r=8, target_modules="all-linear", rank_pattern={"down_proj": 3}),
+         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
+MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+               "logits_scaling")
+
+
+def test_granite_resolves_by_transformers_name():
+    hf = GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                       max_position_embeddings=64)
+    cfg = ModelConfig.from_hf(hf, torch.float32)        # names only its model_type
+    assert cfg.architecture == "GraniteForCausalLM"
+    assert model_class(cfg.architecture) is GraniteForCausalLM
+
+
+@pytest.fixture(scope="module")
+def granite(tmp_path_factory):
+    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
+    from transformers import AutoTokenizer
+
+    from manylora.testing.hf import hf_causal_lm
+
+    root = tmp_path_factory.mktemp("granite")
+    base = make_checkpoint(root / "base", "granite", seed=0, **TINY)
+    model = hf_causal_lm(base, attn_implementation="eager")
+    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
+                                        **spec)
+                for i, (name, spec) in enumerate(SPECS.items())}
+    tok = AutoTokenizer.from_pretrained(base)
+    prompts = [tok(t).input_ids for t in TEXTS]
+    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
+                                    base_model=model)
+    return base, adapters, prompts, reference
+
+
+def test_checkpoint_has_granite_multipliers(granite):
+    config = json.loads((granite[0] / "config.json").read_text())
+    assert config["architectures"] == ["GraniteForCausalLM"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert all(config[m] != 1 for m in MULTIPLIERS)
+    assert config["attention_multiplier"] != head_dim ** -0.5
+
+
+def _generate(llm, adapters, prompts):
+    ids = {name: i + 1 for i, name in enumerate(adapters)}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
+                for n in ADAPTERS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
+                        lora_request=requests, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_matches(outputs, reference):
+    """Tokens equal to the reference's (up to a near-tie), and each equal token's
+    log-probability the log-softmax of the reference's logits at that step."""
+    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        ok, pos = compare_greedy(out.token_ids, ref)
+        assert ok, (f"prompt {i} (adapter {ADAPTERS[i]}): diverges at token {pos}: "
+                    f"ours {out.token_ids} ref {ref.token_ids}")
+        for step in range(pos):
+            tok = out.token_ids[step]
+            want = torch.log_softmax(ref.logits[step], dim=-1)[tok].item()
+            assert out.logprobs[step][tok].logprob == pytest.approx(want, abs=1e-4), (i, step)
+
+
+def test_granite_mixed_batch_one_slot_prefix_cache_matches_peft(granite):
+    base, adapters, prompts, reference = granite
+    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    try:
+        engine = llm.llm_engine
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+        hits, misses = engine.kv_cache_stats().prefix_hits, engine.lora_cache_stats().device_misses
+        assert misses >= len(adapters)
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+        assert engine.kv_cache_stats().prefix_hits > hits
+        # three adapters through one slot: at most one of them was still there
+        assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_granite_tensor_parallel_2_piecewise_matches_peft(granite):
+    """Each rank holds its heads; the multipliers are scalars every rank applies to the
+    all-reduced sublayer outputs and the all-gathered logits. The steps run as the piecewise
+    CUDA graphs' pieces (eager on CPU), whose cut sits between the layers' methods."""
+    base, adapters, prompts, reference = granite
+    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+              piecewise_cuda_graph_sizes=(8, 16, 32))
+    try:
+        _assert_matches(_generate(llm, adapters, prompts), reference)
+    finally:
+        llm.llm_engine.shutdown()
