@@ -45,7 +45,7 @@ class LoRAConfig:
             divisible by the number of ranks), B along its output for row-parallel ones, at
             the cost of one more collective per column-parallel projection (an all-gather)
             and two more per row-parallel one (an all-reduce, an all-gather). No effect on
-            one rank.
+            one rank, nor on the ``embed_tokens`` / ``lm_head`` slots (``lora.vocab``).
         load_timeout: seconds one adapter read (disk to host memory: parse, validate,
             digest, pin; from the moment a loader thread starts it) may go without progress
             (a module read); one stuck longer fails alone (``LoRALoadTimeoutError``). None:

@@ -93,7 +93,9 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
 
     Raises:
         LoRAAdapterError: missing or corrupt files, a header that does not fit its file
-            (``open_peft_weights``); ``modules_to_save``, embedding or bias LoRA; a module
+            (``open_peft_weights``); ``modules_to_save``, ``trainable_token_indices`` or bias
+            LoRA; DoRA on ``embed_tokens`` / ``lm_head``, a vocabulary larger than the base
+            model's there, or a saved base table that is not the model's; a module
             the model lacks or ``lora_target_modules`` excludes; a layer index past the
             model; targets, ``layers_to_transform`` / ``layers_pattern`` or ``rank_pattern``
             / ``alpha_pattern`` keys that match no module of the model (``peft_targets``,

@@ -97,7 +97,8 @@ def read_peft_config(path: str | os.PathLike, name: str) -> dict:
         LoRAAdapterError: a missing, unreadable or oversized file, one that is not a regular
             file, a config that is not PEFT LoRA, fields of the wrong type (``r``,
             ``lora_alpha``, ``use_rslora``, ``use_dora``, ``target_modules``),
-            ``modules_to_save``, or a bias other than ``"none"`` (``name`` names the adapter).
+            ``modules_to_save``, ``trainable_token_indices``, or a bias other than ``"none"``
+            (``name`` names the adapter).
     """
     what = f"adapter {name!r}"
     try:
