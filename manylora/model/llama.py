@@ -322,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         ``post_attention``, then ``final_norm``; the piecewise CUDA graphs
         (``worker/piecewise_graphs.py``) run the same methods, captured between the
         ``attend`` calls."""
-        x, residual = self.embed(input_ids, lora), None                       # [T, H]
+        x, residual = self.embed(input_ids, lora), None                 # [T, H]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             qkv, residual = layer.pre_attention(x, residual, lora)
             q, k, v = layer.self_attn.rotate(positions, qkv)
