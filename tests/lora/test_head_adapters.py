@@ -389,3 +389,21 @@ def test_slot_bytes_count_the_vocabulary_modules_once(untied):
     allocated += table.ranks.numel() * 4 + table.dora.numel() * 4
     assert slot_bytes(cfg.module_shapes(), cfg.num_layers, targets, 8,
                       torch.float32) * 3 == allocated
+
+
+@pytest.mark.parametrize("targets", [".*(q_proj|v_proj)", ".*(q_proj|lm_head)", ".*embed_tokens",
+                                     ["q_proj", "v_proj"], ["q_proj", "lm_head"],
+                                     ["embed_tokens"]])
+def test_which_configs_may_reach_the_vocabulary_modules_as_peft_matches(targets):
+    """Under tensor parallelism these adapters are read on the engine's thread (the check
+    of a saved table is a collective): exactly those whose targets peft would match to
+    ``lm_head`` or ``model.embed_tokens``."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    from manylora.lora.formats.peft_config import may_target_vocab
+
+    config = LoraConfig(target_modules=targets)
+    expected = any(bool(check_target_module_exists(config, name))
+                   for name in ("lm_head", "model.embed_tokens"))
+    assert may_target_vocab({"target_modules": targets}) is expected

@@ -356,11 +356,23 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
 
 def may_target_vocab(cfg: dict) -> bool:
     """Whether a config's ``target_modules`` may reach ``embed_tokens`` or ``lm_head``: a
-    list naming one, a regex other than ``"all-linear"``, or none (the tensors decide)."""
+    list naming one, a regex matching ``model.embed_tokens`` or ``lm_head`` whole (as
+    ``peft_targets`` matches; not ``"all-linear"``), or none (the tensors decide). The
+    config's types are already checked (``read_peft_config``).
+
+    Raises:
+        LoRAAdapterError: a regex that does not compile, or matching over its budget.
+    """
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         return any(t.rsplit(".", 1)[-1] in LORA_VOCAB_MODULES for t in targets)
-    return not (isinstance(targets, str) and targets.lower() == "all-linear")
+    if targets is None:
+        return True
+    if targets.lower() == "all-linear":
+        return False
+    what = f"target_modules {targets!r}"
+    pattern, budget = compile_bounded(targets, what), MatchBudget()
+    return any(budget.match(pattern, n, what, full=True) for n in _VOCAB_PATHS)
 
 
 def layer_path(module_key: str) -> str:
