@@ -59,6 +59,11 @@ class Request:
             preemption, are dropped.
         cache_salt: salts the request's prefix-cache hashes (vLLM's ``cache_salt``), or
             None.
+        long_rope: the model's RoPE is ``longrope`` and the request holds more tokens than
+            its ``original_max_position_embeddings``, so every key of the request rotates
+            with the long factors (``model.layers.rotary.rope_rows``; set when it is built
+            or when it grows past that length, ``Scheduler``): its prefix-cache hashes are
+            kept apart from those of shorter sequences, whose keys rotate the short way.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
         scheduled_time: when the scheduler first took it into the running batch
@@ -88,6 +93,7 @@ class Request:
     client_group: str | None = None
     prompt_logprobs_next: int = 1
     cache_salt: str | None = None
+    long_rope: bool = False
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -4,6 +4,9 @@ The design follows TensorRT-LLM's ``ModelWeightsLoader``: an internal parameter 
 section by section (split on ``.``) into one or more external checkpoint names, the tensor (or only
 the tensor-parallel rank's slice of it) is read for each, and the list is post-processed into the
 parameter (concatenated along dim 0 by default, or by the parameter's own ``weight_loader``).
+A checkpoint whose projection is already fused (Phi-3's ``qkv_proj`` and ``gate_up_proj``)
+holds the untranslated name instead of the parts: its rows are cut into the parts (each
+rank's rows of each) as if they had been separate tensors.
 """
 
 from __future__ import annotations
@@ -307,15 +310,43 @@ class ModelWeightsLoader:
             loaded = tensor.narrow(dim, part.start, part.stop - part.start).contiguous()
         return part.pad(loaded)
 
+    def fused_key(self, key: str) -> str | None:
+        """The external name of internal ``key`` with its fusing sections kept (those the
+        key dict maps to a list, e.g. ``qkv_proj``), when the checkpoint holds that tensor
+        and none of the parts :meth:`translate` names: a checkpoint whose projection is
+        already fused, rows of the parts in order (Phi-3's ``qkv_proj`` ``[q + k + v,
+        hidden]`` and ``gate_up_proj`` ``[2 * intermediate, hidden]``). None otherwise."""
+        sections, fused = [], False
+        for section in key.split("."):
+            value = self.key_dict.get(section, section)
+            if isinstance(value, list):
+                fused, value = True, section
+            sections.append(value)
+        name = ".".join(p for p in sections if p)
+        if not fused or name not in self._shard_map:
+            return None
+        if any(k in self._shard_map for k in self.translate(key)):
+            return None
+        return name
+
     def load(
         self, key: str, tp_size: int = 1, tp_dim: int | None = None, tp_rank: int = 0
     ) -> list[torch.Tensor]:
-        """Translate internal ``key`` and load each external tensor (or its TP slice), in order.
+        """Translate internal ``key`` and load each external tensor (or its TP slice), in order;
+        a fused checkpoint tensor (:meth:`fused_key`) whole, as the one tensor.
 
         Raises:
             MissingWeightError: (a ``CheckpointError`` and ``KeyError``) naming the missing
                 external key(s), the internal key and the checkpoint directory.
+            CheckpointError: a fused tensor asked for an even tensor-parallel slice (its
+                parts are cut by ``tp_slices`` only).
         """
+        fused = self.fused_key(key)
+        if fused is not None:
+            if tp_size > 1 and tp_dim is not None:
+                raise CheckpointError(f"{fused!r} is a fused tensor: parameter {key!r} needs "
+                                      "tp_slices to take each part's rows")
+            return [self.load_tensor(fused)]
         external = self.translate(key)
         tensors = [self.load_tensor(k, tp_size, tp_dim, tp_rank) for k in external]
         missing = [k for k, t in zip(external, tensors, strict=True) if t is None]
@@ -362,6 +393,13 @@ class ModelWeightsLoader:
                 param.data.copy_(tensor)
 
     def _load_parts(self, key: str, tp_slices: Sequence[TPSlice]) -> list[torch.Tensor]:
+        fused = self.fused_key(key) if len(tp_slices) > 1 else None
+        if fused is not None:
+            # the parts lie one after the other along dim 0 of the fused tensor
+            total = sum(s.full for s in tp_slices)
+            starts = itertools.accumulate((s.full for s in tp_slices), initial=0)
+            return [self.load_part(fused, TPSlice(0, off + s.start, off + s.stop, total, s.size))
+                    for off, s in zip(starts, tp_slices)]
         external = self.translate(key)
         if len(external) != len(tp_slices):
             raise CheckpointError(f"parameter {key!r} has {len(tp_slices)} tensor-parallel "

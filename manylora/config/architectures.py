@@ -23,6 +23,7 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
 }
 
 #: Architecture of a config that names only its ``model_type``.
@@ -31,6 +32,7 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 

@@ -23,7 +23,8 @@ def build_request(request: EngineCoreRequest, scheduler: Scheduler,
                   structured: StructuredOutputManager, vocab_size: int, max_model_len: int,
                   lora_manager: LoRAManager | None) -> tuple[Request, list[int], bool]:
     """Check ``request`` and make its ``Request``, its adapter added to ``lora_manager``
-    (a reference the request holds until it ends).
+    (a reference the request holds until it ends); a prompt longer than a ``longrope``
+    model's original length (``Scheduler.long_rope_after``) is ``Request.long_rope``.
 
     Returns:
         ``(request, history, ready)``: the ``Request`` (its prompt after its session's
@@ -76,5 +77,7 @@ def build_request(request: EngineCoreRequest, scheduler: Scheduler,
                   lora_digest=digest, session_id=session_id,
                   eos_token_ids=request.eos_token_ids,
                   adapter_pending=lora_request is not None and digest is None,
-                  client_group=request.client_group, cache_salt=request.cache_salt)
+                  client_group=request.client_group, cache_salt=request.cache_salt,
+                  long_rope=(scheduler.long_rope_after is not None
+                             and len(ids) > scheduler.long_rope_after))
     return req, history, ready

@@ -12,6 +12,7 @@ from manylora.checkpoint.hub import resolve_model_path
 from manylora.config import SchedulerConfig
 from manylora.engine.arg_utils import EngineArgs
 from manylora.executor.abstract import Executor
+from manylora.model.layers.rotary import is_longrope, original_max_positions
 from manylora.scheduler.kv_cache_manager import KVCacheManager
 from manylora.scheduler.scheduler import Scheduler
 from manylora.structured.compiler import GrammarCompileService, load_tokenizer_info
@@ -21,7 +22,9 @@ from manylora.structured.manager import StructuredOutputManager
 def build_scheduler(args: EngineArgs, executor: Executor) -> Scheduler:
     """The ``Scheduler`` over a ``KVCacheManager`` of the executor's blocks (with its swap
     space and measured preemption cost) and its ``LoRAManager``; at most ``max_loras``
-    adapters a step (at least one slot's worth when LoRA is off)."""
+    adapters a step (at least one slot's worth when LoRA is off); a ``longrope`` model's
+    original length (``Scheduler.long_rope_after``)."""
+    hf_config = executor.model_config.hf_config
     cc = executor.cache_config
     kv_manager = KVCacheManager(cc.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                 cc.num_host_blocks, executor.preemption_cost)
@@ -30,7 +33,8 @@ def build_scheduler(args: EngineArgs, executor: Executor) -> Scheduler:
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max(max_loras, 1),
                         args.lora_aging_steps, scheduling_policy=args.scheduling_policy,
                         max_group_share=args.max_group_share),
-        kv_manager, executor.lora_manager)
+        kv_manager, executor.lora_manager,
+        original_max_positions(hf_config) if is_longrope(hf_config) else None)
 
 
 def build_structured_outputs(args: EngineArgs, executor: Executor) -> StructuredOutputManager:

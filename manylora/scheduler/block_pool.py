@@ -20,25 +20,30 @@ from collections.abc import Sequence
 HASH_BYTES = 16
 
 
-def root_hash(lora_digest: str | None, cache_salt: str | None = None) -> bytes:
+def root_hash(lora_digest: str | None, cache_salt: str | None = None,
+              long_rope: bool = False) -> bytes:
     """The parent hash of a sequence's first block: the adapter's identity (the digest of
-    its weights, ``Request.lora_digest``), or the base model's, and the request's cache
+    its weights, ``Request.lora_digest``), or the base model's, whether its keys all rotate
+    with ``longrope``'s long factors (``Request.long_rope``), and the request's cache
     salt (vLLM's ``cache_salt``: only requests with the same salt share cached blocks)."""
     tag = b"base" if lora_digest is None else b"lora:" + lora_digest.encode()
+    if long_rope:
+        tag += b"\0longrope"
     if cache_salt is not None:
         tag += b"\0salt:" + cache_salt.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(tag, digest_size=HASH_BYTES).digest()
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        lora_digest: str | None, cache_salt: str | None = None) -> list[bytes]:
+                        lora_digest: str | None, cache_salt: str | None = None,
+                        long_rope: bool = False) -> list[bytes]:
     """Append the hashes of the full blocks of ``token_ids`` that ``hashes`` lacks.
 
     ``hashes[i] = BLAKE2b(hashes[i-1] ‖ token_ids[i*bs:(i+1)*bs] as int64)``, with
-    ``hashes[-1] = root_hash(lora_digest, cache_salt)``. Token ids only grow, so the list
-    is extended in place and returned.
+    ``hashes[-1] = root_hash(lora_digest, cache_salt, long_rope)``. Token ids only grow, so
+    the list is extended in place and returned.
     """
-    parent = hashes[-1] if hashes else root_hash(lora_digest, cache_salt)
+    parent = hashes[-1] if hashes else root_hash(lora_digest, cache_salt, long_rope)
     for i in range(len(hashes), len(token_ids) // block_size):
         h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())

@@ -14,7 +14,9 @@ When blocks run out, idle sessions give theirs back first (least recently used),
 newest running request is preempted: it keeps its tokens and gives back its blocks, whose
 full ones stay in the prefix cache, or in swap space when copying them is cheaper than
 recomputing; when it returns it recomputes only what was lost (TurboMind's eviction to
-token ids).
+token ids). Under a ``longrope`` model a sequence that grows past the original length is
+computed again from its first token, as transformers' Phi-3 ``generate`` does, so that all
+its keys rotate with the long factors (``Request.long_rope``).
 
 The scheduler never touches a tensor.
 """
@@ -74,6 +76,8 @@ class Scheduler:
         kv: the block allocator.
         adapters: the adapter cache's residency answers; None: every adapter is ready and
             none resident (the scheduler alone, as in tests).
+        long_rope_after: a ``longrope`` model's ``original_max_position_embeddings``: a
+            request that holds more tokens is ``Request.long_rope``; None: another RoPE.
 
     Attributes:
         fairness_preemptions: requests preempted to share the batch between client groups
@@ -81,8 +85,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 adapters: AdapterResidency | None = None) -> None:
+                 adapters: AdapterResidency | None = None,
+                 long_rope_after: int | None = None) -> None:
         self.config = config
+        self.long_rope_after = long_rope_after
         self.kv = kv
         self.adapters: AdapterResidency = adapters or _EveryAdapterReady()
         self._waiting = WaitingQueues()
@@ -157,6 +163,14 @@ class Scheduler:
             total = req.num_tokens + req.num_output_placeholders
             if req.num_output_placeholders and total >= req.max_total_tokens:
                 i += 1             # the tokens in flight end it (length): nothing to compute
+                continue
+            if self._crosses_long_rope(req, total):
+                if not req.num_output_placeholders:   # (else: once its token has arrived)
+                    self.running.pop(i)
+                    self._preempt(req, rewind=True)
+                    preempted.append(req.request_id)
+                else:
+                    i += 1
                 continue
             n = min(total - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
@@ -267,8 +281,12 @@ class Scheduler:
         ``num_computed_tokens``; the tokens to compute this step, or None (nothing taken)
         when the pool is too small."""
         rid, kv, stats = req.request_id, self.kv, self.kv.stats
+        if self._crosses_long_rope(req, req.num_tokens):
+            req.long_rope = True
+            req.block_hashes.clear()
         sess = self.sessions.get(req.session_id) if req.session_id is not None else None
-        if sess is not None and kv.has_blocks(sess.holder):
+        if sess is not None and kv.has_blocks(sess.holder) and (
+                sess.last_turn.long_rope == req.long_rope):
             computed = sess.last_turn.num_computed_tokens
             n = min(req.num_tokens - computed, budget)
             kv.rename(sess.holder, rid)
@@ -305,14 +323,25 @@ class Scheduler:
         return ScheduledRequest(req, start, n,
                                 start + n == req.num_tokens + req.num_output_placeholders)
 
-    def _preempt(self, req: Request) -> None:
-        self.kv.swap_out(req)
+    def _crosses_long_rope(self, req: Request, length: int) -> bool:
+        """Whether ``req``, holding ``length`` tokens, has grown past a ``longrope`` model's
+        original length with keys rotated the short way."""
+        return (self.long_rope_after is not None and not req.long_rope
+                and length > self.long_rope_after)
+
+    def _preempt(self, req: Request, rewind: bool = False) -> None:
+        """Give back ``req``'s blocks (its full ones stay cached) and queue it again.
+        ``rewind``: it grew past a ``longrope`` model's original length and is computed
+        again from its first token, with the long factors (``_join`` marks it); its blocks,
+        rotated the short way, are neither swapped out nor counted as a preemption."""
+        if not rewind:
+            self.kv.swap_out(req)
+            req.num_preemptions += 1
+            self.kv.stats.preemptions += 1
         self._lost[req.request_id] = req.num_computed_tokens
         self._deltas.forget(req.request_id)     # it returns to the runner as new
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.kv.stats.preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self._groups.left(req)
         self._waiting.requeue(req)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2",
-                   "gemma3")
+                   "gemma3", "phi3")
 #: Families whose norms compute ``(1 + w)``: their norm weights are drawn around 0.
 _ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 
@@ -39,13 +39,15 @@ def _config_class(arch: str) -> Any:
         LlamaConfig,
         MistralConfig,
         Olmo2Config,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                "qwen3": Qwen3Config, "olmo2": Olmo2Config, "granite": GraniteConfig,
-               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+               "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+               "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -186,15 +188,19 @@ def make_checkpoint(
             ``"gemma2"`` / ``"gemma3"``: ``Gemma2Config`` / ``Gemma3TextConfig``, whose norm
             weights, ``(1 + w)``, are drawn as normal(0, 0.1); their ``layer_types``,
             ``query_pre_attn_scalar``, soft caps and (gemma3) ``rope_local_base_freq`` go
-            in ``config_overrides``).
+            in ``config_overrides``;
+            ``"phi3"``: ``Phi3Config``, fused ``qkv_proj`` / ``gate_up_proj`` weights, with
+            ``partial_rotary_factor`` and ``original_max_position_embeddings`` (for a
+            ``longrope`` ``rope_scaling`` with ``short_factor`` / ``long_factor``) in
+            ``config_overrides``).
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
             ``rope_theta``) on transformers 5 and as ``rope_scaling`` on transformers 4.
             ``rope_theta`` may be given in ``config_overrides`` (default 10000).
-        sliding_window: Mistral's (and qwen2's / qwen3's, with ``use_sliding_window=True`` in
-            ``config_overrides``; gemma's sliding layers') attention window; ``None`` means
-            full attention (a gemma config must have one).
+        sliding_window: Mistral's and Phi-3's (and qwen2's / qwen3's, with
+            ``use_sliding_window=True`` in ``config_overrides``; gemma's sliding layers')
+            attention window; ``None`` means full attention (a gemma config must have one).
         max_shard_size: passed to ``save_pretrained`` (e.g. ``"20KB"``) to force sharding.
         config_overrides: any other config attribute.
 
@@ -224,11 +230,11 @@ def make_checkpoint(
         rope_kwargs = {"rope_parameters": {
             "full_attention": rope_kwargs["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
-    if arch in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3"):
+    if arch in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
-        raise ValueError("sliding_window is only supported for mistral, qwen2, qwen3, gemma2 "
-                         "and gemma3")
+        raise ValueError("sliding_window is only supported for mistral, qwen2, qwen3, gemma2, "
+                         "gemma3 and phi3")
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -1,12 +1,13 @@
 """Tiny GGUF files for tests, written with the ``gguf`` package's ``GGUFWriter`` from a tiny
 Hugging Face checkpoint (:func:`~manylora.testing.checkpoint.make_checkpoint`).
 
-Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA, Qwen2, Qwen3, Gemma 2 and
-Gemma 3 checkpoints, reduced to the metadata transformers reads: llama.cpp's tensor names,
-reversed shapes, for ``llama`` the Q/K row permutation of ``LlamaModel.permute`` (the Qwen
-and Gemma converters permute nothing), for Gemma the norm weights stored as ``1 + w`` (its
-``Gemma2Model.modify_tensors``) and the head width and window in the metadata. No
-tokenizer is written: engines on these files run with ``skip_tokenizer_init``.
+Only what llama.cpp's ``convert_hf_to_gguf.py`` does for LLaMA, Qwen2, Qwen3, Phi-3, Gemma 2
+and Gemma 3 checkpoints, reduced to the metadata transformers reads: llama.cpp's tensor
+names, reversed shapes, for ``llama`` the Q/K row permutation of ``LlamaModel.permute``
+(the Qwen, Phi-3 and Gemma converters permute nothing), Phi-3's fused ``qkv_proj`` and
+``gate_up_proj`` kept fused (``attn_qkv``, ``ffn_up``), for Gemma the norm weights stored
+as ``1 + w`` (its ``Gemma2Model.modify_tensors``) and the head width and window in the
+metadata. No tokenizer is written: engines on these files run with ``skip_tokenizer_init``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ _NAMES = {
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+
+
+#: Phi-3's vocabulary (transformers' ``Phi3Config`` pads with id 32000).
+_PHI3_VOCAB = 32064
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None = None
@@ -56,10 +62,12 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                qtype: Any = None, architecture: str | None = None,
                metadata: dict[str, Any] | None = None,
                float64: tuple[str, ...] = ()) -> Path:
-    """Write ``checkpoint_dir`` (a llama, qwen2, qwen3, gemma2 or gemma3
+    """Write ``checkpoint_dir`` (a llama, qwen2, qwen3, phi3, gemma2 or gemma3
     :func:`make_checkpoint`, one safetensors file) as the GGUF file ``out``. transformers
     reads no head width from a qwen3 GGUF (its ``Qwen3Config`` default, 128, holds), so a
-    qwen3 checkpoint needs ``head_dim`` 128.
+    qwen3 checkpoint needs ``head_dim`` 128; nor a ``partial_rotary_factor`` or RoPE scaling
+    for phi3, whose ``pad_token_id`` is ``Phi3Config``'s default, 32000: a smaller phi3
+    vocabulary is padded to Phi-3's 32064 with zero rows of the embedding and LM head.
 
     Args:
         checkpoint_dir: the Hugging Face checkpoint.
@@ -89,6 +97,7 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
                                          config["num_hidden_layers"])
     qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    vocab = max(config["vocab_size"], _PHI3_VOCAB) if arch == "phi3" else config["vocab_size"]
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(f"tiny {arch}")
     writer.add_block_count(config["num_hidden_layers"])
@@ -99,7 +108,7 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
-    writer.add_vocab_size(config["vocab_size"])
+    writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
     if gemma:
         writer.add_key_length(config["head_dim"])
@@ -110,6 +119,9 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out: str | os.PathLike,
     tensors = load_file(str(checkpoint_dir / "model.safetensors"))
     for name in sorted(tensors):
         data = tensors[name].astype(np.float32)
+        if name in ("model.embed_tokens.weight", "lm_head.weight") and len(data) < vocab:
+            data = np.concatenate([data, np.zeros((vocab - len(data), data.shape[1]),
+                                                  np.float32)])
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = llama_cpp_permute(data, heads, heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -119,7 +119,8 @@ class ModelRunner:
         self._input_batch: InputBatch | None = None
         capacity = max(1 << 16, 32 * largest + 16 * max(piece_sizes, default=0)
                        + 8 * max_loras + 8192)
-        self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device)
+        self.buffers = StepBuffers(capacity, rows, self.max_blocks_per_seq, self.device,
+                                   model.model.rotary.long_rows)
         self.on_step: Callable[[StepInputs], None] | None = None
         self.on_sampled: Callable[[torch.Tensor], None] | None = None
 
@@ -302,7 +303,7 @@ class ModelRunner:
         graph). ``host``: the step's host buffer (an eager step's LoRA launch skip
         reads its active slots); ``mask``: a graph step's projection mask (the LoRA
         projections of other kinds launch nothing; None: all)."""
-        return self.model(views["ids"].long(), views["positions"].long(), self.kv_caches,
+        return self.model(views["ids"].long(), _rope_positions(views).long(), self.kv_caches,
                           self._attention_metadata(views, layout),
                           self._lora_mapping(views, layout, host, mask))
 
@@ -313,7 +314,7 @@ class ModelRunner:
         attention eager between them → hidden ``[Tb, hidden]``."""
         key = (layout.pieces, LORA_VARIANT_CODES[layout.variant])
         lora = None if self.pieces.has(key) else self._lora_mapping(views, layout, host)
-        return self.pieces.run(key, views["ids"], views["positions"], lora,
+        return self.pieces.run(key, views["ids"], _rope_positions(views), lora,
                                self._attention_metadata(views, layout), self.kv_caches)
 
     def _lora_mapping(self, views: dict, layout: StepLayout,
@@ -370,7 +371,7 @@ class ModelRunner:
                     inputs = padding_piece_step(self.buffers, size,
                                                 LORA_VARIANT_CODES.index(variant), self.max_loras)
                     views = self.buffers.upload(inputs, self.max_loras)
-                    self.pieces.capture((size, variant), views["ids"], views["positions"],
+                    self.pieces.capture((size, variant), views["ids"], _rope_positions(views),
                                         self._lora_mapping(views, inputs.layout))
         if self.graphs is not None:
             self.graphs.end_startup()
@@ -397,3 +398,9 @@ class ModelRunner:
 
 def _no_bucket(num_rows: int) -> None:
     return None
+
+
+def _rope_positions(views: dict) -> torch.Tensor:
+    """What the model's RoPE reads of a step: the ``rope_rows`` of a ``longrope`` model,
+    else the positions."""
+    return views.get("rope_rows", views["positions"])

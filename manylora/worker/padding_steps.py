@@ -28,7 +28,7 @@ def padding_decode_step(buffers: StepBuffers, size: int, variant: int, max_loras
                         num_decode_tiles=size, table_width=max_blocks_per_seq,
                         variant=variant, max_seg_len=size, num_table_updates=0,
                         num_sampled=0, sample_prefix=1, bucket=size,
-                        table_rows=buffers.block_table.shape[0],
+                        table_rows=buffers.block_table.shape[0], rope_rows=buffers.rope_rows,
                         **graph_tiles(size, variant, max_loras))
     data = buffers.host_array(total_size(layout, max_loras))
     v = split_segments(data, layout, max_loras)
@@ -50,7 +50,7 @@ def padding_piece_step(buffers: StepBuffers, size: int, variant: int, max_loras:
                         table_width=1, variant=variant, max_seg_len=size,
                         num_table_updates=0, num_sampled=0, sample_prefix=1, bucket=-1,
                         table_rows=buffers.block_table.shape[0], pieces=size,
-                        **graph_tiles(size, variant, max_loras))
+                        rope_rows=buffers.rope_rows, **graph_tiles(size, variant, max_loras))
     data = buffers.host_array(total_size(layout, max_loras))
     v = split_segments(data, layout, max_loras)
     data[:] = 0

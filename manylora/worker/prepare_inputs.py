@@ -17,6 +17,7 @@ import numpy as np
 from manylora.lora.kernels.cost_model import graph_block_m
 from manylora.lora.kernels.meta import default_variant, fill_lora_segment, lora_kernel_meta_arrays
 from manylora.lora.kernels.row_tiles import max_row_tiles
+from manylora.model.layers.rotary import rope_rows
 from manylora.ops.attention_metadata import attention_tiles
 from manylora.sample.penalties import PenaltyInputs
 from manylora.sample.prompt_logprobs import PromptLogprobsPlan
@@ -94,7 +95,8 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, ids: list[str],
     if bucket is not None:
         probe = StepLayout(bucket, bucket, bucket, bucket, 0, int(token_slots is not None),
                            0, pending, num_sampled, 0, bucket, 0, int(late.size),
-                           lora_tiles=bucket, num_prompt_lp=num_prompt_lp)
+                           lora_tiles=bucket, num_prompt_lp=num_prompt_lp,
+                           rope_rows=buffers.rope_rows)
         if total_size(probe, batch.max_loras) > buffers.capacity:
             bucket = None     # a graph reads the persistent buffer only: run eagerly
     pad_tokens = num_tokens if bucket is None else bucket
@@ -114,7 +116,7 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, ids: list[str],
         probe = StepLayout(pieces, num_seqs, int(tile_seq.size), num_decode, width,
                            int(token_slots is not None), 0, pending, num_sampled, 0, -1,
                            0, int(late.size), pieces, lora_tiles=pieces,
-                           num_prompt_lp=num_prompt_lp)
+                           num_prompt_lp=num_prompt_lp, rope_rows=buffers.rope_rows)
         if total_size(probe, batch.max_loras) > buffers.capacity:
             pieces = None     # a graph reads the persistent buffer only: run eagerly
         else:
@@ -146,12 +148,15 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, ids: list[str],
         bucket=-1 if bucket is None else bucket,
         table_rows=batch.num_rows, num_prev=int(late.size),
         pieces=-1 if pieces is None else pieces, lora_block_m=block_m,
-        lora_tiles=num_tiles, num_prompt_lp=num_prompt_lp)
+        lora_tiles=num_tiles, num_prompt_lp=num_prompt_lp, rope_rows=buffers.rope_rows)
     data = buffers.host_array(total_size(layout, batch.max_loras))
     v = split_segments(data, layout, batch.max_loras)
     _put(v["ids"], batch.token_ids[token_rows, positions], 0)
     _put(v["positions"], positions, 0)
     _put(v["token_rows"], token_rows, -1)
+    if buffers.long_rows is not None:
+        _put(v["rope_rows"], rope_rows(positions, np.repeat(held, query_lens),
+                                       buffers.long_rows), 0)
     _put(v["seq_rows"], seq_rows, 0)
     v["query_start"][:num_seqs] = query_start
     v["query_start"][num_seqs:] = np.arange(num_tokens, num_tokens + pad_seqs - num_seqs)

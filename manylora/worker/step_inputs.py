@@ -22,6 +22,7 @@ and ``B`` sequences, padding included; ``L = max_loras``):
 ``ids``               T              token ids (0 for padding)
 ``positions``         T              position of each token in its sequence
 ``token_rows``        T              each token's block-table row, -1 for padding
+``rope_rows``         T              (``longrope`` models only) each token's RoPE table row
 LoRA (when present)   2T + 3L + 3NT  ``lora.punica.lora_kernel_meta_from_buffer``'s layout
 ``seq_rows``          B              each sequence's block-table row (0 for padding)
 ``query_start``       B              first token row of each sequence
@@ -86,6 +87,9 @@ class StepLayout(NamedTuple):
         num_prompt_lp: P, token rows whose prompt log-probabilities the step computes
             (``SamplingParams.prompt_logprobs``; every rank runs their logits, a
             collective under tensor parallelism); 0: none.
+        rope_rows: 1 when the step carries a ``rope_rows`` segment (a ``longrope`` model:
+            the rows of its RoPE table the model reads instead of the positions,
+            ``model.layers.rotary.rope_rows``); 0: none, the model reads the positions.
     """
 
     num_tokens: int
@@ -106,6 +110,7 @@ class StepLayout(NamedTuple):
     lora_tiles: int = 0
     lora_mask: int = -1
     num_prompt_lp: int = 0
+    rope_rows: int = 0
 
 
 class StepInputs(NamedTuple):
@@ -124,6 +129,8 @@ def segment_sizes(layout: StepLayout, max_loras: int) -> list[tuple[str, int]]:
     """``[(name, length), ...]`` of the segments, in buffer order (module doc)."""
     t, b, nt, n = layout.num_tokens, layout.num_seqs, layout.num_tiles, layout.num_sampled
     sizes = [("ids", t), ("positions", t), ("token_rows", t)]
+    if layout.rope_rows:
+        sizes.append(("rope_rows", t))
     if layout.variant:
         sizes.append(("lora", lora_segment_size(t, max_loras, layout.lora_tiles)))
     sizes += [("seq_rows", b), ("query_start", b), ("query_lens", b), ("seq_lens", b),
@@ -188,6 +195,8 @@ class StepBuffers:
         table_rows: initial rows of the device block table.
         table_width: W, block ids per row (``ceil(max_model_len / block_size)``).
         device: the rank's device.
+        long_rows: the model's ``RotaryEmbedding.long_rows`` (``longrope``: every step
+            carries a ``rope_rows`` segment); None: no such segment.
 
     Attributes:
         block_table: int32 ``[rows, W]`` on ``device``, each row a request's physical
@@ -197,9 +206,11 @@ class StepBuffers:
     """
 
     def __init__(self, capacity: int, table_rows: int, table_width: int,
-                 device: torch.device) -> None:
+                 device: torch.device, long_rows: tuple[int, int] | None = None) -> None:
         self.device = device
         self.capacity = capacity
+        self.long_rows = long_rows
+        self.rope_rows = int(long_rows is not None)
         pinned = device.type == "cuda"
         self.host = torch.zeros(capacity, dtype=torch.int32, pin_memory=pinned)
         self.host_np = self.host.numpy()

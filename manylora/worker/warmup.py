@@ -373,8 +373,10 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        triton_fused.rotary_embedding_triton(positions, q, k, model.model.rotary.cos,
-                                             model.model.rotary.sin)
+        rotary = model.model.rotary
+        rd = rotary.rotary_dim          # partial_rotary_factor: the heads' first rd only
+        triton_fused.rotary_embedding_triton(positions, q[..., :rd], k[..., :rd], rotary.cos,
+                                             rotary.sin)
         triton_attention.write_kv_triton(
             k, v, kv_cache, torch.full((_ROWS,), -1, dtype=torch.int64, device=device))
         # one prefill sequence of _ROWS tokens: the prefill launch

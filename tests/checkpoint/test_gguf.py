@@ -195,12 +195,12 @@ def test_tensor_parallel_gguf_equals_one_rank(tiny):
 
 def test_unserved_architecture_is_named(tiny, tmp_path):
     ckpt, _ = tiny["llama"]
-    phi3 = write_gguf(ckpt, tmp_path / "phi3.gguf", architecture="phi3")
-    assert is_gguf(phi3)
-    with pytest.raises(ValueError, match="unsupported architecture.*phi3"):
-        ModelConfig.from_hf(load_hf_config(phi3), torch.float32)
-    with pytest.raises(ValueError, match="unsupported architecture.*phi3"):
-        LLM(str(phi3), device="cpu", dtype="float32", skip_tokenizer_init=True)
+    stablelm = write_gguf(ckpt, tmp_path / "stablelm.gguf", architecture="stablelm")
+    assert is_gguf(stablelm)
+    with pytest.raises(ValueError, match="unsupported architecture.*stablelm"):
+        ModelConfig.from_hf(load_hf_config(stablelm), torch.float32)
+    with pytest.raises(ValueError, match="unsupported architecture.*stablelm"):
+        LLM(str(stablelm), device="cpu", dtype="float32", skip_tokenizer_init=True)
     gemma = write_gguf(ckpt, tmp_path / "gemma.gguf", architecture="gemma")
     with pytest.raises(CheckpointError, match="gemma.gguf.*'gemma'"):
         gguf_config(gemma)

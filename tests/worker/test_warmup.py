@@ -144,7 +144,7 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     """One step's model inputs: eager (decode, prefill, chunks over cached prefixes, mixed)
     or a CUDA-graph padded decode batch; LoRA off, or rows over random slots with the
     default, SGMV, BGMV or tiled variant (graphs: BGMV or tiled, as the engine captures)."""
-    dev = torch.device("cpu")
+    dev = DEVICE
     graph = rng.random() < 0.3
     budget = MAX_TOKENS
     q_lens, c_lens = [], []
@@ -167,11 +167,16 @@ def _random_step(rng: random.Random, model, max_blocks: int):
     if rng.random() < 0.8 and (graph or any(s >= 0 for s in token_slots)):
         variant = rng.choice(["tiled", "bgmv"] if graph else [None, "sgmv", "bgmv", "tiled"])
         lora = build_lora_kernel_meta(token_slots, MAX_LORAS, dev, pad_to=pad, variant=variant)
-    ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64)
+    ids = torch.tensor([rng.randrange(100) for _ in range(rows)], dtype=torch.int64,
+                       device=dev)
     positions = torch.tensor([c - q + j for q, c in zip(q_lens, c_lens) for j in range(q)]
-                             + [0] * (rows - sum(q_lens)), dtype=torch.int64)
+                             + [0] * (rows - sum(q_lens)), dtype=torch.int64, device=dev)
     return ids, positions, attn, lora
 
+
+#: The Triton kernels run on the GPU where there is one, else through Triton's interpreter
+#: on CPU tensors (conftest sets TRITON_INTERPRET only without CUDA).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 MODELS = {
     "llama": ({}, "auto"),
@@ -190,15 +195,15 @@ MODELS = {
 def model_and_caches(request, tmp_path_factory):
     """A model with LoRA slots (every projection targeted; the plain Llama also its
     ``embed_tokens`` and ``lm_head``, and Gemma 2, whose embedding and logits wrap them)
-    and its KV caches, on CPU."""
+    and its KV caches, on ``DEVICE``."""
     checkpoint_kwargs, kv_cache_dtype = MODELS[request.param]
     base = make_checkpoint(tmp_path_factory.mktemp(request.param), **checkpoint_kwargs)
     cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
-    model = load_model(base, cfg, torch.device("cpu"))
+    model = load_model(base, cfg, DEVICE)
     vocab = request.param in ("llama", "gemma2-softcap-windows")
     targets = LORA_ALL_MODULES if vocab else LORA_TARGET_MODULES
     model.create_lora_slots(LoRAConfig(MAX_LORAS, 16, target_modules=targets))
-    kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"),
+    kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, DEVICE,
                                    kv_cache_dtype)
     return model, kv_caches
 

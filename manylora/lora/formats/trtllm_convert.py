@@ -35,21 +35,21 @@ class _BaseWeights:
         self.model_dir = model_dir
 
     def weight(self, layer: int, module: str) -> torch.Tensor:
-        """``[out, in]`` of one projection; a fused module's parts concatenated (dim 0).
+        """``[out, in]`` of one projection; a fused module's parts concatenated (dim 0), or
+        the checkpoint's own fused tensor (Phi-3's ``qkv_proj`` / ``gate_up_proj``,
+        ``ModelWeightsLoader.fused_key``).
 
         Raises:
             LoRAAdapterError: the checkpoint has no such tensor.
         """
-        parts = []
-        for part in component_modules(module):
-            block = "self_attn" if part in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"model.layers.{layer}.{block}.{part}.weight"
-            t = self._loader.load_tensor(key)
-            if t is None:
-                raise LoRAAdapterError(f"base model {self.model_dir} has no {key!r} (needed to "
-                                       "normalize the DoRA magnitudes)")
-            parts.append(t)
-        return torch.cat(parts)
+        block = "self_attn" if component_modules(module)[0] in (
+            "q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+        key = f"model.layers.{layer}.{block}.{module}.weight"
+        try:
+            return torch.cat(self._loader.load(key))
+        except CheckpointError as e:
+            raise LoRAAdapterError(f"base model {self.model_dir}: {e} (needed to normalize "
+                                   "the DoRA magnitudes)") from e
 
 
 def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
