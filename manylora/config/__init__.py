@@ -18,12 +18,19 @@ from manylora.config.dtypes import (
     resolve_dtype,
     resolve_lora_dtype,
 )
-from manylora.config.lora import LORA_TARGET_MODULES, LoRAConfig
+from manylora.config.lora import (
+    LORA_ALL_MODULES,
+    LORA_TARGET_MODULES,
+    LORA_VOCAB_MODULES,
+    MODEL_LAYER,
+    LoRAConfig,
+)
 from manylora.config.model import ModelConfig
 from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, check_fairness
 
 __all__ = [
-    "KV_CACHE_DTYPES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES", "MODEL_ARCHITECTURES",
+    "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES",
+    "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES", "MODEL_LAYER",
     "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
     "ModelConfig", "SchedulerConfig", "check_fairness", "resolve_architecture",
     "resolve_device", "resolve_dtype", "resolve_lora_dtype",

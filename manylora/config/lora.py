@@ -6,10 +6,23 @@ from dataclasses import dataclass
 
 import torch
 
-#: The projections an adapter may target, in the order the model applies them.
+#: The decoder layers' projections, in the order the model applies them: the modules that
+#: get slot buffers by default (``lora_target_modules`` unset).
 LORA_TARGET_MODULES: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
+
+#: The model's vocabulary-wide modules an adapter may target (peft's ``embed_tokens`` /
+#: ``lm_head`` LoRA): slot buffers only when ``lora_target_modules`` names them, since each
+#: slot holds a ``[max_lora_rank, vocab]`` table for each.
+LORA_VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
+
+#: Every module an adapter may target (and ``lora_target_modules`` may name).
+LORA_ALL_MODULES: tuple[str, ...] = LORA_TARGET_MODULES + LORA_VOCAB_MODULES
+
+#: The layer index of ``embed_tokens`` and ``lm_head`` in an adapter's ``(layer, module)``
+#: keys and the slot table (they belong to no decoder layer).
+MODEL_LAYER = -1
 
 
 @dataclass(frozen=True)
@@ -21,8 +34,9 @@ class LoRAConfig:
         max_loras: device slots, i.e. distinct adapters per step.
         max_lora_rank: rank every slot buffer is padded to.
         max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
-        target_modules: projections that get slot buffers; an adapter that targets another
-            one is refused.
+        target_modules: modules that get slot buffers (default: the seven projections;
+            ``embed_tokens`` and ``lm_head`` only when named, as TensorRT-LLM's
+            ``lora_target_modules``); an adapter that targets another one is refused.
         max_cpu_lora_bytes: bytes of adapter tensors the host cache may hold (None: bounded
             by count only).
         fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
@@ -31,7 +45,7 @@ class LoRAConfig:
             divisible by the number of ranks), B along its output for row-parallel ones, at
             the cost of one more collective per column-parallel projection (an all-gather)
             and two more per row-parallel one (an all-reduce, an all-gather). No effect on
-            one rank.
+            one rank, nor on the ``embed_tokens`` / ``lm_head`` slots (``lora.vocab``).
         load_timeout: seconds one adapter read (disk to host memory: parse, validate,
             digest, pin; from the moment a loader thread starts it) may go without progress
             (a module read); one stuck longer fails alone (``LoRALoadTimeoutError``). None:
@@ -61,8 +75,8 @@ class LoRAConfig:
                 f"max_cpu_loras ({self.max_cpu_loras}) must be ≥ max_loras ({self.max_loras})")
         if self.max_cpu_lora_bytes is not None and self.max_cpu_lora_bytes < 1:
             raise ValueError(f"max_cpu_lora_bytes must be ≥ 1, got {self.max_cpu_lora_bytes}")
-        unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
+        unknown = [m for m in self.target_modules if m not in LORA_ALL_MODULES]
         if unknown or not self.target_modules:
             raise ValueError(
                 f"lora_target_modules {unknown or '[]'} invalid: choose from "
-                f"{', '.join(LORA_TARGET_MODULES)}")
+                f"{', '.join(LORA_ALL_MODULES)}")

@@ -219,14 +219,18 @@ class ModelConfig:
         return -(-self.vocab_size // self.tp_size)
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """``{module: (in_features, out_features)}`` for the seven LoRA-targetable projections,
-        of the whole model (what adapters are shaped for), whatever ``tp_size`` is."""
+        """``{module: (in_features, out_features)}`` for the LoRA-targetable modules, of the
+        whole model (what adapters are shaped for), whatever ``tp_size`` is: the seven
+        projections, ``embed_tokens`` as peft's embedding LoRA reads it (``(vocab, hidden)``:
+        ``lora_embedding_A [r, vocab]``, ``lora_embedding_B [hidden, r]``) and ``lm_head``
+        (``(hidden, vocab)``)."""
         h, i = self.hidden_size, self.total_intermediate_size
         q, kv = self.total_q_size, self.total_kv_size
         return {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv),
             "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i),
             "down_proj": (i, h),
+            "embed_tokens": (self.vocab_size, h), "lm_head": (h, self.vocab_size),
         }
 
 

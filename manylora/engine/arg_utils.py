@@ -37,7 +37,8 @@ class EngineArgs:
         max_loras: device adapter slots = distinct adapters per step.
         max_lora_rank: rank every adapter slot is padded to.
         max_cpu_loras: adapters kept in host memory; None means max(32, max_loras).
-        lora_target_modules: projections that get adapter slot buffers; None means all seven.
+        lora_target_modules: modules that get adapter slot buffers; None means the seven
+            projections (``embed_tokens`` / ``lm_head`` only when named).
         enable_lora: allocate adapter slots and accept LoRA requests.
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: tokens computed per step.

@@ -86,6 +86,12 @@ class TPExecutor(UniProcExecutor):
         self.driver.dora_norm(layer, module, a, b)
         return self.model.lora_dora_norm(layer, module, a, b)
 
+    def base_weight_equal(self, module: str, weight: torch.Tensor) -> bool:
+        """The check of an adapter's ``embed_tokens`` / ``lm_head`` table as a collective:
+        every worker compares its vocabulary rows, then rank 0 (``TPDriver``)."""
+        self.driver.base_weight_equal(module, weight)
+        return self.model.lora_base_weight_equal(module, weight)
+
     def guard(self) -> contextlib.AbstractContextManager:
         return self.driver.workers.guard()
 

@@ -179,6 +179,12 @@ class TPDriver:
         (``LlamaForCausalLM.lora_dora_norm``)."""
         self.send({"op": "dora_norm", "layer": layer, "module": module}, {"a": a, "b": b})
 
+    def base_weight_equal(self, module: str, weight: torch.Tensor) -> None:
+        """Have every worker enter the comparison of an adapter's copy of the base
+        ``embed_tokens`` / ``lm_head`` table ``weight [vocab, hidden]`` with its rows of the
+        model's; rank 0 then enters it too (``LlamaForCausalLM.lora_base_weight_equal``)."""
+        self.send({"op": "base_weight_equal", "module": module}, {"weight": weight})
+
     def shutdown(self) -> None:
         """Tell the workers to stop, reap them, and leave the process group (idempotent)."""
         if self._stopped:

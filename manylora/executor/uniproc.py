@@ -139,7 +139,7 @@ class UniProcExecutor(Executor):
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
             self.lora_config.target_modules, self.lora_config.dtype,
             (args.model, str(self.model_dir), *gguf_model_names(self.model_dir)),
-            dora_norm=self.dora_norm)
+            dora_norm=self.dora_norm, base_weight_equal=self.base_weight_equal)
         self.lora_manager = LoRAManager(self.lora_config, target, slots)
 
     def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor
@@ -147,6 +147,11 @@ class UniProcExecutor(Executor):
         """A DoRA adapter's row norms ``||W + scale · B A||`` over the rows of ``(layer,
         module)``'s base weight (``a [r, in]``, ``b [out, r]``; ``AdapterTarget.dora_norm``)."""
         return dora_row_norm(self.model.lora_module_weight(layer, module), a, b)
+
+    def base_weight_equal(self, module: str, weight: torch.Tensor) -> bool:
+        """Whether an adapter's copy of the base ``embed_tokens`` / ``lm_head`` table equals
+        the model's (``AdapterTarget.base_weight_equal``)."""
+        return self.model.lora_base_weight_equal(module, weight)
 
     # ------------------------------------------------------------------------- steps
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from manylora.config import LoRAConfig
-from manylora.lora.adapter import LoRAAdapterError
+from manylora.config import MODEL_LAYER, LoRAConfig
+from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.cache_report import (
     AdapterEvents,
     AdapterLoadError,
@@ -50,7 +50,14 @@ logger = logging.getLogger(__name__)
 class _Known:
     request: LoRARequest      # how to read it again ("" path: only the host copy exists)
     digest: str
-    has_dora: bool = False
+    collective: bool = False  # its read is a collective under tensor parallelism
+
+
+def _collective_read(adapter: PinnedAdapter | LoRAAdapter) -> bool:
+    """Whether reading ``adapter`` again enters a collective under tensor parallelism:
+    DoRA's norms, or the check of an ``embed_tokens`` / ``lm_head`` table peft saved."""
+    keys = adapter.weights if isinstance(adapter, LoRAAdapter) else adapter.module_ranks()
+    return adapter.has_dora or any(layer == MODEL_LAYER for layer, _ in keys)
 
 
 def _check_unchanged(adapter: PinnedAdapter, known: _Known) -> None:
@@ -78,10 +85,11 @@ class LoRAManager:
         layout: the ``SlotLayout`` slot loads go through (its staging buffer holds the
             largest adapter the slots can take).
         reader, host_cache, slot_pool: the three parts (module docstring).
-        background_dora_reads: whether DoRA adapters are read on the loader threads;
-            False under tensor parallelism, where DoRA's norms are a collective that only
-            the engine's thread may start: ``add`` and ``prefetch`` then read them on the
-            calling thread.
+        background_dora_reads: whether DoRA adapters (and those that may carry an
+            ``embed_tokens`` / ``lm_head`` table to check) are read on the loader threads;
+            False under tensor parallelism, where DoRA's norms and that check are
+            collectives that only the engine's thread may start: ``add`` and ``prefetch``
+            then read them on the calling thread.
         host_alloc: ``nbytes → uint8 [nbytes]`` host tensor a pinned adapter is written into
             (pinned memory; shared memory under tensor parallelism, set before any ``add``).
         notify: called (from a loader thread) when a read finishes, so an engine loop
@@ -181,7 +189,8 @@ class LoRAManager:
                 known = None
             if known is None:
                 self.host_cache.insert(self.reader.pin(adapter), must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest, adapter.has_dora)
+                self._known[lid] = known = _Known(request, adapter.digest,
+                                                  _collective_read(adapter))
             else:
                 self.host_cache.touch(lid)
         elif request.lora_path:
@@ -205,12 +214,12 @@ class LoRAManager:
     def _start_first_read(self, request: LoRARequest) -> None:
         """The cheap checks of a new path, then its read on a loader thread (or here, for
         DoRA under tensor parallelism)."""
-        use_dora = self.reader.check(request)
-        if not self.background_dora_reads and use_dora is not False:
+        collective = self.reader.check(request)
+        if not self.background_dora_reads and collective is not False:
             adapter = self.reader.read(request)
             self.host_cache.insert(adapter, must_fit=True)
             self._known[request.lora_int_id] = _Known(request, adapter.digest,
-                                                      adapter.has_dora)
+                                                      _collective_read(adapter))
             return
         self.reader.start_first(request)
 
@@ -308,7 +317,7 @@ class LoRAManager:
             known = self._known.get(lid)
             if known is None or not known.request.lora_path:
                 continue
-            if known.has_dora and not self.background_dora_reads:
+            if known.collective and not self.background_dora_reads:
                 self._read_now(lid, known)
                 continue
             if not self.reader.start_reread(known.request):
@@ -348,7 +357,7 @@ class LoRAManager:
         self._failures.extend(failed)
         for request, adapter in first_reads:
             lid = request.lora_int_id
-            self._known[lid] = _Known(request, adapter.digest, adapter.has_dora)
+            self._known[lid] = _Known(request, adapter.digest, _collective_read(adapter))
             events.ready[lid] = adapter.digest
             # a host cache full of adapters that waiting requests need: dropped for now, read
             # again (prefetch) when its turn comes, as an evicted adapter is

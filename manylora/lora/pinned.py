@@ -10,7 +10,7 @@ aligned::
     scale  [out]     float32       (DoRA only: m / ||W + BA||)
 
 and a small ``plan`` (int64 ``[M, PLAN_COLS]``: layer, module index in
-``LORA_TARGET_MODULES``, rank, in, out, and the byte offsets of the three pieces, -1 for no
+``LORA_ALL_MODULES``, rank, in, out, and the byte offsets of the three pieces, -1 for no
 scale). A slot load (``SlotLayout``) copies the buffer to the device as it is and scatters
 it; each tensor-parallel rank cuts its own part from the same buffer with its own layout.
 This replaces per-tensor pinned copies (one allocation and one copy per tensor, S-LoRA /
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_ALL_MODULES
 from manylora.lora.adapter import LoRAAdapter
 
 #: Columns of ``PinnedAdapter.plan``.
@@ -98,7 +98,7 @@ class PinnedAdapter:
 
     def module_ranks(self) -> dict[tuple[int, str], int]:
         """``{(layer, module): rank}`` of its targeted modules."""
-        return {(int(row[P_LAYER]), LORA_TARGET_MODULES[int(row[P_MODULE])]): int(row[P_RANK])
+        return {(int(row[P_LAYER]), LORA_ALL_MODULES[int(row[P_MODULE])]): int(row[P_RANK])
                 for row in self.plan.tolist()}
 
     def tensors(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor,
@@ -109,7 +109,7 @@ class PinnedAdapter:
         Raises:
             KeyError: the adapter does not target ``(layer, module)``.
         """
-        m = LORA_TARGET_MODULES.index(module)
+        m = LORA_ALL_MODULES.index(module)
         for row in self.plan.tolist():
             if row[P_LAYER] == layer and row[P_MODULE] == m:
                 return _views(self.buf, row, self.dtype)
@@ -159,7 +159,7 @@ def pin_adapter(adapter: LoRAAdapter,
         s_off = -1
         if w.dora_scale is not None:
             s_off, offset = offset, offset + align(4 * n_out)
-        rows.append([layer, LORA_TARGET_MODULES.index(module), r, n_in, n_out,
+        rows.append([layer, LORA_ALL_MODULES.index(module), r, n_in, n_out,
                      a_off, b_off, s_off])
     buf = alloc(offset)
     plan = torch.tensor(rows, dtype=torch.int64)

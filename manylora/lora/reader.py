@@ -95,7 +95,9 @@ class AdapterReader:
 
     def check(self, request: LoRARequest) -> bool | None:
         """The checks of a new path that read no tensor (the directory, its config);
-        whether the adapter is DoRA, None when unknown (a hub repo id, fetched by the read).
+        whether its read may enter a collective under tensor parallelism (DoRA, or peft's
+        copy of an ``embed_tokens`` / ``lm_head`` table: ``check_adapter_dir``), None when
+        unknown (a hub repo id, fetched by the read).
 
         Raises:
             FileNotFoundError: a local path that does not exist.

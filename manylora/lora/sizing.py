@@ -7,18 +7,22 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from manylora.config import LORA_VOCAB_MODULES
+
 
 def slot_bytes(module_shapes: Mapping[str, tuple[int, int]], num_layers: int,
                target_modules: Sequence[str], max_lora_rank: int, dtype: torch.dtype) -> int:
     """Bytes of one slot over all layers: A ``[max_lora_rank, in]`` and B
     ``[max_lora_rank, out]`` in ``dtype`` per targeted module, plus the float32 DoRA scale
-    ``[out]`` and the slot's two int32 entries of the rank table (rank, DoRA flag)."""
+    ``[out]`` and the slot's two int32 entries of the rank table (rank, DoRA flag); once per
+    decoder layer for a projection, once for ``embed_tokens`` / ``lm_head``."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_layer = 0
+    total = 0
     for module in target_modules:
         in_f, out_f = module_shapes[module]
-        per_layer += (in_f + out_f) * max_lora_rank * elem + out_f * 4 + 2 * 4
-    return per_layer * num_layers
+        one = (in_f + out_f) * max_lora_rank * elem + out_f * 4 + 2 * 4
+        total += one if module in LORA_VOCAB_MODULES else one * num_layers
+    return total
 
 
 def slots_for_memory(free_bytes: int, percent: float, bytes_per_slot: int,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_ALL_MODULES
 from manylora.lora.kernels.slot_load import DESC_COLS, scatter_slot
 from manylora.lora.pinned import (
     P_A,
@@ -100,7 +100,7 @@ class SlotLayout:
         self.max_lora_rank = max_lora_rank
         self._targets: dict[tuple[int, int], _Target] = {}
         for (layer, module), lora in slots.items():
-            self._targets[(layer, LORA_TARGET_MODULES.index(module))] = _target(
+            self._targets[(layer, LORA_ALL_MODULES.index(module))] = _target(
                 lora, module, module_shapes[module], table.column(layer, module))
         first = next(iter(self._targets.values()))
         self.dtype, device = first.a.dtype, first.a.device
@@ -141,7 +141,7 @@ class SlotLayout:
         dora = np.zeros(self.num_columns, np.int32)
         rows: list[list[int]] = []
         for p in pinned.plan.tolist():
-            layer, module = p[P_LAYER], LORA_TARGET_MODULES[p[P_MODULE]]
+            layer, module = p[P_LAYER], LORA_ALL_MODULES[p[P_MODULE]]
             t = self._targets.get((layer, p[P_MODULE]))
             if t is None:
                 raise ValueError(f"adapter {pinned.name!r} targets layer {layer} {module}, "

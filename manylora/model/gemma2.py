@@ -152,17 +152,20 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         cap = getattr(cfg.hf_config, "final_logit_softcapping", None)
         self.final_softcap = float(cap) if cap else None
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[T]`` → ``LlamaForCausalLM.embed(ids) * normalizer``, ``[T, hidden]`` in
+    def embed(self, input_ids: torch.Tensor, lora: LoRAKernelMeta | None = None
+              ) -> torch.Tensor:
+        """int64 ``[T]`` → ``LlamaForCausalLM.embed(ids, lora) * normalizer``, ``[T, hidden]`` in
         the model dtype (all-reduced under tensor parallelism). Whatever the inherited
         embedding adds is scaled with it, as peft scales an embedding adapter's output by
         the base layer's ``embed_scale``."""
-        return super().embed(input_ids) * self.normalizer
+        return super().embed(input_ids, lora) * self.normalizer
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``LlamaForCausalLM.compute_logits`` (float32 ``[N, vocab]``), then ``cap *
-        tanh(logits / cap)`` when the config has a ``final_logit_softcapping``."""
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, rows: LoRAKernelMeta | None = None
+                       ) -> torch.Tensor:
+        """``LlamaForCausalLM.compute_logits`` (float32 ``[N, vocab]``, ``lm_head`` adapters
+        of ``rows`` included), then ``cap * tanh(logits / cap)`` when the config has a
+        ``final_logit_softcapping``."""
+        logits = super().compute_logits(hidden, rows)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap

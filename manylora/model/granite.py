@@ -87,10 +87,11 @@ class GraniteForCausalLM(LlamaForCausalLM):
         self.embedding_multiplier = float(cfg.hf_config.embedding_multiplier)
         self.logits_scaling = float(cfg.hf_config.logits_scaling)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[T]`` token ids → ``[T, hidden]`` in the model dtype: the embedding times
-        ``embedding_multiplier``."""
-        return super().embed(input_ids) * self.embedding_multiplier
+    def embed(self, input_ids: torch.Tensor, lora: LoRAKernelMeta | None = None
+              ) -> torch.Tensor:
+        """int64 ``[T]`` token ids → ``[T, hidden]`` in the model dtype: the embedding
+        (``embed_tokens`` adapters of ``lora`` included) times ``embedding_multiplier``."""
+        return super().embed(input_ids, lora) * self.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """``LlamaForCausalLM.compute_logits`` (same arguments; float32 ``[N, vocab]``)

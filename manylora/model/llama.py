@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from manylora.config import LoRAConfig, ModelConfig
+from manylora.config import MODEL_LAYER, LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slot_table import SlotTable
 from manylora.lora.slots import LoRASlots
+from manylora.lora.vocab import EmbeddingLoRA, HeadLoRA
 from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
@@ -175,11 +176,14 @@ class LlamaForCausalLM(nn.Module):
     step's attention metadata and LoRA mapping → hidden states ``[T, hidden_size]`` in the
     model dtype (the whole hidden state on every rank; the KV caches hold the rank's KV
     heads).
-    ``compute_logits(hidden [N, hidden]) → float32 [N, vocab]`` on every rank.
+    ``compute_logits(hidden [N, hidden], rows) → float32 [N, vocab]`` on every rank
+    (``rows``: the LoRA mapping of those ``N`` rows, for ``lm_head`` adapters).
 
     Attributes:
         slot_table: the ``SlotTable`` over all slot buffers (None until
             ``create_lora_slots``, and without LoRA).
+        embed_lora, head_lora: the ``embed_tokens`` / ``lm_head`` adapter slots
+            (``manylora.lora.vocab``); None unless ``lora_target_modules`` names them.
 
     Raises:
         ValueError: ``cfg`` sharded for another number of ranks than ``tp``, or a shape that
@@ -201,6 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Embedding(
             cfg.vocab_size, cfg.hidden_size, cfg.dtype, device, self.tp)
         self.slot_table: SlotTable | None = None
+        self.embed_lora: EmbeddingLoRA | None = None
+        self.head_lora: HeadLoRA | None = None
 
     def _projections(self, layer: int) -> tuple[LoRALinear, ...]:
         layer_mod = self.model.layers[layer]
@@ -226,9 +232,26 @@ class LlamaForCausalLM(nn.Module):
                                               lora_config.dtype)
                 if lora is not None:
                     slots.update({(i, name): lora for name in lora.module_names})
+        slots.update(self._create_vocab_lora(lora_config))
         self.slot_table = SlotTable(slots, lora_config.max_loras,
                                     next(self.parameters()).device)
         return slots
+
+    def _create_vocab_lora(self, lora_config: LoRAConfig) -> dict[tuple[int, str], LoRASlots]:
+        """The ``embed_tokens`` / ``lm_head`` slots ``lora_config.target_modules`` names
+        (``embed_lora`` / ``head_lora``), keyed ``(MODEL_LAYER, module)``; the head's B cut
+        to this rank's vocabulary rows."""
+        cfg, names = self.cfg, lora_config.target_modules
+        args = (lora_config.max_loras, lora_config.max_lora_rank,
+                lora_config.dtype or cfg.dtype, next(self.parameters()).device)
+        if "embed_tokens" in names:
+            self.embed_lora = EmbeddingLoRA(cfg.vocab_size, cfg.hidden_size, *args)
+        if "lm_head" in names:
+            head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+            self.head_lora = HeadLoRA(cfg.hidden_size, cfg.vocab_size,
+                                      (head.vocab_start, head.vocab_end), *args)
+        return {(MODEL_LAYER, m.slots.module_names[0]): m.slots
+                for m in (self.embed_lora, self.head_lora) if m is not None}
 
     def _projection(self, layer: int, module: str) -> LoRALinear:
         for proj in self._projections(layer):
@@ -260,10 +283,33 @@ class LlamaForCausalLM(nn.Module):
         """
         return self._projection(layer, module).dora_norm(module, a, b)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def lora_base_weight_equal(self, module: str, weight: torch.Tensor) -> bool:
+        """Whether ``weight [vocab, hidden]`` (cast to the model dtype) equals the base
+        ``embed_tokens`` or ``lm_head`` table (``"lm_head"`` of a tied model: the
+        embedding), on every rank (``AdapterTarget.base_weight_equal``). A collective
+        under tensor parallelism (each rank compares its vocabulary rows; one all-reduce),
+        called as ``lora_dora_norm`` is."""
+        table = (self.model.embed_tokens if module == "embed_tokens" or self.lm_head is None
+                 else self.lm_head)
+        base = table.linear_method.dense_weight(table)
+        lo, hi = table.vocab_start, table.vocab_end
+        same = tuple(weight.shape) == (self.cfg.vocab_size, base.shape[1]) and torch.equal(
+            base[: hi - lo], weight[lo:hi].to(base.device, base.dtype))
+        if self.tp.size == 1:
+            return same
+        differ = torch.tensor([0.0 if same else 1.0], device=base.device)
+        return float(self.tp.all_reduce(differ)) == 0.0
+
+    def embed(self, input_ids: torch.Tensor, lora: LoRAKernelMeta | None = None
+              ) -> torch.Tensor:
         """int64 ``[T]`` token ids → ``[T, hidden]`` in the model dtype (all-reduced under
-        tensor parallelism)."""
-        return self.model.embed_tokens(input_ids)
+        tensor parallelism), each row's ``embed_tokens`` adapter delta added (``lora``: the
+        step's mapping). A family that scales its embedding overrides this and scales the
+        result, as HF scales the adapted ``embed_tokens`` output."""
+        x = self.model.embed_tokens(input_ids)
+        if self.embed_lora is not None:
+            self.embed_lora.add_(input_ids, x, lora)
+        return x
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's ``(mlp output, residual)`` → hidden states ``[T, hidden]``."""
@@ -276,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         ``post_attention``, then ``final_norm``; the piecewise CUDA graphs
         (``worker/piecewise_graphs.py``) run the same methods, captured between the
         ``attend`` calls."""
-        x, residual = self.embed(input_ids), None                       # [T, H]
+        x, residual = self.embed(input_ids, lora), None                 # [T, H]
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             qkv, residual = layer.pre_attention(x, residual, lora)
             q, k, v = layer.self_attn.rotate(positions, qkv)
@@ -284,11 +330,18 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.post_attention(o, residual, lora)
         return self.final_norm(x, residual)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, rows: LoRAKernelMeta | None = None
+                       ) -> torch.Tensor:
         """``hidden [N, hidden] → float32 [N, vocab]``: under tensor parallelism each rank's
-        vocabulary rows, all-gathered, the padding past ``vocab_size`` dropped."""
+        vocabulary rows, all-gathered, the padding past ``vocab_size`` dropped. ``rows``:
+        the LoRA mapping of these ``N`` rows (``lm_head`` adapters add their delta to the
+        head's output, before the cast; None: the base head). A family that rescales or
+        soft-caps its logits overrides this, passing ``rows`` on."""
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = head.linear_method.apply(head, hidden).float()        # [N, vocab / tp]
+        logits = head.linear_method.apply(head, hidden)                # [N, vocab / tp]
+        if self.head_lora is not None:
+            self.head_lora.add_(hidden, logits, rows)
+        logits = logits.float()
         if self.tp.size == 1:
             return logits
         logits = self.tp.all_gather(logits, dim=-1)                    # [N, padded vocab]

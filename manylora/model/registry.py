@@ -5,9 +5,11 @@ The table is ``manylora.config.architectures.MODEL_ARCHITECTURES`` (``"module:Cl
 under ``manylora.model``; ``ModelConfig.from_hf`` checks checkpoints against it); this
 module imports the named family module when a model is built. A registered class takes
 ``(cfg: ModelConfig, device, tp: TPGroup | None)`` and offers what the worker reaches,
-as ``LlamaForCausalLM`` does: ``cfg`` (the rank's), ``forward``, ``embed``, ``final_norm``,
-``compute_logits``, ``create_lora_slots`` / ``slot_table``, ``lora_module_weight``,
-``lora_dora_norm``, and for the piecewise CUDA graphs and the warm-up ``model.layers[i]``
+as ``LlamaForCausalLM`` does: ``cfg`` (the rank's), ``forward``, ``embed(ids, lora)``,
+``final_norm``, ``compute_logits(hidden, rows)`` (an override passes ``lora`` / ``rows`` on
+to Llama's, which adds the ``embed_tokens`` / ``lm_head`` adapters), ``create_lora_slots`` /
+``slot_table`` / ``embed_lora`` / ``head_lora``, ``lora_module_weight``, ``lora_dora_norm``,
+``lora_base_weight_equal``, and for the piecewise CUDA graphs and the warm-up ``model.layers[i]``
 with ``pre_attention``, ``self_attn.rotate`` / ``self_attn.attend`` and
 ``post_attention``, ``model.embed_tokens``, ``model.rotary`` and ``lm_head``.
 """

@@ -104,11 +104,11 @@ def prompt_logits_chunks(num_rows: int, vocab_size: int) -> list[tuple[int, int]
 
 def compute_prompt_logprobs(hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
                             num_logprobs: int,
-                            compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                            compute_logits: Callable[[torch.Tensor, int, int], torch.Tensor],
                             vocab_size: int) -> torch.Tensor:
     """The flattened prompt log-probabilities of a step's prompt rows, on the device.
 
-    Per row ``r``: ``lp = log_softmax(compute_logits(hidden[rows[r]]))`` (float32), then
+    Per row ``r``: ``lp = log_softmax(logits(hidden[rows[r]]))`` (float32), then
     ``[lp[targets[r]], rank, topk ids (K), topk logprobs (K)]`` with
     ``rank = 1 + #{v : lp[v] > lp[targets[r]]}`` and ``K = min(num_logprobs, V)``.
 
@@ -117,8 +117,9 @@ def compute_prompt_logprobs(hidden: torch.Tensor, rows: torch.Tensor, targets: t
         rows: int ``[M]`` indices into ``hidden`` (the prompt positions ``j - 1``).
         targets: int ``[M]`` the prompt tokens ``x_j`` they predict, in ``[0, V)``.
         num_logprobs: K, the largest ``prompt_logprobs`` of the step's rows (``>= 0``).
-        compute_logits: ``hidden [m, hidden] -> float32 [m, V]`` (a collective under tensor
-            parallelism: call this on every rank, with the same M).
+        compute_logits: ``(hidden [m, hidden], lo, hi) -> float32 [m, V]``, the logits of
+            ``rows[lo:hi]`` (a collective under tensor parallelism: call this on every rank,
+            with the same M).
         vocab_size: V (sizes the chunks, :func:`prompt_logits_chunks`).
 
     Returns:
@@ -134,7 +135,7 @@ def compute_prompt_logprobs(hidden: torch.Tensor, rows: torch.Tensor, targets: t
     parts = []
     k = min(num_logprobs, vocab_size)
     for lo, hi in prompt_logits_chunks(rows.shape[0], vocab_size):
-        logits = compute_logits(hidden.index_select(0, rows[lo:hi].long()))
+        logits = compute_logits(hidden.index_select(0, rows[lo:hi].long()), lo, hi)
         lp = logits.log_softmax(dim=-1, dtype=torch.float32)
         token = lp.gather(-1, targets[lo:hi].long().unsqueeze(-1))
         rank = (lp > token).sum(dim=-1, keepdim=True) + 1

@@ -37,7 +37,8 @@ def make_peft_adapter(
     Loads the base with ``AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)``
     (``manylora.testing.hf.hf_causal_lm``),
     wraps it with ``peft.get_peft_model`` and a ``LoraConfig(task_type="CAUSAL_LM", ...)``, then
-    re-draws every ``lora_A``/``lora_B`` weight from normal(0, ``init_std``) with a generator
+    re-draws every ``lora_A``/``lora_B`` weight (``lora_embedding_A``/``B`` for ``embed_tokens``)
+    from normal(0, ``init_std``) with a generator
     seeded by ``seed`` (peft initialises B to zero, which would make the adapter a no-op). With
     ``use_dora`` the magnitude vectors are scaled by 1 + normal(0, 0.1) so that they matter.
     peft's own ``save_pretrained`` writes ``adapter_config.json`` (whose
@@ -94,7 +95,7 @@ def make_peft_adapter(
     n_lora = 0
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
+            if any(f".lora_{t}." in name for t in ("A", "B", "embedding_A", "embedding_B")):
                 noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
                 param.copy_((init_std * noise).to(param.dtype))
                 n_lora += 1

@@ -45,6 +45,7 @@ from manylora.worker.prepare_inputs import prepare_inputs
 from manylora.worker.step_inputs import LORA_VARIANT_CODES, StepBuffers, StepInputs, StepLayout
 from manylora.worker.step_metadata import (
     attention_metadata,
+    logits_rows_meta,
     lora_kernel_meta,
     lora_variant_model,
     with_projection_mask,
@@ -190,10 +191,11 @@ class ModelRunner:
             return None
         # the order of the tensor-parallel all-gathers (tp_worker replays it): the sampled
         # rows' logits, then the prompt rows' chunks
-        logits = self.logits(hidden, inputs.layout, views) if info.req_ids else None
+        logits = (self.logits(hidden, inputs.layout, views, inputs.data) if info.req_ids
+                  else None)
         prompt = None
         if info.prompt is not None:
-            prompt = self.prompt_logprobs(hidden, inputs.layout, views, info)
+            prompt = self.prompt_logprobs(hidden, inputs.layout, views, info, inputs.data)
         return ForwardStep(info, logits, views, prompt)
 
     @torch.inference_mode()
@@ -217,20 +219,37 @@ class ModelRunner:
         return self.step_sampler.sample(step, bitmask, self._seed_of, self.on_sampled)
 
     def prompt_logprobs(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
-                        info: SampleInfo | None = None) -> torch.Tensor | None:
+                        info: SampleInfo | None = None, host: np.ndarray | None = None
+                        ) -> torch.Tensor | None:
         """float64, the flattened prompt log-probabilities of the step's prompt rows
         (``sample.prompt_logprobs.compute_prompt_logprobs``; ``layout.num_prompt_lp``
-        rows, K the largest ``prompt_logprobs`` of ``info.prompt``). Tensor-parallel
-        workers call it with ``info`` None: they only compute the same chunks of logits,
-        so that their all-gathers line up with rank 0's, and return None."""
+        rows, K the largest ``prompt_logprobs`` of ``info.prompt``), each chunk's
+        ``lm_head`` adapters applied (``host``: the step's host buffer, which holds the
+        rows' slots). Tensor-parallel workers call it with ``info`` None: they only compute
+        the same chunks of logits, so that their all-gathers line up with rank 0's, and
+        return None."""
         rows = views["prompt_rows"]
+
+        def chunk_logits(h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+            return self.model.compute_logits(h, self._rows_meta(layout, host, "prompt_rows",
+                                                                (lo, hi)))
+
         if info is None:
             for lo, hi in prompt_logits_chunks(rows.shape[0], self.vocab_size):
-                self.model.compute_logits(hidden.index_select(0, rows[lo:hi].long()))
+                chunk_logits(hidden.index_select(0, rows[lo:hi].long()), lo, hi)
             return None
         return compute_prompt_logprobs(hidden, rows, views["prompt_targets"],
-                                       max(info.prompt.num_logprobs),
-                                       self.model.compute_logits, self.vocab_size)
+                                       max(info.prompt.num_logprobs), chunk_logits,
+                                       self.vocab_size)
+
+    def _rows_meta(self, layout: StepLayout, host: np.ndarray | None, segment: str,
+                   span: tuple[int, int] | None = None) -> LoRAKernelMeta | None:
+        """The LoRA mapping of the logits rows ``segment`` lists (``logits_rows_meta``);
+        None without ``lm_head`` slots or the step's host buffer."""
+        if self.model.head_lora is None or host is None:
+            return None
+        return logits_rows_meta(host, layout, self.max_loras, self.model.slot_table,
+                                self.device, segment, span)
 
     def get_output(self, step: LaunchedStep | None) -> SampledTokens:
         """Wait for a launched step's tokens, append them to the input batch, and return
@@ -308,15 +327,19 @@ class ModelRunner:
         return attention_metadata(views, layout, self.buffers.block_table, self.block_size,
                                   self.block_q, self.num_queries_per_kv)
 
-    def logits(self, hidden: torch.Tensor, layout: StepLayout, views: dict) -> torch.Tensor:
-        """float32 ``[N, vocab]``: the logits of the sampled rows.
+    def logits(self, hidden: torch.Tensor, layout: StepLayout, views: dict,
+               host: np.ndarray | None = None) -> torch.Tensor:
+        """float32 ``[N, vocab]``: the logits of the sampled rows, each through its own
+        ``lm_head`` adapter (their mapping built from ``host``, the step's host buffer;
+        None: the base head).
 
         Nothing here waits for the GPU: a decode step samples rows ``0..N-1``, a slice of
         ``hidden``; other steps gather the rows listed in the step buffer (already on the
         device)."""
+        rows = self._rows_meta(layout, host, "sample_rows")
         if layout.sample_prefix:
-            return self.model.compute_logits(hidden[:layout.num_sampled])
-        return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]))
+            return self.model.compute_logits(hidden[:layout.num_sampled], rows)
+        return self.model.compute_logits(hidden.index_select(0, views["sample_rows"]), rows)
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:

@@ -106,7 +106,7 @@ class PiecewiseGraphs:
         piece)."""
         layers = self.model.model.layers
         if i == 0:
-            x, residual = self.model.embed(ids.long()), None
+            x, residual = self.model.embed(ids.long(), lora), None
         else:
             x, residual = layers[i - 1].post_attention(
                 self.o[:tb].view(tb, -1), self.residual[:tb], lora)

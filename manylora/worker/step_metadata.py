@@ -1,15 +1,20 @@
 """What the model reads of a step besides its token ids and positions, built on the device
 from the step's buffer views: the attention metadata (cache locations, block tables) and
 the LoRA kernels' ``LoRAKernelMeta``, with the projection mask a decode graph step
-replays."""
+replays, and the mapping of the rows whose logits are computed (``lm_head`` adapters)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from manylora.config import MODEL_LAYER
 from manylora.lora.kernels.cost_model import LoRAVariantModel, ProjectionShape, gpu_model
-from manylora.lora.kernels.meta import LoRAKernelMeta, lora_kernel_meta_from_buffer
+from manylora.lora.kernels.meta import (
+    LoRAKernelMeta,
+    build_lora_kernel_meta,
+    lora_kernel_meta_from_buffer,
+)
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slot_table import SlotTable
 from manylora.model.llama import LlamaForCausalLM
@@ -66,6 +71,29 @@ def lora_kernel_meta(views: dict, layout: StepLayout, max_loras: int,
                                         ranks_host=None if table is None else table.ranks_host,
                                         host=lora_host, num_tiles=layout.lora_tiles,
                                         block_m=layout.lora_block_m, columns=columns)
+
+
+def logits_rows_meta(host: np.ndarray, layout: StepLayout, max_loras: int,
+                     table: SlotTable, device: torch.device, segment: str,
+                     span: tuple[int, int] | None = None) -> LoRAKernelMeta | None:
+    """The LoRA mapping of the rows whose logits a step computes (the reference's
+    ``prompt_lora_mapping``, one slot per row): the slot of each of the token rows listed
+    in ``segment`` of the step's host buffer (``"sample_rows"`` or ``"prompt_rows"``;
+    ``span``: its entries ``[lo, hi)`` only), from the step's per-token slots; built on the
+    host and copied once (``build_lora_kernel_meta``), with ``used_columns`` from the slot
+    table's host mirror. None when the step has no LoRA row or none of these rows' adapters
+    targets ``lm_head`` (``table`` has its column). Every tensor-parallel rank computes the
+    same from its own copy of the buffer.
+    """
+    if not layout.variant:
+        return None
+    views = split_segments(host, layout, max_loras)
+    rows = views[segment] if span is None else views[segment][span[0]: span[1]]
+    slots = views["lora"][: layout.num_tokens][rows]
+    head = table.ranks_host[:, table.column(MODEL_LAYER, "lm_head")]
+    if not head[slots[slots >= 0]].any():
+        return None
+    return build_lora_kernel_meta(slots, max_loras, device, ranks_host=table.ranks_host)
 
 
 def with_projection_mask(inputs: StepInputs, table: SlotTable | None, max_loras: int

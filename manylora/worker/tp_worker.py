@@ -9,7 +9,8 @@ shard, so the collectives inside the model line up), ``"slot"`` (an adapter ente
 slot: the name of its pinned host buffer in shared memory and its plan; each rank maps the
 buffer, copies it to its GPU and scatters its own part, ``SlotLayout.load``),
 ``"dora_norm"`` (a DoRA adapter's row norms, a collective whose tensors follow by
-``broadcast_tensor_dict``) and ``"stop"``. No pickle travels.
+``broadcast_tensor_dict``), ``"base_weight_equal"`` (the same for the check of an
+``embed_tokens`` / ``lm_head`` table an adapter carries) and ``"stop"``. No pickle travels.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
 
     Messages arrive on this rank's pipe (``readers[rank - 1]``, encoded by
     ``encode_tensor_dict``), where waiting has no time limit: an idle engine never times a
-    collective out. Only the tensors of ``"dora_norm"`` follow through a
+    collective out. Only the tensors of ``"dora_norm"`` and ``"base_weight_equal"`` follow through a
     ``broadcast_tensor_dict`` on the process group. EOF (rank 0 is gone) ends the worker. After each
     ``"slot"`` message the worker records its sequence number in the shared ``acks_name``
     array (rank 0 keeps the adapter's buffer alive until every worker has)."""
@@ -141,9 +142,9 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 # logits' all-gathers, then (async scheduling) the broadcast of its samples
                 num_sampled = inputs.layout.num_sampled
                 if num_sampled:
-                    runner.logits(hidden, inputs.layout, views)
+                    runner.logits(hidden, inputs.layout, views, inputs.data)
                 if inputs.layout.num_prompt_lp:
-                    runner.prompt_logprobs(hidden, inputs.layout, views)
+                    runner.prompt_logprobs(hidden, inputs.layout, views, host=inputs.data)
                 if num_sampled and msg["share_sampled"]:
                     prev_sampled = torch.empty(num_sampled, dtype=torch.int64, device=device)
                     dist.broadcast(prev_sampled, src=0)
@@ -152,5 +153,7 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
                 acks.values[rank] = int(msg["seq"])
             elif op == "dora_norm":
                 model.lora_dora_norm(int(msg["layer"]), msg["module"], msg["a"], msg["b"])
+            elif op == "base_weight_equal":
+                model.lora_base_weight_equal(msg["module"], msg["weight"])
             else:
                 raise RuntimeError(f"tensor-parallel worker {rank}: unknown message {op!r}")

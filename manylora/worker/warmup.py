@@ -55,6 +55,7 @@ from manylora.lora.kernels import tiled_plans as lora_tiled_plans
 from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
+from manylora.lora.slots import LoRASlots
 from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
@@ -206,11 +207,31 @@ def _warm_skinny(model: LlamaForCausalLM) -> int:
 # LoRA
 
 
-def _lora_targets(model: LlamaForCausalLM) -> dict[tuple, LoRALinear]:
-    """One ``LoRALinear`` per distinct kernel-facing shape (layers repeat them)."""
-    targets: dict[tuple, LoRALinear] = {}
-    for m in model.modules():
-        if not isinstance(m, LoRALinear) or m.lora is None:
+class _VocabTarget(NamedTuple):
+    """The ``embed_tokens`` / ``lm_head`` slots as ``_launch_pair`` reads a layer: their
+    input width and the width of the output their expand writes (the embedding, or this
+    rank's logits)."""
+
+    lora: LoRASlots
+    in_features: int
+    width: int
+    parallel: None = None
+
+
+def _lora_targets(model: LlamaForCausalLM) -> dict[tuple, LoRALinear | _VocabTarget]:
+    """One ``LoRALinear`` per distinct kernel-facing shape (layers repeat them), and the
+    ``embed_tokens`` / ``lm_head`` slots (``manylora.lora.vocab``) when sized."""
+    vocab = []
+    if model.embed_lora is not None:
+        vocab.append(_VocabTarget(model.embed_lora.slots, model.cfg.vocab_size,
+                                  model.cfg.hidden_size))
+    if model.head_lora is not None:
+        head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+        vocab.append(_VocabTarget(model.head_lora.slots, model.cfg.hidden_size,
+                                  head.weight.shape[0]))
+    targets: dict[tuple, LoRALinear | _VocabTarget] = {}
+    for m in [*model.modules(), *vocab]:
+        if not isinstance(m, LoRALinear | _VocabTarget) or m.lora is None:
             continue
         slots = m.lora
         key = (m.in_features, _expand_width(m), slots.output_slices,
@@ -223,13 +244,15 @@ def _lora_targets(model: LlamaForCausalLM) -> dict[tuple, LoRALinear]:
 def _expand_width(m: LoRALinear) -> int:
     """Columns of the ``y`` the expand writes: the layer's output, or under fully sharded
     row parallelism this rank's LoRA columns of it."""
+    if isinstance(m, _VocabTarget):
+        return m.width
     if m.parallel == "row" and m.fully_sharded:
         lo, hi = m._lora_cols
         return hi - lo
     return m.weight.shape[0]
 
 
-def _launch_pair(m: LoRALinear, lora_meta: LoRAKernelMeta, rows: int,
+def _launch_pair(m: LoRALinear | _VocabTarget, lora_meta: LoRAKernelMeta, rows: int,
                  zeros: torch.Tensor) -> int:
     """One shrink and one expand of ``m``'s slots over ``rows`` zero rows through the entry
     points the model calls, with ``zeros`` (int32 ``[max_loras, S]``) as the rank and DoRA
@@ -277,7 +300,7 @@ def _warm_lora(model: LlamaForCausalLM, max_rows: int) -> int:
     return launches
 
 
-def _warm_tiled(m: LoRALinear, max_rows: int, max_loras: int) -> int:
+def _warm_tiled(m: LoRALinear | _VocabTarget, max_rows: int, max_loras: int) -> int:
     """Launch the tiled kernels once per distinct plan of ``tiled_row_cases``, through the
     entry points the model calls, with a rank table of zeros (the programs return at once);
     the tiles all name row 0 of a one-row step."""

@@ -3,7 +3,9 @@ the ``openai`` client and raw HTTP; bad input is never a 500 and the server keep
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 import time
 
@@ -185,3 +187,28 @@ def test_full_waiting_queue_is_503_and_others_finish(base_dir):
             t.join(120)
         assert done == ["length", "length"]
         assert client.completions.create(model=BASE, prompt="hi", max_tokens=2).choices
+
+
+def test_adapters_the_server_cannot_serve_are_400_naming_the_field(served, lora_root,
+                                                                   base_dir, adapters):
+    """peft's TrainableTokens (``trainable_token_indices``), and an ``lm_head`` adapter on a
+    server whose slots are the projections only (the default ``--lora-target-modules``)."""
+    http = httpx.Client(base_url=served[1])
+    tokens = lora_root / "trainable-tokens"
+    if not tokens.exists():
+        shutil.copytree(adapters["ad1"], tokens)
+        cfg = json.loads((tokens / "adapter_config.json").read_text())
+        (tokens / "adapter_config.json").write_text(json.dumps(
+            {**cfg, "trainable_token_indices": [5, 6]}))
+    head = lora_root / "head"
+    if not head.exists():
+        make_peft_adapter(base_dir, head, r=2, target_modules=["q_proj", "lm_head"], seed=3)
+    for name, path, field in (("tokens", tokens, "trainable_token_indices"),
+                              ("head", head, "--lora-target-modules")):
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name,
+                                                     "lora_path": str(path)})
+        assert field in _error(r, 400)["message"]
+    served_names = {m["id"] for m in http.get("/v1/models").json()["data"]}
+    assert not {"tokens", "head"} & served_names
+    r = http.post("/v1/completions", json={"model": "ad1", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text

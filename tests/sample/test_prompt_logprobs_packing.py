@@ -36,7 +36,8 @@ def test_packed_prompt_logprobs_match_float64(monkeypatch, vocab, k):
     targets = torch.randint(0, vocab, (6,), generator=g)
     calls = []
 
-    def logits(h):
+    def logits(h, lo, hi):
+        assert hi - lo == h.shape[0]
         calls.append(h.shape[0])
         return h @ weight.T
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
-from manylora.config import LoRAConfig, ModelConfig
+from manylora.config import LORA_ALL_MODULES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
 from manylora.lora.kernels import plans as lora_plans
 from manylora.lora.kernels import sgmv_kernels as lora_kernels
@@ -193,12 +193,16 @@ MODELS = {
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model_and_caches(request, tmp_path_factory):
-    """A model with LoRA slots (every projection targeted) and its KV caches, on ``DEVICE``."""
+    """A model with LoRA slots (every projection targeted; the plain Llama also its
+    ``embed_tokens`` and ``lm_head``, and Gemma 2, whose embedding and logits wrap them)
+    and its KV caches, on ``DEVICE``."""
     checkpoint_kwargs, kv_cache_dtype = MODELS[request.param]
     base = make_checkpoint(tmp_path_factory.mktemp(request.param), **checkpoint_kwargs)
     cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
     model = load_model(base, cfg, DEVICE)
-    model.create_lora_slots(LoRAConfig(MAX_LORAS, 16))
+    vocab = request.param in ("llama", "gemma2-softcap-windows")
+    targets = LORA_ALL_MODULES if vocab else LORA_TARGET_MODULES
+    model.create_lora_slots(LoRAConfig(MAX_LORAS, 16, target_modules=targets))
     kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, DEVICE,
                                    kv_cache_dtype)
     return model, kv_caches
@@ -217,7 +221,11 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
         rng = random.Random(0)
         for _ in range(100):
             ids, positions, attn, lora = _random_step(rng, model, max_blocks)
-            model(ids, positions, kv_caches, attn, lora)
+            hidden = model(ids, positions, kv_caches, attn, lora)
+            if lora is not None and model.head_lora is not None:     # the sampled rows
+                rows = rng.sample(range(len(ids)), rng.randrange(1, min(len(ids), MAX_SEQS) + 1))
+                model.compute_logits(hidden[rows], build_lora_kernel_meta(
+                    [rng.randrange(-1, MAX_LORAS) for _ in rows], MAX_LORAS, hidden.device))
     stepped = set(keys)
     assert launches >= len(warmed) > 0
     kernels = {k[0] for k in stepped}

@@ -9,7 +9,7 @@ from pathlib import Path
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.formats.files import is_present
 from manylora.lora.formats.peft import load_peft_adapter
-from manylora.lora.formats.peft_config import check_peft_config
+from manylora.lora.formats.peft_config import check_peft_config, may_target_vocab
 from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.formats.trtllm import adapter_from_trtllm
 from manylora.lora.formats.trtllm_npy import CONFIG_FILE, WEIGHTS_FILE, read_trtllm_dir
@@ -34,7 +34,9 @@ def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
     """The checks of an adapter directory that read no tensor (its config only, at most
     ``MAX_CONFIG_BYTES``, opened only if it is a regular file, so this never blocks on a
     FIFO), so a request can be refused at once while the weights are read later, on a
-    loader thread; whether the adapter is DoRA (``use_dora``).
+    loader thread; whether its read may enter a collective under tensor parallelism: a DoRA
+    adapter (``use_dora``), or one whose ``target_modules`` may name ``embed_tokens`` /
+    ``lm_head`` (peft saves their base tables with them, checked against the model's).
 
     Raises:
         LoRAAdapterError: ``path`` is not a directory; a TensorRT-LLM directory without
@@ -53,7 +55,7 @@ def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
     if not any(is_present(path / f) for f in ("adapter_model.safetensors", "adapter_model.bin")):
         raise LoRAAdapterError(
             f"adapter {name!r}: no adapter_model.safetensors or adapter_model.bin")
-    return bool(cfg.get("use_dora"))
+    return bool(cfg.get("use_dora")) or may_target_vocab(cfg)
 
 
 def load_adapter_dir(request: LoRARequest, path: str | os.PathLike,

@@ -7,6 +7,14 @@ once here (vLLM's ``optimize``); DoRA's magnitude becomes the scale ``m / ||W + 
 ``mlp.gate_up_proj``, as Phi-3-style checkpoints have them) are split into their component
 modules: each component shares A and takes its rows of B (and of DoRA's magnitude), which
 computes the same delta.
+
+``embed_tokens`` and ``lm_head`` LoRA (``lora_embedding_A`` / ``lora_embedding_B``, and
+``lm_head.lora_A`` / ``lora_B``) are read under the layer ``MODEL_LAYER``. peft's
+``save_pretrained`` also writes the whole base table of each (``base_layer.weight``;
+``save_embedding_layers``, on by default when ``target_modules`` names them), which peft
+loads over the base model's: it is served only when it equals the engine's base weight
+(``AdapterTarget.base_weight_equal``), else refused, as is a table wider than the base
+vocabulary (added tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_TARGET_MODULES, LORA_VOCAB_MODULES, MODEL_LAYER
 from manylora.lora.adapter import (
     LoRAAdapter,
     LoRAAdapterError,
@@ -50,7 +58,15 @@ _KEY = re.compile(
     r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 
-#: ``{(layer, module path): {"A": lora_A, "B": lora_B, "M": magnitude}}`` of one adapter.
+_VOCAB_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?(?:embed_tokens|lm_head))\."
+    r"(?:lora_(?:embedding_)?(?P<ab>[AB])(?:\.[\w-]+)?(?:\.weight)?"
+    r"|(?P<base>base_layer)\.weight"
+    r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
+
+
+#: ``{(layer, module path): {"A": lora_A, "B": lora_B, "M": magnitude, "W": the base table
+#: peft saved (embed_tokens / lm_head)}}`` of one adapter.
 PeftPairs = dict[tuple[int, str], dict[str, torch.Tensor]]
 
 
@@ -77,7 +93,9 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
 
     Raises:
         LoRAAdapterError: missing or corrupt files, a header that does not fit its file
-            (``open_peft_weights``); ``modules_to_save``, embedding or bias LoRA; a module
+            (``open_peft_weights``); ``modules_to_save``, ``trainable_token_indices`` or bias
+            LoRA; DoRA on ``embed_tokens`` / ``lm_head``, a vocabulary larger than the base
+            model's there, or a saved base table that is not the model's; a module
             the model lacks or ``lora_target_modules`` excludes; a layer index past the
             model; targets, ``layers_to_transform`` / ``layers_pattern`` or ``rank_pattern``
             / ``alpha_pattern`` keys that match no module of the model (``peft_targets``,
@@ -114,13 +132,18 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
                  for m, ab in keys.items()}
         _check_against_target(name, metas, target)
         _check_targeted(name, metas, targets)
-        for (_, module_key), ab in sorted(metas.items()):
+        for (layer, module_key), ab in sorted(metas.items()):
+            if layer == MODEL_LAYER:
+                _check_vocab_module(name, module_key, ab, use_dora, target)
+                ab = {label: t for label, t in ab.items() if label != "W"}
             check_peft_pair(name, module_key, ab, use_dora)
             _check_shapes(name, module_key, ab, target)
         report_progress()
         for (layer, module_key), ab in sorted(keys.items()):
             ab = {label: stored.read(k) for label, k in ab.items()}
             report_progress()
+            if "W" in ab:
+                _check_base_copy(name, module_key, ab.pop("W"), target)
             check_peft_pair(name, module_key, ab, use_dora)
             for key, w in _module_weights(name, layer, module_key, ab, scaling,
                                           target).items():
@@ -141,14 +164,22 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
     The module path is the key without peft's ``base_model.model.`` prefix and suffixes,
     e.g. ``model.layers.0.self_attn.q_proj``; ``"M"`` is DoRA's ``lora_magnitude_vector``.
 
+    ``embed_tokens`` / ``lm_head`` tensors group under ``(MODEL_LAYER, module path)``, with
+    ``"W"`` the base table peft saved with them.
+
     Raises:
-        LoRAAdapterError: a key that is not a decoder layer's LoRA tensor, or one whose
-            projection is neither one of ``LORA_TARGET_MODULES`` nor a fused ``qkv_proj`` /
-            ``gate_up_proj``.
+        LoRAAdapterError: a key that is not a decoder layer's LoRA tensor nor one of
+            ``embed_tokens`` / ``lm_head``, or one whose projection is neither one of
+            ``LORA_TARGET_MODULES`` nor a fused ``qkv_proj`` / ``gate_up_proj``.
     """
     pairs: PeftPairs = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key)
+        v = _VOCAB_KEY.match(key) if m is None else None
+        if v is not None:
+            label = v["ab"] or ("W" if v["base"] else "M")
+            pairs.setdefault((MODEL_LAYER, v["module"]), {})[label] = tensor
+            continue
         if m is None:
             raise LoRAAdapterError(
                 f"adapter {name!r}: tensor {key!r} targets a module manylora cannot adapt "
@@ -207,6 +238,11 @@ def _check_against_target(name: str, pairs: PeftPairs, target: AdapterTarget) ->
     for layer, module_key in pairs:
         module = module_key.rsplit(".", 1)[-1]
         for part in component_modules(module):
+            if part in LORA_VOCAB_MODULES and part not in target.target_modules:
+                raise LoRAAdapterError(
+                    f"adapter {name!r} targets {part}, which has no adapter slots: start the "
+                    f"engine with {part} in --lora-target-modules (lora_target_modules, now "
+                    f"{list(target.target_modules)})")
             if part not in target.target_modules:
                 raise LoRAAdapterError(
                     f"adapter {name!r} targets {part}"
@@ -216,6 +252,63 @@ def _check_against_target(name: str, pairs: PeftPairs, target: AdapterTarget) ->
             raise LoRAAdapterError(
                 f"adapter {name!r} has weights for layer {layer}, but the base model has "
                 f"{target.num_layers} layers")
+
+
+def _check_vocab_module(name: str, module_key: str, ab: dict[str, torch.Tensor],
+                        use_dora: bool, target: AdapterTarget) -> None:
+    """What ``embed_tokens`` / ``lm_head`` LoRA must be beyond a projection's (meta tensors
+    will do): no DoRA, and a vocabulary no larger than the base model's, in the LoRA
+    tensors and in the saved base table.
+
+    Raises:
+        LoRAAdapterError: naming the module, the tensor and its shape.
+    """
+    module = module_key.rsplit(".", 1)[-1]
+    what = f"adapter {name!r}: {module_key}"
+    if use_dora:
+        raise LoRAAdapterError(f"{what}: DoRA (use_dora) on {module} is not supported; "
+                               "DoRA adapters may target the decoder layers' projections")
+    hidden, vocab = target.module_shapes["lm_head"]
+    label, dim, field = (("A", 1, "lora_embedding_A") if module == "embed_tokens"
+                         else ("B", 0, "lora_B"))
+    wide = [(field, ab[label])] if label in ab and ab[label].dim() == 2 else []
+    if "W" in ab:
+        wide.append(("base_layer.weight", ab["W"]))
+        if tuple(ab["W"].shape[1:]) != (hidden,):
+            raise LoRAAdapterError(f"{what}: base_layer.weight {tuple(ab['W'].shape)} is not "
+                                   f"[vocab, {hidden}]: the adapter was trained for another "
+                                   "base model")
+    for field, t in wide:
+        size = t.shape[0] if field == "base_layer.weight" else t.shape[dim]
+        if size > vocab:
+            raise LoRAAdapterError(
+                f"{what}: {field} {tuple(t.shape)} covers a vocabulary of {size} tokens, "
+                f"more than the base model's {vocab} (tokens added to the vocabulary are not "
+                "supported)")
+
+
+def _check_base_copy(name: str, module_key: str, weight: torch.Tensor,
+                     target: AdapterTarget) -> None:
+    """The base table peft saved with an ``embed_tokens`` / ``lm_head`` adapter
+    (``base_layer.weight``; peft loads it over the model's) must be the engine's own.
+
+    Raises:
+        LoRAAdapterError: it differs (a fine-tuned table: ``modules_to_save`` in effect),
+            or the engine cannot compare it.
+    """
+    module = module_key.rsplit(".", 1)[-1]
+    what = f"adapter {name!r}: {module_key}.base_layer.weight"
+    if target.base_weight_equal is None:
+        raise LoRAAdapterError(f"{what}: a saved copy of the base {module} cannot be "
+                               "compared with the base model here")
+    if tuple(weight.shape) != target.module_shapes["lm_head"][::-1]:
+        raise LoRAAdapterError(f"{what} is {tuple(weight.shape)}, the base model's "
+                               f"{module} {target.module_shapes['lm_head'][::-1]}")
+    if not target.base_weight_equal(module, weight):
+        raise LoRAAdapterError(
+            f"{what} differs from the base model's {module}: the adapter changes the "
+            "table itself (a trained or resized embedding), which manylora cannot serve per "
+            "adapter")
 
 
 def _check_targeted(name: str, pairs: PeftPairs, targets: set[str] | None) -> None:

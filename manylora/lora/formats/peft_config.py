@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_ALL_MODULES, LORA_VOCAB_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, read_regular
 from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
@@ -30,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 _UNSUPPORTED_CONFIG = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
+    "trainable_token_indices": ("trainable_token_indices (peft's TrainableTokens: trained "
+                                "rows of the embedding) is not supported"),
 }
 
 
@@ -49,6 +51,10 @@ FUSED_PEFT_MODULES: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
+
+
+#: The paths of the vocabulary-wide modules in HF's LLaMA-family models.
+_VOCAB_PATHS = ("model.embed_tokens", "lm_head")
 
 
 #: The module path of a decoder layer's projection, from ``layers.`` on.
@@ -91,7 +97,8 @@ def read_peft_config(path: str | os.PathLike, name: str) -> dict:
         LoRAAdapterError: a missing, unreadable or oversized file, one that is not a regular
             file, a config that is not PEFT LoRA, fields of the wrong type (``r``,
             ``lora_alpha``, ``use_rslora``, ``use_dora``, ``target_modules``),
-            ``modules_to_save``, or a bias other than ``"none"`` (``name`` names the adapter).
+            ``modules_to_save``, ``trainable_token_indices``, or a bias other than ``"none"``
+            (``name`` names the adapter).
     """
     what = f"adapter {name!r}"
     try:
@@ -145,10 +152,10 @@ def _check_target_names(cfg: dict, name: str, target: AdapterTarget) -> None:
         return  # a regex or "all-linear": the tensors say what it targets
     for t in targets:
         module = t.rsplit(".", 1)[-1]
-        if module not in LORA_TARGET_MODULES and module not in FUSED_PEFT_MODULES:
+        if module not in LORA_ALL_MODULES and module not in FUSED_PEFT_MODULES:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets module {t!r}, which the base model does not have "
-                f"as a LoRA-targetable projection ({', '.join(LORA_TARGET_MODULES)})")
+                f"as a LoRA-targetable module ({', '.join(LORA_ALL_MODULES)})")
 
 
 class PeftScaling:
@@ -221,12 +228,14 @@ class PeftScaling:
         return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
-def model_module_names(num_layers: int) -> list[str]:
+def model_module_names(num_layers: int, vocab: bool = True) -> list[str]:
     """The names peft matches ``target_modules`` against for the base model's adaptable
-    projections: ``model.layers.{i}.{self_attn|mlp}.{projection}`` (HF's LLaMA-family names,
-    fused ``qkv_proj`` / ``gate_up_proj`` included)."""
-    return [f"model.layers.{i}.{block}.{m}" for i in range(num_layers)
-            for block, modules in _BLOCK_MODULES for m in modules]
+    modules: ``model.layers.{i}.{self_attn|mlp}.{projection}`` (HF's LLaMA-family names,
+    fused ``qkv_proj`` / ``gate_up_proj`` included), then, with ``vocab``,
+    ``model.embed_tokens`` and ``lm_head``."""
+    names = [f"model.layers.{i}.{block}.{m}" for i in range(num_layers)
+             for block, modules in _BLOCK_MODULES for m in modules]
+    return names + list(_VOCAB_PATHS) if vocab else names
 
 
 def _layer_filter(cfg: dict, what: str, num_layers: int
@@ -285,7 +294,7 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
     peft's ``check_target_module_exists`` decides: a list of names matches a module named
     so or ending in ``.name``, then ``layers_to_transform`` (with ``layers_pattern``) keeps
     the modules of those layers; a string is a regex the whole name must match
-    (``"all-linear"``: every projection).
+    (``"all-linear"``: every projection, neither ``lm_head`` nor ``embed_tokens``, as peft).
 
     Args:
         cfg: the config (``read_peft_config``).
@@ -313,7 +322,7 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
     names = model_module_names(num_layers)
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            return set(names)
+            return set(model_module_names(num_layers, vocab=False))
         if len(targets) > MAX_TARGET_REGEX_CHARS:
             raise LoRAAdapterError(f"{what}: the target_modules regex is {len(targets)} "
                                    f"characters long, more than {MAX_TARGET_REGEX_CHARS}")
@@ -343,6 +352,27 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
             message += f", layers_pattern {cfg['layers_pattern']!r}"
         raise LoRAAdapterError(message)
     return found
+
+
+def may_target_vocab(cfg: dict) -> bool:
+    """Whether a config's ``target_modules`` may reach ``embed_tokens`` or ``lm_head``: a
+    list naming one, a regex matching ``model.embed_tokens`` or ``lm_head`` whole (as
+    ``peft_targets`` matches; not ``"all-linear"``), or none (the tensors decide). The
+    config's types are already checked (``read_peft_config``).
+
+    Raises:
+        LoRAAdapterError: a regex that does not compile, or matching over its budget.
+    """
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        return any(t.rsplit(".", 1)[-1] in LORA_VOCAB_MODULES for t in targets)
+    if targets is None:
+        return True
+    if targets.lower() == "all-linear":
+        return False
+    what = f"target_modules {targets!r}"
+    pattern, budget = compile_bounded(targets, what), MatchBudget()
+    return any(budget.match(pattern, n, what, full=True) for n in _VOCAB_PATHS)
 
 
 def layer_path(module_key: str) -> str:

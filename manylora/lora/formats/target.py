@@ -14,7 +14,8 @@ class AdapterTarget:
     """What an adapter must fit: the base model's projections and the slot limits.
 
     Attributes:
-        module_shapes: ``{module: (in_features, out_features)}`` of the seven projections.
+        module_shapes: ``{module: (in_features, out_features)}`` of the targetable modules
+            (``ModelConfig.module_shapes``).
         num_layers: decoder layers in the base model.
         max_lora_rank: the padded rank of the slots.
         target_modules: projections that have slot buffers (``lora_target_modules``).
@@ -24,6 +25,9 @@ class AdapterTarget:
         dora_norm: ``(layer, module, a [r, in], b [out, r]) → float32 [out]``, the L2 norm of
             each output row of ``W + b @ a`` over the base weight ``W`` of that module (what
             DoRA's magnitude is normalized against); None: DoRA adapters are refused.
+        base_weight_equal: ``(module, weight [vocab, hidden]) → bool``, whether a table an
+            adapter carries equals the base model's ``embed_tokens`` / ``lm_head`` weight
+            (cast to the model dtype); None: adapters carrying one are refused.
     """
 
     module_shapes: dict[str, tuple[int, int]]
@@ -33,4 +37,6 @@ class AdapterTarget:
     dtype: torch.dtype
     base_model_names: tuple[str, ...] = ()
     dora_norm: Callable[[int, str, torch.Tensor, torch.Tensor], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False)
+    base_weight_equal: Callable[[str, torch.Tensor], bool] | None = field(
         default=None, compare=False, repr=False)

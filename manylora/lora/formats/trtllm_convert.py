@@ -8,6 +8,7 @@ import os
 import torch
 
 from manylora.checkpoint.weights import CheckpointError, ModelWeightsLoader
+from manylora.config import MODEL_LAYER
 from manylora.lora.adapter import LoRAAdapterError, check_delta
 from manylora.lora.dora import dora_row_norm
 from manylora.lora.formats.peft import (
@@ -76,7 +77,8 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
     Raises:
         ValueError: an unsupported ``storage_dtype``.
         LoRAAdapterError: what ``load_peft_adapter`` refuses without a base model (missing
-            or corrupt files, unsupported config, unknown modules, missing A/B/magnitude,
+            or corrupt files, unsupported config, unknown modules (``embed_tokens`` and
+            ``lm_head`` too: the format has no module id for them), missing A/B/magnitude,
             NaN/Inf); a module given fused and on its own; a DoRA adapter without
             ``base_model_dir``, or whose base weights are missing or of another shape.
     """
@@ -96,8 +98,11 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
     rows: dict[tuple[int, int], tuple[torch.Tensor, list[int]]] = {}
     seen: dict[tuple[int, str], str] = {}
     for (layer, module_key), ab in sorted(pairs.items()):
-        check_peft_pair(name, module_key, ab, use_dora)
         module = module_key.rsplit(".", 1)[-1]
+        if layer == MODEL_LAYER:
+            raise LoRAAdapterError(f"adapter {name!r} targets {module}, for which TensorRT-LLM's "
+                                   "LoRA format has no module id")
+        check_peft_pair(name, module_key, ab, use_dora)
         for part in component_modules(module):
             if (layer, part) in seen:
                 raise LoRAAdapterError(f"adapter {name!r}: {part} of layer {layer} is given by "
