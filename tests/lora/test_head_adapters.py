@@ -4,9 +4,10 @@ The adapters are written by peft's ``save_pretrained`` (which also saves the bas
 both, ``save_embedding_layers``): one over q/v, the head and the embedding, one over the
 head only (rsLoRA), one over the embedding only, and a plain one over q/v/o. manylora runs
 them in one mixed batch with base rows through fewer slots than adapters, twice (the second
-pass reads the prefix cache), under tensor parallelism 2 (gloo), and on a tied-embedding
-model; greedy tokens must equal peft's (``hf_greedy_reference``), prompt log-probabilities
-peft's ``log_softmax`` and a choice request's first token peft's best allowed token. The
+pass reads the prefix cache), under tensor parallelism 2 (gloo), on a tied-embedding
+model, and on every other served family; greedy tokens must equal peft's
+(``hf_greedy_reference``), prompt log-probabilities peft's ``log_softmax`` and a choice
+request's first token peft's best allowed token. The
 ops are checked against float64, and the adapters the engine cannot serve are refused with
 an error naming the field.
 """
@@ -55,7 +56,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users 
 ADAPTERS = ["both", None, "both", "head", "embed", "plain", None]
 
 
-def _family(root, arch="llama", **checkpoint_kwargs):
+def _family(root, arch="llama", specs=SPECS, **checkpoint_kwargs):
     from transformers import AutoTokenizer
 
     from manylora.testing.hf import hf_causal_lm
@@ -64,7 +65,7 @@ def _family(root, arch="llama", **checkpoint_kwargs):
     model = hf_causal_lm(base, attn_implementation="eager")
     adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
                                         **spec)
-                for i, (name, spec) in enumerate(SPECS.items())}
+                for i, (name, spec) in enumerate(specs.items())}
     tok = AutoTokenizer.from_pretrained(base)
     prompts = [tok(t).input_ids for t in TEXTS]
     names = ADAPTERS + ["both", "head", "embed"]
@@ -207,17 +208,33 @@ def test_tied_embeddings_keep_the_base_tied_and_the_adapter_its_own(tmp_path):
         llm.llm_engine.shutdown()
 
 
+#: Phi-3's projections are fused in the model: its adapters target ``qkv_proj`` (split onto
+#: the q, k and v slots) where the others target q and v.
+PHI3_SPECS = {name: {**spec, "target_modules": [
+    "qkv_proj" if m == "q_proj" else m for m in spec["target_modules"] if m != "v_proj"]}
+    for name, spec in SPECS.items()}
+
+
 @pytest.mark.parametrize("arch, kwargs", [
     ("gemma2", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
                     layer_types=["sliding_attention", "full_attention"])),
+    ("gemma3", dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=12,
+                    layer_types=["sliding_attention", "full_attention"])),
     ("granite", {}),
+    ("qwen3", dict(head_dim=24)),
+    ("olmo2", {}),
+    ("phi3", dict(specs=PHI3_SPECS)),
 ])
-def test_families_that_scale_the_embedding_and_the_logits(tmp_path, arch, kwargs):
-    """Gemma 2 (the embedding times sqrt(hidden), soft-capped logits, tied) and Granite
-    (embedding multiplier, logits divided, tied): each scales what the adapters add too, as
-    transformers scales the adapted modules' outputs."""
+def test_each_family_with_vocabulary_adapters_matches_peft(tmp_path, arch, kwargs):
+    """Every served family with the ``embed_tokens`` / ``lm_head`` adapters in one mixed
+    batch. Gemma 2 and 3 (the embedding times sqrt(hidden), soft-capped logits, tied) and
+    Granite (embedding multiplier, logits divided, tied) scale what the adapters add too, as
+    transformers scales the adapted modules' outputs; Phi-3's adapters target its fused
+    ``qkv_proj``."""
     base, adapters, prompts, names, reference = _family(tmp_path, arch, **kwargs)
-    llm = LLM(str(base), **ENGINE, max_loras=2)
+    engine = dict(ENGINE, lora_target_modules=VOCAB + ("k_proj",)) if arch == "phi3" \
+        else ENGINE
+    llm = LLM(str(base), **engine, max_loras=2)
     try:
         _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
     finally:
