@@ -254,9 +254,10 @@ def test_write_kv_rejects_bad_caches():
 # ------------------------------------------------------------------ attention
 
 
-def attention64(q, cache, query_lens, context_lens, tables, scale, window=None):
+def attention64(q, cache, query_lens, context_lens, tables, scale, window=None, softcap=None):
     """float64 attention of the module formula over a dense ``[2, blocks, bs, Hkv, D]`` cache,
-    vectorized per sequence; ``[T, H, D]`` (rows past the sequences stay zero)."""
+    vectorized per sequence, logits soft-capped (``cap * tanh(s / cap)``) when ``softcap``;
+    ``[T, H, D]`` (rows past the sequences stay zero)."""
     q, cache = q.double().cpu(), cache.double().cpu()
     num_heads, block_size, num_kv_heads = q.shape[1], cache.shape[2], cache.shape[3]
     group = num_heads // num_kv_heads
@@ -272,6 +273,8 @@ def attention64(q, cache, query_lens, context_lens, tables, scale, window=None):
         if window is not None:
             visible &= q_pos[:, None] - pos[None, :] < window
         logits = torch.einsum("qhd,khd->hqk", q[row:row + q_len], k) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
         probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
         out[row:row + q_len] = torch.einsum("hqk,khd->qhd", probs, v)
         row += q_len
@@ -312,17 +315,19 @@ class QuantCase:
             self.num_heads // num_kv_heads, DEVICE, pad_to=pad_to,
             max_blocks_per_seq=max_blocks_per_seq)
 
-    def expected(self, cache, window=None):
+    def expected(self, cache, window=None, softcap=None):
         return attention64(self.q, cache, self.query_lens, self.context_lens, self.tables,
-                           self.scale, window)
+                           self.scale, window, softcap)
 
-    def run(self, impl, window=None, num_splits=None):
+    def run(self, impl, window=None, num_splits=None, softcap=None):
         if impl == "reference":
-            got = paged_attention_reference(self.q, self.kv, self.meta, self.scale, window)
+            got = paged_attention_reference(self.q, self.kv, self.meta, self.scale, window,
+                                            softcap=softcap)
         else:
             out = torch.full_like(self.q, float("nan"))
             got = triton_attention.paged_attention_triton(
-                self.q, self.kv, self.meta, self.scale, window, num_splits=num_splits, out=out)
+                self.q, self.kv, self.meta, self.scale, window, num_splits=num_splits, out=out,
+                softcap=softcap)
         assert got.dtype == self.q.dtype
         got = got.view_as(self.q)
         assert not torch.isnan(got).any(), "an output element was not written"
@@ -351,6 +356,19 @@ def test_attention_quantized_splits_window(storage):
         assert rel_err(got, case.expected(case.deq, window)) < TOL[torch.float16]
         ref = case.run("reference", window)
         assert rel_err(got, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("storage", STORAGE)
+def test_attention_quantized_softcap(storage):
+    """Gemma 2's soft cap over int8 / e4m3 codes: decode splits, prefill and chunked tiles,
+    with and without a window, bfloat16 queries; the cap (0.5) changes every logit."""
+    case = QuantCase(MIXED, storage, torch.bfloat16, key=("softcap",))
+    for window, splits in ((None, 2), (6, None)):
+        want = case.expected(case.deq, window, softcap=0.5)
+        assert rel_err(case.expected(case.deq, window), want) > 10 * TOL[torch.bfloat16]
+        got = case.run("triton", window, num_splits=splits, softcap=0.5)
+        assert rel_err(got, want) < TOL[torch.bfloat16]
+        assert rel_err(case.run("reference", window, softcap=0.5), want) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("storage", STORAGE)
