@@ -28,7 +28,6 @@ target the same seven projections by peft's names.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from manylora.config import ModelConfig
 from manylora.distributed.parallel_state import TPGroup
@@ -36,10 +35,13 @@ from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.model.layers.activation import gelu_tanh_and_mul
 from manylora.model.layers.norm import GemmaRMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
-from manylora.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from manylora.ops.attention import paged_attention, write_kv
-from manylora.ops.attention_metadata import AttentionMetadata
-from manylora.ops.paged_kv import KVCache
+from manylora.model.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
 
 #: The activations transformers' Gemma MLP may name that GeGLU here computes.
 _GELU_TANH = ("gelu_pytorch_tanh",)
@@ -62,13 +64,6 @@ class Gemma2Attention(LlamaAttention):
         cap = getattr(hf_config, "attn_logit_softcapping", None)
         return float(cap) if cap else None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               attn: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``LlamaAttention.attend`` with the soft cap (``paged_attention``'s ``softcap``)."""
-        write_kv(k, v, kv_cache, attn.cache_loc)
-        return paged_attention(q, kv_cache, attn, self.scale, self.sliding_window, out=out,
-                               softcap=self.softcap)
-
 
 class Gemma2MLP(LlamaMLP):
     """``LlamaMLP`` with GeGLU: ``down_proj(gelu_tanh(gate) * up)``.
@@ -89,30 +84,21 @@ class Gemma2MLP(LlamaMLP):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
-class Gemma2DecoderLayer(nn.Module):
-    #: The attention module's class (Gemma 3 subclasses it).
-    attention_class: type[Gemma2Attention] = Gemma2Attention
+class Gemma2DecoderLayer(LlamaDecoderLayer):
+    """``LlamaDecoderLayer`` (its ``pre_attention``) with Gemma's attention, GeGLU and
+    ``(1 + w)`` norms, and norms before and after the MLP too."""
+
+    attention_class = Gemma2Attention
+    mlp_class = Gemma2MLP
+    norm_class = GemmaRMSNorm
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                  device: torch.device, tp: TPGroup) -> None:
-        super().__init__()
-        self.self_attn = self.attention_class(cfg, layer_idx, rotary, device, tp)
-        self.mlp = Gemma2MLP(cfg, device, tp)
-        for name in ("input_layernorm", "post_attention_layernorm",
-                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
-            setattr(self, name, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
-                                             device))
-
-    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
-                      lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x, residual) → (qkv [T, q + 2 kv], h)``: the stream ``h = x + residual`` (the
-        first layer: ``x``, the scaled embedding), then ``qkv_proj(input_layernorm(h))``
-        (+ LoRA)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        return self.self_attn.qkv_proj(x, lora), residual
+        super().__init__(cfg, layer_idx, rotary, device, tp)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                      cfg.dtype, device)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                       cfg.dtype, device)
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
                        lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,10 +113,7 @@ class Gemma2DecoderLayer(nn.Module):
 
 class Gemma2Model(LlamaModel):
     layer_class = Gemma2DecoderLayer
-
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
-        super().__init__(cfg, device, tp)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+    norm_class = GemmaRMSNorm
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):

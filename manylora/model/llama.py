@@ -68,6 +68,8 @@ class LlamaAttention(nn.Module):
                                  cfg.o_bias, cfg.dtype, device, "row", tp,
                                  in_range=o_input_range(cfg, tp.rank) if sharded else None)
         self.scale = cfg.head_dim ** -0.5
+        #: The attention logits' soft cap (``paged_attention``'s ``softcap``; None: uncapped).
+        self.softcap: float | None = None
 
     def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,11 +87,13 @@ class LlamaAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                attn: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
         """``write_kv`` of k, v into this layer's ``KVCache`` (quantized there when it is),
-        then ``paged_attention`` of q → ``[T, q_size]`` in q's dtype (into ``out [T, Hq, D]``
-        when given). The part of a layer that reads the step's attention metadata: it runs
-        eagerly between the pieces of a piecewise CUDA graph."""
+        then ``paged_attention`` of q (``scale``, ``sliding_window``, ``softcap``) → ``[T,
+        q_size]`` in q's dtype (into ``out [T, Hq, D]`` when given). The part of a layer that
+        reads the step's attention metadata: it runs eagerly between the pieces of a
+        piecewise CUDA graph."""
         write_kv(k, v, kv_cache, attn.cache_loc)
-        return paged_attention(q, kv_cache, attn, self.scale, self.sliding_window, out=out)
+        return paged_attention(q, kv_cache, attn, self.scale, self.sliding_window, out=out,
+                               softcap=self.softcap)
 
 
 class LlamaMLP(nn.Module):
@@ -107,17 +111,20 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    #: The attention module's class (a family whose attention differs subclasses it).
+    #: The attention, MLP and norm classes (a family whose parts differ subclasses them).
     attention_class: type[LlamaAttention] = LlamaAttention
+    mlp_class: type[LlamaMLP] = LlamaMLP
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                  device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = self.attention_class(cfg, layer_idx, rotary, device, tp)
-        self.mlp = LlamaMLP(cfg, device, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
-                                                device)
+        self.mlp = self.mlp_class(cfg, device, tp)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
+                                               device)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps,
+                                                        cfg.dtype, device)
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
                       lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +152,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    #: The decoder layer's class (a family whose layers differ subclasses it).
+    #: The decoder layer's and the final norm's classes (a family whose layers differ
+    #: subclasses them).
     layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    norm_class: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
         super().__init__()
@@ -154,7 +163,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len).to(device)
         self.layers = nn.ModuleList(
             self.layer_class(cfg, i, self.rotary, device, tp) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, device)
 
 
 class LlamaForCausalLM(nn.Module):

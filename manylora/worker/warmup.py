@@ -56,7 +56,7 @@ from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slots import LoRASlots
-from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
+from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention_metadata import build_attention_metadata
@@ -343,14 +343,14 @@ def _warm_layers(model: LlamaForCausalLM, kv_caches: Sequence[KVCache], block_si
     dtype = cfg.dtype
     launches = 0
     norms = {(type(n), n.weight.shape, n.weight.dtype): n for n in model.modules()
-             if isinstance(n, (RMSNorm, GemmaRMSNorm))}
+             if isinstance(n, RMSNorm)}
     for norm in norms.values():
         # rows of the norm's own width: the hidden size, or a head (Qwen3's q/k norms)
         rows = torch.zeros(_ROWS, norm.weight.shape[0], dtype=dtype, device=device)
-        gemma = isinstance(norm, GemmaRMSNorm)          # (1 + w): UNIT_OFFSET
-        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps, unit_offset=gemma)
+        offset = norm.unit_offset                       # Gemma's (1 + w)
+        triton_fused.rms_norm_triton(rows, norm.weight, norm.eps, unit_offset=offset)
         triton_fused.fused_add_rms_norm_triton(rows, rows.clone(), norm.weight, norm.eps,
-                                               unit_offset=gemma)
+                                               unit_offset=offset)
         launches += 2
     triton_fused.silu_and_mul_triton(
         torch.zeros(_ROWS, 2 * cfg.intermediate_size, dtype=dtype, device=device))

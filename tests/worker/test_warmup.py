@@ -32,7 +32,7 @@ from manylora.lora.kernels import tiled_plans as lora_tiled_plans
 from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora.kernels.row_tiles import max_row_tiles
-from manylora.model import gemma2, llama
+from manylora.model import llama
 from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
@@ -116,9 +116,8 @@ def _force_triton(monkeypatch) -> None:
     PyTorch references)."""
     monkeypatch.setattr(lora_slots, "lora_shrink", triton_lora.lora_shrink_triton)
     monkeypatch.setattr(lora_slots, "lora_expand", triton_lora.lora_expand_triton)
-    for family in (llama, gemma2):
-        monkeypatch.setattr(family, "write_kv", triton_attention.write_kv_triton)
-        monkeypatch.setattr(family, "paged_attention", triton_attention.paged_attention_triton)
+    monkeypatch.setattr(llama, "write_kv", triton_attention.write_kv_triton)
+    monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention_triton)
     monkeypatch.setattr(llama, "silu_and_mul", triton_fused.silu_and_mul_triton)
 
     def norm(self, x, residual=None):

@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
     Shapes: ``x [T, hidden_size]`` in the model dtype → same shape and dtype.
     """
 
+    #: Scale by ``1 + weight`` in float32 (Gemma's norm; the kernels' ``UNIT_OFFSET``).
+    unit_offset: bool = False
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
@@ -60,8 +63,10 @@ class RMSNorm(nn.Module):
             from manylora.ops import triton_fused
 
             if residual is None:
-                return triton_fused.rms_norm_triton(x, self.weight, self.eps)
-            return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps)
+                return triton_fused.rms_norm_triton(x, self.weight, self.eps,
+                                                    unit_offset=self.unit_offset)
+            return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
+                                                          unit_offset=self.unit_offset)
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -74,7 +79,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + w)``, all in float32, then cast.
 
     Rounds as transformers' ``Gemma2RMSNorm`` / ``Gemma3RMSNorm``: normalize ``x.float()``,
@@ -82,44 +87,13 @@ class GemmaRMSNorm(nn.Module):
     the product instead). The checkpoint stores ``w`` (zero-centred). With a residual it
     adds first, as ``RMSNorm`` does. CUDA tensors run ``RMSNorm``'s Triton launch with
     ``unit_offset`` (``manylora.ops.triton_fused``; CUDA-graph safe); others run PyTorch.
-
-    Args:
-        hidden_size: width of the last dimension.
-        eps: added to the mean square.
-        dtype, device: of the weight.
+    Arguments as ``RMSNorm``'s.
 
     Shapes: ``x [..., hidden_size]`` → same shape and dtype; with ``residual`` (same shape
     and dtype) ``(norm(x + residual), x + residual)``, the sum rounded to the dtype.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.eps = eps
-
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-
-    @overload
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda:
-            from manylora.ops import triton_fused
-
-            if residual is None:
-                return triton_fused.rms_norm_triton(x, self.weight, self.eps,
-                                                    unit_offset=True)
-            return triton_fused.fused_add_rms_norm_triton(x, residual, self.weight, self.eps,
-                                                          unit_offset=True)
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    unit_offset = True
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
