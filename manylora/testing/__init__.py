@@ -5,6 +5,14 @@ from __future__ import annotations
 from manylora.testing.adapters import make_peft_adapter
 from manylora.testing.checkpoint import SUPPORTED_ARCHS, make_checkpoint
 from manylora.testing.demo_set import DEMO_ADAPTER_SPECS, DemoSet, make_demo_set
+from manylora.testing.families import (
+    FamilyCase,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
+    lora_requests,
+    make_family_case,
+)
 from manylora.testing.reference import (
     ReferenceOutput,
     agreement,
@@ -18,12 +26,18 @@ __all__ = [
     "DEMO_ADAPTER_SPECS",
     "SUPPORTED_ARCHS",
     "DemoSet",
+    "FamilyCase",
     "ReferenceOutput",
     "agreement",
+    "assert_greedy_matches",
     "compare_greedy",
+    "generate_greedy",
+    "generate_twice_from_prefix_cache",
     "hf_greedy_reference",
+    "lora_requests",
     "make_checkpoint",
     "make_demo_set",
+    "make_family_case",
     "make_peft_adapter",
     "make_tokenizer",
 ]

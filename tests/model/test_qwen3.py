@@ -18,15 +18,16 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
 from manylora.model.qwen3 import Qwen3ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -56,21 +57,8 @@ def test_qwen3_resolves_by_transformers_name_and_reads_head_dim():
 
 
 def _family(root, arch, **checkpoint_kwargs):
-    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
-    from transformers import AutoTokenizer
-
-    from manylora.testing.hf import hf_causal_lm
-
     base = make_checkpoint(root / "base", arch, seed=0, **TINY, **checkpoint_kwargs)
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(SPECS.items())}
-    tok = AutoTokenizer.from_pretrained(base)
-    prompts = [tok(t).input_ids for t in TEXTS]
-    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
-                                    base_model=model)
-    return base, adapters, prompts, reference
+    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -80,34 +68,13 @@ def qwen3(tmp_path_factory):
                    tie_word_embeddings=True)
 
 
-def _generate(llm, adapters, prompts):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
-                for n in ADAPTERS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=requests, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_matches(tokens, reference):
-    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=True)):
-        ok, pos = compare_greedy(ours, ref)
-        assert ok, (f"prompt {i} (adapter {ADAPTERS[i]}): diverges at token {pos}: "
-                    f"ours {ours} ref {ref.token_ids}")
-
-
 def test_qwen3_mixed_batch_one_slot_prefix_cache_matches_peft(qwen3):
-    base, adapters, prompts, reference = qwen3
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    llm = LLM(str(qwen3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        hits, misses = engine.kv_cache_stats().prefix_hits, engine.lora_cache_stats().device_misses
-        assert misses >= len(adapters)
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        assert engine.kv_cache_stats().prefix_hits > hits
+        first, second = generate_twice_from_prefix_cache(llm, qwen3, GREEDY)
+        assert first >= len(qwen3.adapters)
         # three adapters through one slot: at most one of them was still there
-        assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
+        assert second >= first + len(qwen3.adapters) - 1
     finally:
         llm.llm_engine.shutdown()
 
@@ -116,11 +83,10 @@ def test_qwen3_tensor_parallel_2_piecewise_matches_peft(qwen3):
     """Each rank holds its heads' q/k/v rows and the whole (replicated) q/k norm weights.
     The steps run as the piecewise CUDA graphs' pieces (eager on CPU), which keep the
     packed qkv static and read the normalized, rotated q and k back from it."""
-    base, adapters, prompts, reference = qwen3
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(qwen3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        _assert_matches(_generate(llm, adapters, prompts), reference)
+        assert_greedy_matches(generate_greedy(llm, qwen3, GREEDY), qwen3)
     finally:
         llm.llm_engine.shutdown()
 
@@ -128,14 +94,13 @@ def test_qwen3_tensor_parallel_2_piecewise_matches_peft(qwen3):
 def test_qwen2_5_config_runs_as_qwen2_and_matches_peft(tmp_path):
     """Qwen2.5-0.5B's config shape: ``Qwen2ForCausalLM``, tied embeddings, q/k/v biases,
     ``rope_theta`` 1e6, no sliding window."""
-    base, adapters, prompts, reference = _family(
-        tmp_path, "qwen2", tie_word_embeddings=True, rope_theta=1000000.0,
-        use_sliding_window=False, max_window_layers=2)
-    llm = LLM(str(base), **ENGINE, max_loras=3)
+    case = _family(tmp_path, "qwen2", tie_word_embeddings=True, rope_theta=1000000.0,
+                   use_sliding_window=False, max_window_layers=2)
+    llm = LLM(str(case.base_dir), **ENGINE, max_loras=3)
     try:
-        assert json.loads((base / "config.json").read_text())["architectures"] == [
+        assert json.loads((case.base_dir / "config.json").read_text())["architectures"] == [
             "Qwen2ForCausalLM"]
-        _assert_matches(_generate(llm, adapters, prompts), reference)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
 
@@ -148,18 +113,10 @@ def test_qwen3_gguf_matches_transformers_peft(tmp_path):
 
     ckpt = make_checkpoint(tmp_path / "hf", "qwen3", seed=2, **TINY, head_dim=128)
     path = write_gguf(ckpt, tmp_path / "qwen3.gguf")
-    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
-                                         target_modules="all-linear", seed=3)}
-    prompts = [[1, 40, 41, 42, 43], [1, 7, 9]]
-    names = ["all", None]
-    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
+                            [[1, 40, 41, 42, 43], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                            lora_request=[LoRARequest("all", 1, str(adapters["all"])), None],
-                            use_tqdm=False)
-        for out, ref in zip(outs, reference, strict=True):
-            ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
-            assert ok, (pos, out.outputs[0].token_ids, ref.token_ids)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
