@@ -20,15 +20,16 @@ import pytest
 import torch
 from transformers import Gemma2Config
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
 from manylora.model.gemma2 import Gemma2ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -51,42 +52,11 @@ SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj
          "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
 
 
-def family(root, arch, texts, **checkpoint_kwargs):
-    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
-    from transformers import AutoTokenizer
-
-    from manylora.testing.hf import hf_causal_lm
-
-    base = make_checkpoint(root / "base", arch, seed=0, **checkpoint_kwargs)
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(SPECS.items())}
-    tok = AutoTokenizer.from_pretrained(base)
-    prompts = [tok(t).input_ids for t in texts]
-    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
-                                    base_model=model)
-    return base, adapters, prompts, reference
-
-
-def generate(llm, adapters, prompts, params=GREEDY):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
-                for n in ADAPTERS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                        lora_request=requests, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
-
-
-def assert_matches(outputs, reference, logprobs=True):
-    """Greedy tokens equal to the reference's; with ``logprobs`` each token's
-    log-probability equal to ``log_softmax`` of transformers' (capped) logits."""
-    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
-        ok, pos = compare_greedy(out.token_ids, ref)
-        assert ok, (f"prompt {i} (adapter {ADAPTERS[i]}): diverges at token {pos}: "
-                    f"ours {out.token_ids} ref {ref.token_ids}")
-        if not logprobs:
-            continue
+def assert_matches(outputs, case):
+    """Greedy tokens equal to the reference's, each token's log-probability equal to
+    ``log_softmax`` of transformers' (capped) logits."""
+    assert_greedy_matches(outputs, case)
+    for out, ref in zip(outputs, case.reference, strict=True):
         for tok, entry, logits in zip(out.token_ids, out.logprobs, ref.logits):
             want = torch.log_softmax(logits.double(), -1)[tok].item()
             assert entry[tok].logprob == pytest.approx(want, abs=1e-4)
@@ -94,8 +64,10 @@ def assert_matches(outputs, reference, logprobs=True):
 
 @pytest.fixture(scope="module")
 def gemma2(tmp_path_factory):
-    return family(tmp_path_factory.mktemp("gemma2"), "gemma2", TEXTS, **TINY,
-                  attn_logit_softcapping=ATTN_CAP, final_logit_softcapping=FINAL_CAP)
+    root = tmp_path_factory.mktemp("gemma2")
+    base = make_checkpoint(root / "base", "gemma2", seed=0, **TINY,
+                           attn_logit_softcapping=ATTN_CAP, final_logit_softcapping=FINAL_CAP)
+    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
 
 
 def test_gemma2_config_resolves_with_alternating_windows():
@@ -123,26 +95,21 @@ def test_gemma2_caps_bite(gemma2, tmp_path):
     without the attention cap transformers' own greedy tokens differ."""
     from manylora.testing.hf import hf_causal_lm
 
-    base, _, prompts, reference = gemma2
-    assert max(x.abs().max().item() for r in reference for x in r.logits) > FINAL_CAP / 2
+    assert max(x.abs().max().item() for r in gemma2.reference for x in r.logits) > FINAL_CAP / 2
     uncapped = make_checkpoint(tmp_path / "uncapped", "gemma2", seed=0, **TINY,
                                attn_logit_softcapping=None, final_logit_softcapping=FINAL_CAP)
-    models = [hf_causal_lm(path, attn_implementation="eager") for path in (base, uncapped)]
+    models = [hf_causal_lm(path, attn_implementation="eager")
+              for path in (gemma2.base_dir, uncapped)]
     tokens = [[m.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[
-        0, len(p):].tolist() for p in prompts] for m in models]
+        0, len(p):].tolist() for p in gemma2.prompts] for m in models]
     assert tokens[0] != tokens[1]
 
 
 def test_gemma2_mixed_batch_one_slot_prefix_cache_matches_peft(gemma2):
-    base, adapters, prompts, reference = gemma2
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    llm = LLM(str(gemma2.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        assert_matches(generate(llm, adapters, prompts), reference)
-        hits = engine.kv_cache_stats().prefix_hits
-        assert_matches(generate(llm, adapters, prompts), reference)
-        assert engine.kv_cache_stats().prefix_hits > hits
-        assert engine.lora_cache_stats().device_misses >= len(adapters)
+        _, misses = generate_twice_from_prefix_cache(llm, gemma2, GREEDY, assert_matches)
+        assert misses >= len(gemma2.adapters)
     finally:
         llm.llm_engine.shutdown()
 
@@ -150,11 +117,10 @@ def test_gemma2_mixed_batch_one_slot_prefix_cache_matches_peft(gemma2):
 def test_gemma2_tensor_parallel_2_piecewise_matches_peft(gemma2):
     """Each rank holds its heads; the steps run as the piecewise CUDA graphs' pieces (eager
     on CPU), cut between ``attend`` calls, with the Gemma residual convention."""
-    base, adapters, prompts, reference = gemma2
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(gemma2.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        assert_matches(generate(llm, adapters, prompts), reference)
+        assert_matches(generate_greedy(llm, gemma2, GREEDY), gemma2)
     finally:
         llm.llm_engine.shutdown()
 
@@ -169,18 +135,10 @@ def test_gemma2_gguf_matches_transformers_peft(tmp_path):
     tiny = {k: v for k, v in TINY.items() if k != "query_pre_attn_scalar"}
     ckpt = make_checkpoint(tmp_path / "hf", "gemma2", seed=2, **tiny)
     path = write_gguf(ckpt, tmp_path / "gemma2.gguf")
-    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
-                                         target_modules="all-linear", seed=3)}
-    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]]
-    names = ["all", None]
-    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
+                            [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                            lora_request=[LoRARequest("all", 1, str(adapters["all"])), None],
-                            use_tqdm=False)
-        for out, ref in zip(outs, reference, strict=True):
-            ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
-            assert ok, (pos, out.outputs[0].token_ids, ref.token_ids)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()

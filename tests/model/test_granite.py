@@ -20,15 +20,16 @@ import pytest
 import torch
 from transformers import GraniteConfig
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
 from manylora.model.granite import GraniteForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -60,48 +61,24 @@ def test_granite_resolves_by_transformers_name():
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
-    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
-    from transformers import AutoTokenizer
-
-    from manylora.testing.hf import hf_causal_lm
-
     root = tmp_path_factory.mktemp("granite")
     base = make_checkpoint(root / "base", "granite", seed=0, **TINY)
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(SPECS.items())}
-    tok = AutoTokenizer.from_pretrained(base)
-    prompts = [tok(t).input_ids for t in TEXTS]
-    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
-                                    base_model=model)
-    return base, adapters, prompts, reference
+    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
 
 
 def test_checkpoint_has_granite_multipliers(granite):
-    config = json.loads((granite[0] / "config.json").read_text())
+    config = json.loads((granite.base_dir / "config.json").read_text())
     assert config["architectures"] == ["GraniteForCausalLM"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     assert all(config[m] != 1 for m in MULTIPLIERS)
     assert config["attention_multiplier"] != head_dim ** -0.5
 
 
-def _generate(llm, adapters, prompts):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
-                for n in ADAPTERS]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=requests, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
-
-
-def _assert_matches(outputs, reference):
+def _assert_matches(outputs, case):
     """Tokens equal to the reference's (up to a near-tie), and each equal token's
     log-probability the log-softmax of the reference's logits at that step."""
-    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
-        ok, pos = compare_greedy(out.token_ids, ref)
-        assert ok, (f"prompt {i} (adapter {ADAPTERS[i]}): diverges at token {pos}: "
-                    f"ours {out.token_ids} ref {ref.token_ids}")
+    positions = assert_greedy_matches(outputs, case)
+    for i, (out, ref, pos) in enumerate(zip(outputs, case.reference, positions, strict=True)):
         for step in range(pos):
             tok = out.token_ids[step]
             want = torch.log_softmax(ref.logits[step], dim=-1)[tok].item()
@@ -109,17 +86,12 @@ def _assert_matches(outputs, reference):
 
 
 def test_granite_mixed_batch_one_slot_prefix_cache_matches_peft(granite):
-    base, adapters, prompts, reference = granite
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    llm = LLM(str(granite.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        hits, misses = engine.kv_cache_stats().prefix_hits, engine.lora_cache_stats().device_misses
-        assert misses >= len(adapters)
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        assert engine.kv_cache_stats().prefix_hits > hits
+        first, second = generate_twice_from_prefix_cache(llm, granite, GREEDY, _assert_matches)
+        assert first >= len(granite.adapters)
         # three adapters through one slot: at most one of them was still there
-        assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
+        assert second >= first + len(granite.adapters) - 1
     finally:
         llm.llm_engine.shutdown()
 
@@ -128,10 +100,9 @@ def test_granite_tensor_parallel_2_piecewise_matches_peft(granite):
     """Each rank holds its heads; the multipliers are scalars every rank applies to the
     all-reduced sublayer outputs and the all-gathered logits. The steps run as the piecewise
     CUDA graphs' pieces (eager on CPU), whose cut sits between the layers' methods."""
-    base, adapters, prompts, reference = granite
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(granite.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        _assert_matches(_generate(llm, adapters, prompts), reference)
+        _assert_matches(generate_greedy(llm, granite, GREEDY), granite)
     finally:
         llm.llm_engine.shutdown()
