@@ -19,15 +19,16 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig
 from manylora.model.gemma3 import Gemma3ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -49,28 +50,11 @@ SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj
          "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
 
 
-def _prompts(base):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    return [tok(t).input_ids for t in TEXTS]
-
-
-def _generate(llm, adapters, prompts, names):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
-                        lora_request=requests, use_tqdm=False)
-    return [o.outputs[0] for o in outs]
-
-
-def _assert_matches(outputs, reference, names=ADAPTERS):
+def _assert_matches(outputs, case):
     """Greedy tokens equal to the reference's, each token's log-probability equal to
     ``log_softmax`` of transformers' logits."""
-    for i, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
-        ok, pos = compare_greedy(out.token_ids, ref)
-        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
-                    f"ours {out.token_ids} ref {ref.token_ids}")
+    assert_greedy_matches(outputs, case)
+    for out, ref in zip(outputs, case.reference, strict=True):
         for tok, entry, logits in zip(out.token_ids, out.logprobs, ref.logits):
             want = torch.log_softmax(logits.double(), -1)[tok].item()
             assert entry[tok].logprob == pytest.approx(want, abs=1e-4)
@@ -78,19 +62,10 @@ def _assert_matches(outputs, reference, names=ADAPTERS):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    from manylora.testing.hf import hf_causal_lm
-
     root = tmp_path_factory.mktemp("gemma3")
     base = make_checkpoint(root / "base", "gemma3", seed=0, **TINY,
                            attn_logit_softcapping=5.0)
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(SPECS.items())}
-    prompts = _prompts(base)
-    reference = hf_greedy_reference(base, adapters, prompts, ADAPTERS, MAX_NEW,
-                                    base_model=model)
-    return base, adapters, prompts, reference
+    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
 
 
 def test_gemma3_text_config_resolves():
@@ -114,14 +89,9 @@ def test_gemma3_refuses_bidirectional_attention():
 
 
 def test_gemma3_mixed_batch_one_slot_prefix_cache_matches_peft(gemma3):
-    base, adapters, prompts, reference = gemma3
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    llm = LLM(str(gemma3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
-        hits = engine.kv_cache_stats().prefix_hits
-        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
-        assert engine.kv_cache_stats().prefix_hits > hits
+        generate_twice_from_prefix_cache(llm, gemma3, GREEDY, _assert_matches)
     finally:
         llm.llm_engine.shutdown()
 
@@ -129,11 +99,10 @@ def test_gemma3_mixed_batch_one_slot_prefix_cache_matches_peft(gemma3):
 def test_gemma3_tensor_parallel_2_piecewise_matches_peft(gemma3):
     """Each rank holds its heads and the whole q/k norm weights; the pieces keep the packed
     qkv static and read the normed, rotated q and k back from it."""
-    base, adapters, prompts, reference = gemma3
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(gemma3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        _assert_matches(_generate(llm, adapters, prompts, ADAPTERS), reference)
+        _assert_matches(generate_greedy(llm, gemma3, GREEDY), gemma3)
     finally:
         llm.llm_engine.shutdown()
 
@@ -143,12 +112,10 @@ def test_gemma3_tied_embeddings_base_logprobs_match(tmp_path):
     base = make_checkpoint(tmp_path / "tied", "gemma3", seed=1,
                            **{**TINY, "init_std": 0.2}, tie_word_embeddings=True,
                            final_logit_softcapping=4.0)
-    prompts = _prompts(base)[:2]
-    names = [None, None]
-    reference = hf_greedy_reference(base, {}, prompts, names, MAX_NEW)
+    case = make_family_case(base, tmp_path, {}, TEXTS[:2], [None, None], MAX_NEW)
     llm = LLM(str(base), **ENGINE, enable_lora=False)
     try:
-        _assert_matches(_generate(llm, {}, prompts, names), reference, names)
+        _assert_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
 
@@ -166,14 +133,10 @@ def test_gemma3_gguf_matches_transformers_peft(tmp_path):
                          "layer_types")}
     ckpt = make_checkpoint(tmp_path / "hf", "gemma3", seed=2, **tiny)
     path = write_gguf(ckpt, tmp_path / "gemma3.gguf")
-    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
-                                         target_modules="all-linear", seed=3)}
-    prompts = [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]]
-    names = ["all", None]
-    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
+                            [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
     try:
-        outs = _generate(llm, adapters, prompts, names)
-        _assert_matches(outs, reference, names)
+        _assert_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()

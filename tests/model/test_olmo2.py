@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import pytest
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import LORA_TARGET_MODULES
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
@@ -38,56 +39,33 @@ PROMPTS = [[1, 17, 40, 33, 8, 91, 54, 23, 70, 5, 61],
 NAMES = [None, "attn", "all", "attn", "all"]
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+SPECS = {"attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                          "o_proj"], seed=1),
+         "all": dict(r=8, lora_alpha=16, target_modules=list(LORA_TARGET_MODULES), seed=2)}
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("olmo2") / "base", "olmo2", seed=3, **TINY)
+def olmo2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("olmo2")
+    base = make_checkpoint(root / "base", "olmo2", seed=3, **TINY)
+    case = make_family_case(base, root, SPECS, PROMPTS, NAMES, MAX_NEW)
+    assert all(len(r.token_ids) == MAX_NEW for r in case.reference)
+    return case
 
 
-@pytest.fixture(scope="module")
-def adapters(base_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("olmo2-loras")
-    specs = {"attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj",
-                                                             "o_proj"], seed=1),
-             "all": dict(r=8, lora_alpha=16, target_modules=list(LORA_TARGET_MODULES), seed=2)}
-    return {name: make_peft_adapter(base_dir, root / name, **spec)
-            for name, spec in specs.items()}
-
-
-@pytest.fixture(scope="module")
-def reference(base_dir, adapters):
-    refs = hf_greedy_reference(base_dir, adapters, PROMPTS, NAMES, MAX_NEW)
-    assert all(len(r.token_ids) == MAX_NEW for r in refs)
-    return refs
-
-
-def _requests(adapters):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    return [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in NAMES]
-
-
-def _assert_matches(outs, reference, names=NAMES):
-    for i, (out, ref) in enumerate(zip(outs, reference, strict=True)):
-        ok, pos = compare_greedy(out.outputs[0].token_ids, ref)
-        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
-                    f"ours {out.outputs[0].token_ids} ref {ref.token_ids}")
-
-
-def test_registry_builds_olmo2(base_dir):
+def test_registry_builds_olmo2(olmo2):
     from transformers import AutoConfig
 
     from manylora.config import ModelConfig
     from manylora.model.olmo2 import Olmo2ForCausalLM
     from manylora.model.registry import model_class
 
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(base_dir), dtype=None)
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(olmo2.base_dir), dtype=None)
     assert cfg.architecture == "Olmo2ForCausalLM"
     assert model_class(cfg.architecture) is Olmo2ForCausalLM
 
 
-def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(base_dir, adapters,
-                                                                  reference, monkeypatch):
+def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(olmo2, monkeypatch):
     """One slot for two adapters and base rows; the second run starts from cached prefixes
     (under each adapter's own cache key) and still matches peft. Steps are padded to piece
     buckets and run piece by piece (on the CPU eagerly, over the pieces' static buffers), so
@@ -102,42 +80,31 @@ def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(base_dir, adapt
         return real_run(self, key, *args, **kwargs)
 
     monkeypatch.setattr(PiecewiseGraphs, "run", spy)
-    llm = LLM(str(base_dir), **ENGINE, enable_prefix_caching=True, max_num_batched_tokens=32,
-              piecewise_cuda_graph_sizes=(8, 32))
+    llm = LLM(str(olmo2.base_dir), **ENGINE, enable_prefix_caching=True,
+              max_num_batched_tokens=32, piecewise_cuda_graph_sizes=(8, 32))
     try:
-        for run in range(2):
-            before = llm.llm_engine.kv_cache_stats().prefix_hits
-            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
-                                lora_request=_requests(adapters), use_tqdm=False)
-            _assert_matches(outs, reference)
-            if run:
-                assert llm.llm_engine.kv_cache_stats().prefix_hits > before
+        generate_twice_from_prefix_cache(llm, olmo2, GREEDY)
         assert pieces
     finally:
         llm.llm_engine.shutdown()
 
 
-def _generate_tp2(base_dir, adapters, names):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
-    llm = LLM(str(base_dir), **ENGINE, tensor_parallel_size=2)
+def _generate_tp2(case):
+    llm = LLM(str(case.base_dir), **ENGINE, tensor_parallel_size=2)
     try:
-        return llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:len(names)]], GREEDY,
-                            lora_request=requests, use_tqdm=False)
+        return generate_greedy(llm, case, GREEDY)
     finally:
         llm.llm_engine.shutdown()
 
 
-def test_tensor_parallel_2_matches_peft(base_dir, adapters, reference):
-    _assert_matches(_generate_tp2(base_dir, adapters, NAMES), reference)
+def test_tensor_parallel_2_matches_peft(olmo2):
+    assert_greedy_matches(_generate_tp2(olmo2), olmo2)
 
 
 def test_tensor_parallel_2_with_a_replicated_kv_head_matches_peft(tmp_path):
     base = make_checkpoint(tmp_path / "mqa", "olmo2", seed=5,
                            **{**TINY, "num_attention_heads": 4, "num_key_value_heads": 1,
                               "hidden_size": 64})
-    adapters = {"all": make_peft_adapter(base, tmp_path / "all", r=8, lora_alpha=16,
-                                         target_modules=list(LORA_TARGET_MODULES), seed=4)}
-    names = [None, "all"]
-    reference = hf_greedy_reference(base, adapters, PROMPTS[:2], names, MAX_NEW)
-    _assert_matches(_generate_tp2(base, adapters, names), reference, names)
+    case = make_family_case(base, tmp_path, {"all": {**SPECS["all"], "seed": 4}}, PROMPTS[:2],
+                            [None, "all"], MAX_NEW)
+    assert_greedy_matches(_generate_tp2(case), case)
