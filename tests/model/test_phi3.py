@@ -13,11 +13,13 @@ unevenly. The reference runs each prompt alone (``hf_greedy_reference``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import Phi3Config
 
-from manylora import LLM, LoRARequest, SamplingParams
+from manylora import LLM, SamplingParams
 from manylora.config import ModelConfig, SchedulerConfig
 from manylora.model.phi3 import Phi3ForCausalLM
 from manylora.model.registry import model_class
@@ -25,10 +27,11 @@ from manylora.request import Request
 from manylora.scheduler.kv_cache_manager import KVCacheManager
 from manylora.scheduler.scheduler import Scheduler
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
     make_checkpoint,
-    make_peft_adapter,
+    make_family_case,
 )
 
 # head_dim 16, rotary on its first 12 (Phi-4-mini's factor)
@@ -58,44 +61,14 @@ def test_phi3_resolves_by_transformers_name():
     assert model_class(cfg.architecture) is Phi3ForCausalLM
 
 
-def _family(root, prompts_of, adapters_of, specs, max_new, **checkpoint_kwargs):
-    """``(base_dir, {name: adapter_dir}, prompts, reference)`` for one tiny checkpoint."""
-    from transformers import AutoTokenizer
-
-    from manylora.testing.hf import hf_causal_lm
-
+def _family(root, prompts, adapter_names, specs, max_new, **checkpoint_kwargs):
     base = make_checkpoint(root / "base", "phi3", seed=0, **checkpoint_kwargs)
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(specs.items())}
-    prompts = prompts_of(AutoTokenizer.from_pretrained(base))
-    reference = hf_greedy_reference(base, adapters, prompts, adapters_of, max_new,
-                                    base_model=model)
-    return base, adapters, prompts, reference
+    return make_family_case(base, root, specs, prompts, adapter_names, max_new)
 
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
-    return _family(tmp_path_factory.mktemp("phi3"), lambda tok: [tok(t).input_ids
-                                                                 for t in TEXTS],
-                   ADAPTERS, SPECS, MAX_NEW, **TINY)
-
-
-def _generate(llm, adapters, prompts, names=ADAPTERS, params=GREEDY):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
-                for n in names]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                        lora_request=requests, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_matches(tokens, reference, names=ADAPTERS):
-    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=True)):
-        ok, pos = compare_greedy(ours, ref)
-        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
-                    f"ours {ours} ref {ref.token_ids}")
+    return _family(tmp_path_factory.mktemp("phi3"), TEXTS, ADAPTERS, SPECS, MAX_NEW, **TINY)
 
 
 def _trtllm_adapters(adapters, base, root):
@@ -118,19 +91,16 @@ def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3, tmp_path):
     """The peft adapters twice (the second pass from the prefix cache), then the
     TensorRT-LLM conversions of two of them (``_trtllm_adapters``), which manylora splits
     onto the q/k/v and gate/up slices again."""
-    base, adapters, prompts, reference = phi3
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True)
+    llm = LLM(str(phi3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        hits, misses = engine.kv_cache_stats().prefix_hits, engine.lora_cache_stats().device_misses
-        assert misses >= len(adapters)
-        _assert_matches(_generate(llm, adapters, prompts), reference)
-        assert engine.kv_cache_stats().prefix_hits > hits
-        assert engine.lora_cache_stats().device_misses >= misses + len(adapters) - 1
-        trt = {**adapters, **_trtllm_adapters(adapters, base, tmp_path)}
-        names = ["trt-all", "trt-dora"]
-        _assert_matches(_generate(llm, trt, prompts[3:], names), reference[3:], names)
+        first, second = generate_twice_from_prefix_cache(llm, phi3, GREEDY)
+        assert first >= len(phi3.adapters)
+        assert second >= first + len(phi3.adapters) - 1
+        converted = _trtllm_adapters(phi3.adapters, phi3.base_dir, tmp_path)
+        trt = dataclasses.replace(phi3, adapters={**phi3.adapters, **converted},
+                                  prompts=phi3.prompts[3:], adapter_names=["trt-all", "trt-dora"],
+                                  reference=phi3.reference[3:])
+        assert_greedy_matches(generate_greedy(llm, trt, GREEDY), trt)
     finally:
         llm.llm_engine.shutdown()
 
@@ -140,11 +110,10 @@ def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
     of each fused ``qkv_proj``, rank 1 the rest; each rank its half of ``gate`` and of
     ``up`` out of ``gate_up_proj``. The steps run as the piecewise CUDA graphs' pieces
     (eager on CPU)."""
-    base, adapters, prompts, reference = phi3
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(phi3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        _assert_matches(_generate(llm, adapters, prompts), reference)
+        assert_greedy_matches(generate_greedy(llm, phi3, GREEDY), phi3)
     finally:
         llm.llm_engine.shutdown()
 
@@ -160,14 +129,11 @@ def test_phi3_gguf_fused_tensors_match_transformers_peft(tmp_path):
     tiny = {k: v for k, v in TINY.items() if k != "partial_rotary_factor"}
     ckpt = make_checkpoint(tmp_path / "hf", "phi3", seed=2, **tiny)
     path = write_gguf(ckpt, tmp_path / "phi3.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
-    adapters = {"all": make_peft_adapter(path, tmp_path / "all", r=4,
-                                         target_modules="all-linear", seed=3)}
-    prompts = [[1, 40, 41, 42, 43], [1, 7, 9]]
-    names = ["all", None]
-    reference = hf_greedy_reference(path, adapters, prompts, names, MAX_NEW)
+    case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
+                            [[1, 40, 41, 42, 43], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
     try:
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
 
@@ -185,9 +151,8 @@ LONG_ADAPTERS = [None, "all", None, "all"]
 
 @pytest.fixture(scope="module")
 def phi3_longrope(tmp_path_factory):
-    return _family(tmp_path_factory.mktemp("phi3_longrope"), lambda tok: LONG_PROMPTS,
-                   LONG_ADAPTERS, {"all": SPECS["all"]}, LONG_NEW, **TINY,
-                   original_max_position_embeddings=16,
+    return _family(tmp_path_factory.mktemp("phi3_longrope"), LONG_PROMPTS, LONG_ADAPTERS,
+                   {"all": SPECS["all"]}, LONG_NEW, **TINY, original_max_position_embeddings=16,
                    rope_scaling={"rope_type": "longrope", "short_factor": LONG_SHORT,
                                  "long_factor": LONG_LONG})
 
@@ -202,18 +167,11 @@ def test_phi3_longrope_short_and_long_sequences_in_one_batch_match_transformers(
     computed in chunks of 8 tokens. The 20-token prompt shares its first 12 tokens (3
     blocks) with a short one under the same adapter, but not their rotation: the second
     pass, which reads the prefix cache, must not give it the short one's blocks."""
-    base, adapters, prompts, reference = phi3_longrope
     params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW)
-    llm = LLM(str(base), **ENGINE, max_loras=1, enable_prefix_caching=True,
+    llm = LLM(str(phi3_longrope.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True,
               max_num_batched_tokens=8)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts, LONG_ADAPTERS, params),
-                        reference, LONG_ADAPTERS)
-        hits = engine.kv_cache_stats().prefix_hits
-        _assert_matches(_generate(llm, adapters, prompts, LONG_ADAPTERS, params),
-                        reference, LONG_ADAPTERS)
-        assert engine.kv_cache_stats().prefix_hits > hits
+        generate_twice_from_prefix_cache(llm, phi3_longrope, params)
     finally:
         llm.llm_engine.shutdown()
 
