@@ -32,9 +32,12 @@ from manylora.lora.slot_table import SlotTable
 from manylora.lora.vocab import EmbeddingLoRA, HeadLoRA
 from manylora.structured_params import StructuredOutputsParams
 from manylora.testing import (
-    compare_greedy,
-    hf_greedy_reference,
+    assert_greedy_matches,
+    generate_greedy,
+    generate_twice_from_prefix_cache,
+    lora_requests,
     make_checkpoint,
+    make_family_case,
     make_peft_adapter,
 )
 
@@ -57,21 +60,11 @@ ADAPTERS = ["both", None, "both", "head", "embed", "plain", None]
 
 
 def _family(root, arch="llama", specs=SPECS, **checkpoint_kwargs):
-    from transformers import AutoTokenizer
-
-    from manylora.testing.hf import hf_causal_lm
-
+    """The texts under ``ADAPTERS``, then the second one again under each vocabulary
+    adapter."""
     base = make_checkpoint(root / "base", arch, seed=0, **{**TINY, **checkpoint_kwargs})
-    model = hf_causal_lm(base, attn_implementation="eager")
-    adapters = {name: make_peft_adapter(base, root / name, seed=i + 1, base_model=model,
-                                        **spec)
-                for i, (name, spec) in enumerate(specs.items())}
-    tok = AutoTokenizer.from_pretrained(base)
-    prompts = [tok(t).input_ids for t in TEXTS]
-    names = ADAPTERS + ["both", "head", "embed"]
-    prompts += [prompts[1]] * 3
-    reference = hf_greedy_reference(base, adapters, prompts, names, MAX_NEW, base_model=model)
-    return base, adapters, prompts, names, reference
+    return make_family_case(base, root, specs, TEXTS + [TEXTS[1]] * 3,
+                            ADAPTERS + ["both", "head", "embed"], MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -79,30 +72,11 @@ def untied(tmp_path_factory):
     return _family(tmp_path_factory.mktemp("head_untied"))
 
 
-def _requests(adapters, names):
-    ids = {name: i + 1 for i, name in enumerate(adapters)}
-    return [None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names]
-
-
-def _generate(llm, adapters, prompts, names, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                        lora_request=_requests(adapters, names), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _assert_matches(tokens, reference, names):
-    for i, (ours, ref) in enumerate(zip(tokens, reference, strict=True)):
-        ok, pos = compare_greedy(ours, ref)
-        assert ok, (f"prompt {i} (adapter {names[i]}): diverges at token {pos}: "
-                    f"ours {ours} ref {ref.token_ids}")
-
-
 def test_peft_saves_lora_and_the_base_tables(untied):
     """What peft writes for the two modules (and what the reader must not drop): LoRA
     pairs, and a copy of each base table that equals the checkpoint's."""
-    base, adapters, *_ = untied
-    tensors = load_file(adapters["both"] / "adapter_model.safetensors")
-    base_state = load_file(base / "model.safetensors")
+    tensors = load_file(untied.adapters["both"] / "adapter_model.safetensors")
+    base_state = load_file(untied.base_dir / "model.safetensors")
     prefix = "base_model.model."
     assert tensors[prefix + "model.embed_tokens.lora_embedding_A"].shape[1] == 512
     assert tensors[prefix + "lm_head.lora_B.weight"].shape[0] == 512
@@ -113,22 +87,18 @@ def test_peft_saves_lora_and_the_base_tables(untied):
 
 
 def test_mixed_batch_fewer_slots_prefix_cache_prompt_logprobs_and_choice(untied):
-    base, adapters, prompts, names, reference = untied
+    base, adapters, reference = untied.base_dir, untied.adapters, untied.reference
     n = len(ADAPTERS)
     # each vocabulary adapter changes the base's output on the shared prompt
-    for i, name in enumerate(names[n:]):
+    for i, name in enumerate(untied.adapter_names[n:]):
         assert reference[n + i].token_ids != reference[1].token_ids, name
     llm = LLM(str(base), **ENGINE, max_loras=2, enable_prefix_caching=True)
     try:
-        engine = llm.llm_engine
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
-        hits = engine.kv_cache_stats().prefix_hits
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
-        assert engine.kv_cache_stats().prefix_hits > hits
-        _check_prompt_logprobs(llm, base, adapters, prompts[:2])
-        _check_choice(llm, base, adapters, prompts[1])
+        generate_twice_from_prefix_cache(llm, untied, GREEDY)
+        _check_prompt_logprobs(llm, base, adapters, untied.prompts[:2])
+        _check_choice(llm, base, adapters, untied.prompts[1])
     finally:
-        engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def _peft_model(base, adapter):
@@ -144,7 +114,7 @@ def _check_prompt_logprobs(llm, base, adapters, prompts):
     """Prompt log-probabilities of a ``both`` row (embedding and head adapted) and a base row
     in one step equal peft's ``log_softmax`` of each position's logits."""
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-    requests = _requests(adapters, ["both", None])
+    requests = lora_requests(adapters, ["both", None])
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                         lora_request=requests, use_tqdm=False)
     peft = _peft_model(base, adapters["both"])
@@ -174,7 +144,7 @@ def _check_choice(llm, base, adapters, prompt):
     params = SamplingParams(temperature=0.0, max_tokens=8,
                             structured_outputs=StructuredOutputsParams(choice=choices))
     out = llm.generate([{"prompt_token_ids": prompt}], params,
-                       lora_request=_requests(adapters, ["head"]), use_tqdm=False)[0]
+                       lora_request=lora_requests(adapters, ["head"]), use_tqdm=False)[0]
     assert out.outputs[0].text in choices
     tok = AutoTokenizer.from_pretrained(base)
     allowed = [t for t in range(len(tok)) if (s := tok.decode([t])) and any(
@@ -188,22 +158,21 @@ def _check_choice(llm, base, adapters, prompt):
 def test_tensor_parallel_2_matches_peft(untied):
     """The head's B split by vocabulary rows with the head, the embedding's delta added once
     after its all-reduce; the saved base tables compared by every rank."""
-    base, adapters, prompts, names, reference = untied
-    llm = LLM(str(base), **ENGINE, max_loras=2, tensor_parallel_size=2,
+    llm = LLM(str(untied.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
     try:
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
+        assert_greedy_matches(generate_greedy(llm, untied, GREEDY), untied)
     finally:
         llm.llm_engine.shutdown()
 
 
 def test_tied_embeddings_keep_the_base_tied_and_the_adapter_its_own(tmp_path):
-    base, adapters, prompts, names, reference = _family(tmp_path, tie_word_embeddings=True)
-    llm = LLM(str(base), **ENGINE, max_loras=3)
+    case = _family(tmp_path, tie_word_embeddings=True)
+    llm = LLM(str(case.base_dir), **ENGINE, max_loras=3)
     try:
         model = llm.llm_engine.engine_core.executor.model
         assert model.lm_head is None and model.head_lora is not None
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
 
@@ -231,12 +200,12 @@ def test_each_family_with_vocabulary_adapters_matches_peft(tmp_path, arch, kwarg
     Granite (embedding multiplier, logits divided, tied) scale what the adapters add too, as
     transformers scales the adapted modules' outputs; Phi-3's adapters target its fused
     ``qkv_proj``."""
-    base, adapters, prompts, names, reference = _family(tmp_path, arch, **kwargs)
+    case = _family(tmp_path, arch, **kwargs)
     engine = dict(ENGINE, lora_target_modules=VOCAB + ("k_proj",)) if arch == "phi3" \
         else ENGINE
-    llm = LLM(str(base), **engine, max_loras=2)
+    llm = LLM(str(case.base_dir), **engine, max_loras=2)
     try:
-        _assert_matches(_generate(llm, adapters, prompts, names), reference, names)
+        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
     finally:
         llm.llm_engine.shutdown()
 
@@ -296,7 +265,7 @@ def test_embedding_lora_gathers_each_tokens_column_vs_float64():
 
 @pytest.fixture(scope="module")
 def target(untied):
-    base = untied[0]
+    base = untied.base_dir
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(base), torch.float32)
     state = load_file(base / "model.safetensors")
     return AdapterTarget(cfg.module_shapes(), cfg.num_layers, 8, LORA_ALL_MODULES,
@@ -352,13 +321,13 @@ def _changed_table(state):
         "trained_table"])
 def test_adapters_the_engine_cannot_serve_name_the_field(untied, target, tmp_path, tensors,
                                                          config, pattern):
-    bad = _edited(untied[1]["both"], tmp_path / "bad", tensors, config)
+    bad = _edited(untied.adapters["both"], tmp_path / "bad", tensors, config)
     with pytest.raises(LoRAAdapterError, match=pattern):
         _read(bad, target)
 
 
 def test_dora_on_the_head_is_refused(untied, target, tmp_path):
-    dora = make_peft_adapter(untied[0], tmp_path / "dora", r=2, use_dora=True,
+    dora = make_peft_adapter(untied.base_dir, tmp_path / "dora", r=2, use_dora=True,
                              target_modules=["q_proj", "lm_head"])
     with pytest.raises(LoRAAdapterError, match=r"DoRA \(use_dora\) on lm_head"):
         _read(dora, target)
@@ -367,11 +336,10 @@ def test_dora_on_the_head_is_refused(untied, target, tmp_path):
 def test_adapter_without_sized_slots_fails_only_its_requests(untied):
     """Slots for the seven projections only (the default): a head adapter's requests end
     with an error naming the module and the flag; the others are served."""
-    base, adapters, prompts, names, reference = untied
-    llm = LLM(str(base), **{**ENGINE, "lora_target_modules": None}, max_loras=2)
+    llm = LLM(str(untied.base_dir), **{**ENGINE, "lora_target_modules": None}, max_loras=2)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], GREEDY,
-                            lora_request=_requests(adapters, ["head", "plain"]),
+        outs = llm.generate([{"prompt_token_ids": p} for p in untied.prompts[:2]], GREEDY,
+                            lora_request=lora_requests(untied.adapters, ["head", "plain"]),
                             use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
@@ -385,7 +353,7 @@ def test_trtllm_conversion_names_the_module_it_has_no_id_for(untied):
     from manylora.lora.formats.trtllm_convert import peft_to_trtllm
 
     with pytest.raises(LoRAAdapterError, match=r"targets embed_tokens, for which TensorRT-LLM"):
-        peft_to_trtllm(untied[1]["embed"], torch.float32)
+        peft_to_trtllm(untied.adapters["embed"], torch.float32)
 
 
 def test_slot_bytes_count_the_vocabulary_modules_once(untied):
@@ -395,7 +363,7 @@ def test_slot_bytes_count_the_vocabulary_modules_once(untied):
     from manylora.lora.sizing import slot_bytes
     from manylora.model.loader import load_hf_config, load_model
 
-    base = untied[0]
+    base = untied.base_dir
     cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
     model = load_model(base, cfg, torch.device("cpu"))
     targets = ("q_proj", "down_proj", "embed_tokens", "lm_head")
