@@ -6,12 +6,16 @@ from manylora.testing.adapters import make_peft_adapter
 from manylora.testing.checkpoint import SUPPORTED_ARCHS, make_checkpoint
 from manylora.testing.demo_set import DEMO_ADAPTER_SPECS, DemoSet, make_demo_set
 from manylora.testing.families import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_SPECS,
+    FAMILY_TEXTS,
     FamilyCase,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     lora_requests,
     make_family_case,
+    shutting_down,
 )
 from manylora.testing.reference import (
     ReferenceOutput,
@@ -24,6 +28,9 @@ from manylora.testing.tokenizer import CHAT_TEMPLATE, make_tokenizer
 __all__ = [
     "CHAT_TEMPLATE",
     "DEMO_ADAPTER_SPECS",
+    "FAMILY_ADAPTER_NAMES",
+    "FAMILY_SPECS",
+    "FAMILY_TEXTS",
     "SUPPORTED_ARCHS",
     "DemoSet",
     "FamilyCase",
@@ -40,4 +47,5 @@ __all__ = [
     "make_family_case",
     "make_peft_adapter",
     "make_tokenizer",
+    "shutting_down",
 ]

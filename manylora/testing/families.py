@@ -4,7 +4,8 @@ checked against that reference, token for token."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,26 @@ if TYPE_CHECKING:
     from manylora.engine.outputs import CompletionOutput
     from manylora.sampling_params import SamplingParams
 
-__all__ = ["FamilyCase", "assert_greedy_matches", "generate_greedy",
-           "generate_twice_from_prefix_cache", "lora_requests", "make_family_case"]
+__all__ = ["FAMILY_ADAPTER_NAMES", "FAMILY_SPECS", "FAMILY_TEXTS", "FamilyCase",
+           "assert_greedy_matches", "generate_greedy", "generate_twice_from_prefix_cache",
+           "lora_requests", "make_family_case", "shutting_down"]
+
+#: The family tests' prompts. Under :func:`~manylora.testing.make_tokenizer`'s tokenizer
+#: (every :func:`~manylora.testing.make_checkpoint` checkpoint's) the first and the third
+#: share a 9-token prefix: two full KV blocks of 4, which they run under the same adapter.
+FAMILY_TEXTS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
+    "The quick brown fox jumps over the lazy cat", "def add(a, b):", "Low-rank adaptation")
+#: The adapter (a key of :data:`FAMILY_SPECS`) or ``None`` (the base) per
+#: :data:`FAMILY_TEXTS` prompt: one mixed batch.
+FAMILY_ADAPTER_NAMES: tuple[str | None, ...] = ("attn", None, "attn", "all", "dora")
+#: :func:`~manylora.testing.make_peft_adapter` arguments of three ranks and targets:
+#: attention only (r=4), every linear layer (r=8), and DoRA over q, v and down (r=2).
+FAMILY_SPECS: dict[str, dict[str, Any]] = {
+    "attn": {"r": 4, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "all": {"r": 8, "target_modules": "all-linear"},
+    "dora": {"r": 2, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +133,17 @@ def lora_requests(adapters: Mapping[str, str | Path],
     ids = {name: i + 1 for i, name in enumerate(adapters)}
     return [None if n is None else LoRARequest(n, ids[n], str(adapters[n]))
             for n in adapter_names]
+
+
+@contextmanager
+def shutting_down(llm: Any) -> Iterator[Any]:
+    """Yield ``llm`` (a ``manylora.LLM``) and shut its engine down on exit, also when the
+    body raises (``llm.llm_engine.shutdown()``: its core, workers and tensor-parallel
+    processes end)."""
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def generate_greedy(llm: Any, case: FamilyCase, params: SamplingParams

@@ -32,6 +32,7 @@ from manylora.lora.slot_table import SlotTable
 from manylora.lora.vocab import EmbeddingLoRA, HeadLoRA
 from manylora.structured_params import StructuredOutputsParams
 from manylora.testing import (
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
@@ -39,6 +40,7 @@ from manylora.testing import (
     make_checkpoint,
     make_family_case,
     make_peft_adapter,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -52,9 +54,7 @@ SPECS = {"both": dict(r=4, target_modules=["q_proj", "v_proj", "lm_head", "embed
          "head": dict(r=6, target_modules=["lm_head"], use_rslora=True),
          "embed": dict(r=2, target_modules=["embed_tokens"]),
          "plain": dict(r=8, target_modules=["q_proj", "v_proj", "o_proj"])}
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation", "Once upon a time", "The quick brown fox jumps over"]
+TEXTS = [*FAMILY_TEXTS, "Once upon a time", "The quick brown fox jumps over"]
 # every vocabulary adapter also on a prompt the base runs, so that it is seen to matter
 ADAPTERS = ["both", None, "both", "head", "embed", "plain", None]
 
@@ -93,12 +93,10 @@ def test_mixed_batch_fewer_slots_prefix_cache_prompt_logprobs_and_choice(untied)
     for i, name in enumerate(untied.adapter_names[n:]):
         assert reference[n + i].token_ids != reference[1].token_ids, name
     llm = LLM(str(base), **ENGINE, max_loras=2, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         generate_twice_from_prefix_cache(llm, untied, GREEDY)
         _check_prompt_logprobs(llm, base, adapters, untied.prompts[:2])
         _check_choice(llm, base, adapters, untied.prompts[1])
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def _peft_model(base, adapter):
@@ -160,21 +158,17 @@ def test_tensor_parallel_2_matches_peft(untied):
     after its all-reduce; the saved base tables compared by every rank."""
     llm = LLM(str(untied.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, untied, GREEDY), untied)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_tied_embeddings_keep_the_base_tied_and_the_adapter_its_own(tmp_path):
     case = _family(tmp_path, tie_word_embeddings=True)
     llm = LLM(str(case.base_dir), **ENGINE, max_loras=3)
-    try:
+    with shutting_down(llm):
         model = llm.llm_engine.engine_core.executor.model
         assert model.lm_head is None and model.head_lora is not None
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 #: Phi-3's projections are fused in the model: its adapters target ``qkv_proj`` (split onto
@@ -204,10 +198,8 @@ def test_each_family_with_vocabulary_adapters_matches_peft(tmp_path, arch, kwarg
     engine = dict(ENGINE, lora_target_modules=VOCAB + ("k_proj",)) if arch == "phi3" \
         else ENGINE
     llm = LLM(str(case.base_dir), **engine, max_loras=2)
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 # ---------------------------------------------------------------------------------- the ops
@@ -337,12 +329,10 @@ def test_adapter_without_sized_slots_fails_only_its_requests(untied):
     """Slots for the seven projections only (the default): a head adapter's requests end
     with an error naming the module and the flag; the others are served."""
     llm = LLM(str(untied.base_dir), **{**ENGINE, "lora_target_modules": None}, max_loras=2)
-    try:
+    with shutting_down(llm):
         outs = llm.generate([{"prompt_token_ids": p} for p in untied.prompts[:2]], GREEDY,
                             lora_request=lora_requests(untied.adapters, ["head", "plain"]),
                             use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
     assert isinstance(outs[0].error, LoRAAdapterError)
     assert "lm_head" in str(outs[0].error) and "--lora-target-modules" in str(outs[0].error)
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == MAX_NEW

@@ -25,11 +25,15 @@ from manylora.config import ModelConfig
 from manylora.model.gemma2 import Gemma2ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_SPECS,
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -42,14 +46,6 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_
 MAX_NEW = 6
 # logprobs=0: each generated token's own log-probability
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
-# a shared 9-token prefix (two full blocks of 4) under the same adapter
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation"]
-ADAPTERS = ["attn", None, "attn", "all", "dora"]
-SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-         "all": dict(r=8, target_modules="all-linear"),
-         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
 
 
 def assert_matches(outputs, case):
@@ -67,7 +63,7 @@ def gemma2(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma2")
     base = make_checkpoint(root / "base", "gemma2", seed=0, **TINY,
                            attn_logit_softcapping=ATTN_CAP, final_logit_softcapping=FINAL_CAP)
-    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
+    return make_family_case(base, root, FAMILY_SPECS, FAMILY_TEXTS, FAMILY_ADAPTER_NAMES, MAX_NEW)
 
 
 def test_gemma2_config_resolves_with_alternating_windows():
@@ -107,11 +103,9 @@ def test_gemma2_caps_bite(gemma2, tmp_path):
 
 def test_gemma2_mixed_batch_one_slot_prefix_cache_matches_peft(gemma2):
     llm = LLM(str(gemma2.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         _, misses = generate_twice_from_prefix_cache(llm, gemma2, GREEDY, assert_matches)
         assert misses >= len(gemma2.adapters)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_gemma2_tensor_parallel_2_piecewise_matches_peft(gemma2):
@@ -119,10 +113,8 @@ def test_gemma2_tensor_parallel_2_piecewise_matches_peft(gemma2):
     on CPU), cut between ``attend`` calls, with the Gemma residual convention."""
     llm = LLM(str(gemma2.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         assert_matches(generate_greedy(llm, gemma2, GREEDY), gemma2)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_gemma2_gguf_matches_transformers_peft(tmp_path):
@@ -138,7 +130,5 @@ def test_gemma2_gguf_matches_transformers_peft(tmp_path):
     case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
                             [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()

@@ -24,11 +24,15 @@ from manylora.config import ModelConfig
 from manylora.model.gemma3 import Gemma3ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_SPECS,
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -40,14 +44,6 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_
               max_model_len=128)
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=0)
-# a shared 9-token prefix (two full blocks of 4) under the same adapter
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation"]
-ADAPTERS = ["attn", None, "attn", "all", "dora"]
-SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-         "all": dict(r=8, target_modules="all-linear"),
-         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
 
 
 def _assert_matches(outputs, case):
@@ -65,7 +61,7 @@ def gemma3(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3")
     base = make_checkpoint(root / "base", "gemma3", seed=0, **TINY,
                            attn_logit_softcapping=5.0)
-    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
+    return make_family_case(base, root, FAMILY_SPECS, FAMILY_TEXTS, FAMILY_ADAPTER_NAMES, MAX_NEW)
 
 
 def test_gemma3_text_config_resolves():
@@ -90,10 +86,8 @@ def test_gemma3_refuses_bidirectional_attention():
 
 def test_gemma3_mixed_batch_one_slot_prefix_cache_matches_peft(gemma3):
     llm = LLM(str(gemma3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         generate_twice_from_prefix_cache(llm, gemma3, GREEDY, _assert_matches)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_gemma3_tensor_parallel_2_piecewise_matches_peft(gemma3):
@@ -101,10 +95,8 @@ def test_gemma3_tensor_parallel_2_piecewise_matches_peft(gemma3):
     qkv static and read the normed, rotated q and k back from it."""
     llm = LLM(str(gemma3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         _assert_matches(generate_greedy(llm, gemma3, GREEDY), gemma3)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_gemma3_tied_embeddings_base_logprobs_match(tmp_path):
@@ -112,12 +104,10 @@ def test_gemma3_tied_embeddings_base_logprobs_match(tmp_path):
     base = make_checkpoint(tmp_path / "tied", "gemma3", seed=1,
                            **{**TINY, "init_std": 0.2}, tie_word_embeddings=True,
                            final_logit_softcapping=4.0)
-    case = make_family_case(base, tmp_path, {}, TEXTS[:2], [None, None], MAX_NEW)
+    case = make_family_case(base, tmp_path, {}, FAMILY_TEXTS[:2], [None, None], MAX_NEW)
     llm = LLM(str(base), **ENGINE, enable_lora=False)
-    try:
+    with shutting_down(llm):
         _assert_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_gemma3_gguf_matches_transformers_peft(tmp_path):
@@ -136,7 +126,5 @@ def test_gemma3_gguf_matches_transformers_peft(tmp_path):
     case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
                             [[1, 40, 41, 42, 43, 44, 45], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
-    try:
+    with shutting_down(llm):
         _assert_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()

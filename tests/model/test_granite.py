@@ -25,11 +25,15 @@ from manylora.config import ModelConfig
 from manylora.model.granite import GraniteForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_SPECS,
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -38,14 +42,9 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_
               max_model_len=128)
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=1)
-# a shared 9-token prefix (two full blocks of 4) under the same adapter
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation"]
-ADAPTERS = ["attn", None, "attn", "all", "dora"]
-SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-         "all": dict(r=8, target_modules="all-linear", rank_pattern={"down_proj": 3}),
-         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
+# the mix, with one module of its own rank in the all-linear adapter
+SPECS = {**FAMILY_SPECS,
+         "all": dict(r=8, target_modules="all-linear", rank_pattern={"down_proj": 3})}
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                "logits_scaling")
 
@@ -63,7 +62,7 @@ def test_granite_resolves_by_transformers_name():
 def granite(tmp_path_factory):
     root = tmp_path_factory.mktemp("granite")
     base = make_checkpoint(root / "base", "granite", seed=0, **TINY)
-    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
+    return make_family_case(base, root, SPECS, FAMILY_TEXTS, FAMILY_ADAPTER_NAMES, MAX_NEW)
 
 
 def test_checkpoint_has_granite_multipliers(granite):
@@ -87,13 +86,11 @@ def _assert_matches(outputs, case):
 
 def test_granite_mixed_batch_one_slot_prefix_cache_matches_peft(granite):
     llm = LLM(str(granite.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         first, second = generate_twice_from_prefix_cache(llm, granite, GREEDY, _assert_matches)
         assert first >= len(granite.adapters)
         # three adapters through one slot: at most one of them was still there
         assert second >= first + len(granite.adapters) - 1
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_granite_tensor_parallel_2_piecewise_matches_peft(granite):
@@ -102,7 +99,5 @@ def test_granite_tensor_parallel_2_piecewise_matches_peft(granite):
     CUDA graphs' pieces (eager on CPU), whose cut sits between the layers' methods."""
     llm = LLM(str(granite.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         _assert_matches(generate_greedy(llm, granite, GREEDY), granite)
-    finally:
-        llm.llm_engine.shutdown()

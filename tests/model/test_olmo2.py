@@ -24,6 +24,7 @@ from manylora.testing import (
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
@@ -82,19 +83,15 @@ def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(olmo2, monkeypa
     monkeypatch.setattr(PiecewiseGraphs, "run", spy)
     llm = LLM(str(olmo2.base_dir), **ENGINE, enable_prefix_caching=True,
               max_num_batched_tokens=32, piecewise_cuda_graph_sizes=(8, 32))
-    try:
+    with shutting_down(llm):
         generate_twice_from_prefix_cache(llm, olmo2, GREEDY)
         assert pieces
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def _generate_tp2(case):
     llm = LLM(str(case.base_dir), **ENGINE, tensor_parallel_size=2)
-    try:
+    with shutting_down(llm):
         return generate_greedy(llm, case, GREEDY)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_tensor_parallel_2_matches_peft(olmo2):

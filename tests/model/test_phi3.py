@@ -27,11 +27,14 @@ from manylora.request import Request
 from manylora.scheduler.kv_cache_manager import KVCacheManager
 from manylora.scheduler.scheduler import Scheduler
 from manylora.testing import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 # head_dim 16, rotary on its first 12 (Phi-4-mini's factor)
@@ -41,11 +44,6 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_
               max_model_len=128)
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-# a shared 9-token prefix (two full blocks of 4) under the same adapter
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation"]
-ADAPTERS = ["attn", None, "attn", "all", "dora"]
 SPECS = {"attn": dict(r=4, target_modules=["qkv_proj", "o_proj"], rank_pattern={"o_proj": 2}),
          "all": dict(r=8, target_modules="all-linear"),
          "dora": dict(r=2, target_modules=["qkv_proj", "down_proj"], use_dora=True)}
@@ -68,7 +66,8 @@ def _family(root, prompts, adapter_names, specs, max_new, **checkpoint_kwargs):
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
-    return _family(tmp_path_factory.mktemp("phi3"), TEXTS, ADAPTERS, SPECS, MAX_NEW, **TINY)
+    return _family(tmp_path_factory.mktemp("phi3"), FAMILY_TEXTS, FAMILY_ADAPTER_NAMES, SPECS,
+                   MAX_NEW, **TINY)
 
 
 def _trtllm_adapters(adapters, base, root):
@@ -92,7 +91,7 @@ def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3, tmp_path):
     TensorRT-LLM conversions of two of them (``_trtllm_adapters``), which manylora splits
     onto the q/k/v and gate/up slices again."""
     llm = LLM(str(phi3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         first, second = generate_twice_from_prefix_cache(llm, phi3, GREEDY)
         assert first >= len(phi3.adapters)
         assert second >= first + len(phi3.adapters) - 1
@@ -101,8 +100,6 @@ def test_phi3_mixed_batch_one_slot_prefix_cache_matches_peft(phi3, tmp_path):
                                   prompts=phi3.prompts[3:], adapter_names=["trt-all", "trt-dora"],
                                   reference=phi3.reference[3:])
         assert_greedy_matches(generate_greedy(llm, trt, GREEDY), trt)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
@@ -112,10 +109,8 @@ def test_phi3_tensor_parallel_2_uneven_heads_matches_peft(phi3):
     (eager on CPU)."""
     llm = LLM(str(phi3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, phi3, GREEDY), phi3)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_phi3_gguf_fused_tensors_match_transformers_peft(tmp_path):
@@ -132,10 +127,8 @@ def test_phi3_gguf_fused_tensors_match_transformers_peft(tmp_path):
     case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
                             [[1, 40, 41, 42, 43], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
 
 # longrope past 16 positions (Phi-3-mini-128k's scheme at a tiny scale), rotary dim 12
 LONG_SHORT = [1.0, 1.2, 1.5, 2.0, 3.0, 4.0]
@@ -170,10 +163,8 @@ def test_phi3_longrope_short_and_long_sequences_in_one_batch_match_transformers(
     params = SamplingParams(temperature=0.0, max_tokens=LONG_NEW)
     llm = LLM(str(phi3_longrope.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True,
               max_num_batched_tokens=8)
-    try:
+    with shutting_down(llm):
         generate_twice_from_prefix_cache(llm, phi3_longrope, params)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_longrope_sequence_growing_past_the_original_length_is_computed_again():

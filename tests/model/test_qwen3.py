@@ -23,11 +23,15 @@ from manylora.config import ModelConfig
 from manylora.model.qwen3 import Qwen3ForCausalLM
 from manylora.model.registry import model_class
 from manylora.testing import (
+    FAMILY_ADAPTER_NAMES,
+    FAMILY_SPECS,
+    FAMILY_TEXTS,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_checkpoint,
     make_family_case,
+    shutting_down,
 )
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -36,14 +40,6 @@ ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4, num_
               max_model_len=128)
 MAX_NEW = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
-# a shared 9-token prefix (two full blocks of 4) under the same adapter
-TEXTS = ["The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
-         "The quick brown fox jumps over the lazy cat", "def add(a, b):",
-         "Low-rank adaptation"]
-ADAPTERS = ["attn", None, "attn", "all", "dora"]
-SPECS = {"attn": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-         "all": dict(r=8, target_modules="all-linear"),
-         "dora": dict(r=2, target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True)}
 
 
 def test_qwen3_resolves_by_transformers_name_and_reads_head_dim():
@@ -58,7 +54,7 @@ def test_qwen3_resolves_by_transformers_name_and_reads_head_dim():
 
 def _family(root, arch, **checkpoint_kwargs):
     base = make_checkpoint(root / "base", arch, seed=0, **TINY, **checkpoint_kwargs)
-    return make_family_case(base, root, SPECS, TEXTS, ADAPTERS, MAX_NEW)
+    return make_family_case(base, root, FAMILY_SPECS, FAMILY_TEXTS, FAMILY_ADAPTER_NAMES, MAX_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +66,11 @@ def qwen3(tmp_path_factory):
 
 def test_qwen3_mixed_batch_one_slot_prefix_cache_matches_peft(qwen3):
     llm = LLM(str(qwen3.base_dir), **ENGINE, max_loras=1, enable_prefix_caching=True)
-    try:
+    with shutting_down(llm):
         first, second = generate_twice_from_prefix_cache(llm, qwen3, GREEDY)
         assert first >= len(qwen3.adapters)
         # three adapters through one slot: at most one of them was still there
         assert second >= first + len(qwen3.adapters) - 1
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_qwen3_tensor_parallel_2_piecewise_matches_peft(qwen3):
@@ -85,10 +79,8 @@ def test_qwen3_tensor_parallel_2_piecewise_matches_peft(qwen3):
     packed qkv static and read the normalized, rotated q and k back from it."""
     llm = LLM(str(qwen3.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2,
               piecewise_cuda_graph_sizes=(8, 16, 32))
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, qwen3, GREEDY), qwen3)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_qwen2_5_config_runs_as_qwen2_and_matches_peft(tmp_path):
@@ -97,12 +89,10 @@ def test_qwen2_5_config_runs_as_qwen2_and_matches_peft(tmp_path):
     case = _family(tmp_path, "qwen2", tie_word_embeddings=True, rope_theta=1000000.0,
                    use_sliding_window=False, max_window_layers=2)
     llm = LLM(str(case.base_dir), **ENGINE, max_loras=3)
-    try:
+    with shutting_down(llm):
         assert json.loads((case.base_dir / "config.json").read_text())["architectures"] == [
             "Qwen2ForCausalLM"]
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
 
 
 def test_qwen3_gguf_matches_transformers_peft(tmp_path):
@@ -116,7 +106,5 @@ def test_qwen3_gguf_matches_transformers_peft(tmp_path):
     case = make_family_case(path, tmp_path, {"all": dict(r=4, target_modules="all-linear", seed=3)},
                             [[1, 40, 41, 42, 43], [1, 7, 9]], ["all", None], MAX_NEW)
     llm = LLM(str(path), **ENGINE, max_loras=1, skip_tokenizer_init=True)
-    try:
+    with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
-    finally:
-        llm.llm_engine.shutdown()
