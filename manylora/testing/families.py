@@ -24,9 +24,11 @@ __all__ = ["FAMILY_ADAPTER_NAMES", "FAMILY_SPECS", "FAMILY_TEXTS", "FamilyCase",
            "assert_greedy_matches", "generate_greedy", "generate_twice_from_prefix_cache",
            "lora_requests", "make_family_case", "shutting_down"]
 
-#: The family tests' prompts. Under :func:`~manylora.testing.make_tokenizer`'s tokenizer
-#: (every :func:`~manylora.testing.make_checkpoint` checkpoint's) the first and the third
-#: share a 9-token prefix: two full KV blocks of 4, which they run under the same adapter.
+#: The family tests' prompts. The first and the third differ only in their last word: under
+#: :func:`~manylora.testing.make_tokenizer`'s tokenizer (every
+#: :func:`~manylora.testing.make_checkpoint` checkpoint's) they share their first 22 tokens,
+#: five full KV blocks of 4, and they run under the same adapter, so that a second pass
+#: reads cached prefixes.
 FAMILY_TEXTS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog", "SELECT name FROM users WHERE",
     "The quick brown fox jumps over the lazy cat", "def add(a, b):", "Low-rank adaptation")
