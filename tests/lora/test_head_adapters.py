@@ -382,3 +382,21 @@ def test_which_configs_may_reach_the_vocabulary_modules_as_peft_matches(targets)
     expected = any(bool(check_target_module_exists(config, name))
                    for name in ("lm_head", "model.embed_tokens"))
     assert may_target_vocab({"target_modules": targets}) is expected
+
+
+def test_whole_table_without_lora_is_refused_as_such(untied, target, tmp_path):
+    """peft's ``save_pretrained(save_embedding_layers=True)`` on an adapter with no LoRA on
+    the embedding writes the whole ``embed_tokens`` and ``lm_head`` tables (trained or
+    resized ones in practice): refused by name, never read as LoRA nor dropped."""
+    from peft import LoraConfig, get_peft_model
+
+    from manylora.testing.hf import hf_causal_lm
+
+    model = get_peft_model(hf_causal_lm(untied.base_dir),
+                           LoraConfig(r=2, target_modules=["q_proj"]))
+    model.save_pretrained(tmp_path / "tables", save_embedding_layers=True)
+    saved = load_file(tmp_path / "tables" / "adapter_model.safetensors")
+    assert PREFIX + "model.embed_tokens.weight" in saved
+    with pytest.raises(LoRAAdapterError,
+                       match=r"whole (embed_tokens|lm_head) table, not LoRA weights"):
+        _read(tmp_path / "tables", target)

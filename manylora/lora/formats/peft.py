@@ -58,6 +58,11 @@ _KEY = re.compile(
     r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 
+#: A whole embedding or head table with no LoRA on it (peft's ``save_embedding_layers`` or
+#: ``modules_to_save`` copy of a trained or resized table).
+_VOCAB_TABLE_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?:[\w.]*\.)?(?P<module>embed_tokens|lm_head)\.weight$")
+
 _VOCAB_KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>(?:[\w.]*\.)?(?:embed_tokens|lm_head))\."
     r"(?:lora_(?:embedding_)?(?P<ab>[AB])(?:\.[\w-]+)?(?:\.weight)?"
@@ -169,7 +174,8 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
 
     Raises:
         LoRAAdapterError: a key that is not a decoder layer's LoRA tensor nor one of
-            ``embed_tokens`` / ``lm_head``, or one whose projection is neither one of
+            ``embed_tokens`` / ``lm_head`` (a whole table of theirs without LoRA named as
+            such), or one whose projection is neither one of
             ``LORA_TARGET_MODULES`` nor a fused ``qkv_proj`` / ``gate_up_proj``.
     """
     pairs: PeftPairs = {}
@@ -180,10 +186,18 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
             label = v["ab"] or ("W" if v["base"] else "M")
             pairs.setdefault((MODEL_LAYER, v["module"]), {})[label] = tensor
             continue
+        table = _VOCAB_TABLE_KEY.match(key) if m is None else None
+        if table is not None:
+            raise LoRAAdapterError(
+                f"adapter {name!r}: tensor {key!r} is a whole {table['module']} table, not "
+                "LoRA weights (peft's save_embedding_layers or modules_to_save: trained or "
+                "resized embeddings); manylora serves adapters over the base model's own "
+                f"tables: put LoRA on {table['module']} instead")
         if m is None:
             raise LoRAAdapterError(
                 f"adapter {name!r}: tensor {key!r} targets a module manylora cannot adapt "
-                f"(only {', '.join(LORA_TARGET_MODULES)} of the decoder layers)")
+                f"(only {', '.join(LORA_TARGET_MODULES)} of the decoder layers, "
+                "embed_tokens and lm_head)")
         if m["name"] not in LORA_TARGET_MODULES and m["name"] not in FUSED_PEFT_MODULES:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets module {m['module']!r}, which the base model does "
