@@ -190,16 +190,21 @@ PHI3_SPECS = {name: {**spec, "target_modules": [
 ])
 def test_each_family_with_vocabulary_adapters_matches_peft(tmp_path, arch, kwargs):
     """Every served family with the ``embed_tokens`` / ``lm_head`` adapters in one mixed
-    batch. Gemma 2 and 3 (the embedding times sqrt(hidden), soft-capped logits, tied) and
-    Granite (embedding multiplier, logits divided, tied) scale what the adapters add too, as
-    transformers scales the adapted modules' outputs; Phi-3's adapters target its fused
-    ``qkv_proj``."""
+    batch through fewer slots than adapters, twice (the second pass reads the prefix
+    cache); Gemma 2 under tensor parallelism 2 as well. Gemma 2 and 3 (the embedding times
+    sqrt(hidden), soft-capped logits, tied) and Granite (embedding multiplier, logits
+    divided, tied) scale what the adapters add too, as transformers scales the adapted
+    modules' outputs; Phi-3's adapters target its fused ``qkv_proj``."""
     case = _family(tmp_path, arch, **kwargs)
     engine = dict(ENGINE, lora_target_modules=VOCAB + ("k_proj",)) if arch == "phi3" \
         else ENGINE
-    llm = LLM(str(case.base_dir), **engine, max_loras=2)
+    llm = LLM(str(case.base_dir), **engine, max_loras=2, enable_prefix_caching=True)
     with shutting_down(llm):
-        assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
+        generate_twice_from_prefix_cache(llm, case, GREEDY)
+    if arch == "gemma2":
+        llm = LLM(str(case.base_dir), **engine, max_loras=2, tensor_parallel_size=2)
+        with shutting_down(llm):
+            assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
 
 
 # ---------------------------------------------------------------------------------- the ops
