@@ -35,7 +35,6 @@ from manylora.model.gemma2 import (
     Gemma2Model,
 )
 from manylora.model.layers.norm import GemmaRMSNorm
-from manylora.model.layers.qk_norm import rms_norm_heads_
 from manylora.model.layers.rotary import RotaryEmbedding
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -56,28 +55,15 @@ def rope_config(hf_config: Any, layer_type: str) -> Any:
 class Gemma3Attention(Gemma2Attention):
     """``Gemma2Attention`` without the soft cap and with ``q_norm`` / ``k_norm``
     (``GemmaRMSNorm`` of width ``head_dim``, the checkpoint's ``self_attn.q_norm.weight`` /
-    ``self_attn.k_norm.weight``)."""
+    ``self_attn.k_norm.weight``) on each query and key head before RoPE (with this layer
+    type's RoPE table)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 device: torch.device, tp: TPGroup) -> None:
-        super().__init__(cfg, layer_idx, rotary, device, tp)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
+    qk_norm_class = GemmaRMSNorm
 
     @staticmethod
     def logit_softcap(hf_config) -> float | None:
         """None: transformers' Gemma 3 attention ignores ``attn_logit_softcapping``."""
         return None
-
-    def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``LlamaAttention.rotate`` (with this layer type's RoPE table) after normalizing
-        each query and key head of ``qkv`` in place (``rms_norm_heads_``)."""
-        cfg = self.cfg
-        q, k, _ = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        rms_norm_heads_(self.q_norm, q, cfg.head_dim)
-        rms_norm_heads_(self.k_norm, k, cfg.head_dim)
-        return super().rotate(positions, qkv)
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):

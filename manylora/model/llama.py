@@ -30,6 +30,7 @@ from manylora.lora.vocab import EmbeddingLoRA, HeadLoRA
 from manylora.model.layers.activation import silu_and_mul
 from manylora.model.layers.embedding import Embedding
 from manylora.model.layers.norm import RMSNorm
+from manylora.model.layers.qk_norm import rms_norm_heads_
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.ops.attention import paged_attention, write_kv
 from manylora.ops.attention_metadata import AttentionMetadata
@@ -53,6 +54,11 @@ def o_input_range(cfg: ModelConfig, rank: int) -> tuple[int, int]:
 
 
 class LlamaAttention(nn.Module):
+    #: The per-head q/k norm applied before RoPE (``q_norm`` / ``k_norm`` of width
+    #: ``head_dim``, ``rms_norm_heads_``: Qwen3's ``RMSNorm``, Gemma 3's ``GemmaRMSNorm``),
+    #: or None.
+    qk_norm_class: type[RMSNorm] | None = None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
                  device: torch.device, tp: TPGroup) -> None:
         super().__init__()
@@ -70,14 +76,21 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         #: The attention logits' soft cap (``paged_attention``'s ``softcap``; None: uncapped).
         self.softcap: float | None = None
+        if self.qk_norm_class is not None:
+            self.q_norm = self.qk_norm_class(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
+            self.k_norm = self.qk_norm_class(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
 
     def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``qkv [T, q + 2 kv]`` (this rank's heads) → views ``q [T, Hq, D]``, ``k [T, Hkv,
         D]``, ``v [T, Hkv, D]`` of it, RoPE applied to q and k in place (``positions`` int64
-        ``[T]``)."""
+        ``[T]``), after the per-head q/k norm when the class has one (written back into
+        ``qkv``, which the piecewise CUDA graphs hold static)."""
         cfg = self.cfg
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        if self.qk_norm_class is not None:
+            rms_norm_heads_(self.q_norm, q, cfg.head_dim)
+            rms_norm_heads_(self.k_norm, k, cfg.head_dim)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)

@@ -18,20 +18,11 @@ gate/up slices (``lora.formats.peft_config``), TensorRT-LLM's ``attn_qkv`` (id 0
 
 from __future__ import annotations
 
-from manylora.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-
-
-class Phi3DecoderLayer(LlamaDecoderLayer):
-    """``LlamaDecoderLayer`` (transformers' ``Phi3DecoderLayer`` computes the same)."""
-
-
-class Phi3Model(LlamaModel):
-    layer_class = Phi3DecoderLayer
+from manylora.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """A Phi-3 causal LM: ``LlamaForCausalLM``'s interface, tensor parallelism, LoRA slots
-    and methods (shapes, errors) over ``Phi3Model``, read from a checkpoint whose
-    ``qkv_proj`` and ``gate_up_proj`` are fused."""
-
-    model_class = Phi3Model
+    """A Phi-3 causal LM: ``LlamaForCausalLM`` (its layers, interface, tensor parallelism,
+    LoRA slots and methods; transformers' ``Phi3DecoderLayer`` computes what
+    ``LlamaDecoderLayer`` does), read from a checkpoint whose ``qkv_proj`` and
+    ``gate_up_proj`` are fused."""

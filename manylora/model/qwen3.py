@@ -14,13 +14,7 @@ both run it; the warm-up launches every RMSNorm at its own width.
 
 from __future__ import annotations
 
-import torch
-
-from manylora.config import ModelConfig
-from manylora.distributed.parallel_state import TPGroup
 from manylora.model.layers.norm import RMSNorm
-from manylora.model.layers.qk_norm import rms_norm_heads_
-from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -31,23 +25,10 @@ from manylora.model.llama import (
 
 class Qwen3Attention(LlamaAttention):
     """``LlamaAttention`` with ``q_norm`` and ``k_norm`` (``RMSNorm`` of width ``head_dim``,
-    the checkpoint's ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``)."""
+    the checkpoint's ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``) on each query
+    and key head before RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
-                 device: torch.device, tp: TPGroup) -> None:
-        super().__init__(cfg, layer_idx, rotary, device, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.dtype, device)
-
-    def rotate(self, positions: torch.Tensor, qkv: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``LlamaAttention.rotate`` after normalizing each query and key head of ``qkv``
-        in place (``rms_norm_heads_``)."""
-        cfg = self.cfg
-        q, k, _ = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        rms_norm_heads_(self.q_norm, q, cfg.head_dim)
-        rms_norm_heads_(self.k_norm, k, cfg.head_dim)
-        return super().rotate(positions, qkv)
+    qk_norm_class = RMSNorm
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

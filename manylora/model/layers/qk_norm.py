@@ -1,5 +1,5 @@
-"""Query/key RMSNorm per head after the projection and before RoPE (Qwen3's ``q_norm`` /
-``k_norm``).
+"""Query/key RMSNorm per head after the projection and before RoPE (Qwen3's and Gemma 3's
+``q_norm`` / ``k_norm``; ``LlamaAttention.qk_norm_class``).
 
 As transformers applies it: each head's vector normalized on its own, one weight
 ``[head_dim]`` shared by all heads, so under tensor parallelism every rank holds it whole."""
