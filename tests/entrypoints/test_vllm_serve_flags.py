@@ -183,7 +183,16 @@ def _sample_twice(url: str) -> list[list[str]]:
     return out
 
 
-def test_honoured_flags_on_a_server(base_dir, tmp_path, monkeypatch):
+@pytest.fixture
+def tool_parser_registry():
+    """The process-wide tool-parser registry, as it was before the test loaded a plugin."""
+    before = dict(TOOL_PARSERS)
+    yield TOOL_PARSERS
+    TOOL_PARSERS.clear()
+    TOOL_PARSERS.update(before)
+
+
+def test_honoured_flags_on_a_server(base_dir, tmp_path, monkeypatch, tool_parser_registry):
     """Two starts with ``--seed 7`` sample the same unseeded tokens; the model comes from
     the hub cache in ``--download-dir`` (offline); the other honoured flags on the way."""
     _hub_cache(base_dir, tmp_path / "hub")
@@ -201,7 +210,7 @@ def test_honoured_flags_on_a_server(base_dir, tmp_path, monkeypatch):
             runs.append(_sample_twice(url))
             if start:
                 continue
-            assert "plugin_hermes" in TOOL_PARSERS
+            assert "plugin_hermes" in tool_parser_registry
             tokens = runs[0][0]
             assert len(tokens) == 8 and all(t.startswith("token_id:") for t in tokens)
             body = httpx.post(f"{url}/v1/completions", json={
