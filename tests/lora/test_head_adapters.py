@@ -86,15 +86,26 @@ def test_peft_saves_lora_and_the_base_tables(untied):
                        base_state["model.embed_tokens.weight"])
 
 
-def test_mixed_batch_fewer_slots_prefix_cache_prompt_logprobs_and_choice(untied):
+def test_mixed_batch_fewer_slots_prefix_cache_prompt_logprobs_and_choice(untied, monkeypatch):
     base, adapters, reference = untied.base_dir, untied.adapters, untied.reference
     n = len(ADAPTERS)
     # each vocabulary adapter changes the base's output on the shared prompt
     for i, name in enumerate(untied.adapter_names[n:]):
         assert reference[n + i].token_ids != reference[1].token_ids, name
+    head_rows = []
+    head_add = HeadLoRA.add_
+
+    def counting_add(self, hidden, logits, rows):
+        head_rows.append(hidden.shape[0])
+        head_add(self, hidden, logits, rows)
+
+    monkeypatch.setattr(HeadLoRA, "add_", counting_add)
     llm = LLM(str(base), **ENGINE, max_loras=2, enable_prefix_caching=True)
     with shutting_down(llm):
         generate_twice_from_prefix_cache(llm, untied, GREEDY)
+        # the head's delta ran on the sampled rows only: one per generated token, none for
+        # the prompt tokens before each prompt's last
+        assert sum(head_rows) == 2 * len(untied.prompts) * MAX_NEW
         _check_prompt_logprobs(llm, base, adapters, untied.prompts[:2])
         _check_choice(llm, base, adapters, untied.prompts[1])
 
