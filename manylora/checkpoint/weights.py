@@ -87,37 +87,46 @@ class TPSlice:
         return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
 
 
+def _packed_dim(tp_slices: Sequence[TPSlice]) -> int:
+    """The one dimension a packed parameter's parts are cut and concatenated along (dim 0
+    of a dense ``[out, in]`` weight; a quantized layout may pack along another)."""
+    dims = {s.dim for s in tp_slices}
+    if len(dims) != 1:
+        raise ValueError(f"a packed parameter's parts must be cut along one dimension, got "
+                         f"{tp_slices}")
+    return dims.pop()
+
+
 def full_shape(shape: Sequence[int], tp_slices: Sequence[TPSlice]) -> tuple[int, ...]:
     """The shape, on one rank, of a parameter whose rank-local shape is ``shape`` and whose
-    parts are ``tp_slices``: each part's ``size`` along its ``dim`` becomes ``full``.
+    parts are ``tp_slices``: each part's ``size`` along its ``dim`` becomes ``full`` (the
+    parts lie one after the other along their common ``dim``).
 
     Raises:
-        ValueError: several parts cut along a dimension other than 0.
+        ValueError: several parts cut along different dimensions.
     """
-    if len(tp_slices) > 1 and any(s.dim != 0 for s in tp_slices):
-        raise ValueError("a packed parameter's parts must be cut along dim 0")
     out = list(shape)
-    if len(tp_slices) == 1:
-        out[tp_slices[0].dim] = tp_slices[0].full
-    else:
-        out[0] = sum(s.full for s in tp_slices)
+    dim = _packed_dim(tp_slices)
+    out[dim] = sum(s.full for s in tp_slices)
     return tuple(out)
 
 
 def shard_tensor(full: torch.Tensor, tp_slices: Sequence[TPSlice]) -> torch.Tensor:
     """A rank's shard of a whole parameter ``full`` (the ``tp_size`` 1 layout, packed parts
-    concatenated along dim 0): each part cut and padded by its ``TPSlice``, concatenated.
+    one after the other along their common ``dim``): each part cut and padded by its
+    ``TPSlice``, concatenated along that ``dim``.
 
     Raises:
-        ValueError: several parts cut along a dimension other than 0, or ``full`` not of
-            their total size.
+        ValueError: parts cut along different dimensions, or ``full`` not of their total
+            size.
     """
     if len(tp_slices) == 1:
         return tp_slices[0].cut(full)
-    if any(s.dim != 0 for s in tp_slices) or full.shape[0] != sum(s.full for s in tp_slices):
+    dim = _packed_dim(tp_slices)
+    if full.shape[dim] != sum(s.full for s in tp_slices):
         raise ValueError(f"cannot cut a tensor of shape {tuple(full.shape)} into {tp_slices}")
-    parts = full.split([s.full for s in tp_slices], dim=0)
-    return torch.cat([s.cut(p) for p, s in zip(parts, tp_slices, strict=True)], dim=0)
+    parts = full.split([s.full for s in tp_slices], dim=dim)
+    return torch.cat([s.cut(p) for p, s in zip(parts, tp_slices, strict=True)], dim=dim)
 
 
 class ModelWeightsLoader:
@@ -360,7 +369,8 @@ class ModelWeightsLoader:
 
         For each ``name, param`` the tensors of :meth:`load` (sliced along ``param.tp_dim`` if
         set) go to ``param.weight_loader(param, tensors)`` when the parameter has one; otherwise
-        they are concatenated along dim 0 and copied into ``param`` (converting dtype/device).
+        they are concatenated along ``param.pack_dim`` (default 0: the rows of a dense
+        ``[out, in]`` weight) and copied into ``param`` (converting dtype/device).
         A parameter with ``tp_slices`` (one ``TPSlice`` per external tensor, set by the
         model's tensor-parallel layers through their linear method's ``create_weights``)
         reads exactly those ranges instead (:meth:`load_part`) whatever ``tp_rank``/
@@ -384,7 +394,8 @@ class ModelWeightsLoader:
                 if weight_loader is not None:
                     weight_loader(param, tensors)
                     continue
-                tensor = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+                tensor = (torch.cat(tensors, dim=getattr(param, "pack_dim", 0))
+                          if len(tensors) > 1 else tensors[0])
                 if tensor.shape != param.shape:
                     raise CheckpointError(
                         f"Shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)} "

@@ -2,9 +2,10 @@
 
 Every component receives the narrowest of these it needs: the scheduler gets a
 ``SchedulerConfig``, the KV cache manager a ``CacheConfig``, the adapter manager a
-``LoRAConfig``, the model a ``ModelConfig``. One module per record (``model``, ``cache``,
-``scheduler``, ``lora``), the dtype/device names in ``dtypes`` and the model registry's
-table in ``architectures``; every name is importable from ``manylora.config``.
+``LoRAConfig``, the model a ``ModelConfig`` (with its ``QuantizationConfig``). One module
+per record (``model``, ``cache``, ``scheduler``, ``lora``, ``quantization``), the
+dtype/device names in ``dtypes`` and the model registry's table in ``architectures``; every
+name is importable from ``manylora.config``.
 """
 
 from manylora.config.architectures import (
@@ -26,12 +27,19 @@ from manylora.config.lora import (
     LoRAConfig,
 )
 from manylora.config.model import ModelConfig
+from manylora.config.quantization import (
+    QUANTIZATION_METHODS,
+    QuantizationConfig,
+    QuantizationError,
+    parse_quantization,
+)
 from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, check_fairness
 
 __all__ = [
     "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES",
     "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES", "MODEL_LAYER",
     "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
-    "ModelConfig", "SchedulerConfig", "check_fairness", "resolve_architecture",
+    "ModelConfig", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizationError",
+    "SchedulerConfig", "check_fairness", "parse_quantization", "resolve_architecture",
     "resolve_device", "resolve_dtype", "resolve_lora_dtype",
 ]

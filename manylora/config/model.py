@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from manylora.config.architectures import resolve_architecture
+from manylora.config.quantization import QuantizationConfig, parse_quantization
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ModelConfig:
         tp_rank: the rank this config is for (0 at ``tp_size`` 1).
         total_num_heads, total_num_kv_heads, total_intermediate_size: the whole model's
             (equal to the per-rank fields at ``tp_size`` 1; filled in when not given).
+        quantization: the base weights' quantization format (``manylora.config.quantization``;
+            None: 16/32-bit weights in ``dtype``).
     """
 
     architecture: str
@@ -57,6 +60,7 @@ class ModelConfig:
     total_num_heads: int | None = None
     total_num_kv_heads: int | None = None
     total_intermediate_size: int | None = None
+    quantization: QuantizationConfig | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -69,13 +73,18 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any, dtype: torch.dtype,
-                max_model_len: int | None = None) -> ModelConfig:
-        """Build from a ``transformers`` ``PretrainedConfig``.
+                max_model_len: int | None = None,
+                quantization: str | None = None) -> ModelConfig:
+        """Build from a ``transformers`` ``PretrainedConfig``; ``quantization`` is the
+        engine's setting (``parse_quantization``: None reads the config's
+        ``quantization_config``).
 
         Raises:
             ValueError: an architecture the model registry does not hold
                 (``resolve_architecture``), or ``max_model_len`` beyond the model's
                 ``max_position_embeddings``.
+            QuantizationError: (a ``ValueError``) a quantization format or option manylora
+                does not serve, named.
         """
         arch = resolve_architecture(hf_config)
         num_heads = hf_config.num_attention_heads
@@ -112,6 +121,7 @@ class ModelConfig:
             max_model_len=max_model_len,
             dtype=dtype,
             hf_config=hf_config,
+            quantization=parse_quantization(_quantization_config(hf_config), quantization),
         )
 
     def shard(self, tp_size: int, rank: int = 0) -> ModelConfig:
@@ -232,6 +242,15 @@ class ModelConfig:
             "down_proj": (i, h),
             "embed_tokens": (self.vocab_size, h), "lm_head": (h, self.vocab_size),
         }
+
+
+def _quantization_config(hf_config: Any) -> Any:
+    """The config's ``quantization_config`` as a plain mapping (transformers may hold it as
+    a ``QuantizationConfigMixin``), or None."""
+    qcfg = getattr(hf_config, "quantization_config", None)
+    if qcfg is not None and hasattr(qcfg, "to_dict"):
+        qcfg = qcfg.to_dict()
+    return qcfg
 
 
 def _kv_head_range(kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:

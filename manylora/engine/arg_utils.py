@@ -62,6 +62,11 @@ class EngineArgs:
         trust_remote_code: passed to transformers for config and tokenizer.
         load_format: ``"auto"`` (read the checkpoint) or ``"dummy"`` (random weights of the
             checkpoint's shapes; config.json is still read), for benchmarks.
+        quantization: the base weights' format (vLLM's ``--quantization``): None or
+            ``"auto"`` reads the checkpoint's ``quantization_config`` (FP8, GPTQ, AWQ or
+            compressed-tensors); ``"fp8"`` on a 16-bit checkpoint quantizes its linear layers
+            to FP8 as they load (per-channel weight scales, dynamic per-token activation
+            scales); a format name on a checkpoint of another is refused.
         skip_tokenizer_init: load no tokenizer; prompts must be token ids and outputs carry
             token ids with empty text (stop strings are refused).
         enforce_eager: never replay steps as CUDA graphs (decode or piecewise).
@@ -159,6 +164,7 @@ class EngineArgs:
     seed: int | None = None
     trust_remote_code: bool = False
     load_format: str = "auto"
+    quantization: str | None = None
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
     piecewise_cuda_graph_sizes: tuple[int, ...] | None = None

@@ -39,6 +39,7 @@ class ExecutorArgs(Protocol):
     download_dir: str | None
     trust_remote_code: bool
     load_format: str
+    quantization: str | None
     key_dict: Mapping[str, str | list[str]]
     seed: int | None
     dtype: str

@@ -53,7 +53,7 @@ class TPExecutor(UniProcExecutor):
         spec = WorkerSpec(str(self.model_dir), dict(args.key_dict), args.load_format,
                           str(cfg.dtype).removeprefix("torch."), self.device.type,
                           cfg.max_model_len, args.trust_remote_code, lora,
-                          args.block_size, args.kv_cache_dtype)
+                          args.block_size, args.kv_cache_dtype, args.quantization)
         if self.device.type == "cuda":
             self.device = rank_device("cuda", 0)
             torch.cuda.set_device(self.device)

@@ -63,7 +63,8 @@ class UniProcExecutor(Executor):
         hf_config = load_hf_config(self.model_dir, args.trust_remote_code)
         self.device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, self.device, hf_config)
-        self.model_config = ModelConfig.from_hf(hf_config, dtype, args.max_model_len)
+        self.model_config = ModelConfig.from_hf(hf_config, dtype, args.max_model_len,
+                                                args.quantization)
         tp = self._start_workers(args)
         self.model = load_model(self.model_dir, self.model_config, self.device,
                                 args.key_dict, args.load_format, tp)

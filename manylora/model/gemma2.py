@@ -72,13 +72,14 @@ class Gemma2MLP(LlamaMLP):
         ValueError: a ``hidden_activation`` other than ``gelu_pytorch_tanh``.
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup,
+                 prefix: str = "mlp") -> None:
         act = getattr(cfg.hf_config, "hidden_activation", None) or getattr(
             cfg.hf_config, "hidden_act", None)
         if act not in _GELU_TANH:
             raise ValueError(f"hidden_activation {act!r} is not supported for "
                              f"{cfg.architecture}; manylora computes {', '.join(_GELU_TANH)}")
-        super().__init__(cfg, device, tp)
+        super().__init__(cfg, device, tp, prefix)
 
     def forward(self, x: torch.Tensor, lora: LoRAKernelMeta | None) -> torch.Tensor:
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x, lora)), lora)

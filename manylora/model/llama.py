@@ -35,6 +35,7 @@ from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.ops.attention import paged_attention, write_kv
 from manylora.ops.attention_metadata import AttentionMetadata
 from manylora.ops.paged_kv import KVCache
+from manylora.ops.quant import linear_method_for
 
 
 def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...]:
@@ -44,6 +45,18 @@ def qkv_output_ranges(cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], ...
     q0 = cfg.q_head_start(rank) * cfg.head_dim
     kv0 = cfg.kv_head_start(rank) * cfg.head_dim
     return (q0, q0 + cfg.q_size), (kv0, kv0 + cfg.kv_size), (kv0, kv0 + cfg.kv_size)
+
+
+def layer_prefix(layer_idx: int) -> str:
+    """The Hugging Face module name of decoder layer ``layer_idx`` (``model.layers.3``),
+    which quantization configs name modules under."""
+    return f"model.layers.{layer_idx}"
+
+
+def linear_method(cfg: ModelConfig, prefix: str, modules: tuple[str, ...]):
+    """The linear method of the projection whose Hugging Face modules are ``prefix``'s
+    ``modules`` under the model's quantization (``manylora.ops.quant``)."""
+    return linear_method_for(cfg.quantization, [f"{prefix}.{m}" for m in modules])
 
 
 def o_input_range(cfg: ModelConfig, rank: int) -> tuple[int, int]:
@@ -66,13 +79,17 @@ class LlamaAttention(nn.Module):
         self.rotary = [rotary]  # shared table; a list keeps it out of this module's buffers
         self.sliding_window = cfg.sliding_windows[layer_idx]
         sharded = tp.size > 1
+        prefix = f"{layer_prefix(layer_idx)}.self_attn"
+        qkv = ("q_proj", "k_proj", "v_proj")
         self.qkv_proj = LoRALinear(
             cfg.hidden_size, (cfg.total_q_size, cfg.total_kv_size, cfg.total_kv_size),
-            ("q_proj", "k_proj", "v_proj"), cfg.qkv_bias, cfg.dtype, device, "column", tp,
-            qkv_output_ranges(cfg, tp.rank) if sharded else None)
+            qkv, cfg.qkv_bias, cfg.dtype, device, "column", tp,
+            qkv_output_ranges(cfg, tp.rank) if sharded else None,
+            linear_method=linear_method(cfg, prefix, qkv))
         self.o_proj = LoRALinear(cfg.total_q_size, (cfg.hidden_size,), ("o_proj",),
                                  cfg.o_bias, cfg.dtype, device, "row", tp,
-                                 in_range=o_input_range(cfg, tp.rank) if sharded else None)
+                                 in_range=o_input_range(cfg, tp.rank) if sharded else None,
+                                 linear_method=linear_method(cfg, prefix, ("o_proj",)))
         self.scale = cfg.head_dim ** -0.5
         #: The attention logits' soft cap (``paged_attention``'s ``softcap``; None: uncapped).
         self.softcap: float | None = None
@@ -110,14 +127,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup) -> None:
+    """``down_proj(silu(gate) * up)``; ``prefix`` is its Hugging Face module name
+    (``model.layers.3.mlp``)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup,
+                 prefix: str = "mlp") -> None:
         super().__init__()
         inter = cfg.total_intermediate_size
-        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter),
-                                       ("gate_proj", "up_proj"), cfg.mlp_bias, cfg.dtype, device,
-                                       "column", tp)
+        gate_up = ("gate_proj", "up_proj")
+        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter), gate_up, cfg.mlp_bias,
+                                       cfg.dtype, device, "column", tp,
+                                       linear_method=linear_method(cfg, prefix, gate_up))
         self.down_proj = LoRALinear(inter, (cfg.hidden_size,), ("down_proj",),
-                                    cfg.mlp_bias, cfg.dtype, device, "row", tp)
+                                    cfg.mlp_bias, cfg.dtype, device, "row", tp,
+                                    linear_method=linear_method(cfg, prefix, ("down_proj",)))
 
     def forward(self, x: torch.Tensor, lora: LoRAKernelMeta | None) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
@@ -133,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
                  device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = self.attention_class(cfg, layer_idx, rotary, device, tp)
-        self.mlp = self.mlp_class(cfg, device, tp)
+        self.mlp = self.mlp_class(cfg, device, tp, f"{layer_prefix(layer_idx)}.mlp")
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
                                                device)
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps,

@@ -92,15 +92,26 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
 
 @torch.no_grad()
 def _fill_dummy(model: nn.Module, device: torch.device) -> None:
-    """Seeded uniform noise, parameter by parameter; a sliced parameter draws its whole
-    tensor (the one-rank shape) and keeps its ``tp_slices``."""
+    """Seeded noise, parameter by parameter: uniform in ±1e-3 for 16/32-bit parameters (and
+    for FP8 ones, converted), uniform bits for integer ones (packed quantized weights); a
+    sliced parameter draws its whole tensor (the one-rank shape) and keeps its
+    ``tp_slices``."""
     gen = torch.Generator(device).manual_seed(0)
     for param in model.parameters():
         tp_slices = getattr(param, "tp_slices", None)
-        if tp_slices is None:
-            param.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
-            continue
-        whole = torch.empty(full_shape(param.shape, tp_slices), dtype=param.dtype,
-                            device=device)
-        whole.uniform_(-_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
-        param.copy_(shard_tensor(whole, tp_slices))
+        shape = param.shape if tp_slices is None else full_shape(param.shape, tp_slices)
+        whole = _dummy(shape, param.dtype, device, gen)
+        param.copy_(whole if tp_slices is None else shard_tensor(whole, tp_slices))
+
+
+def _dummy(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return torch.empty(shape, dtype=dtype, device=device).uniform_(
+            -_DUMMY_RANGE, _DUMMY_RANGE, generator=gen)
+    if dtype.is_floating_point:
+        return torch.empty(shape, dtype=torch.float32, device=device).uniform_(
+            -_DUMMY_RANGE, _DUMMY_RANGE, generator=gen).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, dtype=dtype, device=device,
+                         generator=gen)

@@ -37,6 +37,7 @@ from manylora.model.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    layer_prefix,
     qkv_output_ranges,
 )
 
@@ -107,7 +108,7 @@ class Olmo2DecoderLayer(nn.Module):
                  device: torch.device, tp: TPGroup) -> None:
         super().__init__()
         self.self_attn = Olmo2Attention(cfg, layer_idx, rotary, device, tp)
-        self.mlp = LlamaMLP(cfg, device, tp)
+        self.mlp = LlamaMLP(cfg, device, tp, f"{layer_prefix(layer_idx)}.mlp")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype,
                                                 device)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,

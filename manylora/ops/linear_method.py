@@ -9,8 +9,8 @@ checkpoint is in (``process_weights_after_loading``), and computes ``y = x Wᵀ 
 adapters' shrink/expand on top of whatever ``apply`` returned, so FP8, INT4 or
 GGUF-quantized base weights are another method, not another LoRA path.
 
-One method today: ``UnquantizedLinearMethod``, a dense ``weight [out, in]`` in the model's
-16- or 32-bit dtype.
+Here: ``UnquantizedLinearMethod``, a dense ``weight [out, in]`` in the model's 16- or 32-bit
+dtype. The quantized formats' methods are ``manylora.ops.quant``'s.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ class LinearMethodBase(ABC):
             weight_attrs: attributes of the dense weight for the loader (``tp_dim``,
                 ``tp_slices``: the rank's part of each checkpoint tensor, in the dense
                 ``[out, in]`` layout); a method storing another layout translates them.
+
+        The layer's split is set before this is called and a method may read it:
+        ``module_names``, ``output_sizes`` (this rank's rows of each packed module),
+        ``full_output_sizes``, ``output_ranges`` (the rank's ``[start, stop)`` rows of
+        each), ``full_in_features`` and ``in_range`` (the rank's input columns), ``parallel``
+        (``"column"``, ``"row"`` or None).
         """
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -69,6 +75,12 @@ class LinearMethodBase(ABC):
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         """The base weight as a dense ``[out, in]`` matrix in ``params_dtype`` (what DoRA's
         column norms and the LoRA formats' base lookups read); not on the hot path."""
+
+    def warm_up(self, layer: nn.Module) -> int:
+        """Compile (or load) every kernel specialization ``apply`` may launch for
+        ``layer`` (the worker's warm-up calls it once per distinct layout, before any
+        CUDA graph is captured); returns the number of launches. Default: none."""
+        return 0
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

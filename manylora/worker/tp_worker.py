@@ -43,6 +43,7 @@ class WorkerSpec:
         model_dir: the checkpoint directory (already resolved from a hub id).
         key_dict: extra checkpoint key translations.
         load_format: ``"auto"`` or ``"dummy"``.
+        quantization: the engine's ``quantization`` setting (None: the checkpoint's).
         dtype: the model dtype's name, e.g. ``"bfloat16"``.
         device_type: ``"cuda"`` (rank r uses GPU r) or ``"cpu"``.
         max_model_len: the engine's context length, tokens.
@@ -62,6 +63,7 @@ class WorkerSpec:
     lora: LoRAConfig | None
     block_size: int
     kv_cache_dtype: str
+    quantization: str | None = None
 
 
 def rank_device(device_type: str, rank: int) -> torch.device:
@@ -104,7 +106,8 @@ def run_worker(rank: int, tp_size: int, init_method: str, spec: WorkerSpec, back
     init_distributed(rank, tp_size, backend, init_method, startup_s)
     tp = TPGroup.from_process_group()
     hf_config = load_hf_config(Path(spec.model_dir), spec.trust_remote_code)
-    cfg = ModelConfig.from_hf(hf_config, getattr(torch, spec.dtype), spec.max_model_len)
+    cfg = ModelConfig.from_hf(hf_config, getattr(torch, spec.dtype), spec.max_model_len,
+                              spec.quantization)
     model = load_model(Path(spec.model_dir), cfg, device, spec.key_dict, spec.load_format, tp)
     slots = model.create_lora_slots(spec.lora) if spec.lora is not None else {}
     max_loras = spec.lora.max_loras if spec.lora is not None else 0

@@ -60,6 +60,7 @@ from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention_metadata import build_attention_metadata
+from manylora.ops.linear_method import UnquantizedLinearMethod
 from manylora.ops.paged_kv import KVCache
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,8 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
     """
     return (_warm_lora(model, max_rows)
             + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq)
-            + _warm_skinny(model) + _warm_token_bitmask(model, kv_caches[0].data.device))
+            + _warm_skinny(model) + _warm_quantized(model)
+            + _warm_token_bitmask(model, kv_caches[0].data.device))
 
 
 def _warm_token_bitmask(model: LlamaForCausalLM, device: torch.device) -> int:
@@ -185,13 +187,30 @@ def _warm_token_bitmask(model: LlamaForCausalLM, device: torch.device) -> int:
     return 1
 
 
+def _warm_quantized(model: LlamaForCausalLM) -> int:
+    """Each quantized projection's kernels (``LinearMethodBase.warm_up``), once per
+    distinct (method, weight shapes)."""
+    launches, seen = 0, set()
+    for m in model.modules():
+        if not isinstance(m, LoRALinear) or isinstance(m.linear_method,
+                                                       UnquantizedLinearMethod):
+            continue
+        key = (type(m.linear_method), tuple((n, tuple(p.shape), p.dtype)
+                                            for n, p in m.named_parameters()))
+        if key not in seen:
+            seen.add(key)
+            launches += m.linear_method.warm_up(m)
+    return launches
+
+
 def _warm_skinny(model: LlamaForCausalLM) -> int:
     """The skinny projection kernel (``triton_skinny``) once per row bucket and distinct
     weight (shape, dtype, bias) it is measured faster for (``skinny_eligible``; the decode
     graphs capture it): the projections and the LM head."""
     heads = [model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight]
     weights = {(tuple(m.weight.shape), m.weight.dtype, m.bias is not None): (m.weight, m.bias)
-               for m in model.modules() if isinstance(m, LoRALinear)}
+               for m in model.modules() if isinstance(m, LoRALinear)
+               and isinstance(m.linear_method, UnquantizedLinearMethod)}
     weights.update({(tuple(w.shape), w.dtype, False): (w, None) for w in heads})
     launches = 0
     for weight, bias in weights.values():

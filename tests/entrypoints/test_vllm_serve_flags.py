@@ -122,9 +122,8 @@ def test_bad_config_file(tmp_path, name, text, capsys):
     (["--default-mm-loras", '{"image": "/a"}'], "--default-mm-loras"),
     (["--long-lora-scaling-factors", "4.0"], "--long-lora-scaling-factors 4.0: manylora "
                                              "has no long-context LoRA"),
-    (["--quantization", "awq"], "--quantization awq: quantized checkpoints are not "
-                                "supported yet"),
-    (["-q", "fp8"], "--quantization fp8"),
+    (["--quantization", "awq"], "quantization='awq' needs a checkpoint in that format"),
+    (["-q", "int3"], "unknown quantization 'int3'"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
     (["--enable-lora-bias"], "--enable-lora-bias: manylora's adapters have no bias"),
     (["--reasoning-parser", "granite"], "--reasoning-parser 'granite': no such parser (one "

@@ -2,7 +2,7 @@
 each accepted by the parser and either a no-op (one INFO line when given) or refused with
 the reason when given a value that would change what the server does. ``--config`` (a YAML
 file of flags, read as vLLM's ``FlexibleArgumentParser`` reads it) and the short aliases of
-flags manylora has (``-tp``) are here too.
+flags manylora has (``-tp``, ``-q``) are here too.
 
 The flags manylora honours are its own (``EngineArgs``, ``serve_args.py``, ``frontend_args.py``);
 this table holds what is left, so that a vLLM launch line starts or fails with a reason,
@@ -103,8 +103,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     _refuse("--rope-scaling", "str", "manylora uses the checkpoint's RoPE settings"),
     _refuse("--rope-theta", "float", "manylora uses the checkpoint's RoPE settings"),
     _refuse("--tokenizer-revision", "str", "the tokenizer is read at --revision"),
-    _refuse("--quantization", "str", "quantized checkpoints are not supported yet (GGUF "
-            "files are read and dequantized)", (), "-q"),
     _refuse("--logprobs-mode", "str", "manylora returns the log-probabilities of the "
             "model's own distribution (vLLM's raw_logprobs)", ("raw_logprobs",)),
     _refuse("--disable-sliding-window", "bool", "manylora uses the checkpoint's attention "
@@ -248,7 +246,7 @@ _TYPES = {"int": int, "float": float, "str": str, "list": str}
 
 def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every flag of :data:`VLLM_FLAGS` (default None: not given), vLLM's short aliases
-    of flags manylora has (``-tp``), and ``--num-gpu-blocks-override`` (vLLM's name of
+    of flags manylora has (``-tp``, ``-q``), and ``--num-gpu-blocks-override`` (vLLM's name of
     ``--num-kv-blocks``)."""
     group = parser.add_argument_group(
         "vLLM flags manylora has no use for", "accepted so that vLLM launch lines run: each "
@@ -266,6 +264,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument(*flag.names, **kwargs)
     group.add_argument("-tp", dest="tensor_parallel_size", type=int,
                        default=argparse.SUPPRESS, help="--tensor-parallel-size")
+    group.add_argument("-q", dest="quantization", type=str,
+                       default=argparse.SUPPRESS, help="--quantization")
     group.add_argument("--num-gpu-blocks-override", dest="num_kv_blocks", type=int,
                        default=argparse.SUPPRESS, help="--num-kv-blocks")
     return parser
