@@ -399,15 +399,18 @@ def _ct_scheme(name: str, group: Mapping[str, Any],
     targets = group.get("targets") or ()
     if isinstance(targets, str):
         targets = (targets,)
-    weights = _ct_args(f"{where}.weights", group["weights"])
+    fmt = group.get("format") or top_format
+    raw_weights = group["weights"]
+    if (raw_weights.get("type"), raw_weights.get("num_bits"), fmt) not in (
+            ("float", 8, "float-quantized"), ("int", 4, "pack-quantized")):
+        raise QuantizationError(f"compressed-tensors {where}: {raw_weights.get('num_bits')}-bit "
+                                f"{raw_weights.get('type')} weights in format {fmt!r}; "
+                                "manylora serves FP8 'float-quantized' and 4-bit int "
+                                "'pack-quantized' (W4A16)")
+    weights = _ct_args(f"{where}.weights", raw_weights)
     inputs = group.get("input_activations")
     inputs = _ct_args(f"{where}.input_activations", inputs) if inputs else None
-    fmt = group.get("format") or top_format
     if weights.type == "float":
-        if weights.num_bits != 8 or fmt != "float-quantized":
-            raise QuantizationError(f"compressed-tensors {where}: {weights.num_bits}-bit float "
-                                    f"weights in format {fmt!r}; manylora serves FP8 "
-                                    "'float-quantized'")
         if weights.strategy not in ("tensor", "channel", "block") or weights.dynamic:
             raise QuantizationError(f"compressed-tensors {where}: FP8 weight strategy "
                                     f"{weights.strategy!r} (dynamic={weights.dynamic}) is not "
@@ -420,11 +423,7 @@ def _ct_scheme(name: str, group: Mapping[str, Any],
             raise QuantizationError(f"compressed-tensors {where}: input activations "
                                     f"{inputs.num_bits}-bit {inputs.type} per "
                                     f"{inputs.strategy} with FP8 weights are not served")
-    elif weights.type == "int":
-        if weights.num_bits != 4 or fmt != "pack-quantized":
-            raise QuantizationError(f"compressed-tensors {where}: {weights.num_bits}-bit int "
-                                    f"weights in format {fmt!r}; manylora serves 4-bit "
-                                    "'pack-quantized' (W4A16)")
+    else:
         if inputs is not None:
             raise QuantizationError(f"compressed-tensors {where}: INT4 weights with quantized "
                                     "input activations are not served (W4A16 only)")
@@ -438,9 +437,6 @@ def _ct_scheme(name: str, group: Mapping[str, Any],
         if weights.actorder not in (None, "group", "weight", "static", "dynamic"):
             raise QuantizationError(f"compressed-tensors {where}: actorder "
                                     f"{weights.actorder!r} is not served")
-    else:
-        raise QuantizationError(f"compressed-tensors {where}: weight type {weights.type!r} is "
-                                "not served")
     return CompressedTensorsScheme(tuple(targets), weights, inputs, fmt)
 
 

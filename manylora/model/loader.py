@@ -70,6 +70,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
             ranks together hold exactly the one-rank model's dummy weights.
         tp: the tensor-parallel group (None: one rank).
 
+    Logs the parameters' bytes (``weight_bytes``) and the base's format.
+
     Raises:
         CheckpointError: missing, corrupt or mis-shaped weight files.
         ValueError: an unknown ``load_format``, an architecture the registry does not hold,
@@ -87,7 +89,17 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
         method = getattr(module, "linear_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    quant = cfg.quantization
+    logger.info("Model weights: %.2f GiB on %s (%s)", weight_bytes(model) / 2**30, device,
+                f"{quant.name} quantized" if quant is not None
+                else str(cfg.dtype).removeprefix("torch."))
     return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters take on their device (this rank's shard; quantized
+    weights at their stored width, with their scales and zero points)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 @torch.no_grad()

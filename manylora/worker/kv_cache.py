@@ -85,7 +85,8 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int,
     """
     storage = kv_storage_dtype(kv_cache_dtype, cfg.dtype)
     quantized = kv_cache_dtype != "auto"
-    logger.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", num_blocks, block_size,
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s, %.1f MiB", num_blocks,
+                block_size, num_blocks * block_size,
                 kv_cache_dtype if quantized else str(storage).removeprefix("torch."),
                 num_blocks * block_bytes(cfg, block_size, kv_cache_dtype) / 2**20)
     shape = (2, num_blocks, block_size, cfg.num_kv_heads)
