@@ -131,7 +131,9 @@ def time_execute_async(runner, plans, lora_slots) -> float:
 
 def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, iters: int = 30,
                    kv_cache_dtype: str = "auto", quick: bool = False,
-                   loras: Sequence[bool] = (False, True)) -> list[dict]:
+                   loras: Sequence[bool] = (False, True),
+                   quantization_config: dict | None = None,
+                   quantization: str | None = None) -> list[dict]:
     """Decode steps of a Llama-3-8B-shaped model (``TINY`` with ``quick`` or without CUDA)
     against the bytes they must read, built in this process.
 
@@ -143,6 +145,10 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
         kv_cache_dtype: ``"auto"`` or one of ``KV_CACHE_DTYPES``.
         quick: the tiny model.
         loras: LoRA off (False) and/or on (True), each a case per batch.
+        quantization_config: written into the dummy checkpoint's config.json (a quantized
+            base of that format, dummy weights in its layout); None: bf16.
+        quantization: the engine's ``quantization`` (``"fp8"``: the bf16 dummy weights
+            quantized online as they load).
 
     Returns:
         One dict per (batch, LoRA) case: ``batch``, ``lora`` (bool), ``step_s`` (median
@@ -155,9 +161,12 @@ def measure_decode(batches: Sequence[int], context: int = 512, rank: int = 16, i
     config = TINY if quick or device.type == "cpu" else LLAMA3_8B
     dtype = torch.float32 if config is TINY else torch.bfloat16
     max_batch = max(batches)
+    if quantization_config is not None:
+        config = dict(config, quantization_config=quantization_config)
     with tempfile.TemporaryDirectory() as tmp:
         hf_config = AutoConfig.from_pretrained(write_config(Path(tmp), config))
-    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * (context + WARMUP_STEPS + iters))
+    cfg = ModelConfig.from_hf(hf_config, dtype, 2 * (context + WARMUP_STEPS + iters),
+                              quantization)
     model = load_model(Path(tmp), cfg, device, load_format="dummy")
     lora_config = LoRAConfig(max_batch, rank, max_batch, LORA_TARGET_MODULES)
     slots = model.create_lora_slots(lora_config)

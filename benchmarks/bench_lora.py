@@ -312,14 +312,15 @@ def churn_table(results: list[dict]) -> tuple[list[str], list[list]]:
 
 def run_batch_and_kernels(model_dir: Path, adapters: list[Path], targets: tuple | None,
                           parts: Sequence[str], sizes: Sizes, repeats: int, steps: int,
-                          quick: bool, lora: bool = True) -> dict:
+                          quick: bool, lora: bool = True, **engine_override) -> dict:
     """One engine (core in this process) with ``sizes.distinct`` slots and slot buffers on
     ``targets`` (None: all seven): with ``batch`` in ``parts``, a warm-up pass and
     ``repeats`` timed passes of the batch (``tokens``, ``seconds`` per pass, prefix hits);
     with ``kernels``, ``profile_decode`` at each batch of ``sizes.kernel_batches``, with
     adapters and on the base model; on CUDA the copy bandwidth, measured first. ``lora``
     False: the engine has LoRA disabled (``enable_lora=False``, no slots) and runs the same
-    passes on the base model (``targets`` and ``adapters`` unused)."""
+    passes on the base model (``targets`` and ``adapters`` unused). ``engine_override``:
+    further ``EngineArgs`` fields (e.g. ``quantization``)."""
     os.environ["MANYLORA_ENABLE_MULTIPROCESSING"] = "0"
     from manylora import LLM, SamplingParams
 
@@ -330,6 +331,7 @@ def run_batch_and_kernels(model_dir: Path, adapters: list[Path], targets: tuple 
     n = sizes.distinct
     engine = _engine(quick, max_loras=n, max_cpu_loras=n, lora_target_modules=targets) \
         if lora else engine_kwargs(quick, lora=False)
+    engine.update(engine_override)
     llm = LLM(str(model_dir), **engine)
     loras = _loras(adapters[:n]) if lora else None
     label = "LoRA off" if not lora else targets or "seven"

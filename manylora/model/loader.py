@@ -81,7 +81,7 @@ def load_model(model_dir: Path, cfg: ModelConfig, device: torch.device,
         raise ValueError(f"unknown load_format {load_format!r}: use one of {LOAD_FORMATS}")
     model = model_class(cfg.architecture)(cfg, device, tp)
     if load_format == "dummy":
-        _fill_dummy(model, device)
+        fill_dummy_weights(model, device)
     else:
         rank = model.tp
         ModelWeightsLoader(model_dir, key_dict).load_model(model, rank.rank, rank.size)
@@ -103,7 +103,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def _fill_dummy(model: nn.Module, device: torch.device) -> None:
+def fill_dummy_weights(model: nn.Module, device: torch.device) -> None:
     """Seeded noise, parameter by parameter: uniform in ±1e-3 for 16/32-bit parameters (and
     for FP8 ones, converted), uniform bits for integer ones (packed quantized weights); a
     sliced parameter draws its whole tensor (the one-rank shape) and keeps its
