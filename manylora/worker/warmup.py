@@ -268,7 +268,7 @@ def _expand_width(m: LoRALinear) -> int:
     if m.parallel == "row" and m.fully_sharded:
         lo, hi = m._lora_cols
         return hi - lo
-    return m.weight.shape[0]
+    return sum(m.output_sizes)
 
 
 def _launch_pair(m: LoRALinear | _VocabTarget, lora_meta: LoRAKernelMeta, rows: int,
