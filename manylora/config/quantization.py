@@ -338,8 +338,12 @@ def _awq(cfg: Mapping[str, Any]) -> AWQConfig:
     size = _group_size(cfg, "awq")
     if size == -1:
         raise QuantizationError("awq group_size -1: AWQ stores one scale per group")
+    if not cfg.get("zero_point", True):
+        raise QuantizationError("awq with zero_point=false: AutoAWQ's GEMM packing stores "
+                                "qzeros (its writer refuses a layer without them), so such a "
+                                "checkpoint is not one manylora can read")
     return AWQConfig(ignore=_ignore(cfg, "modules_to_not_convert"), group_size=size,
-                     zero_point=bool(cfg.get("zero_point", True)))
+                     zero_point=True)
 
 
 #: compressed-tensors keys that change what a checkpoint holds and that manylora does not

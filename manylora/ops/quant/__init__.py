@@ -12,11 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from manylora.config.quantization import QuantizationConfig, QuantizationError
+from manylora.config.quantization import (
+    AWQConfig,
+    CompressedTensorsConfig,
+    GPTQConfig,
+    QuantizationConfig,
+    QuantizationError,
+)
 from manylora.ops.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from manylora.ops.quant.awq import awq_method
+from manylora.ops.quant.compressed_tensors import compressed_tensors_method
+from manylora.ops.quant.gptq import gptq_method
 
 #: config class → (config, the layer's scheme) → its linear method; one entry per format.
-_METHODS: dict[type, Callable[[QuantizationConfig, object], LinearMethodBase]] = {}
+_METHODS: dict[type, Callable[[QuantizationConfig, object], LinearMethodBase]] = {
+    GPTQConfig: gptq_method, AWQConfig: awq_method,
+    CompressedTensorsConfig: compressed_tensors_method}
 
 
 def linear_method_for(quantization: QuantizationConfig | None,
