@@ -53,13 +53,14 @@ class AWQLinearMethod(Int4LinearMethod):
                        weight_attrs: Mapping[str, Any]) -> None:
         group = self.config.group_size
         groups = -(-in_features // group)
-        qw, qz, sc = {}, {}, {}
+        # the fused modules' tensors lie side by side along N (dim 1)
+        qw, qz, sc = {"pack_dim": 1}, {"pack_dim": 1}, {"pack_dim": 1}
         if layer.parallel == "column":
-            qw = qz = {"tp_slices": column_slices(layer, weight_attrs, 1, PACK), "pack_dim": 1}
-            sc = {"tp_slices": column_slices(layer, weight_attrs, 1), "pack_dim": 1}
+            qw["tp_slices"] = qz["tp_slices"] = column_slices(layer, weight_attrs, 1, PACK)
+            sc["tp_slices"] = column_slices(layer, weight_attrs, 1)
         elif layer.parallel == "row":
-            qw = {"tp_slices": row_slice(layer, weight_attrs, 0, 1)}
-            qz = sc = {"tp_slices": row_slice(layer, weight_attrs, 0, group)}
+            qw["tp_slices"] = row_slice(layer, weight_attrs, 0, 1)
+            qz["tp_slices"] = sc["tp_slices"] = row_slice(layer, weight_attrs, 0, group)
         if in_features % PACK or out_features % PACK:
             raise_shape(layer, in_features, out_features)
         layer.w4_dtype = params_dtype

@@ -61,15 +61,16 @@ class GPTQLinearMethod(Int4LinearMethod):
         # every rank keeps all groups where they are spread over K (act order) or one
         all_groups = cfg.desc_act or groups == 1
         local_groups = groups
-        qw, qz, sc, gi = {}, {}, {}, {}
+        # the fused modules' tensors lie side by side along N (dim 1)
+        qw, qz, sc, gi = {"pack_dim": 1}, {"pack_dim": 1}, {"pack_dim": 1}, {}
         if layer.parallel == "column":
-            qw = sc = {"tp_slices": column_slices(layer, weight_attrs, 1), "pack_dim": 1}
-            qz = {"tp_slices": column_slices(layer, weight_attrs, 1, PACK), "pack_dim": 1}
+            qw["tp_slices"] = sc["tp_slices"] = column_slices(layer, weight_attrs, 1)
+            qz["tp_slices"] = column_slices(layer, weight_attrs, 1, PACK)
         elif layer.parallel == "row":
-            qw = {"tp_slices": row_slice(layer, weight_attrs, 0, PACK)}
-            gi = {"tp_slices": row_slice(layer, weight_attrs, 0, 1)}
+            qw["tp_slices"] = row_slice(layer, weight_attrs, 0, PACK)
+            gi["tp_slices"] = row_slice(layer, weight_attrs, 0, 1)
             if not all_groups:
-                qz = sc = {"tp_slices": row_slice(layer, weight_attrs, 0, group)}
+                qz["tp_slices"] = sc["tp_slices"] = row_slice(layer, weight_attrs, 0, group)
                 local_groups = qz["tp_slices"][0].size
         layer.w4_dtype = params_dtype
         layer.w4_group_offset = (0 if all_groups or layer.parallel != "row"
