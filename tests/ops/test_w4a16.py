@@ -1,0 +1,110 @@
+"""The W4A16 kernels (``manylora.ops.quant.w4a16``) against a float64 dequantize-then-multiply
+of the same codes, scales and zero points.
+
+On CPU they run under Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``), on CUDA when there is a GPU. Shapes are odd on purpose (N and K not
+multiples of the blocks, a last group shorter than the rest), groups of 32, 64, 128 and one
+over K, activation-order groups through ``g_idx``; 1, 3 and 16 rows take the split-K GEMV, 17
+and 64 the GEMM. The bound is the float32 accumulation's plus one rounding of the output and,
+on a GPU, of the dequantized weight to the activation dtype: ``(2u + K·2⁻²⁴) · (|x| · |W|)``
+per element, ``u`` the dtype's unit roundoff.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from manylora.ops.quant.w4a16 import (
+    DECODE_MAX_ROWS,
+    dequantize,
+    pack_rows,
+    unpack_rows,
+    w4a16_gemm,
+    w4a16_gemv,
+    w4a16_linear,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _operands(n, k, group, dtype, act_order, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    size = k if group == -1 else group
+    groups = -(-k // size)
+    q = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(groups, n, generator=gen) * 0.1 + 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(dtype)
+    g_idx = None
+    if act_order:
+        g_idx = (torch.arange(k) // size)[torch.randperm(k, generator=gen)].to(torch.int32)
+    x = torch.randn(64, k, generator=gen).to(dtype)
+    return (x.to(DEVICE), pack_rows(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
+            None if g_idx is None else g_idx.to(DEVICE), size, q)
+
+
+def _reference(x, q, scales, zeros, g_idx, size):
+    k = q.shape[0]
+    groups = (torch.arange(k) // size) if g_idx is None else g_idx.cpu().long()
+    w = (q.double() - zeros.cpu().double()[groups]) * scales.cpu().double()[groups]
+    x = x.cpu().double()
+    return x @ w, x.abs() @ w.abs()
+
+
+def _assert_close(y, x, q, scales, zeros, g_idx, size):
+    ref, mag = _reference(x, q, scales, zeros, g_idx, size)
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    bound = (2 * UNIT[x.dtype] + q.shape[0] * 2.0 ** -24) * mag + 1e-30
+    err = (y.cpu().double() - ref).abs()
+    assert (err <= bound).all(), f"max error {err.max().item()} over bound {bound.min().item()}"
+
+
+def test_pack_rows_round_trips_and_puts_row_8i_plus_j_in_nibble_j():
+    q = torch.randint(0, 16, (20, 5), generator=torch.Generator().manual_seed(1))
+    packed = pack_rows(q)
+    assert packed.shape == (3, 5) and packed.dtype == torch.int32
+    assert torch.equal(unpack_rows(packed, 20), q.to(torch.int32))
+    word = int(packed[1, 2]) & 0xFFFFFFFF
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == q[8:16, 2].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k, group, act_order", [
+    (70, 136, 32, False),      # N, K off the blocks; K not a multiple of the group
+    (48, 200, 64, True),       # activation order: rows' groups through g_idx
+    (130, 256, 128, False),
+    (24, 96, -1, False),       # one group over K
+])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_w4a16_linear_matches_float64_dequantized_product(dtype, n, k, group, act_order, rows):
+    x, qweight, scales, zeros, g_idx, size, q = _operands(n, k, group, dtype, act_order)
+    y = w4a16_linear(x[:rows], qweight, scales, zeros, g_idx, size)
+    _assert_close(y, x[:rows], q, scales, zeros, g_idx, size)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_gemv_split_k_sums_every_part_once(splits):
+    x, qweight, scales, zeros, g_idx, size, q = _operands(40, 328, 32, torch.float32, False)
+    y = w4a16_gemv(x[:DECODE_MAX_ROWS], qweight, scales, zeros, g_idx, size, splits=splits)
+    _assert_close(y, x[:DECODE_MAX_ROWS], q, scales, zeros, g_idx, size)
+
+
+def test_gemm_takes_decode_rows_too_and_gemv_refuses_prefill_rows():
+    x, qweight, scales, zeros, g_idx, size, q = _operands(32, 64, 32, torch.float32, False)
+    _assert_close(w4a16_gemm(x[:2], qweight, scales, zeros, g_idx, size), x[:2], q, scales,
+                  zeros, g_idx, size)
+    with pytest.raises(ValueError, match="at most 16"):
+        w4a16_gemv(x[:DECODE_MAX_ROWS + 1], qweight, scales, zeros, g_idx, size)
+
+
+def test_torch_reference_dequantizes_by_the_module_formula():
+    x, qweight, scales, zeros, g_idx, size, q = _operands(16, 40, -1, torch.float32, False)
+    w = dequantize(qweight.cpu(), scales.cpu().double(), zeros.cpu().double(), None, size, 40)
+    assert torch.equal(w, (q.double() - zeros.cpu().double()[0]) * scales.cpu().double()[0])
+
+
+def test_mismatched_operands_are_named():
+    x, qweight, scales, zeros, g_idx, size, q = _operands(16, 64, 32, torch.float32, False)
+    with pytest.raises(ValueError, match="qweight"):
+        w4a16_linear(x[:, :56], qweight, scales, zeros, None, size)
