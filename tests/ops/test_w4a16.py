@@ -108,3 +108,19 @@ def test_mismatched_operands_are_named():
     x, qweight, scales, zeros, g_idx, size, q = _operands(16, 64, 32, torch.float32, False)
     with pytest.raises(ValueError, match="qweight"):
         w4a16_linear(x[:, :56], qweight, scales, zeros, None, size)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, DECODE_MAX_ROWS, 48])
+def test_w4a16_linear_replays_in_a_cuda_graph(rows):
+    """Both kernels launch without host syncs: captured once, replayed on new inputs."""
+    x, qweight, scales, zeros, g_idx, size, q = _operands(256, 512, 128, torch.bfloat16, True)
+    static = x[:rows].clone()
+    w4a16_linear(static, qweight, scales, zeros, g_idx, size)      # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w4a16_linear(static, qweight, scales, zeros, g_idx, size)
+    static.copy_(x[-rows:])
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(y, x[-rows:], q, scales, zeros, g_idx, size)
