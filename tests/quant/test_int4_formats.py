@@ -116,6 +116,48 @@ def test_repacked_compressed_tensors_layers_dequantize_to_the_checkpoint(dense, 
     _dense_weights_match(quantized, dequantized)
 
 
+def test_compressed_tensors_group_act_order_with_g_idx_dequantizes_to_the_checkpoint(
+        dense, tmp_path):
+    """compressed-tensors 0.20 no longer writes ``actorder: "group"`` checkpoints (older
+    llm-compressor releases did, with ``weight_g_idx``): an act-order GPTQ checkpoint's codes,
+    scales, zeros and ``g_idx`` re-packed by compressed-tensors' own ``pack_to_int32`` into
+    its ``pack-quantized`` tensors."""
+    import json
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import save_file
+
+    from manylora.ops.quant.gptq import unpack_columns
+    from manylora.ops.quant.w4a16 import unpack_rows
+
+    quantized, dequantized = write_int4_checkpoint(dense, tmp_path, "gptq", group_size=32,
+                                                   sym=False, desc_act=True,
+                                                   checkpoint_format="gptq_v2")
+    state = load_file(quantized / "model.safetensors")
+    for name in [k[:-len(".qweight")] for k in state if k.endswith(".qweight")]:
+        qweight, qzeros = state.pop(name + ".qweight"), state.pop(name + ".qzeros")
+        scales, g_idx = state.pop(name + ".scales"), state.pop(name + ".g_idx")
+        codes = unpack_rows(qweight, qweight.shape[0] * 8).T       # [N, K], 0..15
+        zeros = unpack_columns(qzeros).T                            # [N, G]
+        state[name + ".weight_packed"] = pack_to_int32((codes - 8).to(torch.int8), 4)
+        state[name + ".weight_zero_point"] = pack_to_int32((zeros - 8).to(torch.int8), 4,
+                                                           packed_dim=0)
+        state[name + ".weight_scale"] = scales.T.float().contiguous()
+        state[name + ".weight_shape"] = torch.tensor(codes.shape)
+        state[name + ".weight_g_idx"] = g_idx
+    save_file(state, quantized / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                      "weights": {"num_bits": 4, "type": "int",
+                                                  "symmetric": False, "strategy": "group",
+                                                  "group_size": 32, "actorder": "group"}}}}
+    (quantized / "config.json").write_text(json.dumps(config))
+    _dense_weights_match(quantized, dequantized)
+
+
 @pytest.mark.parametrize("config, message", [
     ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "gptq with bits=8"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "awq with bits=8"),

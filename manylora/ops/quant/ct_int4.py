@@ -11,7 +11,7 @@ group_size``, or 1 with the ``channel`` strategy):
 * ``weight_zero_point`` int32 ``[N/8, G]`` (asymmetric only): the signed zero points plus 8,
   packed along N, low nibble first; symmetric: the zero is 0 (8 unsigned);
 * ``weight_shape`` ``[2]``: ``(N, K)``; ``weight_g_idx`` int32 ``[K]`` with ``actorder:
-  "group"``: each input row's group.
+  "group"`` (or its alias ``"dynamic"``): each input row's group.
 
 ``w = s[g(k)] · (q − z[g(k)])`` on the unsigned codes. Tensor parallelism: column-parallel
 layers take their output rows (dim 0; ``weight_zero_point`` in words of 8); row-parallel
@@ -43,6 +43,9 @@ from manylora.ops.quant.w4a16 import unpack_rows
 
 #: The unsigned code of a signed zero (compressed-tensors' packing offset for 4 bits).
 OFFSET = 8
+#: ``actorder`` values whose checkpoints store ``weight_g_idx`` ("dynamic": compressed-tensors'
+#: alias of "group"; "weight" / "static" reorder only during calibration).
+GROUP_ORDERS = ("group", "dynamic")
 
 
 def _check_shape(layer: nn.Module):
@@ -76,7 +79,7 @@ class CompressedTensorsW4A16(Int4LinearMethod):
         full_k = layer.full_in_features
         group = args.group_size if args.strategy == "group" else full_k
         groups = -(-full_k // group)
-        act_order = args.actorder == "group"
+        act_order = args.actorder in GROUP_ORDERS
         all_groups = act_order or groups == 1
         local_groups = groups
         wp, sc, zp, gi = {}, {}, {}, {}
@@ -117,7 +120,7 @@ class CompressedTensorsW4A16(Int4LinearMethod):
             zeros = unpack_columns(layer.weight_zero_point.data.T.contiguous()).to(scales.dtype)
             del layer.weight_zero_point
         g_idx = None
-        if self.args.actorder == "group":
+        if self.args.actorder in GROUP_ORDERS:
             g_idx = layer.weight_g_idx.data.long() - layer.w4_group_offset
             del layer.weight_g_idx
         del layer.weight_packed, layer.weight_scale, layer.weight_shape

@@ -112,12 +112,22 @@ class Int4LinearMethod(LinearMethodBase):
         group_size)``; the format's parameters are removed from the layer."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack the format's tensors (``canonical``) into the module's layout.
+
+        Raises:
+            QuantizationError: a ``g_idx`` naming a group the layer does not hold.
+        """
         q, scales, zeros, g_idx, group_size = self.canonical(layer)
         k = q.shape[0]
         dtype = layer.w4_dtype
         perm = None
         if g_idx is not None:
             g_idx = g_idx.long()
+            if k and (g_idx.min() < 0 or g_idx.max() >= scales.shape[0]):
+                raise QuantizationError(
+                    f"{'/'.join(layer.module_names)}: g_idx names groups "
+                    f"[{int(g_idx.min())}, {int(g_idx.max())}] of the {scales.shape[0]} this "
+                    "rank holds")
             if not torch.equal(g_idx, g_idx.sort().values):
                 perm = torch.argsort(g_idx, stable=True)
                 q, g_idx = q[perm], g_idx[perm]
