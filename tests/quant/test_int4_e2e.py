@@ -117,3 +117,15 @@ def test_quantization_awq_on_a_gptq_checkpoint_is_refused(cases):
     quantized, _ = cases("gptq-sym-g32")
     with pytest.raises(QuantizationError, match="quantized with 'gptq'"):
         LLM(str(quantized), **ENGINE, quantization="awq")
+
+
+@pytest.mark.parametrize("name", ["gptq-sym-g32", "awq-g32", "ct-group-asym"])
+def test_int4_base_with_dummy_weights_serves(cases, name):
+    """``load_format="dummy"`` (the benchmarks' Llama-3-8B shapes) fills the packed
+    tensors with random bits, sliced per rank like the real ones."""
+    quantized, case = cases(name)
+    llm = LLM(str(quantized), **ENGINE, load_format="dummy", tensor_parallel_size=2)
+    with shutting_down(llm):
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+        outputs = generate_greedy(llm, case, params)
+        assert all(len(out.token_ids) == MAX_NEW for out in outputs)
