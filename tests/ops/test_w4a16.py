@@ -85,7 +85,8 @@ def test_w4a16_linear_matches_float64_dequantized_product(dtype, n, k, group, ac
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
 def test_gemv_split_k_sums_every_part_once(splits):
-    x, qweight, scales, zeros, g_idx, size, q = _operands(40, 328, 32, torch.float32, False)
+    # groups of 128 = one GEMV tile: one row of scales per tile, a short last group
+    x, qweight, scales, zeros, g_idx, size, q = _operands(40, 328, 128, torch.float32, False)
     y = w4a16_gemv(x[:DECODE_MAX_ROWS], qweight, scales, zeros, g_idx, size, splits=splits)
     _assert_close(y, x[:DECODE_MAX_ROWS], q, scales, zeros, g_idx, size)
 

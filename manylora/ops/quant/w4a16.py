@@ -45,21 +45,31 @@ _PROGRAMS_PER_SM = 4
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, N, K,
-                  GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr):
-    """The weight tile ``W[offs_k, offs_n] = s · (q − z)`` in float32 (zero outside K/N)."""
+def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, GROUP_SIZE: tl.constexpr,
+                  HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight tile ``W[k0 : k0 + BLOCK_K, offs_n] = s · (q − z)`` in float32 (zero
+    outside K/N). Where whole tiles lie in one group (``k0`` a multiple of ``BLOCK_K``,
+    which divides ``GROUP_SIZE``) one row of scales and zeros serves the tile."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
     k_mask = offs_k < K
-    mask = k_mask[:, None] & (offs_n[None, :] < N)
+    n_mask = offs_n < N
+    mask = k_mask[:, None] & n_mask[None, :]
     words = tl.load(q_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=mask, other=0)
     q = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
     if HAS_GIDX:
         g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+        gn = g[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
+    elif GROUP_SIZE % BLOCK_K == 0:
+        gn = (k0 // GROUP_SIZE) * N + offs_n
+        s = tl.load(s_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        z = tl.load(z_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     else:
-        g = offs_k // GROUP_SIZE
-    gn = g[:, None] * N + offs_n[None, :]
-    s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-    return (q - z) * s
+        gn = (offs_k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, (q - z) * s, 0.0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -77,8 +87,8 @@ def _w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=row_mask & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, N, K, GROUP_SIZE,
-                          HAS_GIDX)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, GROUP_SIZE, HAS_GIDX,
+                          BLOCK_K)
         if DOT_FP32:
             x = x.to(tl.float32)
         else:
@@ -108,8 +118,8 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, ws_ptr, M, N, K, K_PER
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=row_mask & (offs_k[None, :] < k_stop), other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, offs_k, offs_n, N, k_stop, GROUP_SIZE,
-                          HAS_GIDX)
+        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, k_stop, GROUP_SIZE,
+                          HAS_GIDX, BLOCK_K)
         if DOT_FP32:
             x = x.to(tl.float32)
         else:
