@@ -127,7 +127,7 @@ def test_compressed_tensors_group_act_order_with_g_idx_dequantizes_to_the_checkp
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from safetensors.torch import save_file
 
-    from manylora.ops.quant.gptq import unpack_columns
+    from manylora.ops.quant.int4 import unpack_columns
     from manylora.ops.quant.w4a16 import unpack_rows
 
     quantized, dequantized = write_int4_checkpoint(dense, tmp_path, "gptq", group_size=32,

@@ -25,8 +25,14 @@ import torch
 from torch import nn
 
 from manylora.config.quantization import AWQConfig
-from manylora.ops.quant.gptq import raise_shape
-from manylora.ops.quant.int4 import PACK, Int4LinearMethod, column_slices, param, row_slice
+from manylora.ops.quant.int4 import (
+    PACK,
+    Int4LinearMethod,
+    column_slices,
+    param,
+    raise_shape,
+    row_slice,
+)
 
 #: The column of its group of 8 that nibble ``i`` of an AWQ word holds.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

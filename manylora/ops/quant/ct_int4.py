@@ -30,14 +30,15 @@ import torch
 from torch import nn
 
 from manylora.config.quantization import CompressedTensorsScheme, QuantizationError
-from manylora.ops.quant.gptq import raise_shape, unpack_columns
 from manylora.ops.quant.int4 import (
     PACK,
     Int4LinearMethod,
     column_slices,
     param,
+    raise_shape,
     row_slice,
     same_tensors,
+    unpack_columns,
 )
 from manylora.ops.quant.w4a16 import unpack_rows
 

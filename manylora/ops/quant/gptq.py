@@ -27,22 +27,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from manylora.config.quantization import GPTQConfig, QuantizationError
+from manylora.config.quantization import GPTQConfig
 from manylora.ops.quant.int4 import (
     PACK,
     Int4LinearMethod,
     column_slices,
     param,
+    raise_shape,
     row_slice,
     same_tensors,
+    unpack_columns,
 )
 from manylora.ops.quant.w4a16 import unpack_rows
-
-
-def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
-    """int32 ``[R, N/8]`` packed along N, low nibble first → codes ``[R, N]`` (int32)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
 
 
 class GPTQLinearMethod(Int4LinearMethod):
@@ -99,17 +95,6 @@ class GPTQLinearMethod(Int4LinearMethod):
             g_idx = None
         del layer.qweight, layer.qzeros, layer.scales
         return q, scales, zeros.to(scales.dtype), g_idx, layer.w4_group
-
-
-def raise_shape(layer: nn.Module, in_features: int, out_features: int) -> None:
-    """Refuse a layer whose rank-local shape does not pack into int32 words.
-
-    Raises:
-        QuantizationError: always, naming the layer and its sizes.
-    """
-    raise QuantizationError(f"{'/'.join(layer.module_names)}: [{out_features}, "
-                            f"{in_features}] on this rank does not pack 8 INT4 codes per "
-                            "int32 word along both dimensions")
 
 
 def gptq_method(config: GPTQConfig, scheme: object) -> GPTQLinearMethod:

@@ -95,6 +95,23 @@ def same_tensors(name: str):
     return load
 
 
+def unpack_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[R, N/8]`` packed along N, low nibble first → codes ``[R, N]`` (int32)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+
+
+def raise_shape(layer: nn.Module, in_features: int, out_features: int) -> None:
+    """Refuse a layer whose rank-local shape does not pack into int32 words.
+
+    Raises:
+        QuantizationError: always, naming the layer and its sizes.
+    """
+    raise QuantizationError(f"{'/'.join(layer.module_names)}: [{out_features}, "
+                            f"{in_features}] on this rank does not pack 8 INT4 codes per "
+                            "int32 word along both dimensions")
+
+
 class Int4LinearMethod(LinearMethodBase):
     """INT4 weight-only base weights in the ``w4a16`` layout (module docstring).
 
