@@ -40,6 +40,17 @@ class TPExecutor(UniProcExecutor):
         driver: the ``TPDriver`` of ranks 1..N-1.
     """
 
+    def __init__(self, args: ExecutorArgs) -> None:
+        try:
+            super().__init__(args)
+        except BaseException:
+            # a start-up step after the workers joined raised (a model the ranks cannot
+            # load): stop them and leave the process group, so that this process can
+            # start another engine
+            if getattr(self, "driver", None) is not None:
+                self.driver.shutdown()
+            raise
+
     def _start_workers(self, args: ExecutorArgs) -> TPGroup:
         """Check the settings, then start ranks 1..N-1 and join their process group."""
         if args.swap_space:
