@@ -97,8 +97,6 @@ class CompressedTensorsW4A16(Int4LinearMethod):
             raise_shape(layer, in_features, out_features)
         layer.w4_dtype = params_dtype
         layer.w4_group = group
-        layer.w4_group_offset = (0 if all_groups or layer.parallel != "row"
-                                 else layer.in_range[0] // group)
         param(layer, "weight_packed", (out_features, in_features // PACK), torch.int32,
               device, **wp)
         param(layer, "weight_scale", (out_features, local_groups), params_dtype, device, **sc)
@@ -122,7 +120,7 @@ class CompressedTensorsW4A16(Int4LinearMethod):
             del layer.weight_zero_point
         g_idx = None
         if self.args.actorder in GROUP_ORDERS:
-            g_idx = layer.weight_g_idx.data.long() - layer.w4_group_offset
+            g_idx = layer.weight_g_idx.data.long()
             del layer.weight_g_idx
         del layer.weight_packed, layer.weight_scale, layer.weight_shape
         return q, scales, zeros, g_idx, layer.w4_group

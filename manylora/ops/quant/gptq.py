@@ -69,8 +69,6 @@ class GPTQLinearMethod(Int4LinearMethod):
                 qz["tp_slices"] = sc["tp_slices"] = row_slice(layer, weight_attrs, 0, group)
                 local_groups = qz["tp_slices"][0].size
         layer.w4_dtype = params_dtype
-        layer.w4_group_offset = (0 if all_groups or layer.parallel != "row"
-                                 else layer.in_range[0] // group)
         layer.w4_group = group
         if in_features % PACK or out_features % PACK:
             raise_shape(layer, in_features, out_features)
@@ -89,7 +87,7 @@ class GPTQLinearMethod(Int4LinearMethod):
             zeros = zeros + 1
         scales = layer.scales.data
         if self.config.desc_act:
-            g_idx = layer.g_idx.data.long() - layer.w4_group_offset
+            g_idx = layer.g_idx.data.long()
             del layer.g_idx
         else:
             g_idx = None
