@@ -95,7 +95,14 @@ def test_int4_base_tensor_parallel_2_matches_peft(cases, name):
 
 
 def test_quantization_gptq_named_on_a_gptq_checkpoint_is_accepted(cases):
+    """``manylora serve --quantization gptq`` (vLLM's flag) reaches the engine's
+    ``quantization``; the engine built with it serves the checkpoint."""
+    from manylora.engine.arg_utils import EngineArgs
+    from manylora.entrypoints.openai.serve_args import serve_parser
+
     quantized, case = cases("gptq-sym-g32")
+    flags = serve_parser().parse_args(["--model", str(quantized), "--quantization", "gptq"])
+    assert EngineArgs.from_cli_args(flags).quantization == "gptq"
     llm = LLM(str(quantized), **ENGINE, max_loras=2, quantization="gptq")
     with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
