@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from manylora.config.quantization import (
     AWQConfig,
     CompressedTensorsConfig,
+    Fp8Config,
     GPTQConfig,
     QuantizationConfig,
     QuantizationError,
@@ -22,11 +23,12 @@ from manylora.config.quantization import (
 from manylora.ops.linear_method import LinearMethodBase, UnquantizedLinearMethod
 from manylora.ops.quant.awq import awq_method
 from manylora.ops.quant.compressed_tensors import compressed_tensors_method
+from manylora.ops.quant.fp8 import fp8_method
 from manylora.ops.quant.gptq import gptq_method
 
 #: config class → (config, the layer's scheme) → its linear method; one entry per format.
 _METHODS: dict[type, Callable[[QuantizationConfig, object], LinearMethodBase]] = {
-    GPTQConfig: gptq_method, AWQConfig: awq_method,
+    GPTQConfig: gptq_method, AWQConfig: awq_method, Fp8Config: fp8_method,
     CompressedTensorsConfig: compressed_tensors_method}
 
 

@@ -9,6 +9,7 @@ from manylora.config.quantization import (
 )
 from manylora.ops.linear_method import LinearMethodBase
 from manylora.ops.quant.ct_int4 import CompressedTensorsW4A16
+from manylora.ops.quant.fp8 import compressed_tensors_fp8_method
 
 
 def compressed_tensors_method(config: CompressedTensorsConfig,
@@ -21,5 +22,7 @@ def compressed_tensors_method(config: CompressedTensorsConfig,
     """
     if scheme.weights.type == "int":
         return CompressedTensorsW4A16(scheme)
+    if scheme.weights.type == "float":
+        return compressed_tensors_fp8_method(config, scheme)
     raise QuantizationError(f"compressed-tensors scheme with {scheme.weights.num_bits}-bit "
                             f"{scheme.weights.type} weights ({scheme.format}) is not served")
