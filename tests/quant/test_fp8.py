@@ -21,6 +21,7 @@ from manylora.config.quantization import QuantizationError
 from manylora.testing import (
     FAMILY_ADAPTER_NAMES,
     FAMILY_SPECS,
+    assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
     make_family_case,
@@ -96,6 +97,42 @@ def test_weight_only_fp8_is_token_exact_mixed_batch_one_slot_prefix_cache(weight
         generate_twice_from_prefix_cache(llm, weight_only, GREEDY)
 
 
+def test_weight_only_fp8_tensor_parallel_2_is_token_exact(weight_only):
+    """Per-channel scales cut with their rows (column parallel), whole (row parallel)."""
+    llm = LLM(str(weight_only.base_dir), **ENGINE, max_loras=2, tensor_parallel_size=2)
+    with shutting_down(llm):
+        assert_greedy_matches(generate_greedy(llm, weight_only, GREEDY), weight_only)
+
+
+@pytest.mark.parametrize("block", [(16, 16), (128, 128)])
+def test_dense_weight_is_what_transformers_dequantizes(dense, block):
+    """transformers 5 loads a fine-grained FP8 checkpoint on CPU with
+    ``FineGrainedFP8Config(dequantize=True)``: each packed projection's ``dense_weight`` is
+    its parts' weights as transformers dequantizes them (128x128: partial blocks)."""
+    import transformers
+    from transformers import FineGrainedFP8Config
+
+    from manylora.lora.linear import LoRALinear
+
+    root, base = dense
+    quantized, _ = write_fp8_checkpoint(base, root / f"hf-{block[0]}", block=block)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        quantized, dtype=torch.float32,
+        quantization_config=FineGrainedFP8Config(weight_block_size=block, dequantize=True))
+    hf_weights = {name: module.weight for name, module in hf.named_modules()
+                  if isinstance(module, torch.nn.Linear)}
+    llm = LLM(str(quantized), **ENGINE, max_loras=1)
+    with shutting_down(llm):
+        model = llm.llm_engine.engine_core.executor.model
+        layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+        assert layers
+        for name, layer in layers:
+            prefix = name.rsplit(".", 1)[0]
+            expected = torch.cat([hf_weights[f"{prefix}.{part}"]
+                                  for part in layer.module_names])
+            assert torch.equal(layer.linear_method.dense_weight(layer), expected), name
+
+
 def test_fine_grained_block_fp8_agrees_mixed_batch_prefix_cache(block16):
     """transformers' fine-grained FP8 (16x16 blocks, q/k/v and gate/up parts of their own
     blocks) with per-(token, 16 columns) activation scales."""
@@ -154,8 +191,18 @@ def test_online_fp8_agrees_with_the_16_bit_reference(dense):
         assert_agrees(generate_greedy(llm, case, GREEDY), case)
 
 
+def test_dummy_weights_fill_the_fp8_parameters(block16):
+    """``load_format="dummy"`` (benchmarks) fills the FP8 weights and their block scales and
+    the engine generates on them."""
+    llm = LLM(str(block16.base_dir), **ENGINE, max_loras=1, load_format="dummy")
+    with shutting_down(llm):
+        out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == MAX_NEW
+
+
 def test_refusals_name_the_option():
     from manylora.config.quantization import parse_quantization
+    from manylora.ops.quant import linear_method_for
 
     with pytest.raises(QuantizationError, match="e5m2"):
         parse_quantization({"quant_method": "fp8", "fmt": "e5m2"})
@@ -163,3 +210,12 @@ def test_refusals_name_the_option():
         parse_quantization({"quant_method": "fp8", "activation_scheme": "static",
                             "weight_block_size": [128, 128]})
 
+    block_ct = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "block",
+                    "block_structure": [128, 128]},
+                    "input_activations": {"num_bits": 8, "type": "float",
+                                          "strategy": "token", "dynamic": True}}},
+                "ignore": ["lm_head"]}
+    with pytest.raises(QuantizationError, match="block-wise weights take dynamic per-group"):
+        linear_method_for(parse_quantization(block_ct), ["model.layers.0.mlp.down_proj"])
