@@ -143,6 +143,7 @@ def write_compressed_tensors_fp8(dense_dir: str | Path, out_dir: str | Path, *,
         QuantizationScheme,
         apply_quantization_config,
         dequantize,
+        quantize,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -196,7 +197,6 @@ def write_compressed_tensors_fp8(dense_dir: str | Path, out_dir: str | Path, *,
                 module.input_scale.data = s.reshape(module.input_scale.shape).to(
                     module.input_scale.dtype)
                 module.input_zero_point.data = z.reshape(module.input_zero_point.shape)
-            from compressed_tensors.quantization import quantize
             q = quantize(w, module.weight_scale, module.weight_zero_point, wargs)
             ref[name + ".weight"] = dequantize(q, module.weight_scale,
                                                module.weight_zero_point, wargs).float()

@@ -22,8 +22,10 @@ Parameters (checkpoint names, filled by the weights loader; ``N`` this rank's ou
 Activations: dynamic per token (``s_t = max|x_t| / 448``), per (token, ``bk`` columns) with
 block weights, per tensor (dynamic or static), or not at all (W8A16: the weight is
 dequantized and multiplied in the activations' dtype). The products are
-``manylora.ops.quant.fp8_kernels``'s; on CPU (and where a GPU lacks FP8 ``_scaled_mm``) the
-float32 emulation (quantize → dequantize → matmul).
+``manylora.ops.quant.fp8_kernels``'s; on CPU, on a GPU without FP8 tensor cores (before
+compute capability 8.9), and for K or N not multiples of 16 (``_scaled_mm``'s alignment) or
+a K block Triton cannot tile, the float32 emulation (quantize → dequantize → matmul). W8A16
+dequantizes the weight on each product (a transient ``[N, K]`` in the activations' dtype).
 
 Tensor parallelism: the weight and per-channel scales are cut with their rows (column
 parallel) or columns (row parallel); block scales with their blocks, and a split that cuts
@@ -54,6 +56,7 @@ from manylora.ops.quant.fp8_kernels import (
     block_matmul,
     block_matmul_reference,
     dequantize_rows,
+    fp8_gpu,
     quantize_per_token,
     quantize_per_token_group,
     quantize_static,
@@ -204,7 +207,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.activations == "group":
             bk = self._block_k()
             xq, sx = quantize_per_token_group(x, bk)
-            if x.is_cuda and bk >= 16 and bk & (bk - 1) == 0:
+            if fp8_gpu(x) and bk >= 16 and bk & (bk - 1) == 0:
                 y = block_matmul(xq, sx, wq, sw, bk, x.dtype)
             else:
                 y = block_matmul_reference(xq, sx, wq, sw, bk, torch.float32).to(x.dtype)

@@ -85,14 +85,17 @@ def dequantize_rows(wq: torch.Tensor, sw: torch.Tensor, block_k: int | None = No
     return wq.float() * full
 
 
+def fp8_gpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` is on a CUDA device with FP8 tensor cores (compute capability ≥ 8.9:
+    Ada, Hopper), which ``torch._scaled_mm`` and Triton's FP8 ``tl.dot`` need."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
 def scaled_mm_supported(x: torch.Tensor, n: int) -> bool:
     """Whether ``torch._scaled_mm`` with row-wise float32 scales serves ``x [T, K]`` times an
-    ``[N, K]`` weight: a CUDA device of compute capability ≥ 8.9 (Ada, Hopper) and K, N
-    multiples of 16 (cuBLASLt's FP8 alignment)."""
-    if not x.is_cuda:
-        return False
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return (major, minor) >= (8, 9) and x.shape[1] % 16 == 0 and n % 16 == 0
+    ``[N, K]`` weight: ``fp8_gpu`` and K, N multiples of 16 (cuBLASLt's FP8 alignment;
+    other sizes take the float32 emulation rather than a padded copy)."""
+    return fp8_gpu(x) and x.shape[1] % 16 == 0 and n % 16 == 0
 
 
 def scaled_mm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
