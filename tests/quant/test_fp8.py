@@ -1,12 +1,16 @@
 """FP8 base weights under LoRA adapters, end to end, against transformers + peft on the
 DEQUANTIZED weights (each FP8 checkpoint's float32 twin, ``manylora.testing.quant_fp8``).
 
-The adapters (attention only, every linear layer, DoRA) are peft's, made on the twin; the
-batch mixes them with base rows (``FAMILY_ADAPTER_NAMES``). Weight-only FP8 (W8A16) must be
-token-exact (the float32 product of the same dequantized weights). With FP8 activations
-(W8A8) the greedy tokens must agree on ≥ 98 %: per sequence, the positions up to its first
-divergence from the reference count as agreeing (a whole sequence where the reference
-itself is a near-tie there, as ``compare_greedy`` forgives), over all reference tokens.
+The base is a tiny checkpoint trained to continue periodic sequences
+(``make_trained_checkpoint``: random weights give near-uniform next-token distributions
+that any FP8 rounding of the activations flips). The adapters (attention only, every linear
+layer, DoRA) are peft's, made on the twin; the batch mixes them with base rows
+(``FAMILY_ADAPTER_NAMES``). Weight-only FP8 (W8A16) must be token-exact with the reference's
+log-probabilities (the float32 product of the same dequantized weights). With FP8
+activations (W8A8) the greedy tokens must agree on ≥ 98 %: per sequence, the positions up
+to its first divergence from the reference count as agreeing (a whole sequence where the
+reference itself is a near-tie there, as ``compare_greedy`` forgives), over all reference
+tokens; and the log-probabilities of the agreeing tokens stay within FP8 rounding.
 """
 
 from __future__ import annotations
