@@ -228,6 +228,31 @@ def test_dummy_weights_fill_the_fp8_parameters(block16):
         assert len(out[0].outputs[0].token_ids) == MAX_NEW
 
 
+@pytest.fixture(scope="module")
+def channel_token(dense):
+    root, base = dense
+    return _case(root, *write_compressed_tensors_fp8(base, root / "ct-channel-token",
+                                                      weights="channel", activations="token"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["block16", "channel_token", "weight_only"])
+def test_gpu_fp8_cuda_graphs_match_eager_and_the_reference(request, name):
+    """On a GPU the products are the Triton block kernel (block16), ``torch._scaled_mm``
+    (channel_token) and the dequantizing W8A16 path, warmed up and captured in the decode
+    CUDA graphs: the replayed steps give the eager steps' tokens, agreeing with the
+    reference."""
+    case = request.getfixturevalue(name)
+    gpu = {**ENGINE, "device": "cuda", "block_size": 16}
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(case.base_dir), **gpu, max_loras=3, enforce_eager=eager)
+        with shutting_down(llm):
+            runs.append(generate_greedy(llm, case, GREEDY))
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert agreement(runs[0], case) >= AGREEMENT
+
+
 def test_refusals_name_the_option():
     from manylora.config.quantization import parse_quantization
     from manylora.ops.quant import linear_method_for
