@@ -38,6 +38,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 MIN_SCALE = 1e-12
 
 
+def expand_columns(scale: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """``scale [R, G]`` (one per row and run of ``group`` columns) → ``[R, k]``, each scale
+    over its columns; a view-and-expand (``repeat_interleave`` may read its output size
+    back from the device, which CUDA-graph capture forbids)."""
+    rows, groups = scale.shape
+    return scale.unsqueeze(2).expand(rows, groups, group).reshape(rows, groups * group)[:, :k]
+
+
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
@@ -58,7 +66,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int
     padded = torch.nn.functional.pad(x.float(), (0, groups * group - k))
     amax = padded.view(t, groups, group).abs().amax(dim=-1)
     scale = (amax / FP8_MAX).clamp_min(MIN_SCALE)
-    full = scale.repeat_interleave(group, dim=1)[:, :k]
+    full = expand_columns(scale, group, k)
     return _to_fp8(x, full), scale
 
 
@@ -81,7 +89,7 @@ def dequantize_rows(wq: torch.Tensor, sw: torch.Tensor, block_k: int | None = No
     row) or ``sw [N, ceil(K / block_k)]`` (per row and K block)."""
     if block_k is None:
         return wq.float() * sw.float().reshape(-1, 1)
-    full = sw.float().repeat_interleave(block_k, dim=1)[:, :wq.shape[1]]
+    full = expand_columns(sw.float(), block_k, wq.shape[1])
     return wq.float() * full
 
 
@@ -180,6 +188,6 @@ def block_matmul_reference(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor,
                            dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """``block_matmul`` in ``dtype`` by dequantizing both sides (the tests' reference, and
     the CPU path's product in float32)."""
-    x = xq.to(dtype) * sx.to(dtype).repeat_interleave(block_k, dim=1)[:, :xq.shape[1]]
-    w = wq.to(dtype) * sw.to(dtype).repeat_interleave(block_k, dim=1)[:, :wq.shape[1]]
+    x = xq.to(dtype) * expand_columns(sx.to(dtype), block_k, xq.shape[1])
+    w = wq.to(dtype) * expand_columns(sw.to(dtype), block_k, wq.shape[1])
     return x @ w.t()
