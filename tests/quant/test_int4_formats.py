@@ -173,9 +173,11 @@ def test_unserved_int4_options_are_refused_by_name(config, message):
 
 def test_compressed_tensors_float_scheme_is_not_the_int4_method():
     from manylora.config.quantization import CompressedTensorsConfig
+    from manylora.ops.quant.fp8 import Fp8LinearMethod
 
     fp8 = QuantizationArgs(num_bits=8, type="float", strategy="channel")
     scheme = CompressedTensorsScheme(("Linear",), fp8, None, "float-quantized")
     config = CompressedTensorsConfig(ignore=("lm_head",), schemes=(scheme,))
-    with pytest.raises(QuantizationError, match="8-bit float weights"):
-        linear_method_for(config, [Q])
+    method = linear_method_for(config, [Q])
+    assert isinstance(method, Fp8LinearMethod)
+    assert (method.weight_strategy, method.activations) == ("channel", None)

@@ -15,7 +15,8 @@ from manylora.ops.quant.fp8 import compressed_tensors_fp8_method
 def compressed_tensors_method(config: CompressedTensorsConfig,
                               scheme: CompressedTensorsScheme) -> LinearMethodBase:
     """``manylora.ops.quant``'s factory for ``CompressedTensorsConfig`` layers: INT4
-    ``pack-quantized`` weights (W4A16) → ``CompressedTensorsW4A16``.
+    ``pack-quantized`` weights (W4A16) → ``CompressedTensorsW4A16``; FP8
+    ``float-quantized`` weights → ``compressed_tensors_fp8_method``'s ``Fp8LinearMethod``.
 
     Raises:
         QuantizationError: a scheme with no linear method here (named).
