@@ -37,6 +37,7 @@ Each part prints and records (``common.record``) its table to BENCHMARKS.md unle
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import tempfile
 from pathlib import Path
@@ -174,8 +175,8 @@ def run_lora(quick: bool, repeats: int) -> list[dict]:
         for fmt, (qcfg, quant) in FORMATS.items():
             model_dir = write_config(root / fmt, config if qcfg is None
                                      else dict(config, quantization_config=qcfg))
-            r = in_child(run_batch_and_kernels, model_dir, adapters, None, ("batch",), sizes,
-                         repeats, 1, quick, True, quantization=quant)
+            r = in_child(functools.partial(run_batch_and_kernels, quantization=quant),
+                         model_dir, adapters, None, ("batch",), sizes, repeats, 1, quick)
             passes = r["passes"]
             out.append({"format": fmt, "tokens": passes[0]["tokens"],
                         "rate": passes[0]["tokens"] / statistics.median(
