@@ -74,18 +74,19 @@ def main() -> None:
         x, w13, w2, weights, ids = _operands(t, hidden, inter, experts, top_k, device, dtype)
         hit = int(ids.unique().numel())
         nbytes = hit * expert_bytes
+        config = moe_config(t, top_k, experts)
 
         def call(x=x, w13=w13, w2=w2, weights=weights, ids=ids):
             return fused_experts_triton(x, w13, w2, weights, ids)
 
         if args.quick:
             rows.append([t, hit, f"{nbytes / 2**20:.2f}", f"{time_cpu(call, reps=1) * 1e3:.0f}",
-                         "-", "-", moe_config(t)])
+                         "-", "-", config])
             continue
         ms = time_cuda_graph(call)
         floor_ms = nbytes / bandwidth * 1e3
         rows.append([t, hit, f"{nbytes / 2**20:.1f}", f"{ms * 1e3:.1f}",
-                     f"{floor_ms * 1e3:.1f}", f"{floor_ms / ms:.0%}", moe_config(t)])
+                     f"{floor_ms * 1e3:.1f}", f"{floor_ms / ms:.0%}", config])
     columns = ["tokens", "experts hit", "expert MiB read", "fused MoE µs", "floor µs",
                "floor / time", "config (BLOCK_M, N, K, warps, stages)"]
     hidden_s = f"H {hidden}, I {inter}, E {experts}, top-{top_k}"

@@ -25,7 +25,8 @@ Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w ·
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
 activation dtype. Under ``TRITON_INTERPRET=1`` (CPU tensors, how the tests run) 16-bit
 operands are widened to float32 before the dot (the interpreter multiplies bfloat16 bit
-patterns as integers) and stores truncate instead of rounding.
+patterns as integers) and stores truncate instead of rounding. float32 operands are
+multiplied in IEEE float32 on every backend (not TF32).
 """
 
 from __future__ import annotations
@@ -41,21 +42,25 @@ from manylora.ops.triton_fused import silu_and_mul_triton
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "gelu_tanh")
 
-#: Launch configs by token count, vLLM's default-config heuristic (not tuned per shape):
-#: ``(max tokens, (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages))``; the first row whose
-#: bound is ≥ T is used. Few tokens leave most experts with a handful of pairs, so a short
-#: ``BLOCK_M`` wastes little padding; many tokens fill longer blocks and reuse each weight
-#: tile over more rows. ``benchmarks/bench_fused_moe.py`` times them against the byte floor.
+#: Launch configs by rows per expert, ``ceil(T * k / E)`` (the mean number of pairs each expert
+#: gets; vLLM's default config switches on a similar ``T ≤ E``): ``(bound, (BLOCK_M, BLOCK_N,
+#: BLOCK_K, num_warps, num_stages))``, the first row whose bound is ≥ the rows per expert is
+#: used. Not tuned per shape. With few rows per expert (decode) a short ``BLOCK_M`` wastes
+#: little padding and the op is bound by reading the experts' weights; with many (prefill)
+#: longer blocks reuse each weight tile over more rows. ``benchmarks/bench_fused_moe.py`` times
+#: them against the byte floor.
 MOE_CONFIGS: tuple[tuple[int, tuple[int, int, int, int, int]], ...] = (
-    (32, (16, 64, 64, 4, 4)),
-    (256, (32, 64, 64, 4, 4)),
+    (16, (16, 64, 64, 4, 4)),
+    (64, (32, 64, 64, 4, 4)),
     (1 << 62, (64, 128, 64, 8, 3)),
 )
 
 
-def moe_config(num_tokens: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``num_tokens`` tokens."""
-    return next(config for bound, config in MOE_CONFIGS if num_tokens <= bound)
+def moe_config(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` from ``MOE_CONFIGS`` for
+    ``num_tokens`` tokens routed to ``top_k`` of ``num_experts`` experts each."""
+    rows = cdiv(num_tokens * top_k, num_experts)
+    return next(config for bound, config in MOE_CONFIGS if rows <= bound)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
@@ -121,8 +126,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
 def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
                       total_ptr, N, K, num_pairs, stride_am, stride_we, stride_wn,
                       stride_cm, A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-                      DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``C[p] = (w[p] ·) A[p // A_ROW_DIV] @ W[e]ᵀ`` for one ``BLOCK_M × BLOCK_N`` tile."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -149,7 +154,10 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
         if DOT_FP32:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        acc = tl.dot(a, w, acc)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_w_ptr + pairs, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
@@ -168,12 +176,13 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     k = w.shape[2]
     grid = (cdiv(sorted_ids.numel(), block_m) * cdiv(n, block_n),)
     dot_fp32 = a.device.type != "cuda" and a.dtype != torch.float32
+    ieee = dot_fp32 or a.dtype == torch.float32
     _fused_moe_kernel[grid](
         a, w, out, out if topk_weights is None else topk_weights, sorted_ids, expert_ids,
         total, n, k, num_pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROW_DIV=row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, DOT_FP32=dot_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages)
+        A_ROW_DIV=row_div, MUL_ROUTED_WEIGHT=topk_weights is not None,
+        DOT_FP32=dot_fp32, IEEE=ieee, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -228,7 +237,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             twice; each slot then counts.
         activation: ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
-            :func:`moe_config` of ``T``.
+            :func:`moe_config` of ``T``, ``k`` and ``E``.
 
     Returns:
         ``[T, H]`` in x's dtype (a new tensor).
@@ -243,7 +252,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     top_k = topk_ids.shape[1]
     if t == 0 or top_k == 0:
         return torch.zeros_like(x)
-    config = config or moe_config(t)
+    config = config or moe_config(t, top_k, num_experts)
     sorted_ids, expert_ids, total = moe_align_block_size(topk_ids, config[0], num_experts)
     num_pairs = t * top_k
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)

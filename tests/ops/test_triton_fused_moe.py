@@ -158,20 +158,24 @@ def test_fused_experts_match_float64(t, e, k, mode, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gelu_tanh_and_explicit_configs(dtype):
-    """tanh-GELU; the largest row of ``MOE_CONFIGS`` (BLOCK_M 64) and a config of 16-wide
-    and 32-wide blocks (several K steps and N tiles, each ending on a partial block) on the same
-    operands."""
+    """tanh-GELU; the rows of ``MOE_CONFIGS`` the other cases do not reach (BLOCK_M 32 and 64)
+    and 16-row, 32-wide blocks (several K steps and N tiles, each ending on a partial block),
+    on the same operands."""
     ops = _operands(5, 8, 2, dtype, "random", seed=5)
     _assert_close(fused_experts_triton(*ops, activation="gelu_tanh"), *ops,
                   activation="gelu_tanh")
-    for config in (MOE_CONFIGS[-1][1], (16, 32, 32, 4, 2)):
+    for config in (*(config for _, config in MOE_CONFIGS[1:]), (16, 32, 32, 4, 2)):
         _assert_close(fused_experts_triton(*ops, config=config), *ops)
 
 
-def test_configs_cover_every_token_count():
-    assert moe_config(1) == MOE_CONFIGS[0][1]
-    assert moe_config(MOE_CONFIGS[0][0] + 1) == MOE_CONFIGS[1][1]
-    assert moe_config(1 << 20) == MOE_CONFIGS[-1][1]
+def test_configs_follow_rows_per_expert():
+    """The config is picked by ``ceil(T * k / E)``: decode at Qwen3-30B-A3B's 128 experts and
+    top-8 stays on the first row far longer than at Mixtral's 8 experts and top-2."""
+    assert moe_config(1, 8, 128) == MOE_CONFIGS[0][1]
+    assert moe_config(256, 8, 128) == MOE_CONFIGS[0][1]       # 16 rows per expert
+    assert moe_config(257, 8, 128) == MOE_CONFIGS[1][1]
+    assert moe_config(65, 2, 8) == MOE_CONFIGS[1][1]          # 17 rows per expert
+    assert moe_config(1 << 20, 2, 8) == MOE_CONFIGS[-1][1]
 
 
 def test_bad_arguments_are_named():
