@@ -9,7 +9,8 @@ On CPU the kernels run under Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), on CUDA when there is a GPU. Shapes are odd on purpose (H = 72 and
 2I = 80 are not multiples of the 64-wide blocks, so the K loop and the N tiles both end on a
 partial block); routing covers experts that get no token, every token on one expert, top-1,
-top-2 and top-8 of 16.
+top-2 and top-8 of 16. Without a GPU one more test compiles the grouped GEMM for an H100
+(sm_90, no device needed); with one, a ``gpu`` test replays the op in a CUDA graph.
 
 Error bound, per output element, first order in the roundings: each GEMM adds at most
 ``ε = 2v + K·2⁻²⁴`` relative to its magnitude (float32 accumulation of ``K`` products, one
@@ -23,6 +24,12 @@ a normwise bound (``NORMWISE_UNITS``).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,6 +198,53 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="topk_ids"):
         moe_align_block_size(ids.float(), 16, 4)
     assert fused_experts_triton(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, H)
+
+
+_COMPILE_FOR_H100 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from manylora.ops import triton_fused_moe as moe
+
+    def ptx(dtype, config, ieee):
+        block_m, block_n, block_k, warps, stages = config
+        fn = moe._fused_moe_kernel
+        types = {"a_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "c_ptr": f"*{dtype}",
+                 "topk_w_ptr": "*fp32", "sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32",
+                 "total_ptr": "*i32", "N": "i32", "K": "i32", "num_pairs": "i32",
+                 "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+                 "stride_cm": "i32"}
+        consts = {"A_ROW_DIV": 8, "MUL_ROUTED_WEIGHT": True, "DOT_FP32": False,
+                  "IEEE": ieee, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+        sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                 for n in types if n != "num_pairs"}
+        return triton.compile(ASTSource(fn, sig, consts, attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
+
+    for _, config in moe.MOE_CONFIGS:
+        code = ptx("bf16", config, False)
+        assert "mma" in code, ("no tensor-core MMA", config)
+    code = ptx("fp32", moe.MOE_CONFIGS[0][1], True)
+    assert "tf32" not in code and "mma" not in code, "float32 dot not in IEEE float32"
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
+def test_kernel_compiles_for_h100():
+    """The GPU build is never exercised under the interpreter: compile the grouped GEMM for
+    sm_90 (every ``MOE_CONFIGS`` row in bfloat16, tensor-core MMA; float32 without TF32)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.gpu
