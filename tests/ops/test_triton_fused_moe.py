@@ -77,8 +77,7 @@ def _reference(x, w13, w2, weights, ids, activation):
     """float64 ``(y, Σ_j |w| |W2| A, Σ_j |o_j|)``: the formula and the magnitudes of the
     bound (module docstring)."""
     f = ACT[activation]
-    x, w13, w2, weights = (a.cpu().double() for a in (x, w13, w2, weights))
-    ids = ids.cpu()
+    x, weights, ids = x.cpu().double(), weights.cpu().double(), ids.cpu()
     t, h = x.shape
     i = w2.shape[2]
     y = torch.zeros(t, h, dtype=torch.float64)
@@ -88,16 +87,16 @@ def _reference(x, w13, w2, weights, ids, activation):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        xe = x[tok]
-        gate, up = (xe @ w13[e].T).split(i, dim=-1)
-        m_gate, m_up = (xe.abs() @ w13[e].abs().T).split(i, dim=-1)
+        xe, w13e, w2e = x[tok], w13[e].cpu().double(), w2[e].cpu().double()
+        gate, up = (xe @ w13e.T).split(i, dim=-1)
+        m_gate, m_up = (xe.abs() @ w13e.abs().T).split(i, dim=-1)
         a = f(gate) * up
         big_a = 1.2 * up.abs() * m_gate + f(gate).abs() * m_up + a.abs()
         w = weights[tok, slot][:, None]
-        o = w * (a @ w2[e].T)
+        o = w * (a @ w2e.T)
         y.index_add_(0, tok, o)
         slots.index_add_(0, tok, o.abs())
-        amp.index_add_(0, tok, w.abs() * (big_a @ w2[e].abs().T))
+        amp.index_add_(0, tok, w.abs() * (big_a @ w2e.abs().T))
     return y, amp, slots
 
 
