@@ -40,6 +40,7 @@ from manylora.ops.host_math import cdiv
 from manylora.ops.triton_fused import silu_and_mul_triton
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: ``act`` of the gate half: SiLU (Mixtral, Qwen2-MoE, Qwen3-MoE) or tanh-approximated GELU.
 ACTIVATIONS = ("silu", "gelu_tanh")
 
 #: Launch configs by rows per expert, ``ceil(T * k / E)`` (the mean number of pairs each expert
