@@ -163,16 +163,35 @@ def test_a_tensorrt_llm_moe_module_is_refused_by_name(module_id, name):
         _row_module("moe", 0, [module_id, 0, 4], None)
 
 
-def test_a_quantized_moe_base_is_refused_by_name(tmp_path):
+def test_a_quantized_moe_base_is_refused_by_name(family):
+    """Online FP8 (``quantization="fp8"`` on a 16/32-bit checkpoint) would quantize the
+    experts, which the MoE block does not support yet."""
     from transformers import AutoConfig
 
-    from manylora.config import ModelConfig
     from manylora.config.quantization import QuantizationError
-    from manylora.model.registry import model_class
 
-    base = make_checkpoint(tmp_path / "base", "qwen3_moe", seed=3, **TINY,
-                           **FAMILIES["qwen3_moe"])
-    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(base), dtype=torch.float32)
-    cfg = dataclasses.replace(cfg, quantization=types.SimpleNamespace(name="fp8"))
-    with pytest.raises(QuantizationError, match=r"Qwen3MoeForCausalLM.*fp8"):
-        model_class(cfg.architecture)(cfg, torch.device("cpu"))
+    name = AutoConfig.from_pretrained(family.base_dir).architectures[0]
+    with pytest.raises(QuantizationError, match=rf"{name}.*fp8"):
+        LLM(str(family.base_dir), **ENGINE, quantization="fp8")
+
+
+def test_dummy_weights_under_tensor_parallelism_are_the_one_rank_experts_cut():
+    """``load_format="dummy"`` draws each rank's experts as its columns of the one-rank
+    model's (``fill_dummy_weights`` over the experts' ``tp_slices``)."""
+    from manylora.distributed.parallel_state import TPGroup
+    from manylora.model.layers.moe import FusedMoE
+    from manylora.model.loader import fill_dummy_weights
+
+    def experts(rank, size):
+        tp = types.SimpleNamespace(rank=rank, size=size)
+        block = FusedMoE(8, 3, 6, 2, True, torch.float32, torch.device("cpu"),
+                         TPGroup.single() if size == 1 else tp)
+        fill_dummy_weights(block.experts, torch.device("cpu"))
+        return block.experts.w13, block.experts.w2
+
+    w13, w2 = experts(0, 1)
+    for rank in range(2):
+        part13, part2 = experts(rank, 2)
+        cols = slice(3 * rank, 3 * rank + 3)
+        assert torch.equal(part13, torch.cat([w13[:, :6][:, cols], w13[:, 6:][:, cols]], 1))
+        assert torch.equal(part2, w2[:, :, cols])

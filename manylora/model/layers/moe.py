@@ -49,7 +49,8 @@ class FusedMoE(nn.Module):
 
     Parameters: ``gate.weight [E, H]``, ``experts.w13 [E, 2 I/tp, H]`` (this rank's gate
     columns, then its up columns), ``experts.w2 [E, H, I/tp]``, ``shared_expert_gate.weight
-    [1, H]`` with a shared expert.
+    [1, H]`` with a shared expert. The experts' ``tp_slices`` name the rank's part of the
+    whole stacked tensors (``load_format="dummy"`` draws the whole and cuts it).
 
     Forward: ``x [T, H]`` → ``[T, H]`` in the model dtype, the same on every rank.
 
@@ -78,6 +79,10 @@ class FusedMoE(nn.Module):
             requires_grad=False)
         self.experts.w13.checkpoint_loader = self._load_w13
         self.experts.w2.checkpoint_loader = self._load_w2
+        # the rank's columns of the whole [E, 2I, H] / [E, H, I] (the dummy loader's cut)
+        cols = self._cols(intermediate_size, 1)
+        self.experts.w13.tp_slices = (cols, cols)
+        self.experts.w2.tp_slices = (self._cols(intermediate_size, 2),)
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None:
