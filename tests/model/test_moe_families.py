@@ -9,6 +9,7 @@ routing and expert ops are checked against a float64 reference.
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import types
 
@@ -195,3 +196,25 @@ def test_dummy_weights_under_tensor_parallelism_are_the_one_rank_experts_cut():
         cols = slice(3 * rank, 3 * rank + 3)
         assert torch.equal(part13, torch.cat([w13[:, :6][:, cols], w13[:, 6:][:, cols]], 1))
         assert torch.equal(part2, w2[:, :, cols])
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
+def test_a_peft_adapter_reaching_the_shared_expert_is_refused_by_name(family, tmp_path):
+    """peft's ``target_modules=[gate_proj, up_proj, down_proj]`` on Qwen2-MoE wraps the
+    dense layer's MLP and every shared expert: that request ends with an error naming the
+    shared expert's module, and the base request of the same batch is served."""
+    from manylora import LoRARequest
+    from manylora.lora.adapter import LoRAAdapterError
+    from manylora.testing import make_peft_adapter
+
+    adapter = make_peft_adapter(family.base_dir, tmp_path / "mlp", r=4,
+                                target_modules=["gate_proj", "up_proj", "down_proj"])
+    llm = LLM(str(family.base_dir), **ENGINE)
+    with shutting_down(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY,
+                            lora_request=[None, LoRARequest("mlp", 1, str(adapter))],
+                            use_tqdm=False)
+    assert isinstance(outs[1].error, LoRAAdapterError)
+    assert re.search(r"model\.layers\.0\.mlp\.shared_expert\.\w+_proj", str(outs[1].error))
+    assert outs[0].error is None
+    assert list(outs[0].outputs[0].token_ids) == list(family.reference[0].token_ids)
