@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-#: Activations of the experts' gate half (``act(gate) * up``).
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+#: Activations of the experts' gate half (``act(gate) * up``), named as the Triton kernel
+#: names them.
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -64,7 +65,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2: ``[E, H, I]`` the experts' down projections.
         topk_weights: float32 ``[T, k]`` (``select_experts``).
         topk_ids: int ``[T, k]`` expert ids in ``[0, E)``.
-        activation: ``"silu"`` or ``"gelu"``.
+        activation: ``"silu"`` or ``"gelu_tanh"``.
 
     Returns:
         ``[T, H]`` in ``x``'s dtype (products accumulated in float32 per expert, as

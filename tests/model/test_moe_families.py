@@ -85,9 +85,12 @@ def _stack_experts(src, dst):
     return dst
 
 
-def test_routing_and_experts_match_a_float64_reference():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_routing_and_experts_match_a_float64_reference(activation):
     from manylora.ops.fused_moe import fused_experts, select_experts
 
+    act = {"silu": torch.nn.functional.silu,
+           "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh")}[activation]
     gen = torch.Generator().manual_seed(0)
     t, e, h, i, k = 7, 5, 16, 12, 2
     logits = torch.randn(t, e, generator=gen)
@@ -109,10 +112,22 @@ def test_routing_and_experts_match_a_float64_reference():
             for j in range(k):
                 ex = int(ref_ids[row, j])
                 gate, up = (w13[ex].double() @ x[row].double()).chunk(2)
-                ref[row] += ref_w[row, j] * (w2[ex].double() @ (torch.nn.functional.silu(gate)
-                                                                 * up))
-        torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids).double(), ref,
-                                   rtol=1e-4, atol=1e-4)
+                ref[row] += ref_w[row, j] * (w2[ex].double() @ (act(gate) * up))
+        got = fused_experts(x, w13, w2, weights, ids, activation)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_bad_moe_arguments_are_refused_by_name():
+    from manylora.ops.fused_moe import fused_experts, select_experts
+
+    x, w13, w2 = torch.zeros(2, 4), torch.zeros(3, 6, 4), torch.zeros(3, 4, 3)
+    weights, ids = torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="top_k=4 is outside"):
+        select_experts(torch.zeros(2, 3), 4, True)
+    with pytest.raises(ValueError, match="unknown MoE activation 'relu'"):
+        fused_experts(x, w13, w2, weights, ids, "relu")
+    with pytest.raises(ValueError, match=r"w2 \(3, 3, 4\)"):
+        fused_experts(x, w13, w2.transpose(1, 2), weights, ids)
 
 
 def test_mixed_batch_with_prefix_caching_and_pieces_matches_peft(family):
