@@ -148,7 +148,7 @@ def test_stacked_expert_checkpoint_matches_peft(family, tmp_path):
 
 
 def test_tensor_parallel_2_matches_peft(family):
-    llm = LLM(str(family.base_dir), **ENGINE, tensor_parallel_size=2)
+    llm = LLM(str(family.base_dir), **{**ENGINE, "max_loras": 2}, tensor_parallel_size=2)
     with shutting_down(llm):
         assert_greedy_matches(generate_greedy(llm, family, GREEDY), family)
 
@@ -233,3 +233,18 @@ def test_a_peft_adapter_reaching_the_shared_expert_is_refused_by_name(family, tm
     assert re.search(r"model\.layers\.0\.mlp\.shared_expert\.\w+_proj", str(outs[1].error))
     assert outs[0].error is None
     assert list(outs[0].outputs[0].token_ids) == list(family.reference[0].token_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
+def test_an_adapter_on_the_dense_layers_mlp_matches_peft(family, tmp_path):
+    """Qwen2-MoE's dense layer (``mlp_only_layers``) is a LLaMA MLP: an adapter on its
+    gate/up/down projections (peft's ``layers_to_transform``) applies as peft applies it,
+    with and without tensor parallelism."""
+    case = make_family_case(family.base_dir, tmp_path, {"dense": dict(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+        layers_to_transform=[1], seed=5)}, PROMPTS[:1] * 2, [None, "dense"], MAX_NEW)
+    assert case.reference[1].token_ids != case.reference[0].token_ids
+    for tp in (1, 2):
+        llm = LLM(str(case.base_dir), **ENGINE, tensor_parallel_size=tp)
+        with shutting_down(llm):
+            assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
