@@ -248,3 +248,29 @@ def test_an_adapter_on_the_dense_layers_mlp_matches_peft(family, tmp_path):
         llm = LLM(str(case.base_dir), **ENGINE, tensor_parallel_size=tp)
         with shutting_down(llm):
             assert_greedy_matches(generate_greedy(llm, case, GREEDY), case)
+
+
+@pytest.mark.parametrize("family", ["mixtral"], indirect=True)
+def test_a_missing_or_misshaped_expert_is_named(family, tmp_path):
+    from transformers import AutoConfig
+
+    from manylora.checkpoint.weights import CheckpointError, MissingWeightError
+    from manylora.config import ModelConfig
+    from manylora.model.loader import load_model
+
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(family.base_dir), torch.float32)
+    state = load_file(family.base_dir / "model.safetensors")
+    missing, bad = (tmp_path / "missing", tmp_path / "bad")
+    for folder, key, change in (
+            (missing, "model.layers.1.block_sparse_moe.experts.3.w3.weight", None),
+            (bad, "model.layers.0.block_sparse_moe.experts.2.w2.weight", lambda w: w[:, :-1])):
+        shutil.copytree(family.base_dir, folder)
+        edited = dict(state)
+        tensor = edited.pop(key)
+        if change is not None:
+            edited[key] = change(tensor).contiguous()
+        save_file(edited, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MissingWeightError, match=r"experts\.3\.w3\.weight"):
+        load_model(missing, cfg, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match=r"experts\.2\.w2\.weight"):
+        load_model(bad, cfg, torch.device("cpu"))
