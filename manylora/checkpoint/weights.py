@@ -376,6 +376,10 @@ class ModelWeightsLoader:
         reads exactly those ranges instead (:meth:`load_part`) whatever ``tp_rank``/
         ``tp_size`` say: the slices already name the rank's rows. The parameters, their
         layout and their ``weight_loader`` are the linear method's: the loader only reads.
+        A parameter gathered from many checkpoint tensors of names the key dict cannot
+        express (the stacked experts of a mixture-of-experts block) has a
+        ``checkpoint_loader(loader, param, name)`` instead, which reads them through
+        :meth:`load_tensor` / :meth:`load_part` and fills ``param`` itself.
 
         Raises:
             MissingWeightError: a parameter's external key is not in the checkpoint.
@@ -385,6 +389,10 @@ class ModelWeightsLoader:
         params = list(model.named_parameters())
         with torch.no_grad():
             for name, param in tqdm(params, desc="Loading weights"):
+                checkpoint_loader = getattr(param, "checkpoint_loader", None)
+                if checkpoint_loader is not None:
+                    checkpoint_loader(self, param, name)
+                    continue
                 tp_slices = getattr(param, "tp_slices", None)
                 if tp_slices is not None:
                     tensors = self._load_parts(name, tp_slices)

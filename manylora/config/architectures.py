@@ -24,6 +24,9 @@ MODEL_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 #: Architecture of a config that names only its ``model_type``.
@@ -33,6 +36,8 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "granite": "GraniteForCausalLM",
     "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

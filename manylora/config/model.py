@@ -94,7 +94,7 @@ class ModelConfig:
                 f"num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}")
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        qwen = arch == "Qwen2ForCausalLM"
+        qwen = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         attention_bias = bool(getattr(hf_config, "attention_bias", False))
         limit = int(hf_config.max_position_embeddings)
         if max_model_len is None:
@@ -274,7 +274,7 @@ def _sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
-    if getattr(hf_config, "model_type", "") == "qwen2":
+    if getattr(hf_config, "model_type", "") in ("qwen2", "qwen2_moe"):
         if not getattr(hf_config, "use_sliding_window", False):
             return (None,) * n
         first = getattr(hf_config, "max_window_layers", n)

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2",
-                   "gemma3", "phi3")
+                   "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
 #: Families whose norms compute ``(1 + w)``: their norm weights are drawn around 0.
 _ZERO_CENTRED_NORMS = ("gemma2", "gemma3")
 
@@ -38,16 +38,20 @@ def _config_class(arch: str) -> Any:
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen2MoeConfig,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,
                "qwen3": Qwen3Config, "olmo2": Olmo2Config, "granite": GraniteConfig,
                "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
-               "phi3": Phi3Config}
+               "phi3": Phi3Config, "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig,
+               "qwen3_moe": Qwen3MoeConfig}
     if arch not in classes:
         raise ValueError(f"unsupported arch {arch!r}; expected one of {SUPPORTED_ARCHS}")
     return classes[arch]
@@ -192,7 +196,12 @@ def make_checkpoint(
             ``"phi3"``: ``Phi3Config``, fused ``qkv_proj`` / ``gate_up_proj`` weights, with
             ``partial_rotary_factor`` and ``original_max_position_embeddings`` (for a
             ``longrope`` ``rope_scaling`` with ``short_factor`` / ``long_factor``) in
-            ``config_overrides``).
+            ``config_overrides``);
+            ``"mixtral"`` / ``"qwen2_moe"`` / ``"qwen3_moe"``: mixture-of-experts configs
+            (``num_local_experts`` or ``num_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``shared_expert_intermediate_size``,
+            ``norm_topk_prob``, ``mlp_only_layers`` in ``config_overrides``); transformers
+            writes their experts one ``Linear`` per expert.
         rope_scaling: e.g. ``{"rope_type": "linear", "factor": 2.0}`` or a llama3 dict
             (``factor``, ``low_freq_factor``, ``high_freq_factor``,
             ``original_max_position_embeddings``); stored as ``rope_parameters`` (with
@@ -230,11 +239,11 @@ def make_checkpoint(
         rope_kwargs = {"rope_parameters": {
             "full_attention": rope_kwargs["rope_parameters"],
             "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
-    if arch in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
+    if arch in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral"):
         overrides["sliding_window"] = sliding_window
     elif sliding_window is not None:
         raise ValueError("sliding_window is only supported for mistral, qwen2, qwen3, gemma2, "
-                         "gemma3 and phi3")
+                         "gemma3, phi3 and mixtral")
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -1,0 +1,45 @@
+"""The Qwen3-MoE decoder (transformers' ``Qwen3MoeForCausalLM``; Qwen3-30B-A3B).
+
+Qwen3's attention (per-head q/k RMSNorm before RoPE, ``Qwen3Attention``) over a MoE MLP
+(``MoEDecoderLayer``): sparse layers as Qwen2-MoE decides them (``mlp_only_layers``,
+``decoder_sparse_step``), each token routed to the top ``num_experts_per_tok`` of
+``num_experts`` experts of ``moe_intermediate_size`` (softmax, renormalized with
+``norm_topk_prob``); no shared expert. Dense layers are ``LlamaMLP`` of
+``intermediate_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from manylora.config import ModelConfig
+from manylora.distributed.parallel_state import TPGroup
+from manylora.model.layers.moe import FusedMoE
+from manylora.model.llama import LlamaModel
+from manylora.model.mixtral import MoEDecoderLayer, MoEForCausalLM, dense_mlp
+from manylora.model.qwen2_moe import is_sparse_layer
+from manylora.model.qwen3 import Qwen3Attention
+
+
+class Qwen3MoeDecoderLayer(MoEDecoderLayer):
+    attention_class = Qwen3Attention
+
+    def make_block(self, cfg: ModelConfig, layer_idx: int, device: torch.device,
+                   tp: TPGroup) -> nn.Module:
+        """A ``FusedMoE`` on sparse layers, else a dense MLP."""
+        hf = cfg.hf_config
+        if not is_sparse_layer(hf, layer_idx):
+            return dense_mlp(cfg, layer_idx, device, tp)
+        return FusedMoE(cfg.hidden_size, hf.num_experts, hf.moe_intermediate_size,
+                        hf.num_experts_per_tok, bool(hf.norm_topk_prob), cfg.dtype, device, tp)
+
+
+class Qwen3MoeModel(LlamaModel):
+    layer_class = Qwen3MoeDecoderLayer
+
+
+class Qwen3MoeForCausalLM(MoEForCausalLM):
+    """A Qwen3-MoE causal LM (``MoEForCausalLM`` over ``Qwen3MoeDecoderLayer``)."""
+
+    model_class = Qwen3MoeModel
