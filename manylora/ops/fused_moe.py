@@ -3,13 +3,17 @@
 
 The torch implementation here is the reference and the CPU path: it loops over the experts
 some token chose and adds each expert's weighted output with ``index_add_``. On CUDA
-``fused_experts`` hands the work to the Triton grouped-GEMM kernel (``_fused_experts_cuda``).
+``fused_experts`` hands the work to the Triton grouped-GEMM kernel
+(``manylora.ops.triton_fused_moe.fused_experts_triton``: no host sync, CUDA-graph
+capturable).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from manylora.ops.triton_fused_moe import fused_experts_triton
 
 #: Activations of the experts' gate half (``act(gate) * up``), named as the Triton kernel
 #: names them.
@@ -73,7 +77,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
     Raises:
         ValueError: an unknown activation or mismatched shapes.
-        NotImplementedError: on CUDA, until the Triton kernel is wired in.
     """
     if activation not in _ACTIVATIONS:
         raise ValueError(f"unknown MoE activation {activation!r}: use one of "
@@ -85,7 +88,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{tuple(w13.shape)}, w2 {tuple(w2.shape)}, topk "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
     if x.is_cuda:
-        return _fused_experts_cuda(x, w13, w2, topk_weights, topk_ids, activation)
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
     return _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, activation)
 
 
@@ -101,11 +104,3 @@ def _fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = F.linear(act(gate) * up, w2[expert])
         out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
     return out
-
-
-def _fused_experts_cuda(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                        activation: str) -> torch.Tensor:
-    raise NotImplementedError(
-        "fused_experts on CUDA needs the Triton fused-MoE kernel "
-        "(manylora.ops.triton_fused_moe.fused_experts_triton), which is not wired in yet")
