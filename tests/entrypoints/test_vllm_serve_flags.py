@@ -126,6 +126,8 @@ def test_bad_config_file(tmp_path, name, text, capsys):
     (["-q", "int3"], "unknown quantization 'int3'"),
     (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
     (["--enable-lora-bias"], "--enable-lora-bias: manylora's adapters have no bias"),
+    (["--enable-expert-parallel"], "--enable-expert-parallel: manylora has no expert "
+                                   "parallelism"),
     (["--reasoning-parser", "granite"], "--reasoning-parser 'granite': no such parser (one "
                                         "of deepseek_r1, qwen3)"),
     (["--tokenizer-mode", "mistral"], "tokenizer_mode 'mistral' is not supported"),

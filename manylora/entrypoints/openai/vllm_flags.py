@@ -60,7 +60,8 @@ def _refuse(name: str, kind: str, reason: str, allowed: tuple = (), *aliases: st
 
 
 _TEXT_ONLY = "manylora serves text-only decoder models (no multimodal inputs)"
-_NO_MOE = "manylora serves dense models (no mixture-of-experts layers)"
+_NO_MOE = ("manylora has no expert parallelism: a mixture-of-experts layer's experts are split "
+           "over the tensor-parallel ranks (--tensor-parallel-size)")
 _NO_DP = ("manylora runs one engine per server; run replicas with `manylora serve-ray` "
           "(--num-replicas)")
 _GRAPHS = ("manylora picks its own CUDA graph sizes (decode graphs by batch size; "
