@@ -72,6 +72,27 @@ def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, GROUP_SIZE: tl.c
     return tl.where(mask, (q - z) * s, 0.0)
 
 
+@triton.jit
+def _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, k_limit, offs_m, offs_n,
+                     row_mask, N, stride_xm, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
+                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc += x[offs_m, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, offs_n]`` in float32
+    (``W`` from ``_dequant_tile``; columns at or past ``k_limit`` read as zero): the K step
+    both kernels share."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=row_mask & (offs_k[None, :] < k_limit), other=0.0)
+    w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, k_limit, GROUP_SIZE,
+                      HAS_GIDX, BLOCK_K)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    else:
+        w = w.to(x.dtype)
+    if IEEE:
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm,
                        stride_ym, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
@@ -84,19 +105,9 @@ def _w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride
     row_mask = offs_m[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=row_mask & (offs_k[None, :] < K), other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, GROUP_SIZE, HAS_GIDX,
-                          BLOCK_K)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-        else:
-            w = w.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_m, offs_n,
+                               row_mask, N, stride_xm, GROUP_SIZE, HAS_GIDX, DOT_FP32, IEEE,
+                               BLOCK_K)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(y_ptr.dtype.element_ty), mask=row_mask & (offs_n[None, :] < N))
 
@@ -115,19 +126,9 @@ def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, ws_ptr, M, N, K, K_PER
     k_stop = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=row_mask & (offs_k[None, :] < k_stop), other=0.0)
-        w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, k_stop, GROUP_SIZE,
-                          HAS_GIDX, BLOCK_K)
-        if DOT_FP32:
-            x = x.to(tl.float32)
-        else:
-            w = w.to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        acc = _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, k_stop, offs_m,
+                               offs_n, row_mask, N, stride_xm, GROUP_SIZE, HAS_GIDX,
+                               DOT_FP32, IEEE, BLOCK_K)
     ws = ws_ptr + pid_k * M * N
     tl.store(ws + offs_m[:, None] * N + offs_n[None, :], acc,
              mask=row_mask & (offs_n[None, :] < N))
