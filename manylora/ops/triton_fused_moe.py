@@ -186,8 +186,12 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
         num_warps=warps, num_stages=stages)
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, activation: str) -> None:
+def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> None:
+    """Raise ValueError unless the arguments fit ``fused_experts_triton``: a known activation,
+    one dtype of ``_DTYPES`` for x, w13 and w2, shapes that chain (x ``[T, H]``, w13
+    ``[E, 2I, H]``, w2 ``[E, H, I]``), float32 ``topk_weights`` and int ``topk_ids`` both
+    ``[T, k]``, one device, unit stride along ``H`` and contiguous weights."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
@@ -247,7 +251,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ValueError: an unknown activation, or dtypes, shapes, layouts or devices that do not
             fit together.
     """
-    _check(x, w13, w2, topk_weights, topk_ids, activation)
+    check_experts(x, w13, w2, topk_weights, topk_ids, activation)
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
