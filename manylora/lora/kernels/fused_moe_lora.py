@@ -34,8 +34,9 @@ from typing import NamedTuple
 
 import torch
 
+from manylora.lora.kernels.fused_moe_lora_kernels import MoELoRAPlan
 from manylora.ops.fused_moe import ExpertDelta, fused_experts_torch
-from manylora.ops.triton_fused_moe import check_experts
+from manylora.ops.triton_fused_moe import check_experts, fused_experts_triton
 
 
 class MoELoRAWeights(NamedTuple):
@@ -185,9 +186,36 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
 
 
 def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                               token_slots: torch.Tensor, lora: MoELoRAWeights,
-                               activation: str) -> torch.Tensor:
-    """The Triton path: ``fused_experts_triton`` with the grouped LoRA launches of
-    ``add_moe_lora`` added into its gate/up cache and its (weighted) down output."""
-    raise NotImplementedError
+                              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              token_slots: torch.Tensor, lora: MoELoRAWeights,
+                              activation: str = "silu") -> torch.Tensor:
+    """The Triton path of ``fused_experts_lora`` (same arguments; the base ones checked by
+    ``fused_experts_triton``, ``lora`` by the caller): ``fused_experts_triton`` with, after
+    its first GEMM, one shrink launch (gate and up) and one expand launch adding into its
+    gate/up cache, and after its second (weighted) GEMM one shrink and one expand launch
+    adding the routing-weighted down term (``MoELoRAPlan``, one alignment by (slot, expert)
+    for both). No host synchronisation; CUDA tensors, or CPU tensors under
+    ``TRITON_INTERPRET=1``. The slot stacks must be contiguous.
+
+    Raises:
+        ValueError: what ``fused_experts_triton`` refuses, or non-contiguous slot stacks.
+    """
+    if not all(t.is_contiguous() for t in lora[:6]):
+        raise ValueError("fused_experts_lora: the LoRA slot stacks must be contiguous")
+    max_loras, num_experts, max_rank, _ = lora.a_gate.shape
+    if x.shape[0] == 0 or topk_ids.shape[1] == 0 or max_rank == 0:
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
+    plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
+    top_k = topk_ids.shape[1]
+    gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
+
+    def add_gate_up(gate_up: torch.Tensor) -> None:
+        buf = plan.shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, top_k)
+        plan.expand(gate_up, buf, (lora.b_gate, lora.b_up), gate_up_ranks, None)
+
+    def add_down(act: torch.Tensor, out: torch.Tensor) -> None:
+        buf = plan.shrink(act, (lora.a_down,), down_ranks, 1)
+        plan.expand(out, buf, (lora.b_down,), down_ranks, topk_weights.reshape(-1))
+
+    return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation,
+                                add_gate_up=add_gate_up, add_down=add_down)
