@@ -21,6 +21,11 @@ tanh-approximated GELU. Three steps, no host synchronisation (CUDA-graph captura
 3. The ``k`` scaled rows of each token are summed (``torch.sum`` over a ``[T, k, H]`` view,
    no atomics, so the result is deterministic).
 
+``fused_experts_triton`` can hand its two GEMM outputs to callers before they are used
+(``add_gate_up`` before the activation, ``add_down`` before the sum): how
+``manylora.lora.kernels.fused_moe_lora`` adds the experts' LoRA terms, aligned by
+:func:`align_block_size` on its own key.
+
 Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w · (a W2ᵀ))`` (the
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
 activation dtype. Under ``TRITON_INTERPRET=1`` (CPU tensors, how the tests run) 16-bit

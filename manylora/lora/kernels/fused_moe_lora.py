@@ -103,8 +103,8 @@ def fused_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     vLLM's ``fused_moe_lora``: ``x.is_cuda`` → the Triton path (no host synchronisation,
     fixed worst-case sizes: CUDA-graph capturable once compiled), else the torch path.
 
-    Rounding (``r`` to x's dtype): the LoRA terms are accumulated in float32 (x cast to the
-    stacks' dtype's precision as needed), the shrink output rounded to B's dtype before the
+    Rounding (``r`` to x's dtype): the LoRA terms are accumulated in float32 (the GEMM input
+    widened to float32 over float32 stacks), the shrink output rounded to B's dtype before the
     expand; ``g, u = r(r(x W13ᵀ) + δ_gu)``; the down term is weighted by the routing weight
     in float32 and added to the base GEMM's weighted output before one rounding and the sum
     over ``k``: ``o = r(o_base + w · δ_d)`` with ``o_base`` the base path's weighted float32
@@ -120,7 +120,7 @@ def fused_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         topk_ids: int32 ``[T, k]`` expert ids in ``[0, E)``.
         token_slots: int32 ``[T]``, each token's adapter slot in ``[0, L)``, -1 for a base
             row (neither ids nor slots are range-checked: that would synchronise).
-        lora: the layer's :class:`MoELoRAWeights`.
+        lora: the layer's :class:`MoELoRAWeights` (contiguous stacks on the Triton path).
         activation: ``"silu"`` or ``"gelu_tanh"``.
 
     Returns:

@@ -210,6 +210,9 @@ def test_bad_arguments_are_named():
         fused_experts_lora(*args, slots, lora._replace(ranks=lora.ranks[:, :2]))
     with pytest.raises(ValueError, match="ranks"):
         fused_experts_lora(*args, slots, lora._replace(ranks=lora.ranks.long()))
+    strided = lora._replace(a_up=lora.a_up.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_experts_lora_triton(*args, slots, strided)
 
 
 def _python_align(ids, slots, block_m, num_experts):
