@@ -2,7 +2,9 @@
 ``fused_moe``: ``select_experts`` then ``fused_experts``).
 
 The torch implementation here is the reference and the CPU path: it loops over the experts
-some token chose and adds each expert's weighted output with ``index_add_``. On CUDA
+some token chose and adds each expert's weighted output with ``index_add_``
+(``fused_experts_torch``, which also takes additions to each expert's two GEMMs: how
+``manylora.lora.kernels.fused_moe_lora`` applies LoRA to the experts). On CUDA
 ``fused_experts`` hands the work to the Triton grouped-GEMM kernel
 (``manylora.ops.triton_fused_moe.fused_experts_triton``: no host sync, CUDA-graph
 capturable).
@@ -10,10 +12,19 @@ capturable).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from manylora.ops.triton_fused_moe import fused_experts_triton
+
+#: An addition to one expert's GEMM in ``fused_experts_torch``: called with the expert, the
+#: token of each of the expert's rows (int64 ``[n]``) and the GEMM's input rows (``[n, K]``),
+#: it returns None (nothing to add) or ``(rows, delta)``: int64 indices into those ``n`` rows
+#: and the float32 ``[len(rows), N]`` to add to them.
+ExpertDelta = Callable[[int, torch.Tensor, torch.Tensor],
+                       "tuple[torch.Tensor, torch.Tensor] | None"]
 
 #: Activations of the experts' gate half (``act(gate) * up``), named as the Triton kernel
 #: names them.
@@ -89,18 +100,54 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
     if x.is_cuda:
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
-    return _fused_experts_torch(x, w13, w2, topk_weights, topk_ids, activation)
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, activation)
 
 
-def _fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         activation: str) -> torch.Tensor:
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        activation: str = "silu", *, gate_up_delta: ExpertDelta | None = None,
+                        down_delta: ExpertDelta | None = None) -> torch.Tensor:
+    """``fused_experts`` in torch ops (no argument checks): a loop over the experts some token
+    chose, each expert's rows gathered, ``F.linear`` per GEMM, the weighted rows added into
+    the output with ``index_add_``. The CPU path and the reference of the Triton kernel.
+
+    Rounding (``r`` to x's dtype): ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``,
+    ``o = r(w · r(a W2ᵀ))`` (the weight applied in float32), ``y = Σ_j o_j`` accumulated in
+    x's dtype in increasing expert order.
+
+    ``gate_up_delta`` / ``down_delta`` (LoRA on the experts: ``manylora.lora.kernels.
+    fused_moe_lora``) add to an expert's GEMM output: with ``(rows, delta)`` returned, rows
+    ``rows`` of ``h`` become ``r(h + delta)`` (before the activation) and those of the down
+    GEMM ``o = r(w · r(a W2ᵀ) + w · delta)`` (the delta weighted like the base term, one
+    rounding of the sum). Rows they leave out, and every row when they return None, get
+    exactly the roundings above.
+
+    Args:
+        x, w13, w2, topk_weights, topk_ids, activation: as ``fused_experts``' (checked there).
+        gate_up_delta: None, or an :data:`ExpertDelta` of the first GEMM (``delta``
+            ``[n, 2I]``, input rows ``x[token]``).
+        down_delta: None, or an :data:`ExpertDelta` of the second GEMM (``delta`` ``[n, H]``,
+            input rows ``a``).
+
+    Returns:
+        ``[T, H]`` in x's dtype.
+    """
     act = _ACTIVATIONS[activation]
     out = torch.zeros_like(x)
     ids = topk_ids.long()
     for expert in torch.unique(ids).tolist():
         token, slot = torch.nonzero(ids == expert, as_tuple=True)
-        gate, up = F.linear(x[token], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w2[expert])
-        out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
+        xe = x[token]
+        h = F.linear(xe, w13[expert])
+        if gate_up_delta is not None and (add := gate_up_delta(expert, token, xe)) is not None:
+            rows, delta = add
+            h[rows] = (h[rows].float() + delta).to(h.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        a = act(gate) * up
+        weight = topk_weights[token, slot, None]
+        y = F.linear(a, w2[expert]) * weight
+        if down_delta is not None and (add := down_delta(expert, token, a)) is not None:
+            rows, delta = add
+            y[rows] += weight[rows] * delta
+        out.index_add_(0, token, y.to(x.dtype))
     return out

@@ -21,6 +21,11 @@ tanh-approximated GELU. Three steps, no host synchronisation (CUDA-graph captura
 3. The ``k`` scaled rows of each token are summed (``torch.sum`` over a ``[T, k, H]`` view,
    no atomics, so the result is deterministic).
 
+``fused_experts_triton`` can hand its two GEMM outputs to callers before they are used
+(``add_gate_up`` before the activation, ``add_down`` before the sum): how
+``manylora.lora.kernels.fused_moe_lora`` adds the experts' LoRA terms, aligned by
+:func:`align_block_size` on its own key.
+
 Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w · (a W2ᵀ))`` (the
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
 activation dtype. Under ``TRITON_INTERPRET=1`` (CPU tensors, how the tests run) 16-bit
@@ -30,6 +35,8 @@ multiplied in IEEE float32 on every backend (not TF32).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,26 +108,51 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
                          f"{topk_ids.dtype}")
     if block_m < 1 or num_experts < 1:
         raise ValueError(f"block_m ({block_m}) and num_experts ({num_experts}) must be ≥ 1")
-    device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
-    max_padded = num_pairs + num_experts * (block_m - 1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    num_pairs = topk_ids.numel()
+    return align_block_size(topk_ids.reshape(-1).long(), block_m, num_experts,
+                            num_pairs + num_experts * (block_m - 1))
+
+
+def align_block_size(keys: torch.Tensor, block_m: int, num_keys: int, max_padded: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_align_block_size`` over any group key: the pairs ``p`` with ``keys[p] <
+    num_keys`` sorted by key (stably), each key's run padded to a multiple of ``block_m``;
+    pairs whose key is ``num_keys`` are left out. Torch ops only, no host synchronisation.
+
+    Args:
+        keys: int64 ``[P]`` in ``[0, num_keys]`` (not checked).
+        block_m: rows of one block, ≥ 1.
+        num_keys: the number of groups.
+        max_padded: the output length, at least the padded total of any ``keys`` (``P +
+            min(num_keys, P) * (block_m - 1)`` always is).
+
+    Returns:
+        ``(sorted_token_ids [max_padded], block_keys [ceil(max_padded / block_m)],
+        num_tokens_post_padded [1])``, int32, as ``moe_align_block_size``'s (``P`` in padding,
+        -1 for blocks past the padded total).
+    """
+    device = keys.device
+    num_pairs = keys.numel()
+    counts = torch.zeros(num_keys + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    counts = counts[:num_keys]
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
     start = torch.cumsum(counts, 0) - counts
-    experts_sorted, order = torch.sort(flat, stable=True)
-    rank = torch.arange(num_pairs, device=device) - start[experts_sorted]
-    dest = padded_start[experts_sorted] + rank
-    sorted_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    keys_sorted, order = torch.sort(keys, stable=True)
+    kept = keys_sorted < num_keys
+    group = keys_sorted.clamp_max(num_keys - 1)
+    rank = torch.arange(num_pairs, device=device) - start[group]
+    # left-out pairs go to one spare slot past the end, cut off below
+    dest = torch.where(kept, padded_start[group] + rank, max_padded)
+    sorted_ids = torch.full((max_padded + 1,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
     block_start = torch.arange(0, max_padded, block_m, device=device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    expert_ids = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    block_key = torch.searchsorted(padded_end, block_start, right=True)
+    block_keys = torch.where(block_key < num_keys, block_key, -1).to(torch.int32)
     total = padded_end[-1:].to(torch.int32)
-    return sorted_ids, expert_ids, total
+    return sorted_ids[:max_padded], block_keys, total
 
 
 @triton.jit
@@ -186,8 +218,12 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
         num_warps=warps, num_stages=stages)
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, activation: str) -> None:
+def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, activation: str) -> None:
+    """Raise ValueError unless the arguments fit ``fused_experts_triton``: a known activation,
+    one dtype of ``_DTYPES`` for x, w13 and w2, shapes that chain (x ``[T, H]``, w13
+    ``[E, 2I, H]``, w2 ``[E, H, I]``), float32 ``topk_weights`` and int ``topk_ids`` both
+    ``[T, k]``, one device, unit stride along ``H`` and contiguous weights."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
@@ -217,7 +253,10 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          activation: str = "silu",
-                         config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                         config: tuple[int, int, int, int, int] | None = None, *,
+                         add_gate_up: Callable[[torch.Tensor], None] | None = None,
+                         add_down: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                         ) -> torch.Tensor:
     """The routed experts' MLP of a token batch (vLLM's ``fused_experts``, unquantized)::
 
         y[t] = Σ_j w[t, j] · W2[e_tj] · act(W13[e_tj] x[t]),   e_tj = topk_ids[t, j]
@@ -239,6 +278,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         activation: ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
             :func:`moe_config` of ``T``, ``k`` and ``E``.
+        add_gate_up: None, or called with the first GEMM's output ``h`` (``[T * k, 2I]``,
+            row ``t * k + j``, x's dtype) before the activation, to add into it in place (the
+            LoRA terms of ``manylora.lora.kernels.fused_moe_lora``).
+        add_down: None, or called with the activations ``a`` (``[T * k, I]``) and the second
+            GEMM's weighted output ``o`` (``[T * k, H]``) before the sum over ``k``, to add
+            into ``o`` in place.
 
     Returns:
         ``[T, H]`` in x's dtype (a new tensor).
@@ -247,7 +292,7 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         ValueError: an unknown activation, or dtypes, shapes, layouts or devices that do not
             fit together.
     """
-    _check(x, w13, w2, topk_weights, topk_ids, activation)
+    check_experts(x, w13, w2, topk_weights, topk_ids, activation)
     t, h = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -258,6 +303,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_pairs = t * top_k
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, config)
+    if add_gate_up is not None:
+        add_gate_up(gate_up)
     if activation == "silu":
         act = silu_and_mul_triton(gate_up)
     else:
@@ -266,4 +313,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, total, 1,
                   config)
+    if add_down is not None:
+        add_down(act, out)
     return out.view(t, top_k, h).sum(dim=1)

@@ -8,11 +8,16 @@ and a tile, returns early where there is nothing to do, and calls these helpers 
   (slot, slice)'s rank from the rank table (clamped to the shard of A with ``rank_start``).
 * ``row_tile``: the token rows of a tile of one slot's rows (SGMV segment tiles, tiled row
   tiles).
-* ``shrink_row_tile``: the split-K ``tl.dot`` loop over ``in`` and the store (or float32
-  atomic add) into the buffer; ``store_or_add`` is that store, also BGMV's.
-* ``expand_row_tile``: the ``tl.dot`` loop over the rank with B rank-major, and ``y +
-  delta`` in float32 stored by ``store_expanded`` (BGMV's store too): DoRA's
-  ``dora_rescale`` where the table flags it, rounded once to ``y``'s dtype.
+* ``shrink_row_tile``: the split-K ``tl.dot`` loop over ``in`` (``shrink_tile``) and the
+  store (or float32 atomic add) into the buffer; ``store_or_add`` is that store, also
+  BGMV's.
+* ``expand_row_tile``: the ``tl.dot`` loop over the rank with B rank-major
+  (``expand_tile``), and ``y + delta`` in float32 stored by ``store_expanded`` (BGMV's store
+  too): DoRA's ``dora_rescale`` where the table flags it, rounded once to ``y``'s dtype.
+
+``shrink_tile`` and ``expand_tile`` return the float32 tile, for kernels whose rows of x and
+of the buffer differ (the MoE LoRA kernels of ``fused_moe_lora_kernels``: x by token, the
+buffer by (token, expert) pair) or that scale the delta first.
 
 Triton inlines a ``@triton.jit`` call into its caller, and specializes it on the caller's
 constexprs (plain ints a kernel passes, such as a ``0``, arrive as constexprs as well), so a
@@ -82,17 +87,16 @@ def store_or_add(ptrs, values, mask, ATOMIC: tl.constexpr):
 
 
 @triton.jit
-def shrink_row_tile(x_ptr, a_ptr, out_ptr, rows, m_mask, slot, s, rank, pid_r, pid_k,
-                    K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
-                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr):
-    """``buffer[rows, s, c] (+)= sum_k x[rows, k] * A[slot, c, k]`` for the rank columns
-    ``c`` of tile ``pid_r`` below ``rank`` and ``k`` in split ``pid_k`` (``[pid_k *
-    K_PER_SPLIT, ...)``, below ``K``): ``tl.dot`` of ``[BLOCK_M, BLOCK_K]`` x and
-    ``[BLOCK_R, BLOCK_K]`` A tiles (float32 operands with ``DOT_FP32``), accumulated in
-    float32, stored or atomically added (``ATOMIC``) into ``out`` (``[T, S, R]``).
+def shrink_tile(x_ptr, a_ptr, rows, m_mask, slot, rank, pid_r, pid_k, K, K_PER_SPLIT,
+                stride_xt, stride_xk, R: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The float32 ``[BLOCK_M, BLOCK_R]`` tile ``sum_k x[rows, k] * A[slot, c, k]`` for the
+    rank columns ``c`` of tile ``pid_r`` below ``rank`` and ``k`` in split ``pid_k``
+    (``[pid_k * K_PER_SPLIT, ...)``, below ``K``): ``tl.dot`` of ``[BLOCK_M, BLOCK_K]`` x and
+    ``[BLOCK_R, BLOCK_K]`` A tiles (float32 operands with ``DOT_FP32``); zero in masked rows
+    and columns.
 
-    A is ``[max_loras, R, K]`` contiguous; masked rows, rank columns and ``k`` load nothing.
+    A is ``[num_slots, R, K]`` contiguous; masked rows, rank columns and ``k`` load nothing.
     """
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
@@ -110,9 +114,21 @@ def shrink_row_tile(x_ptr, a_ptr, out_ptr, rows, m_mask, slot, s, rank, pid_r, p
         offs_k += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K
+    return acc
 
+
+@triton.jit
+def shrink_row_tile(x_ptr, a_ptr, out_ptr, rows, m_mask, slot, s, rank, pid_r, pid_k,
+                    K, K_PER_SPLIT, stride_xt, stride_xk, stride_ot, stride_os,
+                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, DOT_FP32: tl.constexpr):
+    """``buffer[rows, s, c] (+)= sum_k x[rows, k] * A[slot, c, k]``: the ``shrink_tile``,
+    stored or atomically added (``ATOMIC``) into ``out`` (``[T, S, R]``)."""
+    acc = shrink_tile(x_ptr, a_ptr, rows, m_mask, slot, rank, pid_r, pid_k, K, K_PER_SPLIT,
+                      stride_xt, stride_xk, R, BLOCK_M, BLOCK_R, BLOCK_K, DOT_FP32)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     out_ptrs = out_ptr + rows[:, None] * stride_ot + s * stride_os + offs_r[None, :]
-    store_or_add(out_ptrs, acc, m_mask[:, None] & r_mask[None, :], ATOMIC)
+    store_or_add(out_ptrs, acc, m_mask[:, None] & (offs_r < rank)[None, :], ATOMIC)
 
 
 @triton.jit
@@ -146,19 +162,15 @@ def store_expanded(y_ptrs, out, mask, dora_ptr, stride_dora, sc0_ptr, sc1_ptr, s
 
 
 @triton.jit
-def expand_row_tile(buf_ptr, b_ptr, y_ptr, rows, m_mask, slot, s, rank, n_out, col0, pid_n,
-                    dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
-                    stride_bt, stride_bs, stride_yt, stride_yn, stride_dora,
-                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr,
-                    HAS_SHIFT: tl.constexpr):
-    """``y[rows, col0 + n] += delta`` (DoRA through ``store_expanded``) for the columns
-    ``n`` of output tile ``pid_n`` below ``n_out``, ``delta = buffer[rows, s, :rank] @
-    B[slot, :rank, n]``: ``tl.dot`` over the rank in ``BLOCK_R`` steps, each buffer tile
-    rounded to B's dtype first (float32 operands with ``DOT_FP32``), accumulated in
-    float32.
+def expand_tile(buf_ptr, b_ptr, rows, m_mask, slot, s, rank, n_out, pid_n, stride_bt,
+                stride_bs, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr):
+    """The float32 ``[BLOCK_M, BLOCK_N]`` tile ``delta = buffer[rows, s, :rank] @
+    B[slot, :rank, n]`` for the columns ``n`` of output tile ``pid_n`` below ``n_out``:
+    ``tl.dot`` over the rank in ``BLOCK_R`` steps, each buffer tile rounded to B's dtype
+    first (float32 operands with ``DOT_FP32``), accumulated in float32.
 
-    B is ``[max_loras, R, n_out]`` rank-major, contiguous: a ``[BLOCK_R, BLOCK_N]`` tile
+    B is ``[num_slots, R, n_out]`` rank-major, contiguous: a ``[BLOCK_R, BLOCK_N]`` tile
     loads along ``out``; rank rows at or past ``rank`` and masked rows load nothing.
     """
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,7 +191,23 @@ def expand_row_tile(buf_ptr, b_ptr, y_ptr, rows, m_mask, slot, s, rank, n_out, c
         acc += tl.dot(vt, bt, input_precision="ieee")
         buf_ptrs += BLOCK_R
         b_ptrs += BLOCK_R * n_out
+    return acc
 
+
+@triton.jit
+def expand_row_tile(buf_ptr, b_ptr, y_ptr, rows, m_mask, slot, s, rank, n_out, col0, pid_n,
+                    dora_ptr, sc0_ptr, sc1_ptr, sc2_ptr, bias_ptr,
+                    stride_bt, stride_bs, stride_yt, stride_yn, stride_dora,
+                    R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_R: tl.constexpr, DOT_FP32: tl.constexpr, HAS_DORA: tl.constexpr,
+                    HAS_SHIFT: tl.constexpr):
+    """``y[rows, col0 + n] += delta`` (DoRA through ``store_expanded``) for the columns
+    ``n`` of output tile ``pid_n`` below ``n_out``, ``delta`` the ``expand_tile``, added to
+    ``y`` in float32 and rounded once to ``y``'s dtype."""
+    acc = expand_tile(buf_ptr, b_ptr, rows, m_mask, slot, s, rank, n_out, pid_n, stride_bt,
+                      stride_bs, R, BLOCK_M, BLOCK_N, BLOCK_R, DOT_FP32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
     y_ptrs = y_ptr + rows[:, None] * stride_yt + (col0 + offs_n)[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
