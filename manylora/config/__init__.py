@@ -21,6 +21,8 @@ from manylora.config.dtypes import (
 )
 from manylora.config.lora import (
     LORA_ALL_MODULES,
+    LORA_EXPERT_MODULES,
+    LORA_MOE_MODULES,
     LORA_TARGET_MODULES,
     LORA_VOCAB_MODULES,
     MODEL_LAYER,
@@ -36,7 +38,8 @@ from manylora.config.quantization import (
 from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, check_fairness
 
 __all__ = [
-    "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_TARGET_MODULES",
+    "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_EXPERT_MODULES",
+    "LORA_MOE_MODULES", "LORA_TARGET_MODULES",
     "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES", "MODEL_LAYER",
     "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
     "ModelConfig", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizationError",

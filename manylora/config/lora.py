@@ -20,6 +20,21 @@ LORA_VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 #: Every module an adapter may target (and ``lora_target_modules`` may name).
 LORA_ALL_MODULES: tuple[str, ...] = LORA_TARGET_MODULES + LORA_VOCAB_MODULES
 
+#: The mixture-of-experts block's stacked expert projections (one A/B per expert, 3-D:
+#: ``a [E, r, in]``, ``b [E, out, r]``), named after the per-expert ``gate_proj`` / ``up_proj``
+#: / ``down_proj`` (Mixtral's ``w1`` / ``w3`` / ``w2``).
+LORA_EXPERT_MODULES: tuple[str, ...] = ("experts.gate_proj", "experts.up_proj",
+                                        "experts.down_proj")
+
+#: Every module of the mixture-of-experts block an adapter may target: the experts, the
+#: router (HF ``mlp.gate`` / ``block_sparse_moe.gate``, ``[E, H]``), Qwen2-MoE's shared
+#: expert and its gate (``mlp.shared_expert.*``, ``mlp.shared_expert_gate`` ``[1, H]``). The
+#: adapter readers produce them only for an ``AdapterTarget`` whose ``module_shapes`` holds
+#: them.
+LORA_MOE_MODULES: tuple[str, ...] = LORA_EXPERT_MODULES + (
+    "router", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+    "shared_expert_gate")
+
 #: The layer index of ``embed_tokens`` and ``lm_head`` in an adapter's ``(layer, module)``
 #: keys and the slot table (they belong to no decoder layer).
 MODEL_LAYER = -1

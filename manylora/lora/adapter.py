@@ -48,13 +48,20 @@ def check_delta(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
     A trained adapter is far inside these: values within ±10 at rank 512 on 65536-wide
     projections give a gain of at most 3.4e9 before scaling.
 
+    Stacked expert weights (``a [E, r, in]``, ``b [E, out, r]``) are checked expert by
+    expert, the message naming the expert.
+
     Args:
         what: how messages name the module, e.g. ``"adapter 'x': model.layers.0...q_proj"``.
-        a, b: the module's tensors.
+        a, b: the module's tensors, 2-D, or 3-D with one A/B per expert.
 
     Raises:
-        LoRAAdapterError: naming the module and the rule it breaks.
+        LoRAAdapterError: naming the module (and expert) and the rule it breaks.
     """
+    if a.dim() == 3:
+        for e in range(a.shape[0]):
+            check_delta(f"{what} (expert {e})", a[e], b[e])
+        return
     for label, t in (("lora_A", a), ("lora_B", b)):
         if not all_finite(t):
             raise LoRAAdapterError(f"{what}: {label} overflows {t.dtype} (values beyond its "
@@ -75,9 +82,11 @@ class LoRAWeights:
     """One targeted module of one layer.
 
     Attributes:
-        a: ``[r, in_features]``.
+        a: ``[r, in_features]``; for the stacked experts (``experts.*``) ``[E, r, in]``, one
+            A per expert.
         b: ``[out_features, r]`` with the LoRA scaling (alpha/r or alpha/sqrt(r)) folded in,
-            so the module's delta is ``x @ a^T @ b^T``.
+            so the module's delta is ``x @ a^T @ b^T``; for the experts ``[E, out, r]``
+            (expert ``e``'s delta ``x @ a[e]^T @ b[e]^T``).
         dora_scale: DoRA (Liu et al. 2024, arXiv 2402.09353) only: float32 ``[out_features]``,
             the magnitude already normalized against the base weight,
             ``m / ||W + b @ a||`` (L2 norm of each output row; TensorRT-LLM's normalized DoRA
@@ -90,7 +99,13 @@ class LoRAWeights:
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        """``r`` (``a.shape[-2]``: the same for 2-D and stacked expert weights)."""
+        return self.a.shape[-2]
+
+    @property
+    def num_experts(self) -> int:
+        """``E`` of stacked expert weights; 0 for a 2-D module."""
+        return self.a.shape[0] if self.a.dim() == 3 else 0
 
     @property
     def nbytes(self) -> int:
@@ -146,7 +161,9 @@ class LoRAAdapter:
             TensorRT-LLM calls task_id).
         name: ``LoRARequest.lora_name``.
         weights: ``{(layer_index, module_name): LoRAWeights}``, host tensors in the model
-            dtype (DoRA scales in float32); module names are the seven HF projection names.
+            dtype (DoRA scales in float32); module names are the seven HF projection names,
+            ``embed_tokens`` / ``lm_head`` (layer ``MODEL_LAYER``) and the MoE block's
+            ``LORA_MOE_MODULES`` (``experts.*`` with 3-D weights).
         digest: ``weights_digest(weights)``; with the name, what identifies the adapter's
             cached state (two adapters that share a name never share it).
     """

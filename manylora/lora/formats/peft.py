@@ -15,6 +15,11 @@ computes the same delta.
 loads over the base model's: it is served only when it equals the engine's base weight
 (``AdapterTarget.base_weight_equal``), else refused, as is a table wider than the base
 vocabulary (added tokens).
+
+The mixture-of-experts block's modules (``LORA_MOE_MODULES``) are read for a target whose
+``module_shapes`` holds them: the router and Qwen2-MoE's shared expert and its gate as any
+projection, keyed by their whole path (``mlp.shared_expert.gate_proj`` is not the dense
+``mlp.gate_proj``); the experts stacked by ``peft_moe``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,13 @@ from pathlib import Path
 
 import torch
 
-from manylora.config import LORA_TARGET_MODULES, LORA_VOCAB_MODULES, MODEL_LAYER
+from manylora.config import (
+    LORA_EXPERT_MODULES,
+    LORA_MOE_MODULES,
+    LORA_TARGET_MODULES,
+    LORA_VOCAB_MODULES,
+    MODEL_LAYER,
+)
 from manylora.lora.adapter import (
     LoRAAdapter,
     LoRAAdapterError,
@@ -34,17 +45,20 @@ from manylora.lora.adapter import (
     all_finite,
     check_delta,
 )
+from manylora.lora.formats.moe_paths import STACKED, moe_path
 from manylora.lora.formats.patterns import MatchBudget
 from manylora.lora.formats.peft_config import (
     FUSED_PEFT_MODULES,
-    PeftScaling,
+    all_module_names,
     check_peft_config,
-    component_modules,
     layer_path,
-    model_module_names,
+    module_parts,
     peft_targets,
 )
-from manylora.lora.formats.peft_weights import open_peft_weights
+from manylora.lora.formats.peft_moe import expert_weights, is_expert_key, plan_experts
+from manylora.lora.formats.peft_scaling import PeftScaling
+from manylora.lora.formats.peft_vocab import check_base_copy, check_vocab_module
+from manylora.lora.formats.peft_weights import check_peft_pair, open_peft_weights
 from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.loader_pool import report_progress
 from manylora.lora_request import LoRARequest
@@ -55,6 +69,13 @@ logger = logging.getLogger(__name__)
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?(?P<module>.*?(?:^|\.)layers\.(?P<layer>\d+)\."
     r"(?:self_attn|mlp)\.(?P<name>\w+))\.(?:lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight"
+    r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
+
+
+#: A tensor of a mixture-of-experts block's module (``moe_paths.moe_path`` tells which).
+_MOE_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.*?(?:^|\.)layers\.\d+\.(?:mlp|block_sparse_moe)"
+    r"\.[\w.]+?)\.(?:lora_(?P<ab>[AB])(?:\.[\w-]+)?\.weight"
     r"|lora_(?P<mag>magnitude_vector)(?:\.[\w-]+)?(?:\.weight)?)$")
 
 
@@ -91,6 +112,9 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
     Returns:
         A ``LoRAAdapter`` whose B matrices carry the scaling, in ``target.dtype`` on the CPU;
         for DoRA each module's ``dora_scale = m / ||W + BA||`` (peft's ``mag_norm_scale``).
+        MoE modules: ``experts.gate_proj`` / ``experts.up_proj`` ``a [E, r, H]``, ``b [E, I,
+        r]``, ``experts.down_proj`` ``a [E, r, I]``, ``b [E, H, r]``, ``router`` ``b [E,
+        r]``, ``shared_expert.*`` and ``shared_expert_gate`` (``b [1, r]``) 2-D.
 
     The weights file's structure (keys, dtypes, shapes, the A/B pairs, ranks, the modules
     the config targets) is checked from its header before any tensor data is read; then each
@@ -112,7 +136,9 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             size ``check_delta`` refuses; bad ``rank_pattern`` / ``alpha_pattern`` keys or
             values, or matching them over its time budget (``PatternTable``); a file that
             is not a regular file; a DoRA adapter (``use_dora``) without a magnitude for
-            every module, or with no ``target.dora_norm`` to normalize it.
+            every module, or with no ``target.dora_norm`` to normalize it; a module on a
+            layer that lacks it (``AdapterTarget.layer_modules``); on the experts, what
+            ``plan_experts`` refuses (DoRA, a missing expert, mixed ranks, ...).
     """
     name, path = request.lora_name, Path(path)
     cfg = check_peft_config(path, name, target)
@@ -125,21 +151,25 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
         raise LoRAAdapterError(f"adapter {name!r}: DoRA needs the base weights to normalize "
                                "its magnitudes, and none were given")
     budget = MatchBudget()
-    targets = peft_targets(cfg, name, target.num_layers, budget)
+    targets = peft_targets(cfg, name, target.num_layers, budget, moe=target)
     scaling = PeftScaling(cfg, name, budget)
-    scaling.check_keys(sorted(targets) if targets is not None
-                       else model_module_names(target.num_layers))
+    scaling.check_keys(sorted(targets) if targets is not None else all_module_names(target))
     weights: dict[tuple[int, str], LoRAWeights] = {}
     with open_peft_weights(path, name) as stored:
         # the structure, from the header alone: no tensor data is read before it passes
-        keys = group_peft_tensors({k: k for k in stored.meta}, name)
+        keys = group_peft_tensors({k: k for k in stored.meta}, name, target)
+        expert_keys = {m: ab for m, ab in keys.items() if is_expert_key(m[1])}
+        keys = {m: ab for m, ab in keys.items() if m not in expert_keys}
+        experts = plan_experts(name, {m: {label: stored.meta[k] for label, k in ab.items()}
+                                      for m, ab in expert_keys.items()},
+                               target, use_dora, targets)
         metas = {m: {label: stored.meta[k] for label, k in ab.items()}
                  for m, ab in keys.items()}
         _check_against_target(name, metas, target)
         _check_targeted(name, metas, targets)
         for (layer, module_key), ab in sorted(metas.items()):
             if layer == MODEL_LAYER:
-                _check_vocab_module(name, module_key, ab, use_dora, target)
+                check_vocab_module(name, module_key, ab, use_dora, target)
                 ab = {label: t for label, t in ab.items() if label != "W"}
             check_peft_pair(name, module_key, ab, use_dora)
             _check_shapes(name, module_key, ab, target)
@@ -148,7 +178,7 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             ab = {label: stored.read(k) for label, k in ab.items()}
             report_progress()
             if "W" in ab:
-                _check_base_copy(name, module_key, ab.pop("W"), target)
+                check_base_copy(name, module_key, ab.pop("W"), target)
             check_peft_pair(name, module_key, ab, use_dora)
             for key, w in _module_weights(name, layer, module_key, ab, scaling,
                                           target).items():
@@ -157,14 +187,26 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
                         f"adapter {name!r}: layer {layer} has weights for {key[1]} twice (on "
                         "its own and through a fused qkv_proj / gate_up_proj)")
                 weights[key] = w
+        for source in experts:
+            tensors = {k: {label: stored.read(t) for label, t in expert_keys[(source.layer,
+                                                                              k)].items()}
+                       for k in source.keys}
+            report_progress()
+            weights.update(expert_weights(name, source, tensors, scaling, target))
     if not weights:
         raise LoRAAdapterError(f"adapter {name!r} holds no LoRA weights")
     return LoRAAdapter(request.lora_int_id, name, weights)
 
 
-def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs:
+def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str,
+                       target: AdapterTarget | None = None) -> PeftPairs:
     """Group a PEFT state dict by ``(layer, module path)`` into ``{"A", "B", "M"}`` tensors
     (any values: the keys alone decide).
+
+    The mixture-of-experts block's modules (``moe_paths``: per-expert ``Linear`` modules,
+    peft's ``ParamWrapper`` on ``mlp.experts``, the router, the shared expert and its gate)
+    group so only for a ``target`` whose ``module_shapes`` holds them (as
+    ``LORA_MOE_MODULES`` names them); without, they are refused as any other module.
 
     The module path is the key without peft's ``base_model.model.`` prefix and suffixes,
     e.g. ``model.layers.0.self_attn.q_proj``; ``"M"`` is DoRA's ``lora_magnitude_vector``.
@@ -180,6 +222,10 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
     """
     pairs: PeftPairs = {}
     for key, tensor in tensors.items():
+        moe = _moe_key(key, target)
+        if moe is not None:
+            pairs.setdefault((moe[0], moe[1]), {})[moe[2]] = tensor
+            continue
         m = _KEY.match(key)
         v = _VOCAB_KEY.match(key) if m is None else None
         if v is not None:
@@ -206,53 +252,27 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str) -> PeftPairs
     return pairs
 
 
-def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
-                    use_dora: bool) -> None:
-    """Check that one module has both A and B, a magnitude exactly when the adapter is DoRA,
-    floating-point tensors, 2-D A ``[r, in]`` and B ``[out, r]`` with ``r ≥ 1``, and only
-    finite values (tensors on the meta device: all but the values).
-
-    Raises:
-        LoRAAdapterError: naming the adapter, the module and the problem.
-    """
-    if not {"A", "B"} <= set(ab):
-        raise LoRAAdapterError(
-            f"adapter {name!r}: {module_key} has lora_{''.join(sorted(ab))} but not both "
-            "A and B")
-    for label, t in ab.items():
-        if not t.is_floating_point():
-            raise LoRAAdapterError(
-                f"adapter {name!r}: {module_key} has {_tensor_name(label)} of dtype "
-                f"{t.dtype}, not a floating-point dtype")
-    a, b = ab["A"], ab["B"]
-    if a.dim() != 2 or b.dim() != 2:
-        raise LoRAAdapterError(
-            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
-            f"{tuple(b.shape)}, not 2-D [r, in] and [out, r]")
-    if a.shape[0] < 1 or b.shape[1] != a.shape[0]:
-        raise LoRAAdapterError(
-            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
-            f"{tuple(b.shape)}: their rank must agree and be at least 1")
-    if use_dora != ("M" in ab):
-        raise LoRAAdapterError(
-            f"adapter {name!r}: {module_key} " + (
-                "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
-                if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
-    for label, t in ab.items():
-        if not t.is_meta and not all_finite(t):
-            raise LoRAAdapterError(
-                f"adapter {name!r}: {module_key} has NaN or Inf in {_tensor_name(label)}")
-
-
-def _tensor_name(label: str) -> str:
-    return "lora_magnitude_vector" if label == "M" else "lora_" + label
+def _moe_key(key: str, target: AdapterTarget | None) -> tuple[int, str, str] | None:
+    """``(layer, module path, label)`` of a MoE module's tensor whose module ``target``
+    has (``moe_paths``); None for any other key."""
+    if target is None:
+        return None
+    m = _MOE_KEY.match(key)
+    moe = moe_path(m["module"]) if m is not None else None
+    if moe is None:
+        return None
+    modules = LORA_EXPERT_MODULES if moe.module == STACKED else (moe.module,)
+    if not any(mod in target.module_shapes for mod in modules):
+        return None
+    return moe.layer, m["module"], m["ab"] or "M"
 
 
 def _check_against_target(name: str, pairs: PeftPairs, target: AdapterTarget) -> None:
     for layer, module_key in pairs:
         module = module_key.rsplit(".", 1)[-1]
-        for part in component_modules(module):
-            if part in LORA_VOCAB_MODULES and part not in target.target_modules:
+        for part in module_parts(module_key):
+            if (part in LORA_VOCAB_MODULES or part in LORA_MOE_MODULES) \
+                    and part not in target.target_modules:
                 raise LoRAAdapterError(
                     f"adapter {name!r} targets {part}, which has no adapter slots: start the "
                     f"engine with {part} in --lora-target-modules (lora_target_modules, now "
@@ -266,72 +286,18 @@ def _check_against_target(name: str, pairs: PeftPairs, target: AdapterTarget) ->
             raise LoRAAdapterError(
                 f"adapter {name!r} has weights for layer {layer}, but the base model has "
                 f"{target.num_layers} layers")
-
-
-def _check_vocab_module(name: str, module_key: str, ab: dict[str, torch.Tensor],
-                        use_dora: bool, target: AdapterTarget) -> None:
-    """What ``embed_tokens`` / ``lm_head`` LoRA must be beyond a projection's (meta tensors
-    will do): no DoRA, and a vocabulary no larger than the base model's, in the LoRA
-    tensors and in the saved base table.
-
-    Raises:
-        LoRAAdapterError: naming the module, the tensor and its shape.
-    """
-    module = module_key.rsplit(".", 1)[-1]
-    what = f"adapter {name!r}: {module_key}"
-    if use_dora:
-        raise LoRAAdapterError(f"{what}: DoRA (use_dora) on {module} is not supported; "
-                               "DoRA adapters may target the decoder layers' projections")
-    hidden, vocab = target.module_shapes["lm_head"]
-    label, dim, field = (("A", 1, "lora_embedding_A") if module == "embed_tokens"
-                         else ("B", 0, "lora_B"))
-    wide = [(field, ab[label])] if label in ab and ab[label].dim() == 2 else []
-    if "W" in ab:
-        wide.append(("base_layer.weight", ab["W"]))
-        if tuple(ab["W"].shape[1:]) != (hidden,):
-            raise LoRAAdapterError(f"{what}: base_layer.weight {tuple(ab['W'].shape)} is not "
-                                   f"[vocab, {hidden}]: the adapter was trained for another "
-                                   "base model")
-    for field, t in wide:
-        size = t.shape[0] if field == "base_layer.weight" else t.shape[dim]
-        if size > vocab:
-            raise LoRAAdapterError(
-                f"{what}: {field} {tuple(t.shape)} covers a vocabulary of {size} tokens, "
-                f"more than the base model's {vocab} (tokens added to the vocabulary are not "
-                "supported)")
-
-
-def _check_base_copy(name: str, module_key: str, weight: torch.Tensor,
-                     target: AdapterTarget) -> None:
-    """The base table peft saved with an ``embed_tokens`` / ``lm_head`` adapter
-    (``base_layer.weight``; peft loads it over the model's) must be the engine's own.
-
-    Raises:
-        LoRAAdapterError: it differs (a fine-tuned table: ``modules_to_save`` in effect),
-            or the engine cannot compare it.
-    """
-    module = module_key.rsplit(".", 1)[-1]
-    what = f"adapter {name!r}: {module_key}.base_layer.weight"
-    if target.base_weight_equal is None:
-        raise LoRAAdapterError(f"{what}: a saved copy of the base {module} cannot be "
-                               "compared with the base model here")
-    if tuple(weight.shape) != target.module_shapes["lm_head"][::-1]:
-        raise LoRAAdapterError(f"{what} is {tuple(weight.shape)}, the base model's "
-                               f"{module} {target.module_shapes['lm_head'][::-1]}")
-    if not target.base_weight_equal(module, weight):
-        raise LoRAAdapterError(
-            f"{what} differs from the base model's {module}: the adapter changes the "
-            "table itself (a trained or resized embedding), which manylora cannot serve per "
-            "adapter")
+        for part in module_parts(module_key):
+            target.check_layer_module(f"adapter {name!r}: {module_key}", layer, part)
 
 
 def _check_targeted(name: str, pairs: PeftPairs, targets: set[str] | None) -> None:
-    """Every module with weights is one the config targets (peft would leave the weights of
-    any other unused)."""
+    """Every module with weights is one the config targets, or whose ``weight`` its
+    ``target_parameters`` reach (peft would leave the weights of any other unused)."""
     if targets is None:
         return
     for _, module_key in sorted(pairs):
-        if layer_path(module_key) not in targets:
+        path = layer_path(module_key)
+        if path not in targets and f"{path}.weight" not in targets:
             raise LoRAAdapterError(
                 f"adapter {name!r} has weights for {module_key}, which its config's "
                 "target_modules / layers_to_transform do not target (peft would not use them)")
@@ -354,7 +320,7 @@ def _check_shapes(name: str, module_key: str, ab: dict[str, torch.Tensor],
                   target: AdapterTarget) -> tuple[list[int], int]:
     """A and B (and DoRA's magnitude) of one module against its base projection and
     ``max_lora_rank`` (meta tensors will do); the component widths and the rank."""
-    parts = component_modules(module_key.rsplit(".", 1)[-1])
+    parts = module_parts(module_key)
     a, b = ab["A"], ab["B"]
     in_f, widths = _split_rows(name, module_key, b, parts, target)
     out_f = sum(widths)
@@ -379,7 +345,7 @@ def _module_weights(name: str, layer: int, module_key: str, ab: dict[str, torch.
                     scaling: PeftScaling, target: AdapterTarget,
                     ) -> dict[tuple[int, str], LoRAWeights]:
     """One PEFT module (or fused module) → ``{(layer, module): LoRAWeights}``."""
-    parts = component_modules(module_key.rsplit(".", 1)[-1])
+    parts = module_parts(module_key)
     widths, r = _check_shapes(name, module_key, ab, target)
     a, b = ab["A"], ab["B"]
     a = a.to(target.dtype).contiguous()

@@ -16,13 +16,21 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable
 from pathlib import Path
 
 from manylora.config import LORA_ALL_MODULES, LORA_VOCAB_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.files import MAX_CONFIG_BYTES, read_regular
-from manylora.lora.formats.patterns import MatchBudget, PatternTable, compile_bounded
+from manylora.lora.formats.moe_paths import (
+    STACKED,
+    moe_module_names,
+    moe_parameter_names,
+    moe_path,
+    moe_target_names,
+    parameter_targeted,
+)
+from manylora.lora.formats.patterns import MatchBudget, compile_bounded
+from manylora.lora.formats.peft_scaling import PeftScaling
 from manylora.lora.formats.target import AdapterTarget
 
 logger = logging.getLogger(__name__)
@@ -57,13 +65,24 @@ FUSED_PEFT_MODULES: dict[str, tuple[str, ...]] = {
 _VOCAB_PATHS = ("model.embed_tokens", "lm_head")
 
 
-#: The module path of a decoder layer's projection, from ``layers.`` on.
-_LAYER_PATH = re.compile(r"(?:^|\.)(layers\.\d+\.(?:self_attn|mlp)\.\w+)$")
+#: The module path of a decoder layer's projection (or MoE module), from ``layers.`` on.
+_LAYER_PATH = re.compile(r"(?:^|\.)(layers\.\d+\.(?:self_attn|mlp|block_sparse_moe)\.[\w.]+)$")
 
 
 def component_modules(module: str) -> tuple[str, ...]:
     """The projections a PEFT module name stands for: itself, or a fused module's parts."""
     return FUSED_PEFT_MODULES.get(module, (module,))
+
+
+def module_parts(module_key: str) -> tuple[str, ...]:
+    """The modules a PEFT module path stands for, by its whole path: a MoE module's name
+    (``moe_paths``: ``mlp.shared_expert.gate_proj`` → ``shared_expert.gate_proj``,
+    ``mlp.gate`` → ``router``, ``experts.{e}.w1`` → ``experts.gate_proj``), else
+    ``component_modules`` of its last component."""
+    moe = moe_path(module_key)
+    if moe is not None and moe.module != STACKED:
+        return (moe.module,)
+    return component_modules(module_key.rsplit(".", 1)[-1])
 
 
 def _check_config_types(cfg: dict, what: str) -> None:
@@ -84,6 +103,11 @@ def _check_config_types(cfg: dict, what: str) -> None:
             or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         raise LoRAAdapterError(f"{what}: target_modules = {targets!r} is neither a list of "
                                "module names nor a regex string")
+    params = cfg.get("target_parameters")
+    if not (params is None
+            or (isinstance(params, list) and all(isinstance(t, str) for t in params))):
+        raise LoRAAdapterError(f"{what}: target_parameters = {params!r} is not a list of "
+                               "parameter names")
 
 
 def read_peft_config(path: str | os.PathLike, name: str) -> dict:
@@ -141,7 +165,7 @@ def check_peft_config(path: str | os.PathLike, name: str, target: AdapterTarget)
     cfg = read_peft_config(path, name)
     _check_target_names(cfg, name, target)
     budget = MatchBudget()
-    peft_targets(cfg, name, target.num_layers, budget, match_regex=False)
+    peft_targets(cfg, name, target.num_layers, budget, match_regex=False, moe=target)
     PeftScaling(cfg, name, budget).check_ranks(target.max_lora_rank)
     return cfg
 
@@ -150,82 +174,13 @@ def _check_target_names(cfg: dict, name: str, target: AdapterTarget) -> None:
     targets = cfg.get("target_modules")
     if not isinstance(targets, list):
         return  # a regex or "all-linear": the tensors say what it targets
+    allowed = {*LORA_ALL_MODULES, *FUSED_PEFT_MODULES, *moe_target_names(target)}
     for t in targets:
         module = t.rsplit(".", 1)[-1]
-        if module not in LORA_ALL_MODULES and module not in FUSED_PEFT_MODULES:
+        if module not in allowed:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets module {t!r}, which the base model does not have "
                 f"as a LoRA-targetable module ({', '.join(LORA_ALL_MODULES)})")
-
-
-class PeftScaling:
-    """peft's LoRA scaling of each module of one adapter: ``alpha / r``, or
-    ``alpha / sqrt(r)`` with ``use_rslora``; alpha from ``alpha_pattern`` (else
-    ``lora_alpha``), the expected rank from ``rank_pattern`` (else ``r``), matched as peft's
-    ``get_pattern_key`` does with bounded work (``PatternTable``).
-
-    Args:
-        cfg: the adapter's config (``read_peft_config``: its types already checked).
-        name: the adapter's name, for messages.
-
-    Raises:
-        LoRAAdapterError: a bad ``rank_pattern`` / ``alpha_pattern`` (see ``PatternTable``).
-    """
-
-    def __init__(self, cfg: dict, name: str, budget: MatchBudget | None = None) -> None:
-        what = f"adapter {name!r}"
-        budget = budget or MatchBudget()
-        self.name = name
-        self.alpha = cfg.get("lora_alpha", 8)
-        self.r = cfg.get("r", 8)
-        self.rslora = bool(cfg.get("use_rslora"))
-        self.alphas = PatternTable("alpha_pattern", cfg.get("alpha_pattern"), what, budget)
-        self.ranks = PatternTable("rank_pattern", cfg.get("rank_pattern"), what, budget)
-
-    def check_keys(self, modules: Iterable[str]) -> None:
-        """Refuse pattern keys that match none of ``modules`` (the modules the adapter
-        targets; peft warns of such keys and ignores them).
-
-        Raises:
-            LoRAAdapterError: naming the keys, or the matching budget ran out.
-        """
-        modules = list(modules)
-        for table in (self.ranks, self.alphas):
-            unmatched = table.unmatched(modules)
-            if unmatched:
-                raise LoRAAdapterError(
-                    f"adapter {self.name!r}: {table.field} keys {unmatched} match no module "
-                    "the adapter targets in the base model")
-
-    def check_ranks(self, max_lora_rank: int) -> None:
-        """Refuse ``r`` or a ``rank_pattern`` rank above ``max_lora_rank`` (vLLM refuses
-        ``r`` above it).
-
-        Raises:
-            LoRAAdapterError: naming the field and the rank.
-        """
-        if self.r > max_lora_rank:
-            raise LoRAAdapterError(f"adapter {self.name!r}: r = {self.r} exceeds "
-                                   f"max_lora_rank={max_lora_rank}")
-        for key, rank in self.ranks.items():
-            if rank > max_lora_rank:
-                raise LoRAAdapterError(f"adapter {self.name!r}: rank_pattern[{key!r}] = {rank} "
-                                       f"exceeds max_lora_rank={max_lora_rank}")
-
-    def __call__(self, module_key: str, r: int) -> float:
-        """The scaling of module ``module_key`` (e.g. ``model.layers.0.self_attn.q_proj``)
-        whose stored rank is ``r`` (≥ 1); a rank that disagrees with the config's is logged
-        and used.
-
-        Raises:
-            LoRAAdapterError: the pattern matching budget ran out.
-        """
-        alpha = self.alphas.value(module_key, self.alpha)
-        expected_r = self.ranks.value(module_key, self.r)
-        if int(expected_r) != r:
-            logger.warning("adapter %r: %s has rank %d, its config says %d; using %d",
-                           self.name, module_key, r, expected_r, r)
-        return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
 def model_module_names(num_layers: int, vocab: bool = True) -> list[str]:
@@ -289,12 +244,17 @@ def _layer_index(module: str, patterns: list[str] | None, compiled: dict,
 
 
 def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
-                 match_regex: bool = True) -> set[str] | None:
-    """The base model's modules (``model_module_names``) an adapter's config targets, as
-    peft's ``check_target_module_exists`` decides: a list of names matches a module named
-    so or ending in ``.name``, then ``layers_to_transform`` (with ``layers_pattern``) keeps
-    the modules of those layers; a string is a regex the whole name must match
+                 match_regex: bool = True, moe: AdapterTarget | None = None,
+                 ) -> set[str] | None:
+    """The base model's modules (``model_module_names``, and with ``moe`` its MoE modules,
+    ``moe_module_names``) and parameters an adapter's config targets, as peft's
+    ``check_target_module_exists`` decides: a list of names matches a module named so or
+    ending in ``.name``, then ``layers_to_transform`` (with ``layers_pattern``) keeps the
+    modules of those layers; a string is a regex the whole name must match
     (``"all-linear"``: every projection, neither ``lm_head`` nor ``embed_tokens``, as peft).
+    ``target_parameters`` (peft's ``ParamWrapper``) add the parameters they reach
+    (``moe_parameter_names``, e.g. ``model.layers.0.mlp.experts.gate_up_proj``), matched as
+    peft's ``_inject_parameters`` matches; ``target_modules`` may then be empty.
 
     Args:
         cfg: the config (``read_peft_config``).
@@ -302,27 +262,41 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
         num_layers: decoder layers in the base model.
         budget: the adapter's regex matching budget.
         match_regex: False: a regex ``target_modules`` is compiled only (None returned).
+        moe: the target, whose MoE modules are matched too; None: none.
 
     Returns:
-        The targeted module names; None when the config names no ``target_modules`` (the
-        tensors say what it targets) or, without ``match_regex``, a regex.
+        The targeted module (and parameter) names; None when the config names no
+        ``target_modules`` nor ``target_parameters`` (the tensors say what it targets) or,
+        without ``match_regex``, a regex.
 
     Raises:
         LoRAAdapterError: what peft's ``inject_adapter`` refuses (no module matches:
             "Target modules ... not found in the base model", naming ``layers_to_transform``
-            and ``layers_pattern`` when given) and ``LoraConfig`` refuses (layer options with
-            a regex), an index of ``layers_to_transform`` past the model's layers, an invalid
-            regex, or matching over the budget.
+            and ``layers_pattern`` when given; ``target_parameters`` that match no
+            parameter) and ``LoraConfig`` refuses (layer options with a regex), an index of
+            ``layers_to_transform`` past the model's layers, an invalid regex, or matching
+            over the budget.
     """
     what = f"adapter {name!r}"
     targets = cfg.get("target_modules")
+    params = cfg.get("target_parameters") or []
     layers, patterns = _layer_filter(cfg, what, num_layers)
+    found_params = set()
+    if params:
+        found_params = {n for n in (moe_parameter_names(moe) if moe is not None else [])
+                        if parameter_targeted(n, params)}
+        if not found_params:
+            raise LoRAAdapterError(f"{what}: target_parameters {params!r} match no parameter "
+                                   "of the base model manylora can adapt (as peft refuses)")
+        if not targets:
+            return found_params
     if targets is None:
         return None
-    names = model_module_names(num_layers)
+    names = model_module_names(num_layers) + (moe_module_names(moe) if moe is not None
+                                              else [])
     if isinstance(targets, str):
         if targets.lower() == "all-linear":
-            return set(model_module_names(num_layers, vocab=False))
+            return {n for n in names if n not in _VOCAB_PATHS} | found_params
         if len(targets) > MAX_TARGET_REGEX_CHARS:
             raise LoRAAdapterError(f"{what}: the target_modules regex is {len(targets)} "
                                    f"characters long, more than {MAX_TARGET_REGEX_CHARS}")
@@ -351,7 +325,14 @@ def peft_targets(cfg: dict, name: str, num_layers: int, budget: MatchBudget,
         if patterns is not None:
             message += f", layers_pattern {cfg['layers_pattern']!r}"
         raise LoRAAdapterError(message)
-    return found
+    return found | found_params
+
+
+def all_module_names(target: AdapterTarget) -> list[str]:
+    """Every module and parameter name of the base model an adapter may target
+    (``model_module_names``, ``moe_module_names``, ``moe_parameter_names``)."""
+    return (model_module_names(target.num_layers) + moe_module_names(target)
+            + moe_parameter_names(target))
 
 
 def may_target_vocab(cfg: dict) -> bool:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.adapter import LoRAAdapterError, all_finite
 from manylora.lora.formats.files import is_present, open_regular
 
 #: The largest safetensors header read (bytes); an adapter's lists its few hundred tensors in
@@ -212,3 +212,45 @@ def _first_line(e: Exception) -> str:
     """An exception's message without torch's multi-line, ANSI-coloured hints."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_peft_pair(name: str, module_key: str, ab: dict[str, torch.Tensor],
+                    use_dora: bool) -> None:
+    """Check that one module has both A and B, a magnitude exactly when the adapter is DoRA,
+    floating-point tensors, 2-D A ``[r, in]`` and B ``[out, r]`` with ``r ≥ 1``, and only
+    finite values (tensors on the meta device: all but the values).
+
+    Raises:
+        LoRAAdapterError: naming the adapter, the module and the problem.
+    """
+    if not {"A", "B"} <= set(ab):
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} has lora_{''.join(sorted(ab))} but not both "
+            "A and B")
+    for label, t in ab.items():
+        if not t.is_floating_point():
+            raise LoRAAdapterError(
+                f"adapter {name!r}: {module_key} has {_tensor_name(label)} of dtype "
+                f"{t.dtype}, not a floating-point dtype")
+    a, b = ab["A"], ab["B"]
+    if a.dim() != 2 or b.dim() != 2:
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}, not 2-D [r, in] and [out, r]")
+    if a.shape[0] < 1 or b.shape[1] != a.shape[0]:
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} has lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)}: their rank must agree and be at least 1")
+    if use_dora != ("M" in ab):
+        raise LoRAAdapterError(
+            f"adapter {name!r}: {module_key} " + (
+                "has no lora_magnitude_vector, but the adapter is DoRA (use_dora)"
+                if use_dora else "has a lora_magnitude_vector, but use_dora is not set"))
+    for label, t in ab.items():
+        if not t.is_meta and not all_finite(t):
+            raise LoRAAdapterError(
+                f"adapter {name!r}: {module_key} has NaN or Inf in {_tensor_name(label)}")
+
+
+def _tensor_name(label: str) -> str:
+    return "lora_magnitude_vector" if label == "M" else "lora_" + label

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from manylora.lora.adapter import LoRAAdapterError
+
 
 @dataclass(frozen=True)
 class AdapterTarget:
@@ -15,7 +17,9 @@ class AdapterTarget:
 
     Attributes:
         module_shapes: ``{module: (in_features, out_features)}`` of the targetable modules
-            (``ModelConfig.module_shapes``).
+            (``ModelConfig.module_shapes``); for the stacked experts (``experts.gate_proj``,
+            ``experts.up_proj``, ``experts.down_proj``) one expert's ``(in, out)``. An
+            adapter module whose name is not here is refused.
         num_layers: decoder layers in the base model.
         max_lora_rank: the padded rank of the slots.
         target_modules: projections that have slot buffers (``lora_target_modules``).
@@ -28,6 +32,11 @@ class AdapterTarget:
         base_weight_equal: ``(module, weight [vocab, hidden]) → bool``, whether a table an
             adapter carries equals the base model's ``embed_tokens`` / ``lm_head`` weight
             (cast to the model dtype); None: adapters carrying one are refused.
+        num_experts: ``E``, the experts of each mixture-of-experts block (0: none).
+        layer_modules: per decoder layer, the names of the modules that layer has (a MoE
+            layer has ``experts.*`` / ``router`` (/ ``shared_expert*``) and not the dense
+            ``gate_proj`` / ``up_proj`` / ``down_proj``; Qwen2-MoE's ``mlp_only_layers`` the
+            other way round); None: every module of ``module_shapes`` on every layer.
     """
 
     module_shapes: dict[str, tuple[int, int]]
@@ -40,3 +49,42 @@ class AdapterTarget:
         default=None, compare=False, repr=False)
     base_weight_equal: Callable[[str, torch.Tensor], bool] | None = field(
         default=None, compare=False, repr=False)
+    num_experts: int = 0
+    layer_modules: tuple[frozenset[str], ...] | None = None
+
+    def layer_has(self, layer: int, module: str) -> bool:
+        """Whether decoder layer ``layer`` has ``module`` (``layer_modules``; any layer index
+        outside them, such as ``MODEL_LAYER``, has every module)."""
+        if self.layer_modules is None or not 0 <= layer < len(self.layer_modules):
+            return True
+        return module in self.layer_modules[layer]
+
+    def check_layer_module(self, what: str, layer: int, module: str) -> None:
+        """Refuse ``module`` on a layer that lacks it.
+
+        Raises:
+            LoRAAdapterError: ``what`` (naming the adapter and tensor), the layer and module.
+        """
+        if not self.layer_has(layer, module):
+            present = sorted(self.layer_modules[layer]) if self.layer_modules else []
+            raise LoRAAdapterError(
+                f"{what}: layer {layer} of the base model has no {module} (it has "
+                f"{', '.join(present)})")
+
+
+def moe_module_shapes(hidden_size: int, num_experts: int, moe_intermediate_size: int,
+                      shared_expert_intermediate_size: int = 0) -> dict[str, tuple[int, int]]:
+    """``{module: (in, out)}`` of the mixture-of-experts block's adaptable modules, as
+    ``AdapterTarget.module_shapes`` holds them: each expert's ``experts.gate_proj`` /
+    ``experts.up_proj`` ``(H, I)`` and ``experts.down_proj`` ``(I, H)``, the ``router``
+    ``(H, E)``, and with a shared expert (Qwen2-MoE) ``shared_expert.gate_proj`` /
+    ``up_proj`` ``(H, I_s)``, ``shared_expert.down_proj`` ``(I_s, H)`` and
+    ``shared_expert_gate`` ``(H, 1)``."""
+    h, i = hidden_size, moe_intermediate_size
+    shapes = {"experts.gate_proj": (h, i), "experts.up_proj": (h, i),
+              "experts.down_proj": (i, h), "router": (h, num_experts)}
+    if shared_expert_intermediate_size:
+        s = shared_expert_intermediate_size
+        shapes.update({"shared_expert.gate_proj": (h, s), "shared_expert.up_proj": (h, s),
+                       "shared_expert.down_proj": (s, h), "shared_expert_gate": (h, 1)})
+    return shapes

@@ -11,8 +11,10 @@ An adapter is two tensors (TensorRT-LLM's ``LoraConfig``, and the ``model.lora_w
   ``[N, 4]`` with an ``is_dora`` flag last.
 
 Module ids are TensorRT-LLM's (``trtllm_modules``); a fused attn_qkv or mlp_gate_up row
-becomes its component modules, which share A and each take their rows of B. The files
-holding the two tensors are ``trtllm_npy``'s.
+becomes its component modules, which share A and each take their rows of B. The MoE ids
+(13..17) are read for a target whose ``module_shapes`` holds their modules: an expert row
+(moe_h_to_4h, moe_4h_to_h, moe_gate) holds every expert, ``A [E, D, Hi]`` then
+``B [E, Ho, D]`` flattened. The files holding the two tensors are ``trtllm_npy``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from manylora.config import LORA_TARGET_MODULES
+from manylora.config import LORA_EXPERT_MODULES, LORA_MOE_MODULES
 from manylora.lora.adapter import (
     LoRAAdapter,
     LoRAAdapterError,
@@ -31,7 +33,14 @@ from manylora.lora.adapter import (
     check_delta,
 )
 from manylora.lora.formats.target import AdapterTarget
-from manylora.lora.formats.trtllm_modules import HF_TO_TRTLLM, TRTLLM_TO_HF, LoraModuleType
+from manylora.lora.formats.trtllm_modules import (
+    HF_MOE_TO_TRTLLM,
+    HF_TO_TRTLLM,
+    LoraModuleType,
+    max_rows,
+    row_values,
+    trtllm_parts,
+)
 from manylora.lora.formats.trtllm_npy import as_tensor
 from manylora.lora.loader_pool import report_progress
 
@@ -58,13 +67,16 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
         A ``LoRAAdapter`` with A/B in ``target.dtype`` and DoRA scales in float32 (taken as
         they are: TensorRT-LLM's scales are already normalized), contiguous on the CPU; ranks
         may differ between rows. attn_qkv / mlp_gate_up rows become q/k/v (gate/up) modules
-        that share A.
+        that share A; expert rows ``experts.*`` with ``a [E, D, Hi]``, ``b [E, Ho, D]``; on
+        a layer with a shared expert and no dense MLP, ids 5/6/7/18 the shared expert's.
 
     Raises:
         LoRAAdapterError: naming the adapter, the row and the problem: weights and config of
             other shapes or row counts, a config with other than 3 or 4 columns or with
             non-integer values, an unknown module id or one with no layer in this model
-            (8..17), a module outside ``lora_target_modules``, a layer index out of range, D
+            (8..12; 13..17 when ``target.module_shapes`` lacks their module), a module
+            outside ``lora_target_modules`` or on a layer that lacks it, DoRA on the
+            experts, a layer index out of range, D
             outside ``1..max_lora_rank``, a row narrower than ``D*Hi + Ho*D (+ Ho)``, the same
             (module, layer) twice, NaN or Inf in the used part of a row, a row whose delta
             ``check_delta`` refuses (weights too large to compute with).
@@ -75,7 +87,7 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
                                f"has {c.shape[0]}; they describe the same (module, layer) rows")
     if w.shape[0] == 0:
         raise LoRAAdapterError(f"adapter {name!r}: weights and config hold no rows")
-    most = target.num_layers * len(LORA_TARGET_MODULES)
+    most = max_rows(target)
     if w.shape[0] > most:
         raise LoRAAdapterError(f"adapter {name!r}: weights and config hold {w.shape[0]} rows, "
                                f"more than the {most} (module, layer) pairs of the base model")
@@ -102,7 +114,9 @@ def adapter_to_trtllm(adapter: LoRAAdapter,
     """An adapter as TensorRT-LLM's ``LoraConfig`` tensors.
 
     Args:
-        adapter: any loaded adapter (each module becomes its own row; nothing is fused).
+        adapter: any loaded adapter (each module becomes its own row; nothing is fused; the
+            stacked experts one row each, ``A [E, D, Hi]`` then ``B [E, Ho, D]``; the shared
+            expert's projections the dense MLP's ids, as TensorRT-LLM's Qwen2-MoE).
         dtype: float16, bfloat16 or float32, the weights' storage dtype.
 
     Returns:
@@ -115,16 +129,17 @@ def adapter_to_trtllm(adapter: LoRAAdapter,
         LoRAAdapterError: a module with no TensorRT-LLM id.
     """
     check_storage_dtype(dtype)
-    unknown = sorted({m for _, m in adapter.weights if m not in HF_TO_TRTLLM})
+    ids = {**HF_TO_TRTLLM, **HF_MOE_TO_TRTLLM}
+    unknown = sorted({m for _, m in adapter.weights if m not in ids})
     if unknown:
         raise LoRAAdapterError(f"adapter {adapter.name!r}: modules {unknown} have no "
                                "TensorRT-LLM LoRA module id")
-    keys = sorted(adapter.weights, key=lambda k: (k[0], HF_TO_TRTLLM[k[1]]))
+    keys = sorted(adapter.weights, key=lambda k: (k[0], ids[k[1]]))
     rows, config = [], []
     for layer, module in keys:
         w = adapter.weights[(layer, module)]
         rows.append(torch.cat([t.detach().cpu().reshape(-1).to(dtype) for t in w.tensors()]))
-        config.append([int(HF_TO_TRTLLM[module]), layer, w.rank]
+        config.append([int(ids[module]), layer, w.rank]
                       + ([int(w.dora_scale is not None)] if adapter.has_dora else []))
     return pad_rows(rows, dtype), torch.tensor(config, dtype=torch.int32)
 
@@ -176,22 +191,29 @@ def _row_error(name: str, i: int, values: Sequence[int], problem: str) -> LoRAAd
 
 
 def _row_module(name: str, i: int, values: Sequence[int],
-                target: AdapterTarget) -> tuple[LoraModuleType, tuple[str, ...]]:
-    """The row's module type and its HF projections; checks the id and the target modules."""
+                target: AdapterTarget | None) -> tuple[LoraModuleType, tuple[str, ...]]:
+    """The row's module type and its modules (``trtllm_parts``); checks the id, the target
+    modules and that the row's layer has them."""
     module_id = values[0]
     try:
         mtype = LoraModuleType(module_id)
     except ValueError:
         raise _row_error(name, i, values, f"unknown module id {module_id} (TensorRT-LLM's ids "
                          f"are 0..{max(LoraModuleType).value})") from None
-    if mtype not in TRTLLM_TO_HF:
+    parts = trtllm_parts(mtype, values[1], target)
+    if parts is None:
         raise _row_error(name, i, values, f"module id {module_id} ({mtype.trtllm_name}) has no "
                          "layer in this model (a LLaMA-family decoder)")
-    parts = TRTLLM_TO_HF[mtype]
     missing = [p for p in parts if p not in target.target_modules]
     if missing:
+        hint = (f"; start the engine with {', '.join(missing)} in --lora-target-modules"
+                if any(p in LORA_MOE_MODULES for p in missing) else "")
         raise _row_error(name, i, values, f"{mtype.trtllm_name} adapts {', '.join(missing)}, "
-                         f"but lora_target_modules is {list(target.target_modules)}")
+                         f"but lora_target_modules is {list(target.target_modules)}{hint}")
+    for p in parts:
+        if not target.layer_has(values[1], p):
+            raise _row_error(name, i, values, f"{mtype.trtllm_name} adapts {p}, which layer "
+                             f"{values[1]} of the base model does not have")
     return mtype, parts
 
 
@@ -214,6 +236,8 @@ def _row_weights(name: str, i: int, values: Sequence[int], row: torch.Tensor,
     hi = target.module_shapes[parts[0]][0]
     widths = [target.module_shapes[p][1] for p in parts]
     ho = sum(widths)
+    if parts[0] in LORA_EXPERT_MODULES:
+        return {parts[0]: _expert_row(name, i, values, row, parts[0], target)}
     n_lora = rank * hi + ho * rank
     need = n_lora + (ho if is_dora else 0)
     if row.shape[0] < need:
@@ -233,6 +257,28 @@ def _row_weights(name: str, i: int, values: Sequence[int], row: torch.Tensor,
         scales = dora.split(widths)
     return {p: LoRAWeights(a, bp.contiguous(), None if s is None else s.contiguous())
             for p, bp, s in zip(parts, b.split(widths), scales)}
+
+
+def _expert_row(name: str, i: int, values: Sequence[int], row: torch.Tensor, module: str,
+                target: AdapterTarget) -> LoRAWeights:
+    """A moe_h_to_4h / moe_4h_to_h / moe_gate row: ``A [E, D, Hi]`` then ``B [E, Ho, D]``
+    (every expert, expert-major), as TensorRT-LLM's ``LoraManager.load_from_hf`` stacks
+    them; DoRA is refused, as TensorRT-LLM refuses it on the experts."""
+    rank, n = values[2], target.num_experts
+    hi, ho = target.module_shapes[module]
+    if len(values) == 4 and values[3] == 1:
+        raise _row_error(name, i, values, f"DoRA on the experts ({module}) is not supported "
+                         "(nor by TensorRT-LLM)")
+    n_a, need = n * rank * hi, row_values((module,), rank, target)
+    if row.shape[0] < need:
+        raise _row_error(name, i, values, f"the row holds {row.shape[0]} values, but E x (D x "
+                         f"Hi + Ho x D) = {need} (E={n}, Hi={hi}, Ho={ho})")
+    if not all_finite(row[:need]):
+        raise _row_error(name, i, values, "NaN or Inf in its in/out weights")
+    a = row[:n_a].reshape(n, rank, hi).to(target.dtype, copy=True).contiguous()
+    b = row[n_a:need].reshape(n, ho, rank).to(target.dtype, copy=True).contiguous()
+    check_delta(f"adapter {name!r}: row {i}", a, b)
+    return LoRAWeights(a, b)
 
 
 def pad_rows(rows: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,8 @@ from manylora.lora.formats.peft import (
     dora_scale_from_magnitude,
     group_peft_tensors,
 )
-from manylora.lora.formats.peft_config import PeftScaling, component_modules, read_peft_config
+from manylora.lora.formats.peft_config import component_modules, read_peft_config
+from manylora.lora.formats.peft_scaling import PeftScaling
 from manylora.lora.formats.peft_weights import read_peft_tensors
 from manylora.lora.formats.trtllm import check_storage_dtype, pad_rows
 from manylora.lora.formats.trtllm_modules import HF_TO_TRTLLM

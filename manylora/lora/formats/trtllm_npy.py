@@ -16,11 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from manylora.config import LORA_TARGET_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.lora.formats.files import open_regular
 from manylora.lora.formats.target import AdapterTarget
-from manylora.lora.formats.trtllm_modules import TRTLLM_TO_HF, LoraModuleType
+from manylora.lora.formats.trtllm_modules import (
+    LoraModuleType,
+    max_rows,
+    row_values,
+    trtllm_parts,
+)
 from manylora.lora.loader_pool import report_progress
 
 WEIGHTS_FILE = "model.lora_weights.npy"
@@ -117,7 +121,7 @@ def _row_needs(config: torch.Tensor, target: AdapterTarget) -> list[int] | None:
         config = config[0]
     if (config.dim() != 2 or config.shape[1] not in (3, 4) or config.dtype == torch.bool
             or config.is_complex()
-            or config.shape[0] > target.num_layers * len(LORA_TARGET_MODULES)):
+            or config.shape[0] > max_rows(target)):
         return None
     if config.is_floating_point():
         if not bool((torch.isfinite(config) & (config == config.round())).all()):
@@ -126,16 +130,16 @@ def _row_needs(config: torch.Tensor, target: AdapterTarget) -> list[int] | None:
     needs = []
     for values in config.tolist():
         try:
-            parts = TRTLLM_TO_HF.get(LoraModuleType(values[0]))
+            parts = trtllm_parts(LoraModuleType(values[0]), values[1], target)
         except ValueError:
             parts = None
         rank = values[2]
         if parts is None or not 1 <= rank <= target.max_lora_rank:
             needs.append(0)
             continue
-        hi = target.module_shapes[parts[0]][0]
         ho = sum(target.module_shapes[p][1] for p in parts)
-        needs.append(rank * hi + ho * rank + (ho if len(values) == 4 and values[3] == 1 else 0))
+        needs.append(row_values(parts, rank, target)
+                     + (ho if len(values) == 4 and values[3] == 1 else 0))
     return needs
 
 
