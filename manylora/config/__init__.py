@@ -29,6 +29,7 @@ from manylora.config.lora import (
     LoRAConfig,
 )
 from manylora.config.model import ModelConfig
+from manylora.config.moe import MoEShape, moe_shape
 from manylora.config.quantization import (
     QUANTIZATION_METHODS,
     QuantizationConfig,
@@ -39,8 +40,8 @@ from manylora.config.scheduler import SCHEDULING_POLICIES, SchedulerConfig, chec
 
 __all__ = [
     "KV_CACHE_DTYPES", "LORA_ALL_MODULES", "LORA_DTYPE_NAMES", "LORA_EXPERT_MODULES",
-    "LORA_MOE_MODULES", "LORA_TARGET_MODULES",
-    "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES", "MODEL_LAYER",
+    "LORA_MOE_MODULES", "LORA_TARGET_MODULES", "LORA_VOCAB_MODULES", "MODEL_ARCHITECTURES",
+    "MODEL_LAYER", "MoEShape", "moe_shape",
     "SCHEDULING_POLICIES", "CacheConfig", "LoRAConfig",
     "ModelConfig", "QUANTIZATION_METHODS", "QuantizationConfig", "QuantizationError",
     "SchedulerConfig", "check_fairness", "parse_quantization", "resolve_architecture",

@@ -17,23 +17,26 @@ LORA_TARGET_MODULES: tuple[str, ...] = (
 #: slot holds a ``[max_lora_rank, vocab]`` table for each.
 LORA_VOCAB_MODULES: tuple[str, ...] = ("embed_tokens", "lm_head")
 
-#: Every module an adapter may target (and ``lora_target_modules`` may name).
-LORA_ALL_MODULES: tuple[str, ...] = LORA_TARGET_MODULES + LORA_VOCAB_MODULES
-
-#: The mixture-of-experts block's stacked expert projections (one A/B per expert, 3-D:
-#: ``a [E, r, in]``, ``b [E, out, r]``), named after the per-expert ``gate_proj`` / ``up_proj``
-#: / ``down_proj`` (Mixtral's ``w1`` / ``w3`` / ``w2``).
-LORA_EXPERT_MODULES: tuple[str, ...] = ("experts.gate_proj", "experts.up_proj",
-                                        "experts.down_proj")
-
-#: Every module of the mixture-of-experts block an adapter may target: the experts, the
-#: router (HF ``mlp.gate`` / ``block_sparse_moe.gate``, ``[E, H]``), Qwen2-MoE's shared
-#: expert and its gate (``mlp.shared_expert.*``, ``mlp.shared_expert_gate`` ``[1, H]``). The
+#: The mixture-of-experts block's modules (Mixtral, Qwen2-MoE, Qwen3-MoE): each expert's
+#: gate, up and down projections (one A and B per expert, 3-D: ``a [E, r, in]``,
+#: ``b [E, out, r]``; Mixtral's ``w1`` / ``w3`` / ``w2``), the router (HF ``mlp.gate`` /
+#: ``block_sparse_moe.gate``, ``[E, H]``), and Qwen2-MoE's shared expert and its gate
+#: (``mlp.shared_expert.*``, ``mlp.shared_expert_gate`` ``[1, H]``). Slot buffers only when
+#: ``lora_target_modules`` names them (the experts' three together; they take ``E`` times
+#: a dense MLP's); the
 #: adapter readers produce them only for an ``AdapterTarget`` whose ``module_shapes`` holds
-#: them.
-LORA_MOE_MODULES: tuple[str, ...] = LORA_EXPERT_MODULES + (
-    "router", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
-    "shared_expert_gate")
+#: them (a MoE model's).
+LORA_MOE_MODULES: tuple[str, ...] = (
+    "experts.gate_proj", "experts.up_proj", "experts.down_proj", "router",
+    "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+    "shared_expert_gate",
+)
+
+#: The experts' modules among ``LORA_MOE_MODULES`` (their weights carry an expert axis).
+LORA_EXPERT_MODULES: tuple[str, ...] = LORA_MOE_MODULES[:3]
+
+#: Every module an adapter may target (and ``lora_target_modules`` may name).
+LORA_ALL_MODULES: tuple[str, ...] = LORA_TARGET_MODULES + LORA_VOCAB_MODULES + LORA_MOE_MODULES
 
 #: The layer index of ``embed_tokens`` and ``lm_head`` in an adapter's ``(layer, module)``
 #: keys and the slot table (they belong to no decoder layer).
@@ -50,8 +53,9 @@ class LoRAConfig:
         max_lora_rank: rank every slot buffer is padded to.
         max_cpu_loras: adapters kept loaded in host memory (LRU), ≥ max_loras.
         target_modules: modules that get slot buffers (default: the seven projections;
-            ``embed_tokens`` and ``lm_head`` only when named, as TensorRT-LLM's
-            ``lora_target_modules``); an adapter that targets another one is refused.
+            ``embed_tokens``, ``lm_head`` and the MoE block's ``LORA_MOE_MODULES`` only when
+            named, as TensorRT-LLM's ``lora_target_modules``); an adapter that targets
+            another one is refused.
         max_cpu_lora_bytes: bytes of adapter tensors the host cache may hold (None: bounded
             by count only).
         fully_sharded_loras: under tensor parallelism, also shard the half of each adapter
@@ -95,3 +99,8 @@ class LoRAConfig:
             raise ValueError(
                 f"lora_target_modules {unknown or '[]'} invalid: choose from "
                 f"{', '.join(LORA_ALL_MODULES)}")
+        experts = [m for m in LORA_EXPERT_MODULES if m in self.target_modules]
+        if experts and len(experts) != len(LORA_EXPERT_MODULES):
+            raise ValueError(
+                f"lora_target_modules names {', '.join(experts)}: the experts' modules get "
+                f"slot buffers together, name all of {', '.join(LORA_EXPERT_MODULES)}")

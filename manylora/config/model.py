@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from manylora.config.architectures import resolve_architecture
+from manylora.config.lora import LORA_EXPERT_MODULES, LORA_MOE_MODULES, LORA_VOCAB_MODULES
+from manylora.config.moe import MoEShape, moe_shape
 from manylora.config.quantization import QuantizationConfig, parse_quantization
 
 
@@ -36,6 +38,8 @@ class ModelConfig:
             (equal to the per-rank fields at ``tp_size`` 1; filled in when not given).
         quantization: the base weights' quantization format (``manylora.config.quantization``;
             None: 16/32-bit weights in ``dtype``).
+        moe: the experts of a mixture-of-experts model, whole on every rank
+            (``manylora.config.moe``); None for a dense one.
     """
 
     architecture: str
@@ -61,6 +65,7 @@ class ModelConfig:
     total_num_kv_heads: int | None = None
     total_intermediate_size: int | None = None
     quantization: QuantizationConfig | None = None
+    moe: MoEShape | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -122,6 +127,7 @@ class ModelConfig:
             dtype=dtype,
             hf_config=hf_config,
             quantization=parse_quantization(_quantization_config(hf_config), quantization),
+            moe=moe_shape(hf_config),
         )
 
     def shard(self, tp_size: int, rank: int = 0) -> ModelConfig:
@@ -233,15 +239,52 @@ class ModelConfig:
         whole model (what adapters are shaped for), whatever ``tp_size`` is: the seven
         projections, ``embed_tokens`` as peft's embedding LoRA reads it (``(vocab, hidden)``:
         ``lora_embedding_A [r, vocab]``, ``lora_embedding_B [hidden, r]``) and ``lm_head``
-        (``(hidden, vocab)``)."""
+        (``(hidden, vocab)``); on a MoE model also the ``LORA_MOE_MODULES`` it has, the
+        experts' per expert (``experts.gate_proj``: ``(hidden, I)``), the router
+        ``(hidden, E)`` and the shared expert's gate ``(hidden, 1)``."""
         h, i = self.hidden_size, self.total_intermediate_size
         q, kv = self.total_q_size, self.total_kv_size
-        return {
+        shapes = {
             "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv),
             "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i),
             "down_proj": (i, h),
             "embed_tokens": (self.vocab_size, h), "lm_head": (h, self.vocab_size),
         }
+        moe = self.moe
+        if moe is not None:
+            e = moe.intermediate_size
+            shapes.update({"experts.gate_proj": (h, e), "experts.up_proj": (h, e),
+                           "experts.down_proj": (e, h), "router": (h, moe.num_experts)})
+            if moe.shared_expert_size:
+                s = moe.shared_expert_size
+                shapes.update({"shared_expert.gate_proj": (h, s),
+                               "shared_expert.up_proj": (h, s),
+                               "shared_expert.down_proj": (s, h), "shared_expert_gate": (h, 1)})
+        return shapes
+
+    def layer_modules(self) -> tuple[frozenset[str], ...]:
+        """Per decoder layer, the names of the LoRA-targetable projections it has: the
+        attention's, and a dense MLP's or the MoE block's (``module_shapes``' names)."""
+        shapes = self.module_shapes()
+        attn = frozenset(("q_proj", "k_proj", "v_proj", "o_proj"))
+        dense = attn | {"gate_proj", "up_proj", "down_proj"}
+        sparse = attn | {m for m in shapes if m in LORA_MOE_MODULES}
+        moe_layers = () if self.moe is None else self.moe.sparse_layers
+        return tuple(sparse if i in moe_layers else dense for i in range(self.num_layers))
+
+    def module_copies(self) -> dict[str, tuple[int, int]]:
+        """``{module: (columns, pairs)}`` for the ``module_shapes`` modules the model has:
+        how many rank-table columns one adapter slot gives the module (one per layer that
+        has it; one for ``embed_tokens`` / ``lm_head``) and how many ``(in, out)`` A/B pairs
+        (as many, times ``E`` for the experts' modules)."""
+        copies = dict.fromkeys(LORA_VOCAB_MODULES, (1, 1))
+        experts = 1 if self.moe is None else self.moe.num_experts
+        for modules in self.layer_modules():
+            for m in modules:
+                columns, pairs = copies.get(m, (0, 0))
+                copies[m] = (columns + 1,
+                             pairs + (experts if m in LORA_EXPERT_MODULES else 1))
+        return copies
 
 
 def _quantization_config(hf_config: Any) -> Any:

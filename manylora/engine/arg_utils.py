@@ -38,7 +38,8 @@ class EngineArgs:
         max_lora_rank: rank every adapter slot is padded to.
         max_cpu_loras: adapters kept in host memory; None means max(32, max_loras).
         lora_target_modules: modules that get adapter slot buffers; None means the seven
-            projections (``embed_tokens`` / ``lm_head`` only when named).
+            projections (``embed_tokens``, ``lm_head`` and the MoE block's modules,
+            ``LORA_MOE_MODULES``, only when named).
         enable_lora: allocate adapter slots and accept LoRA requests.
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: tokens computed per step.

@@ -39,7 +39,7 @@ def slots_from_memory(args: ExecutorArgs, cfg: ModelConfig, device: torch.device
     if device.type != "cuda":
         raise ValueError("lora_device_cache_percent sizes slots from free GPU memory; on "
                          f"{device} set max_loras instead")
-    per_slot = slot_bytes(cfg.module_shapes(), cfg.num_layers,
+    per_slot = slot_bytes(cfg.module_shapes(), cfg.module_copies(),
                           args.lora_target_modules, args.max_lora_rank,
                           resolve_lora_dtype(args.lora_dtype, cfg.dtype))
     free, _ = torch.cuda.mem_get_info(device)

@@ -140,7 +140,9 @@ class UniProcExecutor(Executor):
             cfg.module_shapes(), cfg.num_layers, args.max_lora_rank,
             self.lora_config.target_modules, self.lora_config.dtype,
             (args.model, str(self.model_dir), *gguf_model_names(self.model_dir)),
-            dora_norm=self.dora_norm, base_weight_equal=self.base_weight_equal)
+            dora_norm=self.dora_norm, base_weight_equal=self.base_weight_equal,
+            num_experts=0 if cfg.moe is None else cfg.moe.num_experts,
+            layer_modules=cfg.layer_modules())
         self.lora_manager = LoRAManager(self.lora_config, target, slots)
 
     def dora_norm(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor

@@ -10,9 +10,11 @@ aligned::
     scale  [out]     float32       (DoRA only: m / ||W + BA||)
 
 and a small ``plan`` (int64 ``[M, PLAN_COLS]``: layer, module index in
-``LORA_ALL_MODULES``, rank, in, out, and the byte offsets of the three pieces, -1 for no
-scale). A slot load (``SlotLayout``) copies the buffer to the device as it is and scatters
-it; each tensor-parallel rank cuts its own part from the same buffer with its own layout.
+``LORA_ALL_MODULES``, rank, in, out, the byte offsets of the three pieces (-1 for no
+scale), and the expert, -1 outside the MoE experts). An expert module (A ``[E, r, in]``,
+B ``[E, out, r]``) is laid out as ``E`` pieces, one per expert, in expert order. A slot
+load (``SlotLayout``) copies the buffer to the device as it is and scatters it; each
+tensor-parallel rank cuts its own part from the same buffer with its own layout.
 This replaces per-tensor pinned copies (one allocation and one copy per tensor, S-LoRA /
 vLLM's host cache) with TensorRT-LLM's idea of a paged, slot-ready host cache.
 """
@@ -29,8 +31,8 @@ from manylora.config import LORA_ALL_MODULES
 from manylora.lora.adapter import LoRAAdapter
 
 #: Columns of ``PinnedAdapter.plan``.
-PLAN_COLS = 8
-P_LAYER, P_MODULE, P_RANK, P_IN, P_OUT, P_A, P_B, P_SCALE = range(PLAN_COLS)
+PLAN_COLS = 9
+P_LAYER, P_MODULE, P_RANK, P_IN, P_OUT, P_A, P_B, P_SCALE, P_EXPERT = range(PLAN_COLS)
 #: Byte alignment of every piece in the buffer (16: vector loads, float32 and int64 views).
 ALIGN = 16
 
@@ -72,7 +74,8 @@ class PinnedAdapter:
     Attributes:
         lora_int_id, name, digest: the adapter's identity (``LoRAAdapter``'s).
         buf: uint8 ``[nbytes]``, the pieces of every targeted module (module docstring).
-        plan: int64 ``[M, PLAN_COLS]`` on the CPU, one row per targeted (layer, module).
+        plan: int64 ``[M, PLAN_COLS]`` on the CPU, one row per targeted (layer, module), or
+            per (layer, module, expert) for the experts' modules.
         dtype: the dtype of A and B (the model's).
         slot_load: this engine rank's scatter descriptors (``SlotLayout.prepare``); None until
             prepared (and on tensor-parallel ranks > 0, which prepare their own).
@@ -101,19 +104,21 @@ class PinnedAdapter:
         return {(int(row[P_LAYER]), LORA_ALL_MODULES[int(row[P_MODULE])]): int(row[P_RANK])
                 for row in self.plan.tolist()}
 
-    def tensors(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor,
-                                                        torch.Tensor | None]:
-        """Views into ``buf`` of one module: A ``[r, in]``, B^T ``[r, out]`` (model dtype)
-        and the DoRA scale float32 ``[out]`` or None.
+    def tensors(self, layer: int, module: str, expert: int = -1
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views into ``buf`` of one module (of one ``expert`` for the experts' modules): A
+        ``[r, in]``, B^T ``[r, out]`` (model dtype) and the DoRA scale float32 ``[out]`` or
+        None.
 
         Raises:
-            KeyError: the adapter does not target ``(layer, module)``.
+            KeyError: the adapter does not target ``(layer, module)`` (or that expert).
         """
         m = LORA_ALL_MODULES.index(module)
         for row in self.plan.tolist():
-            if row[P_LAYER] == layer and row[P_MODULE] == m:
+            if row[P_LAYER] == layer and row[P_MODULE] == m and row[P_EXPERT] == expert:
                 return _views(self.buf, row, self.dtype)
-        raise KeyError(f"adapter {self.name!r} does not target layer {layer} {module}")
+        raise KeyError(f"adapter {self.name!r} does not target layer {layer} {module}"
+                       + (f" expert {expert}" if expert >= 0 else ""))
 
 
 def _views(buf: torch.Tensor, row: list[int], dtype: torch.dtype
@@ -132,8 +137,9 @@ def pin_adapter(adapter: LoRAAdapter,
     """Lay ``adapter`` out as one buffer (module docstring); any thread.
 
     Args:
-        adapter: a validated adapter (A ``[r, in]`` and B ``[out, r]`` in one dtype, DoRA
-            scales float32 ``[out]``).
+        adapter: a validated adapter (A ``[r, in]`` and B ``[out, r]``, or ``[E, r, in]`` and
+            ``[E, out, r]`` for an expert module, in one dtype; DoRA scales float32
+            ``[out]``).
         alloc: ``nbytes → uint8 [nbytes]`` host tensor the buffer is written into
             (``pinned_bytes``, or shared memory under tensor parallelism).
 
@@ -148,27 +154,30 @@ def pin_adapter(adapter: LoRAAdapter,
         raise ValueError(f"adapter {adapter.name!r}: A and B in several dtypes {dtypes}")
     dtype = dtypes.pop()
     elem = torch.empty((), dtype=dtype).element_size()
-    rows, offset = [], 0
+    rows, pieces, offset = [], [], 0
     for layer, module in keys:
         w = adapter.weights[(layer, module)]
-        r, n_in = w.a.shape
-        n_out = w.b.shape[0]
-        a_off = offset
-        b_off = a_off + align(r * n_in * elem)
-        offset = b_off + align(r * n_out * elem)
-        s_off = -1
-        if w.dora_scale is not None:
-            s_off, offset = offset, offset + align(4 * n_out)
-        rows.append([layer, LORA_ALL_MODULES.index(module), r, n_in, n_out,
-                     a_off, b_off, s_off])
+        experts = ((-1, w.a, w.b),) if w.a.dim() == 2 else tuple(
+            (e, w.a[e], w.b[e]) for e in range(w.a.shape[0]))
+        for expert, a, b in experts:
+            r, n_in = a.shape
+            n_out = b.shape[0]
+            a_off = offset
+            b_off = a_off + align(r * n_in * elem)
+            offset = b_off + align(r * n_out * elem)
+            s_off = -1
+            if w.dora_scale is not None:
+                s_off, offset = offset, offset + align(4 * n_out)
+            rows.append([layer, LORA_ALL_MODULES.index(module), r, n_in, n_out,
+                         a_off, b_off, s_off, expert])
+            pieces.append((a, b, w.dora_scale))
     buf = alloc(offset)
     plan = torch.tensor(rows, dtype=torch.int64)
-    for (layer, module), row in zip(keys, rows):
-        w = adapter.weights[(layer, module)]
-        a, bt, scale = _views(buf, row, dtype)
-        a.copy_(w.a)
-        bt.copy_(w.b.t())
+    for (a, b, dora_scale), row in zip(pieces, rows):
+        a_view, bt, scale = _views(buf, row, dtype)
+        a_view.copy_(a)
+        bt.copy_(b.t())
         if scale is not None:
-            scale.copy_(w.dora_scale)
+            scale.copy_(dora_scale)
     return PinnedAdapter(adapter.lora_int_id, adapter.name, adapter.digest, buf, plan, dtype,
                          adapter.rank, adapter.has_dora)

@@ -7,21 +7,25 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from manylora.config import LORA_VOCAB_MODULES
+from manylora.config import LORA_EXPERT_MODULES
 
 
-def slot_bytes(module_shapes: Mapping[str, tuple[int, int]], num_layers: int,
-               target_modules: Sequence[str], max_lora_rank: int, dtype: torch.dtype) -> int:
-    """Bytes of one slot over all layers: A ``[max_lora_rank, in]`` and B
-    ``[max_lora_rank, out]`` in ``dtype`` per targeted module, plus the float32 DoRA scale
-    ``[out]`` and the slot's two int32 entries of the rank table (rank, DoRA flag); once per
-    decoder layer for a projection, once for ``embed_tokens`` / ``lm_head``."""
+def slot_bytes(module_shapes: Mapping[str, tuple[int, int]],
+               module_copies: Mapping[str, tuple[int, int]], target_modules: Sequence[str],
+               max_lora_rank: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot over the whole model: A ``[max_lora_rank, in]`` and B
+    ``[max_lora_rank, out]`` in ``dtype`` per A/B pair of each targeted module (a decoder
+    layer's projection, each expert of a MoE layer's expert module, ``embed_tokens`` /
+    ``lm_head``), and per rank-table column the two int32 entries (rank, DoRA flag) and,
+    outside the experts (no DoRA), the float32 DoRA scale ``[out]``
+    (``module_copies``: ``ModelConfig.module_copies``'s ``{module: (columns, pairs)}``)."""
     elem = torch.empty((), dtype=dtype).element_size()
     total = 0
     for module in target_modules:
         in_f, out_f = module_shapes[module]
-        one = (in_f + out_f) * max_lora_rank * elem + out_f * 4 + 2 * 4
-        total += one if module in LORA_VOCAB_MODULES else one * num_layers
+        columns, pairs = module_copies.get(module, (0, 0))
+        scale = 0 if module in LORA_EXPERT_MODULES else out_f * 4
+        total += (in_f + out_f) * max_lora_rank * elem * pairs + (scale + 2 * 4) * columns
     return total
 
 

@@ -16,6 +16,9 @@ for slot ``k`` and each (layer, module) with slot buffers, rank ``r`` (0 if unta
     dora_scale[k]     = scale[out_cols]        (DoRA modules)
     ranks[k, col]     = r;  dora[k, col] = has scale     (and the table's host mirrors)
 
+and for a MoE layer's expert module (``ExpertLoRASlots``), the same A and B rows once per
+expert ``e`` into ``a[k, e]`` / ``b[k, e]`` (one rank column for all experts).
+
 Cuts, after Megatron-LM's split (``LoRALinear``): column-parallel keeps ``out_cols`` =
 the rank's output rows of each packed module; row-parallel keeps ``in_cols`` = its input
 columns; fully sharded column-parallel keeps A's rows ``[start, start + width)`` of the
@@ -33,11 +36,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from manylora.config import LORA_ALL_MODULES
+from manylora.config import LORA_ALL_MODULES, LORA_EXPERT_MODULES
 from manylora.lora.kernels.slot_load import DESC_COLS, scatter_slot
 from manylora.lora.pinned import (
     P_A,
     P_B,
+    P_EXPERT,
     P_IN,
     P_LAYER,
     P_MODULE,
@@ -50,6 +54,7 @@ from manylora.lora.pinned import (
 )
 
 if TYPE_CHECKING:
+    from manylora.lora.expert_slots import ExpertLoRASlots
     from manylora.lora.slots import LoRASlots
 
 _DESC_BYTES = DESC_COLS * 8
@@ -59,9 +64,9 @@ _DESC_BYTES = DESC_COLS * 8
 class _Target:
     """One (layer, module)'s slot buffers and this rank's cut of the whole tensors."""
 
-    a: torch.Tensor                  # [max_loras, R_a, in_local]
+    a: torch.Tensor                  # [max_loras, R_a, in_local] (an expert's: a view)
     b: torch.Tensor                  # [max_loras, R, out_local]
-    scale: torch.Tensor              # float32 [max_loras, out_local]
+    scale: torch.Tensor | None       # float32 [max_loras, out_local]; None: no DoRA
     full_in: int
     full_out: int
     in_cols: tuple[int, int]
@@ -98,10 +103,19 @@ class SlotLayout:
                              f"{len(tables)}")
         self.table = table = tables.popitem()[1]
         self.max_lora_rank = max_lora_rank
-        self._targets: dict[tuple[int, int], _Target] = {}
+        self._targets: dict[tuple[int, int, int], _Target] = {}
+        buffers: dict[int, torch.Tensor] = {}
         for (layer, module), lora in slots.items():
-            self._targets[(layer, LORA_ALL_MODULES.index(module))] = _target(
-                lora, module, module_shapes[module], table.column(layer, module))
+            m, column = LORA_ALL_MODULES.index(module), table.column(layer, module)
+            if module in LORA_EXPERT_MODULES:
+                a, b = lora.buffers_of(module)
+                buffers.update({id(a): a, id(b): b})
+                for e in range(lora.num_experts):
+                    self._targets[(layer, m, e)] = _expert_target(lora, module, e, column)
+            else:
+                t = self._targets[(layer, m, -1)] = _target(
+                    lora, module, module_shapes[module], column)
+                buffers.update({id(buf): buf for buf in (t.a, t.b, t.scale)})
         first = next(iter(self._targets.values()))
         self.dtype, device = first.a.dtype, first.a.device
         self.elem = first.a.element_size()
@@ -109,13 +123,13 @@ class SlotLayout:
             raise ValueError(f"slot loads copy 16-bit words; slot buffers in {self.dtype}")
         self.num_columns = table.num_columns
         largest = sum(align(max_lora_rank * t.full_in * self.elem)
-                      + align(max_lora_rank * t.full_out * self.elem) + align(4 * t.full_out)
+                      + align(max_lora_rank * t.full_out * self.elem)
+                      + (0 if t.scale is None else align(4 * t.full_out))
                       for t in self._targets.values())
         self.staging = torch.empty(largest + self._blob_bytes(3 * len(self._targets) + 2),
                                    dtype=torch.uint8, device=device)
         self._words = self.staging.view(torch.int16)
-        self.destinations = [table.ranks, table.dora] + [
-            buf for t in self._targets.values() for buf in (t.a, t.b, t.scale)]
+        self.destinations = [table.ranks, table.dora] + list(buffers.values())
         if device.type == "cuda":   # compile the scatter now, not on the first slot load
             scatter_slot(self._words, torch.zeros(1, DESC_COLS, dtype=torch.int64,
                                                   device=device), 0, self.destinations)
@@ -142,10 +156,11 @@ class SlotLayout:
         rows: list[list[int]] = []
         for p in pinned.plan.tolist():
             layer, module = p[P_LAYER], LORA_ALL_MODULES[p[P_MODULE]]
-            t = self._targets.get((layer, p[P_MODULE]))
+            t = self._targets.get((layer, p[P_MODULE], p[P_EXPERT]))
             if t is None:
-                raise ValueError(f"adapter {pinned.name!r} targets layer {layer} {module}, "
-                                 "which has no slot buffers")
+                raise ValueError(f"adapter {pinned.name!r} targets layer {layer} {module}"
+                                 + (f" expert {p[P_EXPERT]}" if p[P_EXPERT] >= 0 else "")
+                                 + ", which has no slot buffers")
             r, n_in, n_out = p[P_RANK], p[P_IN], p[P_OUT]
             if (n_in, n_out) != (t.full_in, t.full_out) or r > self.max_lora_rank:
                 raise ValueError(
@@ -161,6 +176,9 @@ class SlotLayout:
             rows.append(_entry(t.b, p[P_B] // 2 + o0 * words, n_out * words, r,
                                (o1 - o0) * words))
             if p[P_SCALE] >= 0:
+                if t.scale is None:
+                    raise ValueError(f"adapter {pinned.name!r}: layer {layer} {module} has "
+                                     "DoRA scales, which its slots do not take")
                 rows.append(_entry(t.scale, p[P_SCALE] // 2 + 2 * o0, 2 * n_out, 1,
                                    2 * (o1 - o0)))
                 dora[t.column] = 1
@@ -240,3 +258,14 @@ def _target(lora: LoRASlots, module: str, shape: tuple[int, int], column: int) -
     a_rows = None if sh is None else sh.rank_range
     return _Target(a, b, scale, full_in, full_out, tuple(in_cols), tuple(out_cols), a_rows,
                    column)
+
+
+def _expert_target(lora: ExpertLoRASlots, module: str, expert: int, column: int) -> _Target:
+    """Expert ``expert``'s part of an expert module's slot buffers: views ``[max_loras, R,
+    width]`` whose rows are contiguous (the descriptors' row stride), one target each."""
+    a, b = (buf[:, expert] for buf in lora.buffers_of(module))
+    for buf in (a, b):
+        if buf.stride(2) != 1 or buf.stride(1) != buf.shape[2]:
+            raise ValueError(f"{module}: expert slot buffers must have contiguous rows")
+    return _Target(a, b, None, lora.full_in[module], lora.full_out[module],
+                   lora.in_cols[module], lora.out_cols[module], None, column)

@@ -24,7 +24,7 @@ from manylora.config import MODEL_LAYER, LoRAConfig, ModelConfig
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.linear import LoRALinear
-from manylora.lora.slot_table import SlotTable
+from manylora.lora.slot_table import SlotColumns, SlotTable
 from manylora.lora.slots import LoRASlots
 from manylora.lora.vocab import EmbeddingLoRA, HeadLoRA
 from manylora.model.layers.activation import silu_and_mul
@@ -128,17 +128,19 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """``down_proj(silu(gate) * up)``; ``prefix`` is its Hugging Face module name
-    (``model.layers.3.mlp``)."""
+    (``model.layers.3.mlp``), ``lora_prefix`` what its LoRA module names start with
+    (``"shared_expert."`` for Qwen2-MoE's shared expert: ``shared_expert.gate_proj``)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, tp: TPGroup,
-                 prefix: str = "mlp") -> None:
+                 prefix: str = "mlp", lora_prefix: str = "") -> None:
         super().__init__()
         inter = cfg.total_intermediate_size
         gate_up = ("gate_proj", "up_proj")
-        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter), gate_up, cfg.mlp_bias,
+        self.gate_up_proj = LoRALinear(cfg.hidden_size, (inter, inter),
+                                       tuple(lora_prefix + m for m in gate_up), cfg.mlp_bias,
                                        cfg.dtype, device, "column", tp,
                                        linear_method=linear_method(cfg, prefix, gate_up))
-        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), ("down_proj",),
+        self.down_proj = LoRALinear(inter, (cfg.hidden_size,), (lora_prefix + "down_proj",),
                                     cfg.mlp_bias, cfg.dtype, device, "row", tp,
                                     linear_method=linear_method(cfg, prefix, ("down_proj",)))
 
@@ -277,10 +279,17 @@ class LlamaForCausalLM(nn.Module):
                                               lora_config.dtype)
                 if lora is not None:
                     slots.update({(i, name): lora for name in lora.module_names})
+            slots.update(self._create_layer_lora(i, lora_config))
         slots.update(self._create_vocab_lora(lora_config))
         self.slot_table = SlotTable(slots, lora_config.max_loras,
                                     next(self.parameters()).device)
         return slots
+
+    def _create_layer_lora(self, layer: int, lora_config: LoRAConfig
+                           ) -> dict[tuple[int, str], SlotColumns]:
+        """Slot buffers of layer ``layer`` beyond its ``_projections``' (a MoE block's
+        experts); none in a dense decoder."""
+        return {}
 
     def _create_vocab_lora(self, lora_config: LoRAConfig) -> dict[tuple[int, str], LoRASlots]:
         """The ``embed_tokens`` / ``lm_head`` slots ``lora_config.target_modules`` names

@@ -4,9 +4,9 @@ A MoE decoder layer is the LLaMA-family layer whose MLP is a ``FusedMoE`` block 
 stacked experts, optional shared expert; ``manylora.model.layers.moe``) on its sparse
 layers and a dense ``LlamaMLP`` on the others. Attention, norms, tensor parallelism and the
 piecewise CUDA graphs' methods are ``LlamaDecoderLayer``'s. Adapters reach the attention
-projections (and the dense layers' MLPs); the MoE block has no adapter slots yet, and a
-peft adapter targeting an expert, the router or the shared expert is refused by the
-adapter reader, naming the tensor. Quantized MoE bases are refused.
+projections, the dense layers' MLPs and, where ``lora_target_modules`` names them, the MoE
+block's experts, router and shared expert (``manylora.model.layers.moe``). Quantized MoE
+bases are refused.
 
 Mixtral (transformers' ``MixtralForCausalLM``): every layer sparse, block named
 ``block_sparse_moe``, softmax over ``num_local_experts`` then the top
@@ -21,11 +21,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from manylora.config import ModelConfig
+from manylora.config import LoRAConfig, ModelConfig
 from manylora.config.quantization import QuantizationError
 from manylora.distributed.parallel_state import TPGroup
 from manylora.lora.kernels.meta import LoRAKernelMeta
 from manylora.lora.linear import LoRALinear
+from manylora.lora.slot_table import SlotColumns
 from manylora.model.layers.moe import FusedMoE
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.llama import (
@@ -63,11 +64,16 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     def make_block(self, cfg: ModelConfig, layer_idx: int, device: torch.device,
                    tp: TPGroup) -> nn.Module:
-        """Mixtral's: every layer a ``FusedMoE`` of ``num_local_experts`` experts of
-        ``intermediate_size``, top ``num_experts_per_tok``, renormalized."""
-        hf = cfg.hf_config
-        return FusedMoE(cfg.hidden_size, hf.num_local_experts, cfg.total_intermediate_size,
-                        hf.num_experts_per_tok, True, cfg.dtype, device, tp)
+        """A ``FusedMoE`` of the config's experts on its sparse layers (``cfg.moe``: every
+        layer of Mixtral), with the shared expert where it has one, else a dense MLP."""
+        moe = cfg.moe
+        if layer_idx not in moe.sparse_layers:
+            return dense_mlp(cfg, layer_idx, device, tp)
+        shared = None
+        if moe.shared_expert_size:
+            shared = dense_mlp(cfg, layer_idx, device, tp, moe.shared_expert_size,
+                               "mlp.shared_expert", "shared_expert.")
+        return FusedMoE(cfg.hidden_size, moe, cfg.dtype, device, tp, shared_expert=shared)
 
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
                        lora: LoRAKernelMeta | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +113,18 @@ class MoEForCausalLM(LlamaForCausalLM):
         attn = (layer_mod.self_attn.qkv_proj, layer_mod.self_attn.o_proj)
         if isinstance(layer_mod.block, LlamaMLP):
             return attn + (layer_mod.block.gate_up_proj, layer_mod.block.down_proj)
-        return attn
+        return attn + layer_mod.block.projections()
+
+    def _create_layer_lora(self, layer: int, lora_config: LoRAConfig
+                           ) -> dict[tuple[int, str], SlotColumns]:
+        """The experts' slot buffers of a sparse layer, keyed by the expert modules
+        ``lora_config.target_modules`` names."""
+        block = self.model.layers[layer].block
+        if not isinstance(block, FusedMoE):
+            return {}
+        slots = block.create_lora_slots(lora_config.target_modules, lora_config.max_loras,
+                                        lora_config.max_lora_rank, lora_config.dtype)
+        return {} if slots is None else {(layer, m): slots for m in slots.module_names}
 
 
 class MixtralForCausalLM(MoEForCausalLM):
@@ -117,10 +134,12 @@ class MixtralForCausalLM(MoEForCausalLM):
 
 
 def dense_mlp(cfg: ModelConfig, layer_idx: int, device: torch.device, tp: TPGroup,
-              intermediate_size: int | None = None, prefix: str = "mlp") -> LlamaMLP:
+              intermediate_size: int | None = None, prefix: str = "mlp",
+              lora_prefix: str = "") -> LlamaMLP:
     """A ``LlamaMLP`` of ``intermediate_size`` (default the config's) at checkpoint module
-    ``model.layers.{layer_idx}.{prefix}``."""
+    ``model.layers.{layer_idx}.{prefix}``, its LoRA modules named ``lora_prefix +
+    "gate_proj"`` etc."""
     if intermediate_size is not None:
         cfg = dataclasses.replace(cfg, intermediate_size=intermediate_size,
                                   total_intermediate_size=intermediate_size)
-    return LlamaMLP(cfg, device, tp, f"{layer_prefix(layer_idx)}.{prefix}")
+    return LlamaMLP(cfg, device, tp, f"{layer_prefix(layer_idx)}.{prefix}", lora_prefix)

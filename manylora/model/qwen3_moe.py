@@ -10,29 +10,13 @@ Qwen3's attention (per-head q/k RMSNorm before RoPE, ``Qwen3Attention``) over a 
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from manylora.config import ModelConfig
-from manylora.distributed.parallel_state import TPGroup
-from manylora.model.layers.moe import FusedMoE
 from manylora.model.llama import LlamaModel
-from manylora.model.mixtral import MoEDecoderLayer, MoEForCausalLM, dense_mlp
-from manylora.model.qwen2_moe import is_sparse_layer
+from manylora.model.mixtral import MoEDecoderLayer, MoEForCausalLM
 from manylora.model.qwen3 import Qwen3Attention
 
 
 class Qwen3MoeDecoderLayer(MoEDecoderLayer):
     attention_class = Qwen3Attention
-
-    def make_block(self, cfg: ModelConfig, layer_idx: int, device: torch.device,
-                   tp: TPGroup) -> nn.Module:
-        """A ``FusedMoE`` on sparse layers, else a dense MLP."""
-        hf = cfg.hf_config
-        if not is_sparse_layer(hf, layer_idx):
-            return dense_mlp(cfg, layer_idx, device, tp)
-        return FusedMoE(cfg.hidden_size, hf.num_experts, hf.moe_intermediate_size,
-                        hf.num_experts_per_tok, bool(hf.norm_topk_prob), cfg.dtype, device, tp)
 
 
 class Qwen3MoeModel(LlamaModel):

@@ -30,6 +30,7 @@ def make_peft_adapter(
     use_dora: bool = False,
     bias: str = "none",
     base_model: Any = None,
+    target_parameters: Sequence[str] | None = None,
 ) -> Path:
     """Write a random, non-trivial peft LoRA adapter for the checkpoint in ``base_dir`` (a
     folder, or a GGUF file).
@@ -49,6 +50,8 @@ def make_peft_adapter(
         target_modules: module names (list/tuple) or a regex string matched by peft.
         layers_to_transform / rank_pattern / alpha_pattern / use_rslora / use_dora / bias:
             passed to ``LoraConfig`` unchanged.
+        target_parameters: peft's parameter targets (``ParamWrapper``), e.g. a MoE block's
+            stacked ``mlp.experts.gate_up_proj``; ``target_modules`` may then be empty.
         base_model: the base already loaded by transformers from ``base_dir`` (a copy is
             wrapped), to skip loading it again.
 
@@ -89,6 +92,7 @@ def make_peft_adapter(
         alpha_pattern=dict(alpha_pattern or {}),
         use_dora=use_dora,
         bias=bias,
+        target_parameters=None if target_parameters is None else list(target_parameters),
     )
     peft_model = get_peft_model(model, lora_config)
     gen = torch.Generator().manual_seed(seed)

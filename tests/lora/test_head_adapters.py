@@ -378,7 +378,7 @@ def test_slot_bytes_count_the_vocabulary_modules_once(untied):
                     .values() for b in s.buffers())
     table = model.slot_table
     allocated += table.ranks.numel() * 4 + table.dora.numel() * 4
-    assert slot_bytes(cfg.module_shapes(), cfg.num_layers, targets, 8,
+    assert slot_bytes(cfg.module_shapes(), cfg.module_copies(), targets, 8,
                       torch.float32) * 3 == allocated
 
 

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 from manylora.config import LORA_MOE_MODULES, LORA_TARGET_MODULES, ModelConfig
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, check_delta
 from manylora.lora.formats.peft import load_peft_adapter
-from manylora.lora.formats.target import AdapterTarget, moe_module_shapes
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora_request import LoRARequest
 from manylora.testing import make_checkpoint
 
@@ -50,11 +50,10 @@ def _dims(base):
 
 def _target(base, target_modules=LORA_TARGET_MODULES + LORA_MOE_MODULES, layer_modules=None,
             dora_norm=None):
-    hf, e, i = _dims(base)
+    hf, e, _ = _dims(base)
     cfg = ModelConfig.from_hf(hf, torch.float32)
-    shapes = {**cfg.module_shapes(), **moe_module_shapes(
-        hf.hidden_size, e, i, getattr(hf, "shared_expert_intermediate_size", 0))}
-    return AdapterTarget(shapes, cfg.num_layers, 16, tuple(target_modules), torch.float32,
+    return AdapterTarget(cfg.module_shapes(), cfg.num_layers, 16, tuple(target_modules),
+                         torch.float32,
                          num_experts=e, layer_modules=layer_modules, dora_norm=dora_norm)
 
 
@@ -244,9 +243,10 @@ def test_moe_modules_are_gated_by_the_target(bases, tmp_path):
     model.save_pretrained(tmp_path)
     hf, _, _ = _dims(bases["qwen2_moe"])
     cfg = ModelConfig.from_hf(hf, torch.float32)
-    today = AdapterTarget(cfg.module_shapes(), cfg.num_layers, 16, LORA_TARGET_MODULES,
-                          torch.float32)
-    with pytest.raises(LoRAAdapterError, match=r"targets module 'shared_expert_gate'"):
+    no_moe = {m: shape for m, shape in cfg.module_shapes().items()
+              if m not in LORA_MOE_MODULES}
+    today = AdapterTarget(no_moe, cfg.num_layers, 16, LORA_TARGET_MODULES, torch.float32)
+    with pytest.raises(LoRAAdapterError, match=r"target_parameters .* match no parameter"):
         _load(tmp_path, today)
     with pytest.raises(LoRAAdapterError, match=r"experts\.\w+_proj.*--lora-target-modules"):
         _load(tmp_path, _target(bases["qwen2_moe"], target_modules=LORA_TARGET_MODULES

@@ -9,20 +9,24 @@ import torch
 
 from manylora.config import LORA_MOE_MODULES, LORA_TARGET_MODULES
 from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights
-from manylora.lora.formats.target import AdapterTarget, moe_module_shapes
+from manylora.lora.formats.target import AdapterTarget
 from manylora.lora.formats.trtllm import adapter_from_trtllm, adapter_to_trtllm
 from manylora.lora.formats.trtllm_npy import read_trtllm_dir, write_trtllm_dir
 
 H, E, INTER, INTER_S, R = 16, 3, 8, 12, 2
 ATTN = {"q_proj": (H, H), "k_proj": (H, 8), "v_proj": (H, 8), "o_proj": (H, H),
         "gate_proj": (H, 24), "up_proj": (H, 24), "down_proj": (24, H)}
+MOE = {"experts.gate_proj": (H, INTER), "experts.up_proj": (H, INTER),
+       "experts.down_proj": (INTER, H), "router": (H, E),
+       "shared_expert.gate_proj": (H, INTER_S), "shared_expert.up_proj": (H, INTER_S),
+       "shared_expert.down_proj": (INTER_S, H), "shared_expert_gate": (H, 1)}
 DENSE = frozenset(LORA_TARGET_MODULES)
 SPARSE = frozenset(LORA_MOE_MODULES) | {"q_proj", "k_proj", "v_proj", "o_proj"}
 
 
 def _target(moe=True, target_modules=LORA_TARGET_MODULES + LORA_MOE_MODULES,
             layer_modules=(SPARSE, DENSE)):
-    shapes = {**ATTN, **(moe_module_shapes(H, E, INTER, INTER_S) if moe else {})}
+    shapes = {**ATTN, **(MOE if moe else {})}
     return AdapterTarget(shapes, 2, 8, tuple(target_modules), torch.float32,
                          num_experts=E if moe else 0, layer_modules=layer_modules)
 

@@ -1,9 +1,11 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE end to end against transformers + peft: greedy, token
 for token, on tiny checkpoints written by transformers' own ``save_pretrained`` (one
 ``Linear`` per expert), and on the same weights stacked as ``experts.gate_up_proj`` /
-``experts.down_proj``. Adapters reach the attention only (two ranks, one slot, base rows);
-an adapter on the experts or the router is refused by name, as is a quantized MoE base. The
-routing and expert ops are checked against a float64 reference.
+``experts.down_proj``. Adapters reach the attention (two ranks, one slot, base rows); the
+MoE block's modules are refused by name by a reader given no MoE target, and a shared
+expert's adapter on the default slot buffers names the flag; a quantized MoE base is
+refused. The routing and expert ops are checked against a float64 reference. Adapters on
+the MoE block itself: ``tests/lora/test_moe_serving.py``.
 """
 
 from __future__ import annotations
@@ -194,13 +196,14 @@ def test_a_quantized_moe_base_is_refused_by_name(family):
 def test_dummy_weights_under_tensor_parallelism_are_the_one_rank_experts_cut():
     """``load_format="dummy"`` draws each rank's experts as its columns of the one-rank
     model's (``fill_dummy_weights`` over the experts' ``tp_slices``)."""
+    from manylora.config import MoEShape
     from manylora.distributed.parallel_state import TPGroup
     from manylora.model.layers.moe import FusedMoE
     from manylora.model.loader import fill_dummy_weights
 
     def experts(rank, size):
         tp = types.SimpleNamespace(rank=rank, size=size)
-        block = FusedMoE(8, 3, 6, 2, True, torch.float32, torch.device("cpu"),
+        block = FusedMoE(8, MoEShape(3, 2, 6, (0,)), torch.float32, torch.device("cpu"),
                          TPGroup.single() if size == 1 else tp)
         fill_dummy_weights(block.experts, torch.device("cpu"))
         return block.experts.w13, block.experts.w2
@@ -214,10 +217,12 @@ def test_dummy_weights_under_tensor_parallelism_are_the_one_rank_experts_cut():
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
-def test_a_peft_adapter_reaching_the_shared_expert_is_refused_by_name(family, tmp_path):
+def test_a_peft_adapter_reaching_the_shared_expert_needs_its_slots(family, tmp_path):
     """peft's ``target_modules=[gate_proj, up_proj, down_proj]`` on Qwen2-MoE wraps the
-    dense layer's MLP and every shared expert: that request ends with an error naming the
-    shared expert's module, and the base request of the same batch is served."""
+    dense layer's MLP and every shared expert: on the default slot buffers that request
+    ends with an error naming the shared expert's module and ``--lora-target-modules``, and
+    the base request of the same batch is served (with the shared expert's slots it is
+    served as peft serves it: ``tests/lora/test_moe_serving.py``)."""
     from manylora import LoRARequest
     from manylora.lora.adapter import LoRAAdapterError
     from manylora.testing import make_peft_adapter
@@ -230,7 +235,7 @@ def test_a_peft_adapter_reaching_the_shared_expert_is_refused_by_name(family, tm
                             lora_request=[None, LoRARequest("mlp", 1, str(adapter))],
                             use_tqdm=False)
     assert isinstance(outs[1].error, LoRAAdapterError)
-    assert re.search(r"model\.layers\.0\.mlp\.shared_expert\.\w+_proj", str(outs[1].error))
+    assert re.search(r"shared_expert\.\w+_proj.*--lora-target-modules", str(outs[1].error))
     assert outs[0].error is None
     assert list(outs[0].outputs[0].token_ids) == list(family.reference[0].token_ids)
 

@@ -242,8 +242,9 @@ def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str,
         if m is None:
             raise LoRAAdapterError(
                 f"adapter {name!r}: tensor {key!r} targets a module manylora cannot adapt "
-                f"(only {', '.join(LORA_TARGET_MODULES)} of the decoder layers, "
-                "embed_tokens and lm_head)")
+                f"on this model (only {', '.join(LORA_TARGET_MODULES)} of the decoder layers, "
+                "embed_tokens, lm_head and, on a mixture-of-experts model, its experts, "
+                "router and shared expert)")
         if m["name"] not in LORA_TARGET_MODULES and m["name"] not in FUSED_PEFT_MODULES:
             raise LoRAAdapterError(
                 f"adapter {name!r} targets module {m['module']!r}, which the base model does "

@@ -71,20 +71,3 @@ class AdapterTarget:
                 f"{what}: layer {layer} of the base model has no {module} (it has "
                 f"{', '.join(present)})")
 
-
-def moe_module_shapes(hidden_size: int, num_experts: int, moe_intermediate_size: int,
-                      shared_expert_intermediate_size: int = 0) -> dict[str, tuple[int, int]]:
-    """``{module: (in, out)}`` of the mixture-of-experts block's adaptable modules, as
-    ``AdapterTarget.module_shapes`` holds them: each expert's ``experts.gate_proj`` /
-    ``experts.up_proj`` ``(H, I)`` and ``experts.down_proj`` ``(I, H)``, the ``router``
-    ``(H, E)``, and with a shared expert (Qwen2-MoE) ``shared_expert.gate_proj`` /
-    ``up_proj`` ``(H, I_s)``, ``shared_expert.down_proj`` ``(I_s, H)`` and
-    ``shared_expert_gate`` ``(H, 1)``."""
-    h, i = hidden_size, moe_intermediate_size
-    shapes = {"experts.gate_proj": (h, i), "experts.up_proj": (h, i),
-              "experts.down_proj": (i, h), "router": (h, num_experts)}
-    if shared_expert_intermediate_size:
-        s = shared_expert_intermediate_size
-        shapes.update({"shared_expert.gate_proj": (h, s), "shared_expert.up_proj": (h, s),
-                       "shared_expert.down_proj": (s, h), "shared_expert_gate": (h, 1)})
-    return shapes

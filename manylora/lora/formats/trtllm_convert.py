@@ -11,14 +11,10 @@ from manylora.checkpoint.weights import CheckpointError, ModelWeightsLoader
 from manylora.config import MODEL_LAYER
 from manylora.lora.adapter import LoRAAdapterError, check_delta
 from manylora.lora.dora import dora_row_norm
-from manylora.lora.formats.peft import (
-    check_peft_pair,
-    dora_scale_from_magnitude,
-    group_peft_tensors,
-)
+from manylora.lora.formats.peft import dora_scale_from_magnitude, group_peft_tensors
 from manylora.lora.formats.peft_config import component_modules, read_peft_config
 from manylora.lora.formats.peft_scaling import PeftScaling
-from manylora.lora.formats.peft_weights import read_peft_tensors
+from manylora.lora.formats.peft_weights import check_peft_pair, read_peft_tensors
 from manylora.lora.formats.trtllm import check_storage_dtype, pad_rows
 from manylora.lora.formats.trtllm_modules import HF_TO_TRTLLM
 

@@ -8,6 +8,13 @@ gate and up (rows of ``w13``) and the same columns of down (``w2``); the block's
 all-reduced once. The router and the shared expert's gate are replicated; the shared expert
 is a ``LlamaMLP``-shaped pair of ``LoRALinear`` (column / row parallel, all-reduced there).
 
+Adapters (``LORA_MOE_MODULES``, slots only where ``lora_target_modules`` names them): the
+experts' gate, up and down per (slot, expert) in ``ExpertLoRASlots``, applied inside the
+fused experts' product (``fused_experts_lora``; gate/up cut as column-parallel, down as
+row-parallel, before the one all-reduce); the router and the shared expert's gate are
+replicated ``LoRALinear``s, the shared expert's projections ``LoRALinear``s split as the
+dense MLP's.
+
 Checkpoints: the stacked tensors are gathered at load (``checkpoint_loader`` on the
 parameters, called by ``ModelWeightsLoader.load_model``) from either layout transformers
 writes: per expert, ``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (Qwen2-MoE,
@@ -19,11 +26,18 @@ or the other family name (``mlp`` / ``block_sparse_moe``). Only the rank's colum
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from manylora.checkpoint.weights import CheckpointError, MissingWeightError, TPSlice
+from manylora.config import LORA_EXPERT_MODULES, MoEShape
 from manylora.distributed.parallel_state import TPGroup
+from manylora.lora.expert_slots import ExpertLoRASlots
+from manylora.lora.kernels.fused_moe_lora import fused_experts_lora
+from manylora.lora.kernels.meta import LoRAKernelMeta
+from manylora.lora.linear import LoRALinear
 from manylora.ops.fused_moe import fused_experts, select_experts
 
 #: Names a checkpoint gives the MoE block (transformers 5's, then Mixtral's older one).
@@ -33,42 +47,47 @@ _PER_EXPERT = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 class FusedMoE(nn.Module):
-    """Router + experts (+ shared expert) of one decoder layer.
+    """Router + experts (+ shared expert) of one decoder layer, each adapter-targetable.
 
     Args:
         hidden_size: ``H``.
-        num_experts: ``E``.
-        intermediate_size: each expert's whole ``I`` (``moe_intermediate_size``; Mixtral's
-            ``intermediate_size``).
-        top_k: experts per token.
-        renormalize: whether the top-k weights are scaled to sum to 1 (``select_experts``).
+        moe: the model's experts (``ModelConfig.moe``: ``E``, each expert's whole ``I``,
+            top-k, whether the top-k weights are renormalized).
         dtype, device: of the parameters.
         tp: the tensor-parallel group.
         shared_expert: Qwen2-MoE's shared expert (``forward(x, lora) → [T, H]``,
-            all-reduced), gated by ``sigmoid(shared_expert_gate(x))``; None without.
+            all-reduced; its projections' LoRA modules ``shared_expert.*``), gated by
+            ``sigmoid(shared_expert_gate(x))``; None without.
 
-    Parameters: ``gate.weight [E, H]``, ``experts.w13 [E, 2 I/tp, H]`` (this rank's gate
-    columns, then its up columns), ``experts.w2 [E, H, I/tp]``, ``shared_expert_gate.weight
-    [1, H]`` with a shared expert. The experts' ``tp_slices`` name the rank's part of the
-    whole stacked tensors (``load_format="dummy"`` draws the whole and cuts it).
+    Parameters: ``gate.weight [E, H]`` (the router, a replicated ``LoRALinear``: LoRA module
+    ``router``), ``experts.w13 [E, 2 I/tp, H]`` (this rank's gate columns, then its up
+    columns), ``experts.w2 [E, H, I/tp]``, ``shared_expert_gate.weight [1, H]`` (LoRA module
+    ``shared_expert_gate``) with a shared expert. The experts' ``tp_slices`` name the rank's
+    part of the whole stacked tensors (``load_format="dummy"`` draws the whole and cuts it).
+    ``create_lora_slots`` gives the experts adapter slots (``ExpertLoRASlots``).
 
-    Forward: ``x [T, H]`` → ``[T, H]`` in the model dtype, the same on every rank.
+    Forward: ``x [T, H]`` and the step's ``LoRAKernelMeta`` (None: no adapters) → ``[T, H]``
+    in the model dtype, the same on every rank. A row's adapter reaches the router's logits,
+    its experts' projections (``fused_experts_lora``) and the shared expert and its gate.
 
     Raises:
         ValueError: ``intermediate_size`` not divisible by ``tp.size``.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int,
-                 top_k: int, renormalize: bool, dtype: torch.dtype, device: torch.device,
-                 tp: TPGroup, shared_expert: nn.Module | None = None) -> None:
+    def __init__(self, hidden_size: int, moe: MoEShape, dtype: torch.dtype,
+                 device: torch.device, tp: TPGroup,
+                 shared_expert: nn.Module | None = None) -> None:
         super().__init__()
+        intermediate_size, num_experts = moe.intermediate_size, moe.num_experts
         if intermediate_size % tp.size:
             raise ValueError(f"moe intermediate_size={intermediate_size} is not divisible by "
                              f"tensor_parallel_size={tp.size}")
-        self.tp, self.top_k, self.renormalize = tp, top_k, renormalize
+        self.tp, self.top_k, self.renormalize = tp, moe.top_k, moe.renormalize
+        self.hidden_size = hidden_size
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         local = intermediate_size // tp.size
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype, device=device)
+        self.gate = LoRALinear(hidden_size, (num_experts,), ("router",), False, dtype, device,
+                               tp=tp)
         self.gate.weight.checkpoint_loader = self._load_router
         self.experts = nn.Module()
         self.experts.w13 = nn.Parameter(
@@ -83,19 +102,47 @@ class FusedMoE(nn.Module):
         cols = self._cols(intermediate_size, 1)
         self.experts.w13.tp_slices = (cols, cols)
         self.experts.w2.tp_slices = (self._cols(intermediate_size, 2),)
+        self.expert_lora: ExpertLoRASlots | None = None
         self.shared_expert = shared_expert
         self.shared_expert_gate = None
         if shared_expert is not None:
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, dtype=dtype,
-                                                device=device)
+            self.shared_expert_gate = LoRALinear(hidden_size, (1,), ("shared_expert_gate",),
+                                                 False, dtype, device, tp=tp)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        y = self.tp.all_reduce(fused_experts(x, self.experts.w13, self.experts.w2,
-                                             weights, ids))
+    def projections(self) -> tuple[LoRALinear, ...]:
+        """The block's adapter-targetable ``LoRALinear``s: the router, and the shared
+        expert's gate/up, down and gate."""
+        shared = () if self.shared_expert is None else (
+            self.shared_expert.gate_up_proj, self.shared_expert.down_proj,
+            self.shared_expert_gate)
+        return (self.gate, *shared)
+
+    def create_lora_slots(self, enabled: Sequence[str], max_loras: int, max_lora_rank: int,
+                          dtype: torch.dtype | None = None) -> ExpertLoRASlots | None:
+        """Slot buffers for the experts' modules when ``enabled`` names them (None
+        otherwise): this rank's ``I / tp`` columns of gate/up's B and down's A."""
+        if not any(m in LORA_EXPERT_MODULES for m in enabled):
+            return None
+        w2 = self.experts.w2
+        local = w2.shape[2]
+        lo = self.tp.rank * local
+        self.expert_lora = ExpertLoRASlots(
+            self.hidden_size, self.intermediate_size, self.num_experts, max_loras,
+            max_lora_rank, dtype or w2.dtype, w2.device, (lo, lo + local))
+        return self.expert_lora
+
+    def forward(self, x: torch.Tensor, lora: LoRAKernelMeta | None = None) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x, lora), self.top_k, self.renormalize)
+        slots = self.expert_lora
+        if slots is not None and (lora is None or not lora.has_lora or not slots.used(lora)):
+            slots = None
+        w13, w2 = self.experts.w13, self.experts.w2
+        y = (fused_experts(x, w13, w2, weights, ids) if slots is None else fused_experts_lora(
+            x, w13, w2, weights, ids, lora.token_lora_indices, slots.weights()))
+        y = self.tp.all_reduce(y)
         if self.shared_expert is not None:
-            gate = torch.sigmoid(self.shared_expert_gate(x))
-            y = y + gate * self.shared_expert(x, None)
+            gate = torch.sigmoid(self.shared_expert_gate(x, lora))
+            y = y + gate * self.shared_expert(x, lora)
         return y
 
     # -- checkpoint loading (ModelWeightsLoader.load_model's ``checkpoint_loader`` hook) --
