@@ -43,6 +43,22 @@ FAMILY_SPECS: dict[str, dict[str, Any]] = {
     "dora": {"r": 2, "target_modules": ["q_proj", "v_proj", "down_proj"], "use_dora": True},
 }
 
+#: ``make_checkpoint`` arguments of a tiny mixture-of-experts decoder: the shared sizes
+#: (:data:`MOE_TINY`), then per family the experts (:data:`MOE_FAMILIES`): Mixtral's 4 of
+#: intermediate 96, Qwen2-MoE's 4 of 48 with a shared expert of 64 and a dense second layer,
+#: Qwen3-MoE's 8 of 48 (top-2 everywhere).
+MOE_TINY: dict[str, Any] = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=128)
+MOE_FAMILIES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, head_dim=32),
+}
+
 
 @dataclass(frozen=True)
 class FamilyCase:

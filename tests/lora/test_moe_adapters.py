@@ -19,18 +19,9 @@ from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError, LoRAWeights, ch
 from manylora.lora.formats.peft import load_peft_adapter
 from manylora.lora.formats.target import AdapterTarget
 from manylora.lora_request import LoRARequest
-from manylora.testing import make_checkpoint
+from manylora.testing import MOE_FAMILIES, MOE_TINY, make_checkpoint
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-FAMILIES = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False,
-                      mlp_only_layers=[1]),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=True, head_dim=32),
-}
+TINY, FAMILIES = MOE_TINY, MOE_FAMILIES
 STACKED = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 

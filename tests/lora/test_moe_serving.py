@@ -16,6 +16,8 @@ from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LORA_MOE_MODULES, LORA_TARGET_MODULES
 from manylora.lora.adapter import LoRAAdapterError
 from manylora.testing import (
+    MOE_FAMILIES,
+    MOE_TINY,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
@@ -24,16 +26,7 @@ from manylora.testing import (
     shutting_down,
 )
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-FAMILIES = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False,
-                      mlp_only_layers=[1]),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=True, head_dim=32),
-}
+TINY, FAMILIES = MOE_TINY, MOE_FAMILIES
 PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SHARED = ["shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",

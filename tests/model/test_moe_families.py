@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from manylora import LLM, SamplingParams
 from manylora.testing import (
+    MOE_FAMILIES,
+    MOE_TINY,
     assert_greedy_matches,
     generate_greedy,
     generate_twice_from_prefix_cache,
@@ -29,16 +31,7 @@ from manylora.testing import (
     shutting_down,
 )
 
-TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
-FAMILIES = {
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False,
-                      mlp_only_layers=[1]),
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=True, head_dim=32),
-}
+TINY, FAMILIES = MOE_TINY, MOE_FAMILIES
 ENGINE = dict(device="cpu", dtype="float32", max_lora_rank=8, block_size=4,
               max_model_len=128, num_kv_blocks=96, max_loras=1)
 PROMPTS = [[1, 17, 40, 33, 8, 91, 54, 23, 70, 5, 61],
