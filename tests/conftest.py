@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -28,6 +31,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def compile_for_h100():
+    """``run(script, **env)``: run a Python script that builds Triton kernels for sm_90 (the
+    GPU build the interpreter never exercises) in a fresh interpreter without
+    ``TRITON_INTERPRET``, the repository on its path and ``env`` added to its environment;
+    skips the test where Triton has no NVIDIA backend or no ``ptxas``, fails it with the
+    script's stderr when it exits non-zero."""
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[1]
+
+    def run(script: str, **extra: str) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(extra)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+        proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
+            pytest.skip("no ptxas in this triton install")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return run
 
 
 @pytest.fixture(scope="session")

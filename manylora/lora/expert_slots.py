@@ -63,7 +63,7 @@ class ExpertLoRASlots(nn.Module):
         lo, hi = inter_range or (0, intermediate_size)
         if not 0 <= lo < hi <= intermediate_size:
             raise ValueError(f"intermediate range {(lo, hi)} outside {intermediate_size}")
-        self.max_loras, self.num_experts, self.dtype = max_loras, num_experts, dtype
+        self.max_loras, self.num_experts = max_loras, num_experts
         h, inter = hidden_size, intermediate_size
         gate_up = ((h, inter), (0, h), (lo, hi))
         self.full_in, self.full_out, self.in_cols, self.out_cols = {}, {}, {}, {}
@@ -71,7 +71,7 @@ class ExpertLoRASlots(nn.Module):
                 gate_up, gate_up, ((inter, h), (lo, hi), (0, h)))):
             self.full_in[name], self.full_out[name] = full
             self.in_cols[name], self.out_cols[name] = in_cols, out_cols
-            short = name.split(".")[1].removesuffix("_proj")
+            short = _short(name)
             self.register_buffer(f"a_{short}", torch.zeros(
                 max_loras, num_experts, max_lora_rank, in_cols[1] - in_cols[0], dtype=dtype,
                 device=device))
@@ -88,8 +88,7 @@ class ExpertLoRASlots(nn.Module):
         """
         if module not in self.module_names:
             raise ValueError(f"{module!r} is not an expert module ({self.module_names})")
-        short = module.split(".")[1].removesuffix("_proj")
-        return getattr(self, f"a_{short}"), getattr(self, f"b_{short}")
+        return getattr(self, f"a_{_short(module)}"), getattr(self, f"b_{_short(module)}")
 
     def bind(self, table: SlotTable, rank_col: int) -> None:
         """Use columns ``[rank_col, rank_col + 3)`` of ``table`` (``SlotTable`` calls this):
@@ -107,3 +106,8 @@ class ExpertLoRASlots(nn.Module):
         """The buffers and rank columns as the fused MoE LoRA kernel reads them."""
         return MoELoRAWeights(self.a_gate, self.b_gate, self.a_up, self.b_up, self.a_down,
                               self.b_down, self.ranks)
+
+
+def _short(module: str) -> str:
+    """The buffers' infix of an expert module: ``experts.gate_proj`` → ``gate``."""
+    return module.removeprefix("experts.").removesuffix("_proj")

@@ -37,13 +37,9 @@ checks the PTX: no FMA contraction in RMSNorm / RoPE, IEEE division, vectorized 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import types
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -571,15 +567,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
-def test_kernels_compile_for_h100():
+def test_kernels_compile_for_h100(compile_for_h100):
     """The libdevice branch (GPU_MATH) never runs under the interpreter: compile it for sm_90
     with Triton's bundled ptxas and check the PTX."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100)

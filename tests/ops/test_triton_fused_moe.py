@@ -25,11 +25,7 @@ a normwise bound (``NORMWISE_UNITS``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -232,18 +228,10 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
-def test_kernel_compiles_for_h100():
+def test_kernel_compiles_for_h100(compile_for_h100):
     """The GPU build is never exercised under the interpreter: compile the grouped GEMM for
     sm_90 (every ``MOE_CONFIGS`` row in bfloat16, tensor-core MMA; float32 without TF32)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100)
 
 
 @pytest.mark.gpu

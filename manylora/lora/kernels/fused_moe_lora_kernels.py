@@ -157,8 +157,8 @@ class MoELoRAPlan:
         self.block_r = max(16, min(next_power_of_2(max_rank), 64))
         self.num_experts, self.top_k, self.num_pairs, self.max_rank = (
             num_experts, top_k, num_pairs, max_rank)
-        self.sorted_ids, self.block_keys, _ = moe_lora_align(topk_ids, token_slots, self.block_m,
-                                                     num_experts, max_loras)
+        self.sorted_ids, self.block_keys, _ = moe_lora_align(
+            topk_ids, token_slots, self.block_m, num_experts, max_loras)
 
     def shrink(self, v: torch.Tensor, stacks: tuple[torch.Tensor, ...], ranks: torch.Tensor,
                row_div: int) -> torch.Tensor:

@@ -123,12 +123,10 @@ class FusedMoE(nn.Module):
         otherwise): this rank's ``I / tp`` columns of gate/up's B and down's A."""
         if not any(m in LORA_EXPERT_MODULES for m in enabled):
             return None
-        w2 = self.experts.w2
-        local = w2.shape[2]
-        lo = self.tp.rank * local
+        w2, cols = self.experts.w2, self._cols(self.intermediate_size, 0)
         self.expert_lora = ExpertLoRASlots(
             self.hidden_size, self.intermediate_size, self.num_experts, max_loras,
-            max_lora_rank, dtype or w2.dtype, w2.device, (lo, lo + local))
+            max_lora_rank, dtype or w2.dtype, w2.device, (cols.start, cols.stop))
         return self.expert_lora
 
     def forward(self, x: torch.Tensor, lora: LoRAKernelMeta | None = None) -> torch.Tensor:

@@ -29,11 +29,7 @@ those over about 3 (measured: at most 4.4 u in bfloat16, 4 u in float32 on both 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -283,19 +279,11 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
-def test_kernels_compile_for_h100():
+def test_kernels_compile_for_h100(compile_for_h100):
     """The GPU build is never exercised under the interpreter: compile the shrink and expand
     kernels for sm_90 (bfloat16 stacks on tensor-core MMA; float32 stacks, also over a
     bfloat16 model, in IEEE float32, no TF32)."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100)
 
 
 @pytest.mark.gpu

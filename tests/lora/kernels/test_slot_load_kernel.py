@@ -8,10 +8,7 @@ written out with tensor indexing, and ``scatter_slot_reference``.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -143,16 +140,8 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel itself")
-def test_scatter_kernel_compiles_for_h100():
+def test_scatter_kernel_compiles_for_h100(compile_for_h100):
     """The int64 → pointer casts and the runtime-bounded loop also compile for sm_90 (the
     interpreter runs them as Python): 16-bit stores, 64-bit descriptor loads."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_H100], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_h100(_COMPILE_FOR_H100,
+                     TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))

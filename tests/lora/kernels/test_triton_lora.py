@@ -19,11 +19,8 @@ sm_90.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import zlib
-from pathlib import Path
 from typing import NamedTuple
 
 import pytest
@@ -609,20 +606,12 @@ _COMPILE_EXPAND_FOR_H100 = textwrap.dedent("""
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernels themselves")
-def test_expand_kernels_compile_for_h100():
+def test_expand_kernels_compile_for_h100(compile_for_h100):
     """The DoRA epilogue's runtime branch on the loaded flag must also compile for sm_90 (the
     interpreter runs it as Python): the SGMV, BGMV and tiled expand kernels compile, and the
     scale and bias loads exist only in the variants that take them."""
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = Path(__file__).resolve().parents[3]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_EXPAND_FOR_H100], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    if proc.returncode and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    compile_for_h100(_COMPILE_EXPAND_FOR_H100,
+                     TRITON_DEFAULT_FP_FUSION=os.environ.get("TRITON_DEFAULT_FP_FUSION", "1"))
 
 
 # ---------------------------------------------------------------------------------------------
