@@ -114,7 +114,7 @@ def measure(model_dir: Path, adapters: list[Path] | None, targets: tuple | None,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU, no record")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
@@ -140,7 +140,7 @@ def main() -> None:
            ["engine", "step ms (median)", "vs LoRA off", "passes (ms)"], rows,
            notes=(f"{BATCH} requests on {BATCH} distinct rank-{RANK} adapters, prompt {PROMPT};"
                   f" step time = (t({LONG} new) - t({SHORT} new)) / {LONG - SHORT}."),
-           write=not args.no_record, device=device)
+           write=not (args.no_record or args.quick), device=device)
 
 
 if __name__ == "__main__":
