@@ -6,7 +6,9 @@ read that has made no progress for ``timeout`` seconds fails: the read reports p
 ``LoRALoadTimeoutError`` once ``timeout`` seconds pass since its start or its last report
 (time in the queue does not count: a burst of registrations, e.g. hundreds of
 ``--lora-modules``, waits its turn; nor does a read that works on but slowly, as one
-starved of the GIL or the CPU by the engine's step loop right after start-up is), its
+starved of the GIL or the CPU by the engine's step loop right after start-up is; nor does
+work a read marks ``outside_timeout``, such as the page-locked allocation of its packed
+buffer, which waits on the CUDA driver rather than on the adapter store), its
 caller moves on at once, and the worker stuck in it is written off and replaced, so the
 pool keeps its full number of working threads. Workers are daemon threads (a stuck one
 never holds the process at exit); at most ``max_abandoned`` stuck workers are replaced at
@@ -18,12 +20,14 @@ that was not replaced drops it and works on.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +56,24 @@ def report_progress() -> None:
     unit of work (a module read and checked)."""
     job = getattr(_current, "job", None)
     if job is not None:
+        job.progress = time.monotonic()
+
+
+@contextlib.contextmanager
+def outside_timeout() -> Iterator[None]:
+    """Run the block outside the current read's ``timeout`` (nothing outside a loader
+    thread): for work that is slow for reasons other than the adapter store, such as a
+    page-locked allocation (``cudaHostAlloc``) that waits behind the engine's own driver
+    calls for tens of seconds on a busy device. The bound starts again when the block
+    ends."""
+    job = getattr(_current, "job", None)
+    if job is None:
+        yield
+        return
+    job.progress = math.inf
+    try:
+        yield
+    finally:
         job.progress = time.monotonic()
 
 
@@ -186,9 +208,10 @@ class LoaderPool:
                     self._lock.wait(wait if wait is None else min(wait, 1.0))
                     continue
                 job = heapq.heappop(self._deadlines)
+                now = time.monotonic()
                 renewed = job.progress + self.timeout
-                if renewed > time.monotonic():         # it reported progress since
-                    job.deadline = renewed
+                if renewed > now:                      # progress since, or outside_timeout
+                    job.deadline = min(renewed, now + self.timeout)
                     heapq.heappush(self._deadlines, job)
                     continue
                 self._expire(job)

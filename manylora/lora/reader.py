@@ -3,11 +3,13 @@
 A read parses, validates and digests the adapter's files (``formats.loader``), then pins it
 (``pin_adapter``: one host buffer in slot order, in ``host_alloc``'s memory) with this
 engine rank's slot-load descriptors (``SlotLayout.prepare``), so that the engine's thread
-never waits on disk, a digest or a pin. Reads run on a ``LoaderPool`` (each failed once it
-makes no progress for ``load_timeout`` seconds). The reader keeps the reads in flight: first
-reads (a path seen for the first time, which every request for it joins) and re-reads (an
-adapter evicted from the host cache, read again ahead of the requests that need it, as
-vLLM's and S-LoRA's adapter caches do); ``LoRAManager.poll`` takes the finished ones in.
+never waits on disk, a digest or a pin. Reads run on a ``LoaderPool`` (each failed once its
+parse makes no progress for ``load_timeout`` seconds; the pin runs ``outside_timeout``: a
+page-locked allocation on a busy device waits on the driver, not on the store). The reader
+keeps the reads in flight: first reads (a path seen for the first time, which every request
+for it joins) and re-reads (an adapter evicted from the host cache, read again ahead of the
+requests that need it, as vLLM's and S-LoRA's adapter caches do); ``LoRAManager.poll``
+takes the finished ones in.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from manylora.lora.adapter import LoRAAdapter, LoRAAdapterError
 from manylora.lora.cache_report import AdapterLoadError, AdapterReloadError, LoRACacheStats
 from manylora.lora.formats.loader import check_adapter_dir, load_adapter_dir
 from manylora.lora.formats.target import AdapterTarget
-from manylora.lora.loader_pool import LoaderPool, report_progress
+from manylora.lora.loader_pool import LoaderPool, outside_timeout, report_progress
 from manylora.lora.pinned import PinnedAdapter, pin_adapter, pinned_bytes
 from manylora.lora.slot_layout import SlotLayout
 from manylora.lora_request import LoRARequest
@@ -131,7 +133,8 @@ class AdapterReader:
             adapter = load_adapter_dir(request, resolve_adapter_path(request.lora_path),
                                        self.target)
         report_progress()
-        adapter = self.pin(adapter)
+        with outside_timeout():
+            adapter = self.pin(adapter)
         with self._stats_lock:
             self.stats.host_load_seconds += time.perf_counter() - start
             self.stats.host_load_bytes += adapter.nbytes

@@ -90,3 +90,42 @@ def test_stuck_read_fails_alone_within_its_bound(base_dir, good_dir, monkeypatch
     finally:
         gate.set()
         engine.shutdown()
+
+
+def test_a_slow_pin_outlives_the_bound(base_dir, good_dir, monkeypatch):
+    """The pin (a page-locked allocation, which can wait behind the engine's driver calls
+    on a busy GPU) is not the store's fault: a read whose allocation takes three bounds
+    still loads, and its adapter's tokens are those of the same files read normally."""
+    entered, gate = threading.Event(), threading.Event()
+    original = reader_module.pinned_bytes
+
+    def slow_alloc(nbytes):
+        if not gate.is_set():
+            entered.set()
+            gate.wait()
+        return original(nbytes)
+
+    monkeypatch.setattr(reader_module, "pinned_bytes", slow_alloc)
+    with monkeypatch.context() as mp:
+        mp.setenv("MANYLORA_ENABLE_MULTIPROCESSING", "0")
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=str(base_dir), **ENGINE))
+
+    async def main():
+        slow = asyncio.ensure_future(_tokens(engine, "Once upon a time", GREEDY, "slow",
+                                             LoRARequest("slow-pin", 8, str(good_dir))))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(3 * ENGINE["lora_load_timeout"])
+        gate.set()
+        slow_out = await slow
+        again = await _tokens(engine, "Once upon a time", GREEDY, "again",
+                              LoRARequest("again", 9, str(good_dir)))
+        return slow_out, again
+
+    try:
+        slow_out, again = asyncio.run(main())
+        assert len(slow_out) == 8 and slow_out == again
+        assert engine.snapshot().lora.host_load_failures == 0
+    finally:
+        gate.set()
+        engine.shutdown()

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
-from manylora.lora.loader_pool import LoaderPool, report_progress
+from manylora.lora.loader_pool import LoaderPool, outside_timeout, report_progress
 
 
 def _blocked(release: threading.Event, started: threading.Event | None = None) -> str:
@@ -129,3 +129,45 @@ def test_a_read_that_works_on_outlives_the_bound():
     assert stopped.wait(60)
     report_progress()                    # outside a loader thread: nothing
     pool.shutdown()
+
+
+def test_work_outside_the_timeout_outlives_the_bound_and_the_bound_returns_after_it():
+    pool = LoaderPool(1, timeout=0.3)
+    release, inside, after = threading.Event(), threading.Event(), threading.Event()
+
+    def read(hang_after: bool) -> str:
+        with outside_timeout():             # e.g. a page-locked allocation on a busy GPU
+            inside.set()
+            release.wait()
+        after.set()
+        if hang_after:                      # stuck in the store again: the bound applies
+            threading.Event().wait()
+        return "pinned"
+
+    try:
+        slow = pool.submit(read, False, what="adapter 'slow-pin'")
+        assert inside.wait(30)
+        # several bounds pass while the read is inside the block; the watchdog keeps it
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            assert not slow.done()
+            time.sleep(0.05)
+        release.set()
+        assert slow.result(timeout=60) == "pinned"
+        inside.clear()
+        after.clear()
+        release.clear()
+        stuck = pool.submit(read, True, what="adapter 'stuck-after'")
+        assert inside.wait(30)
+        release.set()
+        assert after.wait(30)
+        with pytest.raises(LoRALoadTimeoutError, match="adapter 'stuck-after': its read"):
+            stuck.result(timeout=60)
+    finally:
+        release.set()
+        pool.shutdown()
+
+
+def test_outside_timeout_is_a_no_op_off_a_loader_thread():
+    with outside_timeout():
+        pass

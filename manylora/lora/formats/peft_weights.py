@@ -23,6 +23,7 @@ import torch
 
 from manylora.lora.adapter import LoRAAdapterError, all_finite
 from manylora.lora.formats.files import is_present, open_regular
+from manylora.lora.loader_pool import report_progress
 
 #: The largest safetensors header read (bytes); an adapter's lists its few hundred tensors in
 #: some 100 KB (safetensors itself allows 100 MB).
@@ -53,8 +54,11 @@ class PeftWeights:
         self.meta, self._read, self._stack = meta, read, stack
 
     def read(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` on the CPU (only its bytes are read)."""
-        return self._read(key)
+        """The tensor ``key`` on the CPU (only its bytes are read); on a loader thread, each
+        tensor read counts as the read's progress (``report_progress``)."""
+        tensor = self._read(key)
+        report_progress()
+        return tensor
 
     def close(self) -> None:
         self._stack.close()
