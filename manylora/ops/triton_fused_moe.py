@@ -71,6 +71,27 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int,
     return next(config for bound, config in MOE_CONFIGS if rows <= bound)
 
 
+def moe_token_cases(max_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """Token counts ``T`` in ``[1, max_tokens]``, one per launch class of the fused MoE op and
+    of its LoRA launches (``lora.kernels.fused_moe_lora``): the config :func:`moe_config`
+    picks, and whether the pair count ``T k`` is 1 or a multiple of 16 (what Triton
+    specializes the kernels' run-time ints on; every other int and stride is fixed by the
+    layer's shape). The start-up warm-up launches these (``worker.warmup``); the smallest
+    ``T`` of each class is taken.
+
+    Raises:
+        ValueError: ``max_tokens``, ``top_k`` or ``num_experts`` below 1.
+    """
+    if min(max_tokens, top_k, num_experts) < 1:
+        raise ValueError(f"max_tokens ({max_tokens}), top_k ({top_k}) and num_experts "
+                         f"({num_experts}) must be ≥ 1")
+    cases: dict[tuple, int] = {}
+    for t in range(1, max_tokens + 1):
+        pairs = t * top_k
+        cases.setdefault((moe_config(t, top_k, num_experts), pairs == 1, pairs % 16 == 0), t)
+    return sorted(cases.values())
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, slot) pairs sorted by expert, each expert's run padded to ``block_m``.

@@ -27,6 +27,10 @@ What selects a specialization, kernel by kernel (``manylora/ops``):
 * Fused elementwise (``triton_fused``): RMSNorm with and without the residual, Llama's and
   Gemma's (``UNIT_OFFSET``); SiLU-and-mul
   and RoPE have one specialization per model.
+* Fused MoE (``triton_fused_moe``) and its LoRA launches (``lora.kernels.fused_moe_lora``):
+  per MoE block shape and dtype, and the expert slots' rank; per step, the config the rows
+  per expert pick and whether the pair count is 1 or a multiple of 16 (``moe_token_cases``),
+  launched through ``FusedMoE.warm_up``.
 * Skinny projections (``triton_skinny``): per row bucket (``BLOCK_M``) and weight shape,
   the measured launch constants, and whether the projection has a bias; the row count is
   not specialized.
@@ -56,12 +60,14 @@ from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import LoRAKernelMeta, build_lora_kernel_meta
 from manylora.lora.linear import LoRALinear
 from manylora.lora.slots import LoRASlots
+from manylora.model.layers.moe import FusedMoE
 from manylora.model.layers.norm import RMSNorm
 from manylora.model.llama import LlamaForCausalLM
 from manylora.ops import triton_attention, triton_fused, triton_skinny
 from manylora.ops.attention_metadata import build_attention_metadata
 from manylora.ops.linear_method import UnquantizedLinearMethod
 from manylora.ops.paged_kv import KVCache
+from manylora.ops.triton_fused_moe import moe_token_cases
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +175,24 @@ def launch_every_specialization(model: LlamaForCausalLM, kv_caches: Sequence[KVC
     """
     return (_warm_lora(model, max_rows)
             + _warm_layers(model, kv_caches, block_size, max_num_seqs, max_blocks_per_seq)
+            + _warm_moe(model, max_rows)
             + _warm_skinny(model) + _warm_quantized(model)
             + _warm_token_bitmask(model, kv_caches[0].data.device))
+
+
+def _warm_moe(model: LlamaForCausalLM, max_rows: int) -> int:
+    """Each distinct MoE block's experts product, base and LoRA (``FusedMoE.warm_up``), at
+    one token count per launch class (``moe_token_cases``)."""
+    launches, seen = 0, set()
+    for m in model.modules():
+        if not isinstance(m, FusedMoE):
+            continue
+        slots = None if m.expert_lora is None else tuple(m.expert_lora.weights().a_gate.shape)
+        key = (tuple(m.experts.w13.shape), m.experts.w13.dtype, m.top_k, slots)
+        if key not in seen:
+            seen.add(key)
+            launches += m.warm_up(moe_token_cases(max_rows, m.top_k, m.num_experts))
+    return launches
 
 
 def _warm_token_bitmask(model: LlamaForCausalLM, device: torch.device) -> int:

@@ -7,8 +7,9 @@ aligned), and launches nothing. The model's forward pass, forced onto the Triton
 points, then runs random steps (decode, prefill over cached prefixes, mixed, CUDA-graph
 padded batches; LoRA off, BGMV, SGMV; DoRA flags) on a model with LoRA slots and its KV
 caches (llama, an int8 KV cache, mistral's window, qwen2's biases, gemma 2's soft cap over
-sliding and global layers, gemma 3's per-head q/k norms): every key those steps
-produce must be among the keys the warm-up produces.
+sliding and global layers, gemma 3's per-head q/k norms, qwen2-moe's experts with adapter
+slots, its router and shared expert): every key those steps produce must be among the keys
+the warm-up produces.
 
 GPU: an engine with LoRA (DoRA and plain adapters) and prefix caching serves a mixed
 workload after start-up, and Triton compiles nothing during it.
@@ -25,24 +26,26 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LORA_ALL_MODULES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
+from manylora.lora.kernels import fused_moe_lora, fused_moe_lora_kernels, triton_lora
 from manylora.lora.kernels import plans as lora_plans
 from manylora.lora.kernels import sgmv_kernels as lora_kernels
 from manylora.lora.kernels import tiled_kernels as lora_tiled_kernels
 from manylora.lora.kernels import tiled_plans as lora_tiled_plans
-from manylora.lora.kernels import triton_lora
 from manylora.lora.kernels.meta import build_lora_kernel_meta
 from manylora.lora.kernels.row_tiles import max_row_tiles
 from manylora.model import llama
+from manylora.model.layers import moe
 from manylora.model.layers.norm import GemmaRMSNorm, RMSNorm
 from manylora.model.layers.rotary import RotaryEmbedding
 from manylora.model.loader import load_hf_config, load_model
-from manylora.ops import triton_attention, triton_fused
+from manylora.ops import triton_attention, triton_fused, triton_fused_moe
 from manylora.ops.attention_metadata import build_attention_metadata
-from manylora.testing import make_checkpoint, make_peft_adapter
+from manylora.testing import MOE_FAMILIES, MOE_TINY, make_checkpoint, make_peft_adapter
 from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
-KERNEL_MODULES = (lora_kernels, lora_tiled_kernels, triton_attention, triton_fused)
+KERNEL_MODULES = (lora_kernels, lora_tiled_kernels, triton_attention, triton_fused,
+                  triton_fused_moe, fused_moe_lora_kernels)
 BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
@@ -119,6 +122,8 @@ def _force_triton(monkeypatch) -> None:
     monkeypatch.setattr(llama, "write_kv", triton_attention.write_kv_triton)
     monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention_triton)
     monkeypatch.setattr(llama, "silu_and_mul", triton_fused.silu_and_mul_triton)
+    monkeypatch.setattr(moe, "fused_experts", triton_fused_moe.fused_experts_triton)
+    monkeypatch.setattr(moe, "fused_experts_lora", fused_moe_lora.fused_experts_lora_triton)
 
     def norm(self, x, residual=None):
         if residual is None:
@@ -187,6 +192,9 @@ MODELS = {
                                     attn_logit_softcapping=5.0), "auto"),
     "gemma3-qk-norm": (dict(arch="gemma3", head_dim=16, sliding_window=6,
                             layer_types=["sliding_attention", "full_attention"]), "auto"),
+    # 4 experts, top-2: up to 20 rows per expert in a step, two of the fused MoE configs
+    "qwen2-moe-experts": (dict(arch="qwen2_moe", **MOE_TINY, **MOE_FAMILIES["qwen2_moe"]),
+                          "auto"),
 }
 
 
@@ -200,7 +208,8 @@ def model_and_caches(request, tmp_path_factory):
     cfg = ModelConfig.from_hf(load_hf_config(base), torch.float32)
     model = load_model(base, cfg, DEVICE)
     vocab = request.param in ("llama", "gemma2-softcap-windows")
-    targets = LORA_ALL_MODULES if vocab else LORA_TARGET_MODULES
+    every = vocab or request.param == "qwen2-moe-experts"     # the MoE block's modules too
+    targets = LORA_ALL_MODULES if every else LORA_TARGET_MODULES
     model.create_lora_slots(LoRAConfig(MAX_LORAS, 16, target_modules=targets))
     kv_caches = allocate_kv_caches(model.cfg, NUM_BLOCKS, BLOCK_SIZE, DEVICE,
                                    kv_cache_dtype)
@@ -231,6 +240,9 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
     assert {"_paged_attention_kernel", "bgmv_expand_kernel", "sgmv_shrink_kernel",
             "tiled_shrink_kernel", "tiled_expand_kernel",
             "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
+    if any(isinstance(m, moe.FusedMoE) for m in model.modules()):
+        assert {"_fused_moe_kernel", "moe_lora_shrink_kernel",
+                "moe_lora_expand_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
         map(str, sorted(missing, key=str)))

@@ -41,7 +41,7 @@ from manylora.lora.kernels.jit_helpers import (
     slot_rank,
 )
 from manylora.ops.host_math import cdiv, next_power_of_2
-from manylora.ops.triton_fused_moe import align_block_size
+from manylora.ops.triton_fused_moe import align_block_size, moe_config
 
 #: Output tile of the expand, ``k`` step of the shrink.
 _BLOCK_N = 64
@@ -151,9 +151,9 @@ class MoELoRAPlan:
                  max_loras: int, max_rank: int):
         t, top_k = topk_ids.shape
         num_pairs = t * top_k
-        # mean pairs per expert; each expert's are split further over the adapters
-        per_expert = cdiv(num_pairs, num_experts)
-        self.block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
+        # the base op's block height (from the mean pairs per expert; each expert's are
+        # split further over the adapters), so its launch classes are the base op's
+        self.block_m = moe_config(t, top_k, num_experts)[0]
         self.block_r = max(16, min(next_power_of_2(max_rank), 64))
         self.num_experts, self.top_k, self.num_pairs, self.max_rank = (
             num_experts, top_k, num_pairs, max_rank)

@@ -143,6 +143,30 @@ class FusedMoE(nn.Module):
             y = y + gate * self.shared_expert(x, lora)
         return y
 
+    def warm_up(self, token_counts: Sequence[int]) -> int:
+        """Run the experts' product once per token count in ``token_counts`` on zero
+        activations, through the entry points ``forward`` calls: the base op, and with
+        expert slots its LoRA launches on slot 0 (whatever its ranks); the outputs are
+        dropped. Compiles their Triton specializations before serving (``worker.warmup``,
+        with ``ops.triton_fused_moe.moe_token_cases``).
+
+        Returns:
+            The entry-point calls made.
+        """
+        w13, w2 = self.experts.w13, self.experts.w2
+        launches = 0
+        for t in token_counts:
+            x = torch.zeros(t, self.hidden_size, dtype=w13.dtype, device=w13.device)
+            logits = torch.zeros(t, self.num_experts, dtype=w13.dtype, device=w13.device)
+            weights, ids = select_experts(logits, self.top_k, self.renormalize)
+            fused_experts(x, w13, w2, weights, ids)
+            launches += 1
+            if self.expert_lora is not None:
+                slots = torch.zeros(t, dtype=torch.int32, device=w13.device)
+                fused_experts_lora(x, w13, w2, weights, ids, slots, self.expert_lora.weights())
+                launches += 1
+        return launches
+
     # -- checkpoint loading (ModelWeightsLoader.load_model's ``checkpoint_loader`` hook) --
 
     def _prefixes(self, name: str, suffix: str) -> list[str]:
