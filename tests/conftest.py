@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,10 +79,33 @@ def smollm2_hf_model(smollm2_gguf):
     from_pretrained(folder, gguf_file=name)``, dequantized by the ``gguf`` package), in eval
     mode with eager attention: the reference the engine's GGUF loading is checked against,
     and the base ``hf_greedy_reference`` and ``make_peft_adapter`` copy instead of loading
-    it again."""
+    it again.
+
+    The dequantization takes 15-30 s on two cores, so the first test process on a machine
+    writes the dequantized model beside the GGUF (its config without the GGUF
+    ``quantization_config``, and its weights by ``safetensors``; transformers refuses
+    ``save_pretrained`` of a GGUF-loaded model) and every later one (the other xdist
+    worker, the next run) loads that float32 copy: the same weights, bit for bit."""
+    from filelock import FileLock
+    from safetensors.torch import save_model
+
     from manylora.testing.hf import hf_causal_lm
 
-    return hf_causal_lm(smollm2_gguf, dtype=torch.float32, attn_implementation="eager").eval()
+    copy = smollm2_gguf.with_name(smollm2_gguf.stem + "-transformers-float32")
+    kwargs = dict(dtype=torch.float32, attn_implementation="eager")
+    with FileLock(str(copy) + ".lock"):
+        if not (copy / "model.safetensors").exists():
+            model = hf_causal_lm(smollm2_gguf, **kwargs)
+            partial = copy.with_name(copy.name + ".partial")
+            shutil.rmtree(partial, ignore_errors=True)      # an interrupted write
+            partial.mkdir()
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (partial / "config.json").write_text(json.dumps(config, indent=2))
+            save_model(model, str(partial / "model.safetensors"))
+            partial.rename(copy)
+            return model.eval()
+    return hf_causal_lm(copy, **kwargs).eval()
 
 
 @pytest.fixture(scope="session")

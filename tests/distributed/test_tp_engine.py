@@ -66,7 +66,8 @@ def _generate(base_dir, loras, **kwargs):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("tp, async_scheduling", [(2, True), (2, False), (4, True)])
+# TP 2 with async scheduling (the default) is what every other test here runs
+@pytest.mark.parametrize("tp, async_scheduling", [(2, False), (4, True)])
 def test_tensor_parallel_equals_one_rank(base_dir, loras, tp, async_scheduling):
     """Against one rank without async scheduling: under it every rank gathers the decode
     tokens from rank 0's samples, broadcast to the workers."""

@@ -276,9 +276,11 @@ def _check_ranks(cases, out_dir: Path, name: str, tp: int, backend: str) -> None
     assert (ref["logits.dora"] - ref["logits.lora"]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name, tp", [("llama_gqa", 2), ("llama_gqa", 4),
-                                      ("llama_mqa_bias", 2), ("qwen2_vocab509", 2),
-                                      ("qwen2_vocab509", 4), ("llama_uneven", 2)])
+# TP 4 once: qwen2_vocab509's two KV heads replicated over four ranks, its 509-token
+# vocabulary cut unevenly, and its biases
+@pytest.mark.parametrize("name, tp", [("llama_gqa", 2), ("llama_mqa_bias", 2),
+                                      ("qwen2_vocab509", 2), ("qwen2_vocab509", 4),
+                                      ("llama_uneven", 2)])
 def test_tp_ranks_match_one_rank(cases, tmp_path, name, tp):
     _check_ranks(cases, tmp_path, name, tp, "gloo")
 
