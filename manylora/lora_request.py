@@ -82,3 +82,28 @@ class LoRARequest:
     def has_tensors(self) -> bool:
         """Whether the request carries the adapter's weights and config itself."""
         return self.weights is not None
+
+
+#: ``alora_start`` of a prompt that lacks its adapter's invocation sequence: past every
+#: position a request reaches, so no token of it gets the adapter's weights.
+ALORA_NEVER = 1 << 62
+
+
+def alora_start(token_ids: list[int], invocation_tokens: tuple[int, ...] | None,
+                never: int = ALORA_NEVER) -> int:
+    """The first position an adapter's weights apply to in a request: 0 for a plain
+    adapter; for an activated one (aLoRA, Greenewald et al. 2025; peft's
+    ``calculate_alora_offsets``), the start of the last occurrence of its invocation
+    sequence in the prompt ``token_ids``, or ``never`` (a position past any the request
+    reaches) when the prompt lacks it, so the request runs as the base model, as peft runs
+    it. Tokens before the start get the base model's weights, so their keys and values are
+    the base model's.
+    """
+    if invocation_tokens is None:
+        return 0
+    inv = list(invocation_tokens)
+    n = len(inv)
+    for start in range(len(token_ids) - n, -1, -1):
+        if token_ids[start] == inv[0] and token_ids[start: start + n] == inv:
+            return start
+    return never

@@ -64,6 +64,10 @@ class Request:
             with the long factors (``model.layers.rotary.rope_rows``; set when it is built
             or when it grows past that length, ``Scheduler``): its prefix-cache hashes are
             kept apart from those of shorter sequences, whose keys rotate the short way.
+        lora_start: the first position the adapter's weights apply to (``alora_start``): 0
+            for a plain adapter and the base model; an activated adapter's (aLoRA) is the
+            start of the last invocation sequence in the prompt, set with ``lora_digest``;
+            earlier tokens run as the base model.
         group_key: what the scheduler groups by (set from ``client_group``, or the request
             id when it is None; a group name never merges with a lone request's id).
         scheduled_time: when the scheduler first took it into the running batch
@@ -94,6 +98,7 @@ class Request:
     prompt_logprobs_next: int = 1
     cache_salt: str | None = None
     long_rope: bool = False
+    lora_start: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

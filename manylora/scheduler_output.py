@@ -79,6 +79,8 @@ class NewRequestData(NamedTuple):
         sampling_params: the request's ``SamplingParams``.
         num_prompt_tokens: how many of ``all_token_ids`` are the prompt (the rest were
             generated; the penalties count those); -1: all of them.
+        lora_start: the first position the adapter applies to (``Request.lora_start``; an
+            activated adapter's invocation start), earlier tokens running as the base model.
     """
 
     req_id: str
@@ -88,6 +90,7 @@ class NewRequestData(NamedTuple):
     lora_int_id: int
     sampling_params: SamplingParams
     num_prompt_tokens: int = -1
+    lora_start: int = 0
 
 
 class CachedRequestData(NamedTuple):

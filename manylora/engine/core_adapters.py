@@ -14,7 +14,7 @@ from manylora.engine.protocol import EngineCoreOutput, FinishReason
 from manylora.engine.serial import ErrorInfo
 from manylora.lora.cache_report import AdapterLoadError
 from manylora.lora.manager import LoRAManager
-from manylora.lora_request import LoRARequest
+from manylora.lora_request import LoRARequest, alora_start
 from manylora.request import Request, RequestStatus
 from manylora.scheduler.scheduler import Scheduler
 from manylora.structured.manager import StructuredOutputManager
@@ -75,6 +75,8 @@ class CoreAdapters:
             for req, _ in self._awaiting.get(lid, {}).values():
                 if self.is_live(req):
                     req.lora_digest, req.adapter_pending = digest, False
+                    req.lora_start = alora_start(req.token_ids[:req.num_prompt_tokens],
+                                                 self.manager.invocation_tokens(lid))
             for future in self._futures.pop(lid, []):
                 future.set_result(True)
         for error in events.failed:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from manylora.engine.protocol import EngineCoreRequest
 from manylora.lora.manager import LoRAManager
-from manylora.lora_request import LoRARequest
+from manylora.lora_request import LoRARequest, alora_start
 from manylora.request import Request
 from manylora.scheduler.scheduler import Scheduler
 from manylora.structured.manager import StructuredOutputManager
@@ -67,10 +67,13 @@ def build_request(request: EngineCoreRequest, scheduler: Scheduler,
     lora_request = request.lora_request
     digest = None
     ready = True
+    lora_start = 0
     if lora_request is not None:
         manager = require_lora(lora_manager, lora_request)
         digest = manager.add(lora_request)
         ready = manager.is_ready(lora_request.lora_int_id)
+        if digest is not None:
+            lora_start = alora_start(ids, manager.invocation_tokens(lora_request.lora_int_id))
     limit = len(ids) + (params.max_tokens or max_model_len)
     req = Request(rid, None, list(ids), params, lora_request,
                   min(limit, max_model_len), arrival_time=request.arrival_time,
@@ -79,5 +82,6 @@ def build_request(request: EngineCoreRequest, scheduler: Scheduler,
                   adapter_pending=lora_request is not None and digest is None,
                   client_group=request.client_group, cache_salt=request.cache_salt,
                   long_rope=(scheduler.long_rope_after is not None
-                             and len(ids) > scheduler.long_rope_after))
+                             and len(ids) > scheduler.long_rope_after),
+                  lora_start=lora_start)
     return req, history, ready

@@ -164,18 +164,29 @@ class LoRAAdapter:
             dtype (DoRA scales in float32); module names are the seven HF projection names,
             ``embed_tokens`` / ``lm_head`` (layer ``MODEL_LAYER``) and the MoE block's
             ``LORA_MOE_MODULES`` (``experts.*`` with 3-D weights).
-        digest: ``weights_digest(weights)``; with the name, what identifies the adapter's
-            cached state (two adapters that share a name never share it).
+        digest: ``weights_digest(weights)`` (and the invocation tokens of an activated
+            adapter); with the name, what identifies the adapter's cached state (two
+            adapters that share a name never share it).
+        invocation_tokens: an activated LoRA's (aLoRA; peft's ``alora_invocation_tokens``)
+            invocation token ids: its weights apply from the start of the last occurrence
+            of this sequence in a request's prompt on (``alora_start``); None: a plain
+            adapter, on every token.
     """
 
     lora_int_id: int
     name: str
     weights: dict[tuple[int, str], LoRAWeights]
     digest: str = field(default="")
+    invocation_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.digest:
-            object.__setattr__(self, "digest", weights_digest(self.weights))
+            digest = weights_digest(self.weights)
+            if self.invocation_tokens is not None:
+                h = hashlib.blake2b(digest.encode(), digest_size=16)
+                h.update(("alora:" + ",".join(map(str, self.invocation_tokens))).encode())
+                digest = h.hexdigest()
+            object.__setattr__(self, "digest", digest)
 
     @property
     def rank(self) -> int:

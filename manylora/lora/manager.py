@@ -51,6 +51,7 @@ class _Known:
     request: LoRARequest      # how to read it again ("" path: only the host copy exists)
     digest: str
     collective: bool = False  # its read is a collective under tensor parallelism
+    invocation: tuple[int, ...] | None = None   # an activated adapter's invocation tokens
 
 
 def _collective_read(adapter: PinnedAdapter | LoRAAdapter) -> bool:
@@ -190,7 +191,8 @@ class LoRAManager:
             if known is None:
                 self.host_cache.insert(self.reader.pin(adapter), must_fit=True)
                 self._known[lid] = known = _Known(request, adapter.digest,
-                                                  _collective_read(adapter))
+                                                  _collective_read(adapter),
+                                                  adapter.invocation_tokens)
             else:
                 self.host_cache.touch(lid)
         elif request.lora_path:
@@ -219,7 +221,8 @@ class LoRAManager:
             adapter = self.reader.read(request)
             self.host_cache.insert(adapter, must_fit=True)
             self._known[request.lora_int_id] = _Known(request, adapter.digest,
-                                                      _collective_read(adapter))
+                                                      _collective_read(adapter),
+                                                      adapter.invocation_tokens)
             return
         self.reader.start_first(request)
 
@@ -279,6 +282,12 @@ class LoRAManager:
             del self._known[lid]          # given as tensors: nothing to read again from
 
     # ------------------------------------------------------------------ scheduler's view
+
+    def invocation_tokens(self, lora_int_id: int) -> tuple[int, ...] | None:
+        """An activated adapter's invocation tokens (aLoRA), None for a plain one or one
+        whose first read has not finished."""
+        known = self._known.get(lora_int_id)
+        return None if known is None else known.invocation
 
     def is_ready(self, lora_int_id: int) -> bool:
         return lora_int_id in self.slot_pool or lora_int_id in self.host_cache
@@ -357,7 +366,8 @@ class LoRAManager:
         self._failures.extend(failed)
         for request, adapter in first_reads:
             lid = request.lora_int_id
-            self._known[lid] = _Known(request, adapter.digest, _collective_read(adapter))
+            self._known[lid] = _Known(request, adapter.digest, _collective_read(adapter),
+                                      adapter.invocation_tokens)
             events.ready[lid] = adapter.digest
             # a host cache full of adapters that waiting requests need: dropped for now, read
             # again (prefetch) when its turn comes, as an evicted adapter is

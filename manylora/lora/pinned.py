@@ -81,6 +81,7 @@ class PinnedAdapter:
             prepared (and on tensor-parallel ranks > 0, which prepare their own).
         rank: the largest rank over its modules.
         has_dora: whether any module has DoRA scales.
+        invocation_tokens: an activated adapter's invocation tokens (``LoRAAdapter``'s).
     """
 
     lora_int_id: int
@@ -92,6 +93,7 @@ class PinnedAdapter:
     rank: int
     has_dora: bool
     slot_load: SlotLoad | None = field(default=None)
+    invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -180,4 +182,5 @@ def pin_adapter(adapter: LoRAAdapter,
         if scale is not None:
             scale.copy_(dora_scale)
     return PinnedAdapter(adapter.lora_int_id, adapter.name, adapter.digest, buf, plan, dtype,
-                         adapter.rank, adapter.has_dora)
+                         adapter.rank, adapter.has_dora,
+                         invocation_tokens=adapter.invocation_tokens)

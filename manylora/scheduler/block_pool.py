@@ -4,7 +4,8 @@
 A full block of ``block_size`` tokens is addressed by a hash chained over its parent
 block's hash, its token ids and the identity of the adapter that produced its keys and
 values (vLLM's prefix-caching block hash with the LoRA "extra key", keyed here by the
-digest of the adapter's weights, so two adapters that share a name never share KV). Blocks
+digest of the adapter's weights, so two adapters that share a name never share KV; an
+activated adapter's blocks before its invocation start are the base model's). Blocks
 that no request holds stay addressable in an LRU list until a new allocation needs them
 (vLLM's ``BlockPool`` free queue; TurboMind's "cache of KV caches").
 """
@@ -36,19 +37,30 @@ def root_hash(lora_digest: str | None, cache_salt: str | None = None,
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
                         lora_digest: str | None, cache_salt: str | None = None,
-                        long_rope: bool = False) -> list[bytes]:
+                        long_rope: bool = False, lora_start: int = 0) -> list[bytes]:
     """Append the hashes of the full blocks of ``token_ids`` that ``hashes`` lacks.
 
     ``hashes[i] = BLAKE2b(hashes[i-1] ‖ token_ids[i*bs:(i+1)*bs] as int64)``, with
     ``hashes[-1] = root_hash(lora_digest, cache_salt, long_rope)``. Token ids only grow, so
     the list is extended in place and returned.
+
+    An activated adapter (``lora_start`` > 0, ``Request.lora_start``) computes its tokens
+    before ``lora_start`` with the base model's weights: its ``s = lora_start // bs`` full
+    blocks that end at or before it are hashed as the base model's (rooted in
+    ``root_hash(None, ...)``), so the base model's requests and every activated adapter's
+    find them, and block ``s`` is chained from them with the adapter's identity added
+    (``BLAKE2b(hashes[s-1] ‖ "lora:" digest ‖ tokens)``), so it and every later block are
+    the adapter's alone.
     """
-    parent = hashes[-1] if hashes else root_hash(lora_digest, cache_salt, long_rope)
+    shared = lora_start // block_size if lora_digest is not None else 0
     for i in range(len(hashes), len(token_ids) // block_size):
+        parent = hashes[i - 1] if i else root_hash(None if shared else lora_digest,
+                                                   cache_salt, long_rope)
         h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        if shared and i == shared:
+            h.update(b"lora:" + lora_digest.encode())
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
-        parent = h.digest()
-        hashes.append(parent)
+        hashes.append(h.digest())
     return hashes
 
 

@@ -119,7 +119,8 @@ class KVCacheManager:
             raise RuntimeError(f"request {req.request_id!r}: its adapter's digest is not "
                                "known yet; it cannot be hashed into the prefix cache")
         return extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
-                                   req.lora_digest, req.cache_salt, req.long_rope)
+                                   req.lora_digest, req.cache_salt, req.long_rope,
+                                   req.lora_start)
 
     def lookup(self, req: Request) -> PrefixHit:
         """The longest cached prefix of ``req``'s tokens under its adapter digest: device

@@ -42,7 +42,7 @@ class RunnerDeltas:
             if sent is None:
                 new_reqs.append(NewRequestData(rid, req.token_ids, list(table), s.start,
                                                req.lora_int_id, req.sampling_params,
-                                               req.num_prompt_tokens))
+                                               req.num_prompt_tokens, req.lora_start))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(table[sent:] if len(table) > sent else [])

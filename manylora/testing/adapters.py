@@ -31,6 +31,7 @@ def make_peft_adapter(
     bias: str = "none",
     base_model: Any = None,
     target_parameters: Sequence[str] | None = None,
+    alora_invocation_tokens: Sequence[int] | None = None,
 ) -> Path:
     """Write a random, non-trivial peft LoRA adapter for the checkpoint in ``base_dir`` (a
     folder, or a GGUF file).
@@ -54,6 +55,8 @@ def make_peft_adapter(
             stacked ``mlp.experts.gate_up_proj``; ``target_modules`` may then be empty.
         base_model: the base already loaded by transformers from ``base_dir`` (a copy is
             wrapped), to skip loading it again.
+        alora_invocation_tokens: an activated LoRA's invocation token ids (peft's aLoRA),
+            passed to ``LoraConfig``.
 
     Returns:
         ``Path(out_dir)``.
@@ -93,6 +96,8 @@ def make_peft_adapter(
         use_dora=use_dora,
         bias=bias,
         target_parameters=None if target_parameters is None else list(target_parameters),
+        alora_invocation_tokens=(None if alora_invocation_tokens is None
+                                 else list(alora_invocation_tokens)),
     )
     peft_model = get_peft_model(model, lora_config)
     gen = torch.Generator().manual_seed(seed)

@@ -46,6 +46,7 @@ class CachedRequestState:
         uid: a number no other state of this batch has (a request id can come back, as a
             new request, while a step sampled for the old one is in flight).
         num_prompt_tokens: how many of its tokens are the prompt.
+        lora_start: the first position its adapter applies to (``NewRequestData``'s).
     """
 
     req_id: str
@@ -55,6 +56,7 @@ class CachedRequestState:
     token_ids: np.ndarray | None = None
     uid: int = 0
     num_prompt_tokens: int = 0
+    lora_start: int = 0
 
 
 @dataclass
@@ -162,6 +164,7 @@ class InputBatch:
         self.num_tokens = grow(g("num_tokens"), np.int64)
         self.row_uid = grow(g("row_uid"), np.int64, -1)
         self.lora_id = grow(g("lora_id"), np.int64)
+        self.lora_start = grow(g("lora_start"), np.int64)
         self.temperature = grow(g("temperature"), np.float32)
         self.top_k = grow(g("top_k"), np.int32)
         self.top_p = grow(g("top_p"), np.float32, 1.0)
@@ -207,6 +210,7 @@ class InputBatch:
         self.num_tokens[row] = n
         self.row_uid[row] = state.uid
         self.lora_id[row] = state.lora_int_id
+        self.lora_start[row] = state.lora_start
         p = state.sampling_params
         greedy = p.greedy
         self.greedy[row] = greedy
@@ -228,7 +232,8 @@ class InputBatch:
         state = CachedRequestState(new.req_id, list(new.block_ids), new.lora_int_id,
                                    new.sampling_params, uid=next(self._uids),
                                    num_prompt_tokens=(len(new.all_token_ids) if n_prompt < 0
-                                                      else n_prompt))
+                                                      else n_prompt),
+                                   lora_start=new.lora_start)
         self.requests[new.req_id] = state
         self.pending.pop(new.req_id, None)
         row = self.row_of.get(new.req_id)

@@ -88,7 +88,7 @@ def prepare_inputs(batch: InputBatch, out: SchedulerOutput, ids: list[str],
     late = np.nonzero(seq_lens > known)[0]        # their last token is on the device
     bucket = bucket_of(num_seqs) if num_tokens == num_seqs else None
     pending = batch.block_table.num_pending()
-    token_slots = _token_slots(batch, seq_rows, query_lens, lora_slots)
+    token_slots = _token_slots(batch, seq_rows, query_lens, positions, lora_slots)
     plan, prompt_rows, prompt_targets = prompt_logprob_rows(batch, ids, seq_rows, starts,
                                                             query_lens, query_start)
     num_prompt_lp = 0 if prompt_rows is None else int(prompt_rows.size)
@@ -265,8 +265,9 @@ def _penalty_inputs(batch: InputBatch, req_ids: list[str], rows: np.ndarray,
 
 
 def _token_slots(batch: InputBatch, seq_rows: np.ndarray, query_lens: np.ndarray,
-                 lora_slots: Mapping[int, int]) -> np.ndarray | None:
-    """Each token's adapter slot (-1: base), or None when no row uses an adapter."""
+                 positions: np.ndarray, lora_slots: Mapping[int, int]) -> np.ndarray | None:
+    """Each token's adapter slot (-1: base, and the tokens of an activated adapter's
+    request before its ``lora_start``), or None when no row uses an adapter."""
     if not batch.max_loras:
         return None
     ids = batch.lora_id[seq_rows]
@@ -287,7 +288,11 @@ def _token_slots(batch: InputBatch, seq_rows: np.ndarray, query_lens: np.ndarray
     if missing.size:
         raise KeyError(f"adapter {int(ids[missing[0]])} has no slot this step")
     seq_slots = np.where(found & (ids != 0), vals[pos] if vals.size else -1, -1)
-    return np.repeat(seq_slots, query_lens)
+    slots = np.repeat(seq_slots, query_lens)
+    starts = batch.lora_start[seq_rows]
+    if starts.any():
+        slots = np.where(positions >= np.repeat(starts, query_lens), slots, -1)
+    return slots
 
 
 def _put(dst: np.ndarray, src: np.ndarray, pad: int) -> None:

@@ -195,7 +195,14 @@ def load_peft_adapter(request: LoRARequest, path: str | os.PathLike,
             weights.update(expert_weights(name, source, tensors, scaling, target))
     if not weights:
         raise LoRAAdapterError(f"adapter {name!r} holds no LoRA weights")
-    return LoRAAdapter(request.lora_int_id, name, weights)
+    invocation = cfg.get("alora_invocation_tokens")
+    if invocation is not None:
+        if any(m == "embed_tokens" for _, m in weights):
+            raise LoRAAdapterError(
+                f"adapter {name!r}: an activated LoRA (alora_invocation_tokens) on "
+                "embed_tokens is not supported (peft activates only Linear layers)")
+        invocation = tuple(invocation)
+    return LoRAAdapter(request.lora_int_id, name, weights, invocation_tokens=invocation)
 
 
 def group_peft_tensors(tensors: dict[str, torch.Tensor], name: str,

@@ -108,6 +108,23 @@ def _check_config_types(cfg: dict, what: str) -> None:
             or (isinstance(params, list) and all(isinstance(t, str) for t in params))):
         raise LoRAAdapterError(f"{what}: target_parameters = {params!r} is not a list of "
                                "parameter names")
+    invocation = cfg.get("alora_invocation_tokens")
+    if invocation is not None:
+        if not (isinstance(invocation, list) and invocation and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in invocation)):
+            raise LoRAAdapterError(f"{what}: alora_invocation_tokens = {invocation!r} is not a "
+                                   "non-empty list of token ids")
+        for key, why in (("use_dora", "DoRA"), ("target_parameters", "target_parameters")):
+            if cfg.get(key):
+                raise LoRAAdapterError(f"{what}: an activated LoRA (alora_invocation_tokens) "
+                                       f"with {why} is not supported (peft has no such "
+                                       "variant)")
+        if isinstance(targets, list) and any(t.rsplit(".", 1)[-1] == "embed_tokens"
+                                             for t in targets):
+            raise LoRAAdapterError(f"{what}: an activated LoRA (alora_invocation_tokens) on "
+                                   "embed_tokens is not supported (peft activates only "
+                                   "Linear layers)")
 
 
 def read_peft_config(path: str | os.PathLike, name: str) -> dict:
