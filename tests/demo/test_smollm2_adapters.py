@@ -1,5 +1,6 @@
 """The shipped demo adapters on SmolLM2-135M-Instruct's GGUF, in one mixed batch with the
-base model and with adapters this test writes with other ranks and targets.
+base model and with adapters this test writes with other ranks and targets; then two
+activated adapters (aLoRA) this test writes, on a conversation the base model prefilled.
 
 Two independent references: each shipped adapter's answer to held-out prompts equals the
 task's expected answer (``manylora.demo.tasks``, which generates the answers, not the
@@ -75,6 +76,54 @@ def test_shipped_and_written_adapters_in_one_batch_equal_peft(smollm2_gguf, smol
     refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _, _ in jobs],
                                [n for _, n, _ in jobs], MAX_NEW, base_model=smollm2_hf_model)
     for (_, name, _), out, ref in zip(jobs, outs, refs, strict=True):
+        ours = _drop_eos(out.outputs[0].token_ids)
+        ok, at = compare_greedy(ours, type(ref)(_drop_eos(ref.token_ids), ref.logits))
+        assert ok, f"{name or 'base'}: differs from transformers + peft at token {at}"
+
+
+#: Activated adapters (aLoRA) written here, each with its own invocation text.
+ACTIVATED = {
+    "check_r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj",
+                                                         "o_proj"], seed=41),
+    "rewrite_r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                       seed=42),
+}
+INVOCATIONS = {"check_r8": "Safety check:", "rewrite_r4": "Rewrite it:"}
+
+
+def test_activated_adapters_share_the_conversation_and_equal_peft(
+        smollm2_gguf, smollm2_tokenizer, smollm2_hf_model, smollm2_llm, tmp_path):
+    """A chat conversation on the base model, then each aLoRA adapter's request on the same
+    conversation with its invocation text and a question appended: token for token
+    transformers + peft's, and prefilled from the prefix cache up to the last full block
+    before the invocation (the engine's prefix-hit tokens)."""
+    block = 16                                  # the smollm2_llm fixture's block_size
+    conversation = smollm2_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "My neighbour's dog barks all night. What can I do?"},
+         {"role": "assistant", "content": "Talk to your neighbour first, calmly and early."}],
+        tokenize=True, return_dict=False)
+    adapters, jobs = {}, [(conversation, None)]
+    for name, spec in ACTIVATED.items():
+        invocation = smollm2_tokenizer(INVOCATIONS[name], add_special_tokens=False).input_ids
+        adapters[name] = make_peft_adapter(smollm2_gguf, tmp_path / name, init_std=0.05,
+                                           base_model=smollm2_hf_model,
+                                           alora_invocation_tokens=invocation, **spec)
+        question = smollm2_tokenizer(" Is that advice fine?", add_special_tokens=False)
+        jobs.append((conversation + invocation + question.input_ids, name))
+    requests = {name: LoRARequest(name, 201 + i, str(path))
+                for i, (name, path) in enumerate(adapters.items())}
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    engine = smollm2_llm.llm_engine
+    hits, outs = [], []
+    for ids, name in jobs:
+        before = engine.kv_cache_stats().prefix_hits
+        outs += smollm2_llm.generate([{"prompt_token_ids": ids}], params,
+                                     None if name is None else requests[name], use_tqdm=False)
+        hits.append(engine.kv_cache_stats().prefix_hits - before)
+    assert hits[1:] == [len(conversation) // block * block] * len(ACTIVATED)
+    refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _ in jobs],
+                               [n for _, n in jobs], MAX_NEW, base_model=smollm2_hf_model)
+    for (_, name), out, ref in zip(jobs, outs, refs, strict=True):
         ours = _drop_eos(out.outputs[0].token_ids)
         ok, at = compare_greedy(ours, type(ref)(_drop_eos(ref.token_ids), ref.logits))
         assert ok, f"{name or 'base'}: differs from transformers + peft at token {at}"
