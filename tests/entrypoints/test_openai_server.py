@@ -18,6 +18,7 @@ import pytest
 from server_helpers import BASE, ENGINE
 
 from manylora import LLM, LoRARequest, SamplingParams
+from manylora.testing import make_peft_adapter
 
 PROMPTS = [("The quick brown fox", "ad0"), ("SELECT name FROM users", "ad1"),
            ("Low-rank adaptation adds", None), ("A large language model", "ad2"),
@@ -238,3 +239,33 @@ def test_load_use_unload_reload_while_streams_run(served, client, offline, adapt
         t.join(60)
     assert set(results) == {"ad0", BASE}
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "ad5"}).status_code == 200
+
+
+def test_models_show_an_activated_adapters_invocation(client, served, base_dir, lora_root,
+                                                      offline):
+    """An aLoRA adapter loaded at run time is listed with its ``alora_invocation_tokens``
+    (plain adapters and the base model with none), and serves as the offline engine does."""
+    invocation = [17, 40, 33]
+    path = make_peft_adapter(base_dir, lora_root / "activated", r=4, seed=60,
+                             target_modules=["q_proj", "v_proj"],
+                             alora_invocation_tokens=invocation)
+    http = httpx.Client(base_url=served[1])
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "activated",
+                                                 "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+    try:
+        models = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert models["activated"]["alora_invocation_tokens"] == invocation
+        assert models["ad0"]["alora_invocation_tokens"] is None
+        assert models[BASE]["alora_invocation_tokens"] is None
+        prompt = [5, 9, 12] + invocation + [61, 8]
+        got = client.completions.create(model="activated", prompt=prompt,
+                                        max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                                        extra_body={"ignore_eos": True,
+                                                    "return_tokens_as_token_ids": True})
+        llm, _ = offline
+        ref = llm.generate([{"prompt_token_ids": prompt}], _greedy(),
+                           LoRARequest("activated", 60, str(path)), use_tqdm=False)
+        assert _token_ids(got.choices[0].logprobs.tokens) == ref[0].outputs[0].token_ids
+    finally:
+        http.post("/v1/unload_lora_adapter", json={"lora_name": "activated"})

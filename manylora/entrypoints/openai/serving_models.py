@@ -133,7 +133,9 @@ def _check_under_roots(path: str, roots: list[Path]) -> Path:
 class ModelCard(BaseModel):
     """One entry of ``GET /v1/models`` (OpenAI's model object, vLLM's extra fields):
     ``root`` the path it was given as, ``parent`` the base model an adapter applies to,
-    ``max_model_len`` the context length in tokens (the base model's entry only)."""
+    ``max_model_len`` the context length in tokens (the base model's entry only);
+    ``alora_invocation_tokens`` an activated adapter's (aLoRA) invocation token ids, from
+    which on it applies (None: a plain adapter, or the base model)."""
 
     id: str
     object: str = "model"
@@ -142,6 +144,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    alora_invocation_tokens: list[int] | None = None
 
 
 class ModelList(BaseModel):
@@ -156,6 +159,19 @@ class _Served:
     request: LoRARequest
     created: int
     shown_path: str          # the path as the caller gave it (``root`` in /v1/models)
+    invocation: list[int] | None = None     # an activated adapter's invocation tokens
+
+
+def _invocation_tokens(path: str) -> list[int] | None:
+    """The ``alora_invocation_tokens`` of the PEFT adapter at a local ``path`` (the engine
+    has read and checked its config already), None for a plain adapter, a TensorRT-LLM
+    one, or a hub id."""
+    config = Path(path) / "adapter_config.json"
+    try:
+        tokens = json.loads(config.read_text()).get("alora_invocation_tokens")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return list(tokens) if isinstance(tokens, list) else None
 
 
 class OpenAIServingModels:
@@ -219,7 +235,8 @@ class OpenAIServingModels:
                           max_model_len=self.engine.max_model_len)
                 for name in self.base_model_names]
         loras = [ModelCard(id=name, created=s.created, root=s.shown_path,
-                           parent=s.request.base_model_name or self.base_model_name)
+                           parent=s.request.base_model_name or self.base_model_name,
+                           alora_invocation_tokens=s.invocation)
                  for name, s in self.loras.items()]
         return ModelList(data=[*base, *loras]).model_dump(mode="json")
 
@@ -311,7 +328,8 @@ class OpenAIServingModels:
                 raise OpenAIError(503, str(e)) from None
             except (LoRAAdapterError, ValueError, OSError) as e:
                 raise _load_error(e, name, path, shown_path or path) from None
-            self.loras[name] = _Served(request, int(time.time()), shown_path or path)
+            self.loras[name] = _Served(request, int(time.time()), shown_path or path,
+                                       await asyncio.to_thread(_invocation_tokens, path))
             if old is not None:
                 try:
                     await self.engine.remove_lora(old.request.lora_int_id)
