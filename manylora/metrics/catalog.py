@@ -39,6 +39,7 @@ name                                             type       labels (+ model_name
 ``manylora:prefix_cache_queries``                counter                            tokens
 ``manylora:prefix_cache_hits``                   counter                            tokens
 ``manylora:prefix_cache_hit_rate``               gauge                              fraction 0-1
+``manylora:prefix_cache_alora_hits``             counter                            tokens
 ``manylora:num_preemptions``                     counter                            requests
 ``manylora:kv_recomputed_tokens``                counter                            tokens
 ``manylora:kv_swapped_blocks``                   counter    direction (out|in)      blocks
@@ -94,7 +95,8 @@ running as of the engine's last report (sent whenever a read starts or ends) and
 ``lora_oldest_pending_load_seconds`` the age of the oldest at the scrape (0 when none);
 ``lora_stuck_loader_threads`` counts loader threads still inside a read that exceeded
 ``lora_load_timeout``. ``prefix_cache_hit_rate`` is hits / queries since start, 0 before
-any query; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none.
+any query; ``prefix_cache_alora_hits`` counts the hits of activated adapters' (aLoRA)
+requests in the base model's blocks before their invocation, KV that crossed adapters; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none.
 ``lora_requests_info`` has one sample, valued at the scrape's unix time, with the adapter
 names comma-joined (empty string when none), present whether or not LoRA is on
 (``max_lora="0"`` when off).
@@ -143,6 +145,7 @@ KV_CACHE_BLOCKS = PREFIX + "kv_cache_blocks"
 PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries"
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits"
 PREFIX_CACHE_HIT_RATE = PREFIX + "prefix_cache_hit_rate"
+PREFIX_CACHE_ALORA_HITS = PREFIX + "prefix_cache_alora_hits"
 NUM_PREEMPTIONS = PREFIX + "num_preemptions"
 KV_RECOMPUTED_TOKENS = PREFIX + "kv_recomputed_tokens"
 KV_SWAPPED_BLOCKS = PREFIX + "kv_swapped_blocks"
@@ -280,6 +283,10 @@ METRICS: dict[str, MetricSpec] = {spec.name: spec for spec in (
                "Prefix cache hits, in prompt tokens found cached."),
     MetricSpec(PREFIX_CACHE_HIT_RATE, "gauge", _M, "fraction",
                "Prefix cache hits / queries (tokens) since start, 0 before any query."),
+    MetricSpec(PREFIX_CACHE_ALORA_HITS, "counter", _M, "tokens",
+               "Prefix cache hits of activated adapters' (aLoRA) requests before their "
+               "invocation, in blocks keyed as the base model's: KV shared across adapters, "
+               "in prompt tokens."),
     MetricSpec(NUM_PREEMPTIONS, "counter", _M, "requests",
                "Requests preempted under KV-cache memory pressure."),
     MetricSpec(KV_RECOMPUTED_TOKENS, "counter", _M, "tokens",

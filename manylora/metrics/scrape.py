@@ -38,6 +38,7 @@ from manylora.metrics.catalog import (
     NUM_PREEMPTIONS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
+    PREFIX_CACHE_ALORA_HITS,
     PREFIX_CACHE_HIT_RATE,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_QUERIES,
@@ -129,6 +130,7 @@ class SnapshotCollector(Collector):
         families[PREFIX_CACHE_HITS].add_metric(m, kv.prefix_hits)
         hit_rate = kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0
         families[PREFIX_CACHE_HIT_RATE].add_metric(m, hit_rate)
+        families[PREFIX_CACHE_ALORA_HITS].add_metric(m, kv.prefix_hits_alora)
         families[NUM_PREEMPTIONS].add_metric(m, kv.preemptions)
         families[KV_RECOMPUTED_TOKENS].add_metric(m, kv.recomputed_tokens)
         families[KV_SWAPPED_BLOCKS].add_metric(m + ["out"], kv.swapped_out_blocks)

@@ -34,6 +34,9 @@ class KVCacheStats:
         free_blocks: blocks with no contents.
         prefix_queries: prompt tokens looked up in the prefix cache (tokens).
         prefix_hits: of those, tokens found, device or host (tokens).
+        prefix_hits_alora: of those, tokens an activated adapter's request found before its
+            invocation start, in blocks keyed as the base model's: KV shared across the
+            base model and every activated adapter (tokens).
         preemptions: requests preempted, under memory pressure or to share the batch
             between client groups (``Scheduler.fairness_preemptions`` of them).
         recomputed_tokens: tokens computed again because their blocks were lost (preempted
@@ -49,6 +52,7 @@ class KVCacheStats:
     free_blocks: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    prefix_hits_alora: int = 0
     preemptions: int = 0
     recomputed_tokens: int = 0
     swapped_out_blocks: int = 0

@@ -310,6 +310,9 @@ class Scheduler:
         stats.recomputed_tokens += max(0, lost - computed)
         stats.prefix_queries += req.num_tokens
         stats.prefix_hits += computed
+        if req.lora_start and req.lora_digest is not None:     # an activated adapter
+            shared = min(req.lora_start, req.num_tokens) // kv.block_size * kv.block_size
+            stats.prefix_hits_alora += min(computed, shared)
         req.num_computed_tokens = computed
         return n
 

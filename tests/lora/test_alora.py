@@ -189,6 +189,7 @@ def test_a_conversation_prefilled_once_serves_every_activated_adapter(case):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     hits = []
     try:
+        assert llm.llm_engine.kv_cache_stats().prefix_hits_alora == 0
         for (prompt, name), ref in zip(jobs, refs, strict=True):
             before = llm.llm_engine.kv_cache_stats().prefix_hits
             out = llm.generate([{"prompt_token_ids": prompt}], params,
@@ -196,7 +197,9 @@ def test_a_conversation_prefilled_once_serves_every_activated_adapter(case):
             hits.append(llm.llm_engine.kv_cache_stats().prefix_hits - before)
             ok, at = compare_greedy(out[0].outputs[0].token_ids, ref)
             assert ok, f"{name}: differs from transformers + peft at token {at}"
+        shared = llm.llm_engine.kv_cache_stats().prefix_hits_alora
     finally:
         llm.llm_engine.shutdown()
     blocks_before_start = len(conversation) // ENGINE["block_size"] * ENGINE["block_size"]
     assert hits == [0, blocks_before_start, blocks_before_start, 0]
+    assert shared == 2 * blocks_before_start
