@@ -96,7 +96,8 @@ running as of the engine's last report (sent whenever a read starts or ends) and
 ``lora_stuck_loader_threads`` counts loader threads still inside a read that exceeded
 ``lora_load_timeout``. ``prefix_cache_hit_rate`` is hits / queries since start, 0 before
 any query; ``prefix_cache_alora_hits`` counts the hits of activated adapters' (aLoRA)
-requests in the base model's blocks before their invocation, KV that crossed adapters; ``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none.
+requests in the base model's blocks before their invocation, KV that crossed adapters;
+``kv_cache_usage_perc`` is used / total device blocks, 0 when there are none.
 ``lora_requests_info`` has one sample, valued at the scrape's unix time, with the adapter
 names comma-joined (empty string when none), present whether or not LoRA is on
 (``max_lora="0"`` when off).
