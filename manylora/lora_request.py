@@ -41,10 +41,15 @@ class LoRARequest:
             is_dora)]``, torch or numpy.
         replace: let ``weights``/``config`` replace different weights cached under the same
             id (refused otherwise, and refused while requests still use the old weights).
+        alora_invocation_tokens: makes an adapter in TensorRT-LLM's format (tensors, or a
+            directory of its ``.npy`` files, which has no config of its own) an activated
+            LoRA (aLoRA) with these invocation token ids (``alora_start``); a PEFT
+            adapter's come from its ``adapter_config.json`` alone.
 
     Raises:
         ValueError: an id < 1, ``task_id`` and ``lora_int_id`` that differ, only one of
-            ``weights`` and ``config``, or both a path and tensors.
+            ``weights`` and ``config``, both a path and tensors, or
+            ``alora_invocation_tokens`` that are not a non-empty sequence of token ids.
     """
 
     lora_name: str = ""
@@ -55,6 +60,7 @@ class LoRARequest:
     weights: Any = field(default=None, compare=False, repr=False)
     config: Any = field(default=None, compare=False, repr=False)
     replace: bool = False
+    alora_invocation_tokens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.task_id is not None:
@@ -73,6 +79,15 @@ class LoRARequest:
         if self.weights is not None and self.lora_path:
             raise ValueError(f"LoRA request for task {self.lora_int_id} has both a lora_path "
                              "and weights/config: give one")
+        inv = self.alora_invocation_tokens
+        if inv is not None:
+            if isinstance(inv, (str, bytes)) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                    for t in inv) or not len(inv):
+                raise ValueError(f"LoRA request for task {self.lora_int_id}: "
+                                 f"alora_invocation_tokens {inv!r} is not a non-empty "
+                                 "sequence of token ids")
+            object.__setattr__(self, "alora_invocation_tokens", tuple(inv))
         if not self.lora_name:
             object.__setattr__(self, "lora_name", f"task_{self.lora_int_id}")
         if self.task_id is None:

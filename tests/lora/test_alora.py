@@ -21,10 +21,12 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LORA_ALL_MODULES
 from manylora.lora.adapter import LoRAAdapterError
+from manylora.lora.formats.trtllm_convert import peft_to_trtllm
 from manylora.lora_request import ALORA_NEVER, alora_start
 from manylora.testing import compare_greedy, hf_greedy_reference, make_checkpoint, make_peft_adapter
 
@@ -203,3 +205,35 @@ def test_a_conversation_prefilled_once_serves_every_activated_adapter(case):
     blocks_before_start = len(conversation) // ENGINE["block_size"] * ENGINE["block_size"]
     assert hits == [0, blocks_before_start, blocks_before_start, 0]
     assert shared == 2 * blocks_before_start
+
+
+def test_tensorrt_llm_tensors_activated_by_the_request_field_equal_peft(case, tmp_path):
+    """TensorRT-LLM's format has no config to hold the invocation tokens: the request's
+    ``alora_invocation_tokens`` activates its tensors (here: ``convert-lora``'s of a copy of
+    the PEFT aLoRA without the field), and the outputs equal peft's aLoRA. convert-lora
+    refuses the aLoRA itself, and a PEFT adapter given the field in the request is refused:
+    its own config says."""
+    base, adapters, refs = case
+    with pytest.raises(LoRAAdapterError, match="alora_invocation_tokens"):
+        peft_to_trtllm(adapters["alora_a"], torch.float32)
+    plain = _edited(adapters["alora_a"], tmp_path / "plain-copy", alora_invocation_tokens=None)
+    weights, config = peft_to_trtllm(plain, torch.float32)
+    request = LoRARequest("trt_alora", task_id=30, weights=weights, config=config,
+                          alora_invocation_tokens=INV_A)
+    jobs = [(i, p) for i, (p, n) in enumerate(JOBS) if n == "alora_a"]
+    llm = LLM(str(base), **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for _, p in jobs], params,
+                            [request] * len(jobs), use_tqdm=False)
+        for (i, prompt), out in zip(jobs, outs, strict=True):
+            ok, at = compare_greedy(out.outputs[0].token_ids, refs[i])
+            assert ok, f"{prompt}: differs from peft's aLoRA at token {at}"
+        with pytest.raises(LoRAAdapterError, match="adapter_config.json"):
+            llm.generate([{"prompt_token_ids": JOBS[0][0]}], params,
+                         LoRARequest("peft_with_field", 31, str(adapters["alora_b"]),
+                                     alora_invocation_tokens=INV_A), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match="alora_invocation_tokens"):
+        LoRARequest("bad", 32, "x", alora_invocation_tokens=[])

@@ -41,7 +41,8 @@ def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
     Raises:
         LoRAAdapterError: ``path`` is not a directory; a TensorRT-LLM directory without
             one of its two ``.npy`` files; a PEFT directory whose ``adapter_config.json`` is
-            missing or bad (``check_peft_config``) or that has no weights file.
+            missing or bad (``check_peft_config``) or that has no weights file, or whose
+            request carries ``alora_invocation_tokens`` (its config says).
     """
     name, path = request.lora_name, Path(path)
     if not path.is_dir():
@@ -51,6 +52,7 @@ def check_adapter_dir(request: LoRARequest, path: str | os.PathLike,
             if not is_present(path / file):
                 raise LoRAAdapterError(f"adapter {name!r}: {file} is missing")
         return False
+    _refuse_request_invocation(request)
     cfg = check_peft_config(path, name, target)
     if not any(is_present(path / f) for f in ("adapter_model.safetensors", "adapter_model.bin")):
         raise LoRAAdapterError(
@@ -73,8 +75,16 @@ def load_adapter_dir(request: LoRARequest, path: str | os.PathLike,
     if is_trtllm_dir(path):
         weights, config = read_trtllm_dir(path, request.lora_name, target)
         return adapter_from_trtllm(request.lora_int_id, request.lora_name, weights, config,
-                                   target)
+                                   target, request.alora_invocation_tokens)
+    _refuse_request_invocation(request)
     return load_peft_adapter(request, path, target)
+
+
+def _refuse_request_invocation(request: LoRARequest) -> None:
+    if request.alora_invocation_tokens is not None:
+        raise LoRAAdapterError(
+            f"adapter {request.lora_name!r}: alora_invocation_tokens in the request is for "
+            "TensorRT-LLM's format; a PEFT adapter is activated by its adapter_config.json")
 
 
 def adapter_from_request(request: LoRARequest, target: AdapterTarget) -> LoRAAdapter:
@@ -88,4 +98,4 @@ def adapter_from_request(request: LoRARequest, target: AdapterTarget) -> LoRAAda
         raise LoRAAdapterError(f"adapter {request.lora_name!r}: the request carries no "
                                "weights/config tensors")
     return adapter_from_trtllm(request.lora_int_id, request.lora_name, request.weights,
-                               request.config, target)
+                               request.config, target, request.alora_invocation_tokens)

@@ -50,11 +50,14 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
 
 
 def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
-                        target: AdapterTarget) -> LoRAAdapter:
+                        target: AdapterTarget,
+                        invocation_tokens: tuple[int, ...] | None = None) -> LoRAAdapter:
     """Build an adapter from TensorRT-LLM's ``LoraConfig`` tensors.
 
     Args:
         lora_int_id, name: the adapter's identity (``task_id``, ``lora_name``).
+        invocation_tokens: an activated LoRA's invocation token ids (the request's
+            ``alora_invocation_tokens``: the format has no config to hold them), or None.
         weights: ``[N, W]`` or ``[1, N, W]``, torch or numpy, float16, bfloat16 (numpy
             ``'|V2'`` too) or float32; each row ``A [D, Hi]``, ``B [Ho, D]`` (scaling folded
             in) flattened, then ``Ho`` normalized DoRA scales for an ``is_dora`` row, then
@@ -106,7 +109,7 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
         for part, lw in _row_weights(name, i, values, w[i], parts, target).items():
             modules[(layer, part)] = lw
         report_progress()
-    return LoRAAdapter(lora_int_id, name, modules)
+    return LoRAAdapter(lora_int_id, name, modules, invocation_tokens=invocation_tokens)
 
 
 def adapter_to_trtllm(adapter: LoRAAdapter,

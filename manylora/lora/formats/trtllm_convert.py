@@ -73,7 +73,8 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
 
     Raises:
         ValueError: an unsupported ``storage_dtype``.
-        LoRAAdapterError: what ``load_peft_adapter`` refuses without a base model (missing
+        LoRAAdapterError: an activated LoRA (``alora_invocation_tokens``: the format cannot
+            hold them); what ``load_peft_adapter`` refuses without a base model (missing
             or corrupt files, unsupported config, unknown modules (``embed_tokens`` and
             ``lm_head`` too: the format has no module id for them), missing A/B/magnitude,
             NaN/Inf); a module given fused and on its own; a DoRA adapter without
@@ -85,6 +86,12 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
     pairs = group_peft_tensors(read_peft_tensors(peft_dir, name), name)
     if not pairs:
         raise LoRAAdapterError(f"adapter {name!r}: {peft_dir} holds no LoRA weights")
+    if cfg.get("alora_invocation_tokens") is not None:
+        raise LoRAAdapterError(
+            f"adapter {name!r} is an activated LoRA (alora_invocation_tokens "
+            f"{cfg['alora_invocation_tokens']}), which TensorRT-LLM's tensors cannot hold: "
+            "serve it as PEFT, or convert a copy without the field and give the tokens in "
+            "the request (LoRARequest.alora_invocation_tokens)")
     use_dora = bool(cfg.get("use_dora"))
     if use_dora and base_model_dir is None:
         raise LoRAAdapterError(f"adapter {name!r} is DoRA: its magnitudes must be normalized "
