@@ -1,4 +1,5 @@
-"""``LoRARequest``: which adapter a request runs with.
+"""``LoRARequest``: which adapter a request runs with; ``alora_start``, the first position an
+activated adapter (aLoRA) applies to.
 
 vLLM's type and field names (``lora_name``, ``lora_int_id``, ``lora_path``), extended with
 TensorRT-LLM's ``LoraConfig`` (``task_id``, ``weights``, ``config``): an adapter is named
