@@ -89,6 +89,7 @@ ACTIVATED = {
                        seed=42),
 }
 INVOCATIONS = {"check_r8": "Safety check:", "rewrite_r4": "Rewrite it:"}
+ACTIVATED_NEW = 12
 
 
 def test_activated_adapters_share_the_conversation_and_equal_peft(
@@ -112,7 +113,7 @@ def test_activated_adapters_share_the_conversation_and_equal_peft(
         jobs.append((conversation + invocation + question.input_ids, name))
     requests = {name: LoRARequest(name, 201 + i, str(path))
                 for i, (name, path) in enumerate(adapters.items())}
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+    params = SamplingParams(temperature=0.0, max_tokens=ACTIVATED_NEW)
     engine = smollm2_llm.llm_engine
     hits, outs = [], []
     for ids, name in jobs:
@@ -122,7 +123,7 @@ def test_activated_adapters_share_the_conversation_and_equal_peft(
         hits.append(engine.kv_cache_stats().prefix_hits - before)
     assert hits[1:] == [len(conversation) // block * block] * len(ACTIVATED)
     refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _ in jobs],
-                               [n for _, n in jobs], MAX_NEW, base_model=smollm2_hf_model)
+                               [n for _, n in jobs], ACTIVATED_NEW, base_model=smollm2_hf_model)
     for (_, name), out, ref in zip(jobs, outs, refs, strict=True):
         ours = _drop_eos(out.outputs[0].token_ids)
         ok, at = compare_greedy(ours, type(ref)(_drop_eos(ref.token_ids), ref.logits))
