@@ -9,6 +9,7 @@ either by a path or by its tensors, and both land in the same adapter cache, key
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,15 +81,9 @@ class LoRARequest:
         if self.weights is not None and self.lora_path:
             raise ValueError(f"LoRA request for task {self.lora_int_id} has both a lora_path "
                              "and weights/config: give one")
-        inv = self.alora_invocation_tokens
-        if inv is not None:
-            if isinstance(inv, (str, bytes)) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                    for t in inv) or not len(inv):
-                raise ValueError(f"LoRA request for task {self.lora_int_id}: "
-                                 f"alora_invocation_tokens {inv!r} is not a non-empty "
-                                 "sequence of token ids")
-            object.__setattr__(self, "alora_invocation_tokens", tuple(inv))
+        if self.alora_invocation_tokens is not None:
+            object.__setattr__(self, "alora_invocation_tokens", invocation_tokens(
+                self.alora_invocation_tokens, f"LoRA request for task {self.lora_int_id}"))
         if not self.lora_name:
             object.__setattr__(self, "lora_name", f"task_{self.lora_int_id}")
         if self.task_id is None:
@@ -105,21 +100,34 @@ class LoRARequest:
 ALORA_NEVER = 1 << 62
 
 
-def alora_start(token_ids: list[int], invocation_tokens: tuple[int, ...] | None,
-                never: int = ALORA_NEVER) -> int:
+def invocation_tokens(value: Any, what: str) -> tuple[int, ...]:
+    """An activated adapter's invocation token ids (``alora_invocation_tokens``, from a
+    request or a PEFT config) as a tuple.
+
+    Raises:
+        ValueError: not a non-empty sequence of non-negative ints (``what`` names whose).
+    """
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value \
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in value):
+        raise ValueError(f"{what}: alora_invocation_tokens = {value!r} is not a non-empty "
+                         "list of token ids")
+    return tuple(value)
+
+
+def alora_start(token_ids: list[int], invocation: tuple[int, ...] | None) -> int:
     """The first position an adapter's weights apply to in a request: 0 for a plain
     adapter; for an activated one (aLoRA, Greenewald et al. 2025; peft's
     ``calculate_alora_offsets``), the start of the last occurrence of its invocation
-    sequence in the prompt ``token_ids``, or ``never`` (a position past any the request
-    reaches) when the prompt lacks it, so the request runs as the base model, as peft runs
-    it. Tokens before the start get the base model's weights, so their keys and values are
-    the base model's.
+    sequence in the prompt ``token_ids``, or ``ALORA_NEVER`` when the prompt lacks it, so
+    the request runs as the base model, as peft runs it. Tokens before the start get the
+    base model's weights, so their keys and values are the base model's.
     """
-    if invocation_tokens is None:
+    if invocation is None:
         return 0
-    inv = list(invocation_tokens)
+    inv = list(invocation)
     n = len(inv)
     for start in range(len(token_ids) - n, -1, -1):
         if token_ids[start] == inv[0] and token_ids[start: start + n] == inv:
             return start
-    return never
+    return ALORA_NEVER

@@ -72,11 +72,12 @@ class CoreAdapters:
         outputs: list[EngineCoreOutput] = []
         events = self.manager.poll()
         for lid, digest in events.ready.items():
+            invocation = self.manager.invocation_tokens(lid)
             for req, _ in self._awaiting.get(lid, {}).values():
                 if self.is_live(req):
                     req.lora_digest, req.adapter_pending = digest, False
                     req.lora_start = alora_start(req.token_ids[:req.num_prompt_tokens],
-                                                 self.manager.invocation_tokens(lid))
+                                                 invocation)
             for future in self._futures.pop(lid, []):
                 future.set_result(True)
         for error in events.failed:

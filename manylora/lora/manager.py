@@ -53,6 +53,10 @@ class _Known:
     collective: bool = False  # its read is a collective under tensor parallelism
     invocation: tuple[int, ...] | None = None   # an activated adapter's invocation tokens
 
+    @classmethod
+    def of(cls, request: LoRARequest, adapter: PinnedAdapter | LoRAAdapter) -> _Known:
+        return cls(request, adapter.digest, _collective_read(adapter), adapter.invocation_tokens)
+
 
 def _collective_read(adapter: PinnedAdapter | LoRAAdapter) -> bool:
     """Whether reading ``adapter`` again enters a collective under tensor parallelism:
@@ -190,9 +194,7 @@ class LoRAManager:
                 known = None
             if known is None:
                 self.host_cache.insert(self.reader.pin(adapter), must_fit=True)
-                self._known[lid] = known = _Known(request, adapter.digest,
-                                                  _collective_read(adapter),
-                                                  adapter.invocation_tokens)
+                self._known[lid] = known = _Known.of(request, adapter)
             else:
                 self.host_cache.touch(lid)
         elif request.lora_path:
@@ -220,9 +222,7 @@ class LoRAManager:
         if not self.background_dora_reads and collective is not False:
             adapter = self.reader.read(request)
             self.host_cache.insert(adapter, must_fit=True)
-            self._known[request.lora_int_id] = _Known(request, adapter.digest,
-                                                      _collective_read(adapter),
-                                                      adapter.invocation_tokens)
+            self._known[request.lora_int_id] = _Known.of(request, adapter)
             return
         self.reader.start_first(request)
 
@@ -366,8 +366,7 @@ class LoRAManager:
         self._failures.extend(failed)
         for request, adapter in first_reads:
             lid = request.lora_int_id
-            self._known[lid] = _Known(request, adapter.digest, _collective_read(adapter),
-                                      adapter.invocation_tokens)
+            self._known[lid] = _Known.of(request, adapter)
             events.ready[lid] = adapter.digest
             # a host cache full of adapters that waiting requests need: dropped for now, read
             # again (prefetch) when its turn comes, as an evicted adapter is

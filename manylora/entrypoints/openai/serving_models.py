@@ -32,6 +32,7 @@ from manylora.engine.async_llm import AsyncLLM, EngineDeadError
 from manylora.entrypoints.openai.errors import OpenAIError, bad_request, not_found
 from manylora.lora.adapter import LoRAAdapterError, LoRALoadTimeoutError
 from manylora.lora.formats.loader import ADAPTER_FILES
+from manylora.lora.formats.peft_config import read_peft_config
 from manylora.lora_request import LoRARequest
 
 
@@ -162,16 +163,15 @@ class _Served:
     invocation: list[int] | None = None     # an activated adapter's invocation tokens
 
 
-def _invocation_tokens(path: str) -> list[int] | None:
+def _invocation_tokens(path: str, name: str) -> list[int] | None:
     """The ``alora_invocation_tokens`` of the PEFT adapter at a local ``path`` (the engine
-    has read and checked its config already), None for a plain adapter, a TensorRT-LLM
-    one, or a hub id."""
-    config = Path(path) / "adapter_config.json"
+    has read and checked its config already; ``read_peft_config`` reads it again, bounded),
+    None for a plain adapter, a TensorRT-LLM one, or a hub id."""
     try:
-        tokens = json.loads(config.read_text()).get("alora_invocation_tokens")
-    except (OSError, ValueError, AttributeError):
+        tokens = read_peft_config(path, name).get("alora_invocation_tokens")
+    except LoRAAdapterError:
         return None
-    return list(tokens) if isinstance(tokens, list) else None
+    return None if tokens is None else list(tokens)
 
 
 class OpenAIServingModels:
@@ -329,7 +329,8 @@ class OpenAIServingModels:
             except (LoRAAdapterError, ValueError, OSError) as e:
                 raise _load_error(e, name, path, shown_path or path) from None
             self.loras[name] = _Served(request, int(time.time()), shown_path or path,
-                                       await asyncio.to_thread(_invocation_tokens, path))
+                                       await asyncio.to_thread(_invocation_tokens, path,
+                                                               name))
             if old is not None:
                 try:
                     await self.engine.remove_lora(old.request.lora_int_id)

@@ -32,6 +32,7 @@ from manylora.lora.formats.moe_paths import (
 from manylora.lora.formats.patterns import MatchBudget, compile_bounded
 from manylora.lora.formats.peft_scaling import PeftScaling
 from manylora.lora.formats.target import AdapterTarget
+from manylora.lora_request import invocation_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -108,13 +109,11 @@ def _check_config_types(cfg: dict, what: str) -> None:
             or (isinstance(params, list) and all(isinstance(t, str) for t in params))):
         raise LoRAAdapterError(f"{what}: target_parameters = {params!r} is not a list of "
                                "parameter names")
-    invocation = cfg.get("alora_invocation_tokens")
-    if invocation is not None:
-        if not (isinstance(invocation, list) and invocation and all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                for t in invocation)):
-            raise LoRAAdapterError(f"{what}: alora_invocation_tokens = {invocation!r} is not a "
-                                   "non-empty list of token ids")
+    if cfg.get("alora_invocation_tokens") is not None:
+        try:
+            invocation_tokens(cfg["alora_invocation_tokens"], what)
+        except ValueError as e:
+            raise LoRAAdapterError(str(e)) from None
         for key, why in (("use_dora", "DoRA"), ("target_parameters", "target_parameters")):
             if cfg.get(key):
                 raise LoRAAdapterError(f"{what}: an activated LoRA (alora_invocation_tokens) "

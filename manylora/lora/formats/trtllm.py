@@ -56,8 +56,6 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
 
     Args:
         lora_int_id, name: the adapter's identity (``task_id``, ``lora_name``).
-        invocation_tokens: an activated LoRA's invocation token ids (the request's
-            ``alora_invocation_tokens``: the format has no config to hold them), or None.
         weights: ``[N, W]`` or ``[1, N, W]``, torch or numpy, float16, bfloat16 (numpy
             ``'|V2'`` too) or float32; each row ``A [D, Hi]``, ``B [Ho, D]`` (scaling folded
             in) flattened, then ``Ho`` normalized DoRA scales for an ``is_dora`` row, then
@@ -65,6 +63,8 @@ def adapter_from_trtllm(lora_int_id: int, name: str, weights: Any, config: Any,
         config: ``[N, 3|4]`` or ``[1, N, 3|4]`` integers ``[module_id, layer_idx, D(,
             is_dora)]``, torch or numpy.
         target: the base model and slot limits the adapter must fit.
+        invocation_tokens: an activated LoRA's invocation token ids (the request's
+            ``alora_invocation_tokens``: the format has no config to hold them), or None.
 
     Returns:
         A ``LoRAAdapter`` with A/B in ``target.dtype`` and DoRA scales in float32 (taken as

@@ -83,15 +83,15 @@ def peft_to_trtllm(peft_dir: str | os.PathLike, storage_dtype: torch.dtype,
     check_storage_dtype(storage_dtype)
     name = str(peft_dir)
     cfg = read_peft_config(peft_dir, name)
-    pairs = group_peft_tensors(read_peft_tensors(peft_dir, name), name)
-    if not pairs:
-        raise LoRAAdapterError(f"adapter {name!r}: {peft_dir} holds no LoRA weights")
     if cfg.get("alora_invocation_tokens") is not None:
         raise LoRAAdapterError(
             f"adapter {name!r} is an activated LoRA (alora_invocation_tokens "
             f"{cfg['alora_invocation_tokens']}), which TensorRT-LLM's tensors cannot hold: "
             "serve it as PEFT, or convert a copy without the field and give the tokens in "
             "the request (LoRARequest.alora_invocation_tokens)")
+    pairs = group_peft_tensors(read_peft_tensors(peft_dir, name), name)
+    if not pairs:
+        raise LoRAAdapterError(f"adapter {name!r}: {peft_dir} holds no LoRA weights")
     use_dora = bool(cfg.get("use_dora"))
     if use_dora and base_model_dir is None:
         raise LoRAAdapterError(f"adapter {name!r} is DoRA: its magnitudes must be normalized "
