@@ -4,7 +4,9 @@ at Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 128 experts of 768, top-8), bf
 
 * ``kernel``: ``fused_experts_lora`` (``manylora.lora.kernels.fused_moe_lora``) and the base
   ``fused_experts_triton`` at T = 1, 64 and 256 tokens, each token on one of 16 rank-16
-  adapters (slot ``t % 16``) with gate, up and down on every expert, routing uniform. Time:
+  adapters (slot ``t % 16``) with gate, up and down on every expert, routing uniform; the
+  LoRA op by both launch plans (one program per (token, expert) pair, and the pairs grouped
+  by (slot, expert)), and which one ``moe_lora_path`` takes. Time:
   one CUDA-graph replay of the whole op, L2 cleared (``common.time_cuda_graph``). Floor:
   the bytes actually read (the distinct experts hit × their ``w13`` + ``w2`` bytes, plus the
   distinct (slot, expert) pairs hit × their A and B bytes) over the copy bandwidth measured
@@ -96,7 +98,11 @@ def _kernel_operands(t: int, cfg: dict, device: torch.device, dtype: torch.dtype
 
 def run_kernel(quick: bool, device: torch.device, dtype: torch.dtype,
                bandwidth: float | None) -> tuple[list[str], list[list]]:
-    from manylora.lora.kernels.fused_moe_lora import fused_experts_lora
+    from manylora.lora.kernels.fused_moe_lora import (
+        fused_experts_lora,
+        fused_experts_lora_triton,
+        moe_lora_path,
+    )
     from manylora.ops.fused_moe import fused_experts
 
     cfg = QUICK_MODEL if quick else QWEN3_30B_A3B
@@ -109,25 +115,38 @@ def run_kernel(quick: bool, device: torch.device, dtype: torch.dtype,
         pairs_hit = int((slots[:, None].long() * cfg["num_experts"] + ids.long()).unique()
                         .numel())
         nbytes = (experts_hit * 3 * h * i + pairs_hit * 3 * RANK * (h + i)) * elem
+        chosen = moe_lora_path(ids.numel(), cfg["num_experts"], ADAPTERS)
 
         def base(x=x, w13=w13, w2=w2, weights=weights, ids=ids):
             return fused_experts(x, w13, w2, weights, ids)
 
-        def with_lora(x=x, w13=w13, w2=w2, weights=weights, ids=ids, slots=slots, lora=lora):
-            return fused_experts_lora(x, w13, w2, weights, ids, slots, lora)
-
         if quick:
+            def with_lora(x=x, w13=w13, w2=w2, weights=weights, ids=ids, slots=slots,
+                          lora=lora):
+                return fused_experts_lora(x, w13, w2, weights, ids, slots, lora)
+
             rows.append([t, experts_hit, pairs_hit, f"{nbytes / 2**20:.2f}",
-                         f"{time_cpu(base, reps=1) * 1e3:.0f} ms",
+                         f"{time_cpu(base, reps=1) * 1e3:.0f} ms", "-", "-", chosen,
                          f"{time_cpu(with_lora, reps=1) * 1e3:.0f} ms", "-", "-", "-"])
             continue
-        base_ms, lora_ms = time_cuda_graph(base), time_cuda_graph(with_lora)
+        lora_ms = {}
+        for path in ("pairs", "grouped"):
+            def with_lora(x=x, w13=w13, w2=w2, weights=weights, ids=ids, slots=slots,
+                          lora=lora, path=path):
+                return fused_experts_lora_triton(x, w13, w2, weights, ids, slots, lora,
+                                                 path=path)
+
+            lora_ms[path] = time_cuda_graph(with_lora)
+        base_ms = time_cuda_graph(base)
         floor_ms = nbytes / bandwidth * 1e3
+        best = lora_ms[chosen]
         rows.append([t, experts_hit, pairs_hit, f"{nbytes / 2**20:.1f}", f"{base_ms * 1e3:.1f}",
-                     f"{lora_ms * 1e3:.1f}", f"{lora_ms / base_ms:.2f}",
-                     f"{floor_ms * 1e3:.1f}", f"{floor_ms / lora_ms:.0%}"])
+                     f"{lora_ms['pairs'] * 1e3:.1f}", f"{lora_ms['grouped'] * 1e3:.1f}", chosen,
+                     f"{best * 1e3:.1f}", f"{best / base_ms:.2f}", f"{floor_ms * 1e3:.1f}",
+                     f"{floor_ms / best:.0%}"])
     columns = ["tokens", "experts hit", "(slot, expert) pairs hit", "MiB read (with LoRA)",
-               "base µs", "with LoRA µs", "LoRA / base", "floor µs (with LoRA)",
+               "base µs", "with LoRA, per pair µs", "with LoRA, grouped µs", "path taken",
+               "with LoRA µs (path taken)", "LoRA / base", "floor µs (with LoRA)",
                "floor / time"]
     return columns, rows
 

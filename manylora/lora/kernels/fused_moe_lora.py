@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from manylora.lora.kernels.fused_moe_lora_kernels import MoELoRAPlan
+from manylora.lora.kernels.moe_lora_pairs import moe_lora_pairs
 from manylora.ops.fused_moe import ExpertDelta, fused_experts_torch
 from manylora.ops.triton_fused_moe import check_experts, fused_experts_triton
 
@@ -185,29 +186,57 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
     return delta
 
 
+def moe_lora_path(num_pairs: int, num_experts: int, max_loras: int) -> str:
+    """Which launches ``fused_experts_lora_triton`` makes for ``num_pairs = T * k`` pairs:
+    ``"pairs"`` (``moe_lora_pairs``: one program per pair, shrink and expand fused, no
+    alignment) while the pairs are at most the ``L * E`` (slot, expert) groups, so a group
+    holds about one pair (decode); else ``"grouped"`` (``MoELoRAPlan``: pairs sorted by
+    (slot, expert), each group's A and B read once for all its pairs: prefill)."""
+    return "pairs" if num_pairs <= max_loras * num_experts else "grouped"
+
+
 def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                               token_slots: torch.Tensor, lora: MoELoRAWeights,
-                              activation: str = "silu") -> torch.Tensor:
+                              activation: str = "silu", path: str | None = None
+                              ) -> torch.Tensor:
     """The Triton path of ``fused_experts_lora`` (same arguments; the base ones checked by
-    ``fused_experts_triton``, ``lora`` by the caller): ``fused_experts_triton`` with, after
-    its first GEMM, one shrink launch (gate and up) and one expand launch adding into its
-    gate/up cache, and after its second (weighted) GEMM one shrink and one expand launch
-    adding the routing-weighted down term (``MoELoRAPlan``, one alignment by (slot, expert)
-    for both). No host synchronisation; CUDA tensors, or CPU tensors under
-    ``TRITON_INTERPRET=1``. The slot stacks must be contiguous.
+    ``fused_experts_triton``, ``lora`` by the caller): ``fused_experts_triton`` with the LoRA
+    terms added after its first GEMM (gate and up, into its gate/up cache) and after its
+    second, weighted one (the routing-weighted down term). ``path`` (None:
+    :func:`moe_lora_path`'s choice) picks the launches: ``"pairs"``, one fused shrink-expand
+    launch per GEMM side over the (token, expert) pairs; ``"grouped"``, one shrink and one
+    expand launch per side over the pairs sorted by (slot, expert) (one alignment for both
+    sides). Both compute the module docstring's formula with its rounding. No host
+    synchronisation; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The slot
+    stacks must be contiguous.
 
     Raises:
-        ValueError: what ``fused_experts_triton`` refuses, or non-contiguous slot stacks.
+        ValueError: what ``fused_experts_triton`` refuses, non-contiguous slot stacks, or an
+            unknown ``path``.
     """
     if not all(t.is_contiguous() for t in lora[:6]):
         raise ValueError("fused_experts_lora: the LoRA slot stacks must be contiguous")
+    if path not in (None, "pairs", "grouped"):
+        raise ValueError(f"fused_experts_lora: path must be 'pairs', 'grouped' or None, got "
+                         f"{path!r}")
     max_loras, num_experts, max_rank, _ = lora.a_gate.shape
     if x.shape[0] == 0 or topk_ids.shape[1] == 0 or max_rank == 0:
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
-    plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
     top_k = topk_ids.shape[1]
     gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
+    if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs":
+        def add_gate_up_pairs(gate_up: torch.Tensor) -> None:
+            moe_lora_pairs(x, gate_up, (lora.a_gate, lora.a_up), (lora.b_gate, lora.b_up),
+                           gate_up_ranks, topk_ids, token_slots, top_k, None)
+
+        def add_down_pairs(act: torch.Tensor, out: torch.Tensor) -> None:
+            moe_lora_pairs(act, out, (lora.a_down,), (lora.b_down,), down_ranks, topk_ids,
+                           token_slots, 1, topk_weights.reshape(-1))
+
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation,
+                                    add_gate_up=add_gate_up_pairs, add_down=add_down_pairs)
+    plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
 
     def add_gate_up(gate_up: torch.Tensor) -> None:
         buf = plan.shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, top_k)

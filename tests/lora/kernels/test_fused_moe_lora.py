@@ -6,11 +6,12 @@ a float64 evaluation of
 
 written here token by token and expert by expert (no LoRA term for slot -1 or rank 0).
 
-Both paths are checked: the torch path, and the Triton path (on CPU tensors under Triton's
-interpreter: ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``). Shapes are odd (H and I not
-multiples of the blocks), routing is top-1/2/8 of 4/8/16 experts, ranks are mixed from 1 to
-R with some (slot, module) ranks 0, base rows are mixed in, for T = 1 (decode) and T = 37
-(prefill-like). Everything of A and B at or past a (slot, module)'s rank is NaN: neither path
+Every path is checked: the torch path, and both launch plans of the Triton path, one program
+per (token, expert) pair and the pairs grouped by (slot, expert) (on CPU tensors under
+Triton's interpreter: ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``). Shapes are odd (H
+and I not multiples of the blocks), routing is top-1/2/8 of 4/8/16 experts, ranks are mixed
+from 1 to R with some (slot, module) ranks 0, base rows are mixed in, for T = 1 (decode) and
+T = 37 (prefill-like). Everything of A and B at or past a (slot, module)'s rank is NaN: neither path
 may let it reach the result. A batch of base rows only (or of rank-0 modules only) equals
 ``fused_experts`` bit for bit. Without a GPU the kernels are also compiled for sm_90; with
 one a ``gpu`` test replays the Triton path in a CUDA graph.
@@ -40,6 +41,7 @@ from manylora.lora.kernels.fused_moe_lora import (
     fused_experts_lora,
     fused_experts_lora_torch,
     fused_experts_lora_triton,
+    moe_lora_path,
 )
 from manylora.lora.kernels.fused_moe_lora_kernels import moe_lora_align
 from manylora.ops.fused_moe import fused_experts
@@ -124,7 +126,7 @@ def _assert_close(out, ops, activation="silu"):
     assert worst <= ELEMENT_UNITS[x.dtype], f"elementwise error {worst:.3g} u of the row max"
 
 
-PATHS = ["torch", "triton"]
+PATHS = ["torch", "triton-pairs", "triton-grouped"]
 SHAPES = {                                   # (T, E, k, H, I, L, R)
     "decode-top1of4": (1, 4, 1, 40, 24, 3, 8),
     "decode-top8of16": (1, 16, 8, 33, 19, 2, 16),
@@ -139,7 +141,7 @@ DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
 def _run(path, *ops, activation="silu"):
     if path == "torch":
         return fused_experts_lora_torch(*ops, activation=activation)
-    return fused_experts_lora_triton(*ops, activation)
+    return fused_experts_lora_triton(*ops, activation, path=path.removeprefix("triton-"))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -209,6 +211,16 @@ def test_bad_arguments_are_named():
     strided = lora._replace(a_up=lora.a_up.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(ValueError, match="contiguous"):
         fused_experts_lora_triton(*args, slots, strided)
+    with pytest.raises(ValueError, match="path must be"):
+        fused_experts_lora_triton(*args, slots, lora, path="sorted")
+
+
+def test_path_by_pairs_per_group():
+    """One program per pair while the pairs are at most the (slot, expert) groups."""
+    assert moe_lora_path(64 * 8, 128, 16) == "pairs"
+    assert moe_lora_path(16 * 128, 128, 16) == "pairs"
+    assert moe_lora_path(16 * 128 + 1, 128, 16) == "grouped"
+    assert moe_lora_path(8192 * 8, 128, 16) == "grouped"
 
 
 def _python_align(ids, slots, block_m, num_experts):
@@ -249,6 +261,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
     from triton.compiler import ASTSource
 
     from manylora.lora.kernels import fused_moe_lora_kernels as k
+    from manylora.lora.kernels import moe_lora_pairs as p
 
     def ptx(fn, types, consts):
         sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
@@ -275,6 +288,15 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
                         "MUL_ROUTED_WEIGHT": weighted, "DOT_FP32": False})
             assert ("mma" in code) == (lora == "bf16"), (model, lora, "expand")
             assert "tf32" not in code
+        pair = {**ints, "ranks_ptr": "*i32", "slots_ptr": "*i32", "ids_ptr": "*i32",
+                "v_ptr": f"*{model}", "a0_ptr": f"*{lora}", "a1_ptr": f"*{lora}",
+                "b0_ptr": f"*{lora}", "b1_ptr": f"*{lora}", "y_ptr": f"*{model}",
+                "topk_w_ptr": "*fp32", "stride_vt": "i32"}
+        for row_div, weighted in ((8, False), (1, True)):
+            code = ptx(p.moe_lora_pair_kernel, pair,
+                       {"TOP_K": 8, "V_ROW_DIV": row_div, "R": 16, "BLOCK_R": 16,
+                        "BLOCK_K": 256, "BLOCK_N": 256, "MUL_ROUTED_WEIGHT": weighted})
+            assert "mma" not in code and "tf32" not in code, (model, lora, "pairs")
 """)
 
 
@@ -288,29 +310,38 @@ def test_kernels_compile_for_h100(compile_for_h100):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replay_matches_torch_path():
-    """``fused_experts_lora`` (both alignments, the base GEMMs, the four LoRA launches, the
-    activation and the sum) captured in a CUDA graph at a Qwen3-30B-A3B layer shape (H 2048,
-    I 768, 128 experts, top-8; 4 slots of rank ≤ 16), replayed on new activations, routing
-    and slots: bit-equal to an eager call, and within the bound of the float64 reference as
-    the torch path is."""
+@pytest.mark.parametrize("path", ["pairs", "grouped"])
+def test_cuda_graph_replay_matches_torch_path(path):
+    """``fused_experts_lora`` (the alignments, the base GEMMs, the LoRA launches of ``path``,
+    the activation and the sum) captured in a CUDA graph at a Qwen3-30B-A3B layer shape (H
+    2048, I 768, 128 experts, top-8; 4 slots of rank ≤ 16), replayed on new activations,
+    routing and slots: bit-equal to an eager call, and within the bound of the float64
+    reference as the torch path is."""
     t, e, k, h, i, max_loras, max_rank = 64, 128, 8, 2048, 768, 4, 16
     x, w13, w2, weights, ids, slots, lora = _operands(t, e, k, h, i, max_loras, max_rank,
                                                       torch.bfloat16)
+
+    def run(x, weights, ids, slots):
+        return fused_experts_lora_triton(x, w13, w2, weights, ids, slots, lora, path=path)
+
     static = [a.clone() for a in (x, weights, ids, slots)]
-    fused_experts_lora(static[0], w13, w2, static[1], static[2], static[3], lora)  # compile
+    run(*static)                                                            # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_experts_lora(static[0], w13, w2, static[1], static[2], static[3], lora)
+        out = run(*static)
     for seed in (1, 2):
-        new = _operands(t, e, k, h, i, max_loras, max_rank, torch.bfloat16, seed=seed)
-        for dst, src in zip(static, (new[0], new[3], new[4], new[5])):
+        gen = torch.Generator().manual_seed(seed)
+        new_x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        new_w, new_ids = torch.randn(t, e, generator=gen).softmax(-1).topk(k, dim=-1)
+        new_slots = torch.randint(-1, max_loras, (t,), generator=gen, dtype=torch.int32)
+        new = [a.to(DEVICE) for a in (new_x, new_w / new_w.sum(-1, keepdim=True),
+                                      new_ids.to(torch.int32), new_slots)]
+        for dst, src in zip(static, new):
             dst.copy_(src)
         graph.replay()
-        ops = (new[0], w13, w2, new[3], new[4], new[5], lora)
-        assert torch.equal(out, fused_experts_lora(*ops))
+        ops = (new[0], w13, w2, *new[1:], lora)
+        assert torch.equal(out, run(*new))
         _assert_close(out, ops)
-        cpu = [a.cpu() for a in ops[:6]]
-        torch_path = fused_experts_lora_torch(*cpu, MoELoRAWeights(*(a.cpu() for a in lora)))
+        torch_path = fused_experts_lora_torch(*ops)
         _assert_close(torch_path, ops)
