@@ -188,11 +188,12 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
 
 def moe_lora_path(num_pairs: int, num_experts: int, max_loras: int) -> str:
     """Which launches ``fused_experts_lora_triton`` makes for ``num_pairs = T * k`` pairs:
-    ``"pairs"`` (``moe_lora_pairs``: one program per pair, shrink and expand fused, no
-    alignment) while the pairs are at most the ``L * E`` (slot, expert) groups, so a group
-    holds about one pair (decode); else ``"grouped"`` (``MoELoRAPlan``: pairs sorted by
-    (slot, expert), each group's A and B read once for all its pairs: prefill)."""
-    return "pairs" if num_pairs <= max_loras * num_experts else "grouped"
+    ``"pairs"`` (``moe_lora_pairs``: by pair, straight from the routing, no alignment) while
+    the pairs are at most half the ``L * E`` (slot, expert) groups, so that few groups hold
+    more than one pair (decode); else ``"grouped"`` (``MoELoRAPlan``: pairs sorted by (slot,
+    expert), each group's A and B read once for all its pairs: large batches, prefill). The
+    bound is where ``benchmarks/bench_moe_lora.py`` found the grouped plan faster."""
+    return "pairs" if 2 * num_pairs <= max_loras * num_experts else "grouped"
 
 
 def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -204,9 +205,9 @@ def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     ``fused_experts_triton``, ``lora`` by the caller): ``fused_experts_triton`` with the LoRA
     terms added after its first GEMM (gate and up, into its gate/up cache) and after its
     second, weighted one (the routing-weighted down term). ``path`` (None:
-    :func:`moe_lora_path`'s choice) picks the launches: ``"pairs"``, one fused shrink-expand
-    launch per GEMM side over the (token, expert) pairs; ``"grouped"``, one shrink and one
-    expand launch per side over the pairs sorted by (slot, expert) (one alignment for both
+    :func:`moe_lora_path`'s choice) picks the launches: ``"pairs"``, a shrink and an expand
+    launch per GEMM side over the (token, expert) pairs as routed; ``"grouped"``, a shrink and
+    an expand launch per side over the pairs sorted by (slot, expert) (one alignment for both
     sides). Both compute the module docstring's formula with its rounding. No host
     synchronisation; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The slot
     stacks must be contiguous.

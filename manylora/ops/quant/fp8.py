@@ -21,7 +21,9 @@ Parameters (checkpoint names, filled by the weights loader; ``N`` this rank's ou
 
 Activations: dynamic per token (``s_t = max|x_t| / 448``), per (token, ``bk`` columns) with
 block weights, per tensor (dynamic or static), or not at all (W8A16: the weight is
-dequantized and multiplied in the activations' dtype). The products are
+dequantized and multiplied in the activations' dtype). On CUDA one Triton launch quantizes
+the activations (``fp8_act_quant``), and up to ``fp8_skinny.FP8_SKINNY_MAX_ROWS`` rows
+(decode) the W8A8 product is ``fp8_skinny``'s skinny FP8 GEMM. The other products are
 ``manylora.ops.quant.fp8_kernels``'s; on CPU, on a GPU without FP8 tensor cores (before
 compute capability 8.9), and for K or N not multiples of 16 (``_scaled_mm``'s alignment) or
 a K block Triton cannot tile, the float32 emulation (quantize → dequantize → matmul). W8A16
@@ -49,6 +51,7 @@ from manylora.config.quantization import (
     QuantizationError,
 )
 from manylora.ops.linear_method import LinearMethodBase
+from manylora.ops.quant.fp8_act_quant import quantize_activations
 from manylora.ops.quant.fp8_kernels import (
     FP8_DTYPE,
     FP8_MAX,
@@ -63,6 +66,7 @@ from manylora.ops.quant.fp8_kernels import (
     quantize_weight_per_channel,
     scaled_mm,
 )
+from manylora.ops.quant.fp8_skinny import fp8_skinny_eligible, fp8_skinny_linear
 
 #: Weight scale layouts.
 WEIGHT_STRATEGIES = ("tensor", "channel", "block", "online")
@@ -204,21 +208,30 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.activations is None:
             w = dequantize_rows(wq, sw, self._block_k()).to(x.dtype)
             return torch.nn.functional.linear(x, w, bias)
+        # on CUDA one Triton launch quantizes (fp8_act_quant), elsewhere the torch ops
+        fused = x.is_cuda and x.stride(-1) == 1
         if self.activations == "group":
             bk = self._block_k()
-            xq, sx = quantize_per_token_group(x, bk)
+            xq, sx = quantize_activations(x, bk) if fused else quantize_per_token_group(x, bk)
+            if fp8_skinny_eligible(x, wq.shape[0], wq.shape[1], bk):
+                return fp8_skinny_linear(xq, sx, wq, sw, x.dtype, bk, bias)
             if fp8_gpu(x) and bk >= 16 and bk & (bk - 1) == 0:
                 y = block_matmul(xq, sx, wq, sw, bk, x.dtype)
             else:
                 y = block_matmul_reference(xq, sx, wq, sw, bk, torch.float32).to(x.dtype)
         else:
             if self.activations == "token":
-                xq, sx = quantize_per_token(x)
+                xq, sx = quantize_activations(x) if fused else quantize_per_token(x)
             else:
                 scale = (layer.input_scale if self.activations == "static" else
                          (x.abs().amax().float() / FP8_MAX).clamp_min(MIN_SCALE))
-                xq = quantize_static(x, scale)
-                sx = scale.reshape(1, 1).float().expand(x.shape[0], 1)
+                if fused:
+                    xq, sx = quantize_activations(x, scale=scale)
+                else:
+                    xq = quantize_static(x, scale)
+                    sx = scale.reshape(1, 1).float().expand(x.shape[0], 1)
+            if fp8_skinny_eligible(x, wq.shape[0], wq.shape[1], None):
+                return fp8_skinny_linear(xq, sx, wq, sw, x.dtype, None, bias)
             y = scaled_mm(xq, sx, wq, sw, x.dtype)
         return y if bias is None else y + bias
 
@@ -227,17 +240,18 @@ class Fp8LinearMethod(LinearMethodBase):
                                self._block_k()).to(layer.params_dtype)
 
     def warm_up(self, layer: nn.Module) -> int:
-        """On CUDA, one decode (1 row) and one prefill (32 rows) product: the Triton block
-        kernel's two tile shapes; the other products are cuBLAS / torch ops. None on
+        """On CUDA, one product per Triton launch class: the skinny FP8 kernel's three row
+        buckets (1, 17, 33 rows) and 65 rows (the block kernel's prefill tiles; per-row
+        scales take cuBLASLt), each also compiling the activation quantizer. None on
         CPU."""
         weight = layer.weight
         if not weight.is_cuda:
             return 0
-        for rows in (1, 32):
+        for rows in (1, 17, 33, 65):
             x = torch.zeros(rows, weight.shape[1], dtype=layer.params_dtype,
                             device=weight.device)
             self.apply(layer, x)
-        return 2
+        return 4
 
 
 def _param(tensor: torch.Tensor) -> nn.Parameter:
