@@ -1,11 +1,14 @@
 """``quantize_activations`` (one Triton launch) against the torch quantizers it replaces on
 CUDA (``fp8_kernels.quantize_per_token`` / ``_group`` / ``quantize_static``).
 
-The scales must be equal bit for bit, under Triton's interpreter on CPU and on the GPU. The
-e4m3fn codes are compared on the GPU only, where they must all be equal: the interpreter's
-emulation of the float32 → e4m3fn conversion does not round as the hardware's ``cvt.rn``
-does (it loses mantissa bits of small values), so on CPU the kernel is also compiled for
-sm_90 and its conversion checked to be that instruction.
+The reference runs on CPU copies: there torch divides correctly rounded and converts to
+e4m3fn rounding to nearest even, the semantics the kernel states (on CUDA torch divides a
+tensor by a Python number through its reciprocal, off by an ulp at times). The scales must be
+equal bit for bit, under Triton's interpreter on CPU and on the GPU. The e4m3fn codes are
+compared on the GPU only, where they must all be equal: the interpreter's emulation of the
+float32 → e4m3fn conversion does not round as the hardware's ``cvt.rn`` does (it loses
+mantissa bits of small values), so on CPU the kernel is also compiled for sm_90 and its
+division and conversion checked to be ``div.rn`` and ``cvt.rn``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def _x(t, k, dtype, seed=0):
 def _assert_codes(q, want):
     """On the GPU, ``q == want`` code for code (module docstring)."""
     if DEVICE.type == "cuda":
-        differ = q.view(torch.uint8) != want.view(torch.uint8)
+        differ = q.cpu().view(torch.uint8) != want.view(torch.uint8)
         assert not differ.any(), f"{int(differ.sum())} codes differ"
 
 
@@ -49,9 +52,11 @@ def _assert_codes(q, want):
 def test_matches_torch_quantizers(t, k, group, dtype):
     x = _x(t, k, dtype, seed=k)
     q, s = quantize_activations(x, group)
-    want, want_s = quantize_per_token(x) if group is None else quantize_per_token_group(x, group)
+    cpu = x.cpu()
+    want, want_s = (quantize_per_token(cpu) if group is None
+                    else quantize_per_token_group(cpu, group))
     assert q.dtype == torch.float8_e4m3fn and q.shape == (t, k)
-    assert s.dtype == torch.float32 and torch.equal(s, want_s)
+    assert s.dtype == torch.float32 and torch.equal(s.cpu(), want_s)
     _assert_codes(q, want)
 
 
@@ -60,7 +65,7 @@ def test_static_scale():
     scale = torch.tensor(0.03, device=DEVICE)
     q, s = quantize_activations(x, scale=scale)
     assert s.shape == (6, 1) and bool((s == scale).all())
-    _assert_codes(q, quantize_static(x, scale))
+    _assert_codes(q, quantize_static(x.cpu(), scale.cpu()))
 
 
 def test_refusals_name_the_problem():

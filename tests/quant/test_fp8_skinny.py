@@ -2,11 +2,15 @@
 evaluation of its two formulas (per-row scales; per-(row, K-block) scales), on e4m3fn codes
 and scales drawn here, under Triton's interpreter on CPU and on the GPU.
 
-Both sides multiply the same codes; the kernel accumulates in float32 and rounds once to the
-output dtype, so the error is that rounding (at most ``2u`` relative, ``u`` = 2⁻⁸ for
-bfloat16: the interpreter's stores truncate) plus the float32 sums' (``K · 2⁻²⁴`` relative
-at most, K ≤ 1,000): asserted elementwise against ``|y|_max`` of the row, with a factor 1.1
-over ``2u`` in bfloat16 and 1.5 over ``K · 2⁻²⁴`` in float32. On CPU the kernel is also
+Both sides multiply the same codes; the kernel accumulates and rounds once to the output
+dtype, so the error is that rounding (at most ``2u`` relative, ``u`` = 2⁻⁸ for bfloat16: the
+interpreter's stores truncate) plus the sums'. Under the interpreter those are float32 (``K ·
+2⁻²⁴`` relative at most, K ≤ 1,000). Hopper's FP8 tensor cores keep only about 14 mantissa
+bits while they accumulate (DeepSeek-V3 technical report, section 3.3.2), within each K tile
+the kernel adds into float32: on the GPU a sum of K random-signed products is allowed ``4 √K ·
+2⁻¹⁴``. Asserted elementwise against
+``|y|_max`` of the row, with a factor 1.1 over ``2u`` for bfloat16 output and 1.5 over the
+sums' bound for float32. On CPU the kernel is also
 compiled for sm_90 at every launch class the linear method uses, within the H100's shared
 memory.
 """
@@ -68,7 +72,8 @@ def test_matches_float64(m, n, k, block_k, dtype):
     y = fp8_skinny_linear(xq, sx, wq, sw, dtype, block_k, bias, config=config)
     want = _reference(xq, sx, wq, sw, bias, block_k)
     assert y.dtype == dtype and y.shape == (m, n)
-    bound = 1.1 * 2 * 2.0 ** -8 if dtype == torch.bfloat16 else 1.5 * 1000 * 2.0 ** -24
+    sums = 4 * k ** 0.5 * 2.0 ** -14 if DEVICE.type == "cuda" else 1000 * 2.0 ** -24
+    bound = 1.1 * 2 * 2.0 ** -8 + sums if dtype == torch.bfloat16 else 1.5 * sums
     err = (y.double().cpu() - want).abs() / want.abs().amax(dim=1, keepdim=True)
     assert err.max().item() <= bound, f"error {err.max().item():.3g} > {bound:.3g}"
 

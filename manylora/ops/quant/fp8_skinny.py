@@ -3,9 +3,11 @@ weight.
 
 The skinny GEMM of ``manylora.ops.triton_skinny`` with FP8 operands: one program owns
 ``BLOCK_N`` output columns for all ``M ≤ BLOCK_M`` rows and walks ``K`` through a software
-pipeline, ``tl.dot`` on e4m3fn tiles (FP8 tensor cores, compute capability ≥ 8.9) with
-float32 accumulation, then one rounding. With per-token activation scales ``sx [M, 1]`` and
-per-row weight scales ``sw [N]`` (vLLM's ``Fp8LinearMethod`` per-channel / per-tensor)::
+pipeline, ``tl.dot`` on e4m3fn tiles (FP8 tensor cores, compute capability ≥ 8.9), each
+tile's product added into a float32 accumulator (the tensor cores' own FP8 accumulation keeps
+fewer bits, so it spans one tile: DeepSeek-V3's promotion), then one rounding. With
+per-token activation scales ``sx [M, 1]`` and per-row weight scales ``sw [N]`` (vLLM's
+``Fp8LinearMethod`` per-channel / per-tensor)::
 
     y[m, n] = sx[m] · sw[n] · Σ_k xq[m, k] · wq[n, k]   (+ b[n])
 
@@ -59,7 +61,9 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, stri
             sw = tl.load(sw_ptr + offs_n * stride_swn + kb, mask=n_mask, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            # each tile's product added on the CUDA cores: Hopper's FP8 MMA keeps about 14
+            # mantissa bits while it accumulates, so it sums one tile, not all of K
+            acc += tl.dot(x, tl.trans(w))
     if not BLOCK_SCALES:
         sx = tl.load(sx_ptr + offs_m * stride_sxm, mask=m_mask, other=0.0)
         sw = tl.load(sw_ptr + offs_n * stride_swn, mask=n_mask, other=0.0)
