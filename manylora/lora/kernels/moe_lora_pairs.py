@@ -48,6 +48,17 @@ _TILE = 4096
 _TILES_PER_PROGRAM = 2
 
 
+@triton.jit
+def _pair_rank_and_key(slots_ptr, ids_ptr, ranks_ptr, stride_rank, num_experts, p, m,
+                       TOP_K: tl.constexpr):
+    """``(r, s * E + e)`` of pair ``p`` and module ``m``: ``r = ranks[s, m]``, 0 for a base
+    row (``s = -1``; the key is then not read)."""
+    slot = tl.load(slots_ptr + p // TOP_K)
+    rank = tl.where(slot >= 0, slot_rank(ranks_ptr, stride_rank, tl.maximum(slot, 0), m), 0)
+    key = slot.to(tl.int64) * num_experts + tl.load(ids_ptr + p).to(tl.int64)
+    return rank, key
+
+
 @triton.jit(do_not_specialize=TABLE_ARGS)
 def moe_lora_pair_shrink_kernel(
         v_ptr, a0_ptr, a1_ptr, buf_ptr, ranks_ptr, slots_ptr, ids_ptr, num_experts, K,
@@ -59,13 +70,10 @@ def moe_lora_pair_shrink_kernel(
     p = tl.program_id(0) // K_SPLITS
     split = tl.program_id(0) % K_SPLITS
     m = tl.program_id(1)
-    slot = tl.load(slots_ptr + p // TOP_K)
-    if slot < 0:
-        return
-    rank = slot_rank(ranks_ptr, stride_rank, slot, m)
+    rank, key = _pair_rank_and_key(slots_ptr, ids_ptr, ranks_ptr, stride_rank, num_experts, p,
+                                   m, TOP_K)
     if rank == 0:
         return
-    key = slot.to(tl.int64) * num_experts + tl.load(ids_ptr + p).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_k = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
@@ -96,13 +104,10 @@ def moe_lora_pair_expand_kernel(
     p = tl.program_id(0) // N_SPLITS
     split = tl.program_id(0) % N_SPLITS
     m = tl.program_id(1)
-    slot = tl.load(slots_ptr + p // TOP_K)
-    if slot < 0:
-        return
-    rank = slot_rank(ranks_ptr, stride_rank, slot, m)
+    rank, key = _pair_rank_and_key(slots_ptr, ids_ptr, ranks_ptr, stride_rank, num_experts, p,
+                                   m, TOP_K)
     if rank == 0:
         return
-    key = slot.to(tl.int64) * num_experts + tl.load(ids_ptr + p).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     h = tl.zeros((BLOCK_R,), dtype=tl.float32)
