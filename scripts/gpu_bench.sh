@@ -3,7 +3,7 @@
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
 #                                           prefix-cache serving tp demo-tasks lora-qwen3
 #                                           lora-gemma2 head-lora quant quant-lora fused-moe
-#                                           moe-lora-kernel moe-lora-engine (tp: two GPUs;
+#                                           moe-lora-kernel moe-lora-engine alora (tp: two GPUs;
 #                                           demo-tasks: the GGUF in $MANYLORA_CACHE/smollm2;
 #                                           moe-lora-engine: an H200's memory)
 # BENCH_REPEATS sets the timed passes of the parts that take --repeats (default: theirs).
@@ -36,6 +36,7 @@ for part in "$@"; do
     fused-moe) python3 -m benchmarks.bench_fused_moe ;;
     moe-lora-kernel) python3 -m benchmarks.bench_moe_lora --parts kernel ;;
     moe-lora-engine) python3 -m benchmarks.bench_moe_lora --parts engine ;;
+    alora) python3 -m benchmarks.bench_alora ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac 2>&1 | tee "$out/bench_$part.log"
   cp BENCHMARKS.md "$out/" 2>/dev/null

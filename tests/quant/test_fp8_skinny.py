@@ -60,7 +60,7 @@ def _reference(xq, sx, wq, sw, bias, block_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, FP8_SKINNY_MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 17, FP8_SKINNY_MAX_ROWS])
 @pytest.mark.parametrize("n,k,block_k", [(96, 512, None), (70, 1000, None), (64, 384, 128),
                                          (50, 200, 64), (128, 1024, 256)])
 def test_matches_float64(m, n, k, block_k, dtype):

@@ -99,7 +99,7 @@ def check_moe_lora(x: torch.Tensor, w13: torch.Tensor, token_slots: torch.Tensor
 def fused_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        token_slots: torch.Tensor, lora: MoELoRAWeights,
-                       activation: str = "silu") -> torch.Tensor:
+                       activation: str = "silu", path: str | None = None) -> torch.Tensor:
     """The routed experts' MLP with each token's adapter on every expert (module docstring),
     vLLM's ``fused_moe_lora``: ``x.is_cuda`` → the Triton path (no host synchronisation,
     fixed worst-case sizes: CUDA-graph capturable once compiled), else the torch path.
@@ -123,19 +123,21 @@ def fused_experts_lora(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             row (neither ids nor slots are range-checked: that would synchronise).
         lora: the layer's :class:`MoELoRAWeights` (contiguous stacks on the Triton path).
         activation: ``"silu"`` or ``"gelu_tanh"``.
+        path: the Triton path's launch plan (``fused_experts_lora_triton``; None: by
+            :func:`moe_lora_path`); the torch path has one.
 
     Returns:
         ``[T, H]`` in x's dtype (a new tensor).
 
     Raises:
-        ValueError: an unknown activation, or shapes, dtypes, layouts or devices that do not
-            fit together (the message names the argument).
+        ValueError: an unknown activation or path, or shapes, dtypes, layouts or devices that
+            do not fit together (the message names the argument).
     """
     check_experts(x, w13, w2, topk_weights, topk_ids, activation)
     check_moe_lora(x, w13, token_slots, lora)
     if x.is_cuda:
         return fused_experts_lora_triton(x, w13, w2, topk_weights, topk_ids, token_slots,
-                                          lora, activation)
+                                          lora, activation, path)
     return fused_experts_lora_torch(x, w13, w2, topk_weights, topk_ids, token_slots, lora,
                                     activation)
 

@@ -146,9 +146,11 @@ class FusedMoE(nn.Module):
     def warm_up(self, token_counts: Sequence[int]) -> int:
         """Run the experts' product once per token count in ``token_counts`` on zero
         activations, through the entry points ``forward`` calls: the base op, and with
-        expert slots its LoRA launches on slot 0 (whatever its ranks); the outputs are
-        dropped. Compiles their Triton specializations before serving (``worker.warmup``,
-        with ``ops.triton_fused_moe.moe_token_cases``).
+        expert slots its LoRA launches on slot 0 (whatever its ranks) by both launch plans
+        (``lora.kernels.fused_moe_lora.moe_lora_path`` switches plans at a pair count of its
+        own, so each case compiles both); the outputs are dropped. Compiles their Triton
+        specializations before serving (``worker.warmup``, with
+        ``ops.triton_fused_moe.moe_token_cases``).
 
         Returns:
             The entry-point calls made.
@@ -163,8 +165,10 @@ class FusedMoE(nn.Module):
             launches += 1
             if self.expert_lora is not None:
                 slots = torch.zeros(t, dtype=torch.int32, device=w13.device)
-                fused_experts_lora(x, w13, w2, weights, ids, slots, self.expert_lora.weights())
-                launches += 1
+                for path in ("pairs", "grouped"):
+                    fused_experts_lora(x, w13, w2, weights, ids, slots,
+                                       self.expert_lora.weights(), path=path)
+                    launches += 1
         return launches
 
     # -- checkpoint loading (ModelWeightsLoader.load_model's ``checkpoint_loader`` hook) --
