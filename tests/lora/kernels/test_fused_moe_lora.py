@@ -147,9 +147,13 @@ def _run(path, *ops, activation="silu"):
     return fused_experts_lora_triton(*ops, activation, path=path.removeprefix("triton-"))
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("path", PATHS)
+# the per-pair plan under the interpreter costs a program per (pair, split, module): its
+# largest shape (296 pairs) runs in one dtype
+CASES = [(path, shape, dtype) for path in PATHS for shape in SHAPES for dtype in DTYPES
+         if not (path == "triton-pairs" and shape == "prefill-top8of16-odd" and dtype != "fp32")]
+
+
+@pytest.mark.parametrize("path,shape,dtype", CASES)
 def test_matches_float64(path, shape, dtype):
     t, e, k, h, i, max_loras, max_rank = SHAPES[shape]
     model_dtype, lora_dtype = DTYPES[dtype]
