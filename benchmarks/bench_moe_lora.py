@@ -5,8 +5,8 @@ at Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 128 experts of 768, top-8), bf
 * ``kernel``: ``fused_experts_lora`` (``manylora.lora.kernels.fused_moe_lora``) and the base
   ``fused_experts_triton`` at T = 1, 64 and 256 tokens, each token on one of 16 rank-16
   adapters (slot ``t % 16``) with gate, up and down on every expert, routing uniform; the
-  LoRA op by both launch plans (one program per (token, expert) pair, and the pairs grouped
-  by (slot, expert)), and which one ``moe_lora_path`` takes. Time:
+  LoRA op by both launch plans (by (token, expert) pair as routed, and the pairs grouped by
+  (slot, expert)), and which one ``moe_lora_path`` takes. Time:
   one CUDA-graph replay of the whole op, L2 cleared (``common.time_cuda_graph``). Floor:
   the bytes actually read (the distinct experts hit × their ``w13`` + ``w2`` bytes, plus the
   distinct (slot, expert) pairs hit × their A and B bytes) over the copy bandwidth measured

@@ -25,9 +25,10 @@ dequantized and multiplied in the activations' dtype). On CUDA one Triton launch
 the activations (``fp8_act_quant``), and up to ``fp8_skinny.FP8_SKINNY_MAX_ROWS`` rows
 (decode) the W8A8 product is ``fp8_skinny``'s skinny FP8 GEMM. The other products are
 ``manylora.ops.quant.fp8_kernels``'s; on CPU, on a GPU without FP8 tensor cores (before
-compute capability 8.9), and for K or N not multiples of 16 (``_scaled_mm``'s alignment) or
-a K block Triton cannot tile, the float32 emulation (quantize → dequantize → matmul). W8A16
-dequantizes the weight on each product (a transient ``[N, K]`` in the activations' dtype).
+compute capability 8.9), and past the skinny kernel's rows for K or N not multiples of 16
+(``_scaled_mm``'s alignment) or a K block Triton cannot tile, the float32 emulation
+(quantize → dequantize → matmul). W8A16 dequantizes the weight on each product (a transient
+``[N, K]`` in the activations' dtype).
 
 Tensor parallelism: the weight and per-channel scales are cut with their rows (column
 parallel) or columns (row parallel); block scales with their blocks, and a split that cuts

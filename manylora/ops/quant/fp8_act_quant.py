@@ -13,8 +13,9 @@ token), and with ``a = max_k |x[t, k]|`` over them::
 
 in float32, the divisions correctly rounded (``div_rn``, as torch's), the conversion to
 e4m3fn rounding to nearest even on the GPU (``cvt.rn``). Under ``TRITON_INTERPRET=1`` the
-conversion rounds exact ties away from zero instead (the interpreter's emulation); the scales
-are the same. No host synchronisation: CUDA-graph capturable.
+scales are the same, but the interpreter's emulation of the e4m3fn conversion does not round
+as the hardware does (it loses mantissa bits of small values): the codes hold on the GPU
+only. No host synchronisation: CUDA-graph capturable.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from manylora.ops.quant.fp8_kernels import fp8_gpu
+from manylora.ops.triton_skinny import row_bucket
+
 #: Rows up to which ``fp8_skinny_eligible`` holds.
 FP8_SKINNY_MAX_ROWS = 64
 #: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` by ``BLOCK_M`` for per-row scales (block
@@ -74,15 +77,11 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, stri
              acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _block_m(rows: int) -> int:
-    return next(b for b in (16, 32, 64) if b >= rows)
-
-
 def fp8_skinny_config(rows: int, block_k: int | None) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows`` rows (1 ≤ rows ≤
     ``FP8_SKINNY_MAX_ROWS``) with per-row scales (``block_k`` None) or K blocks of
     ``block_k``."""
-    block_m = _block_m(rows)
+    block_m = row_bucket(rows)
     if block_k is None:
         return (block_m, *_ROW_SCALE_CONFIGS[block_m])
     block_n, warps, stages = _BLOCK_SCALE_CONFIG
@@ -93,8 +92,8 @@ def fp8_skinny_eligible(x: torch.Tensor, n: int, k: int, block_k: int | None) ->
     """Whether ``fp8_skinny_linear`` serves ``x`` by an ``[n, k]`` weight: a CUDA device with
     FP8 tensor cores, 1 to ``FP8_SKINNY_MAX_ROWS`` rows with unit column stride, and a K
     block (block scales) that is a power of two from 32 (FP8 ``tl.dot``'s K) to 256."""
-    if not (x.is_cuda and x.dim() == 2 and 1 <= x.shape[0] <= FP8_SKINNY_MAX_ROWS
-            and x.stride(1) == 1 and torch.cuda.get_device_capability(x.device) >= (8, 9)):
+    if not (fp8_gpu(x) and x.dim() == 2 and 1 <= x.shape[0] <= FP8_SKINNY_MAX_ROWS
+            and x.stride(1) == 1):
         return False
     return block_k is None or (32 <= block_k <= 256 and block_k & (block_k - 1) == 0)
 
