@@ -25,6 +25,13 @@ from torch import nn
 from manylora.ops.triton_skinny import skinny_eligible, skinny_linear
 
 
+def applied_bias(layer: nn.Module) -> torch.Tensor | None:
+    """The bias the layer's forward passes to ``apply``: its ``bias`` unless it is row
+    parallel (there the bias is added after the all-reduce), so that a warm-up compiles the
+    kernels the forward will launch."""
+    return None if getattr(layer, "parallel", None) == "row" else getattr(layer, "bias", None)
+
+
 class LinearMethodBase(ABC):
     """One way of storing and multiplying a linear layer's base weight.
 

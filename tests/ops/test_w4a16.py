@@ -4,8 +4,9 @@ of the same codes, scales and zero points.
 On CPU they run under Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), on CUDA when there is a GPU. Shapes are odd on purpose (N and K not
 multiples of the blocks, a last group shorter than the rest), groups of 32, 64, 128 and one
-over K, activation-order groups through ``g_idx``; 1, 3 and 16 rows take the split-K GEMV, 17
-and 64 the GEMM. The bound is the float32 accumulation's plus one rounding of the output and,
+over K, of 12 rows (not a whole word), activation-order groups through ``g_idx``; up to 64
+rows take the split-K kernel, on tensor cores or (one to four rows) on CUDA cores, and 65
+rows the unsplit GEMM. The bound is the float32 accumulation's plus one rounding of the output and,
 on a GPU, of the dequantized weight to the activation dtype: ``(2u + K·2⁻²⁴) · (|x| · |W|)``
 per element, ``u`` the dtype's unit roundoff.
 """
@@ -39,7 +40,7 @@ def _operands(n, k, group, dtype, act_order, seed=0):
     g_idx = None
     if act_order:
         g_idx = (torch.arange(k) // size)[torch.randperm(k, generator=gen)].to(torch.int32)
-    x = torch.randn(64, k, generator=gen).to(dtype)
+    x = torch.randn(80, k, generator=gen).to(dtype)
     return (x.to(DEVICE), pack_rows(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
             None if g_idx is None else g_idx.to(DEVICE), size, q)
 
@@ -75,8 +76,9 @@ def test_pack_rows_round_trips_and_puts_row_8i_plus_j_in_nibble_j():
     (48, 200, 64, True),       # activation order: rows' groups through g_idx
     (130, 256, 128, False),
     (24, 96, -1, False),       # one group over K
+    (20, 60, 12, False),       # groups that split a word: per-row groups
 ])
-@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 17, 65])
 def test_w4a16_linear_matches_float64_dequantized_product(dtype, n, k, group, act_order, rows):
     x, qweight, scales, zeros, g_idx, size, q = _operands(n, k, group, dtype, act_order)
     y = w4a16_linear(x[:rows], qweight, scales, zeros, g_idx, size)
@@ -84,19 +86,50 @@ def test_w4a16_linear_matches_float64_dequantized_product(dtype, n, k, group, ac
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_gemv_split_k_sums_every_part_once(splits):
-    # groups of 128 = one GEMV tile: one row of scales per tile, a short last group
+@pytest.mark.parametrize("config", [
+    (16, True, 32, 16, 4, 2, 4),      # tensor cores: one group of 128 per step
+    (4, False, 32, 16, 4, 2, 4),      # CUDA cores, the same steps
+    (2, False, 16, 8, 4, 2, 4),       # CUDA cores, two steps per group
+], ids=["dot", "fma", "fma-half-group"])
+def test_gemv_split_k_sums_every_part_once(splits, config):
+    # groups of 128, a short last group; a second launch finds the arrival counters reset
     x, qweight, scales, zeros, g_idx, size, q = _operands(40, 328, 128, torch.float32, False)
-    y = w4a16_gemv(x[:DECODE_MAX_ROWS], qweight, scales, zeros, g_idx, size, splits=splits)
-    _assert_close(y, x[:DECODE_MAX_ROWS], q, scales, zeros, g_idx, size)
+    rows = config[0]
+    for part in (x[:rows], x[-rows:]):
+        y = w4a16_gemv(part, qweight, scales, zeros, g_idx, size, splits=splits,
+                       config=config)
+        _assert_close(y, part, q, scales, zeros, g_idx, size)
+
+
+@pytest.mark.parametrize("group, act_order", [(32, False), (64, True)])
+def test_cuda_core_path_takes_every_group_layout(group, act_order):
+    x, qweight, scales, zeros, g_idx, size, q = _operands(36, 200, group, torch.float32,
+                                                          act_order)
+    y = w4a16_gemv(x[:3], qweight, scales, zeros, g_idx, size, splits=2,
+                   config=(4, False, 32, 4, 4, 2, 4))
+    _assert_close(y, x[:3], q, scales, zeros, g_idx, size)
+
+
+@pytest.mark.parametrize("rows", [2, 65])
+def test_bias_is_added_before_the_rounding(rows):
+    x, qweight, scales, zeros, g_idx, size, q = _operands(24, 64, 32, torch.bfloat16, False)
+    bias = torch.linspace(-4, 4, 24, dtype=torch.bfloat16, device=DEVICE)
+    y = w4a16_linear(x[:rows], qweight, scales, zeros, g_idx, size, bias)
+    ref, mag = _reference(x[:rows], q, scales, zeros, g_idx, size)
+    ref = ref + bias.cpu().double()
+    bound = (2 * UNIT[torch.bfloat16] + 64 * 2.0 ** -24) * (mag + bias.cpu().double().abs())
+    assert ((y.cpu().double() - ref).abs() <= bound).all()
 
 
 def test_gemm_takes_decode_rows_too_and_gemv_refuses_prefill_rows():
     x, qweight, scales, zeros, g_idx, size, q = _operands(32, 64, 32, torch.float32, False)
     _assert_close(w4a16_gemm(x[:2], qweight, scales, zeros, g_idx, size), x[:2], q, scales,
                   zeros, g_idx, size)
-    with pytest.raises(ValueError, match="at most 16"):
+    with pytest.raises(ValueError, match=f"at most {DECODE_MAX_ROWS}"):
         w4a16_gemv(x[:DECODE_MAX_ROWS + 1], qweight, scales, zeros, g_idx, size)
+    with pytest.raises(ValueError, match="BLOCK_M of 2"):
+        w4a16_gemv(x[:3], qweight, scales, zeros, g_idx, size,
+                   config=(2, False, 32, 8, 4, 2, 4))
 
 
 def test_torch_reference_dequantizes_by_the_module_formula():
@@ -112,7 +145,7 @@ def test_mismatched_operands_are_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, DECODE_MAX_ROWS, 48])
+@pytest.mark.parametrize("rows", [1, 16, DECODE_MAX_ROWS, 72])
 def test_w4a16_linear_replays_in_a_cuda_graph(rows):
     """Both kernels launch without host syncs: captured once, replayed on new inputs."""
     x, qweight, scales, zeros, g_idx, size, q = _operands(256, 512, 128, torch.bfloat16, True)

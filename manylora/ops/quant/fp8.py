@@ -51,7 +51,7 @@ from manylora.config.quantization import (
     QuantizationConfig,
     QuantizationError,
 )
-from manylora.ops.linear_method import LinearMethodBase
+from manylora.ops.linear_method import LinearMethodBase, applied_bias
 from manylora.ops.quant.fp8_act_quant import quantize_activations
 from manylora.ops.quant.fp8_kernels import (
     FP8_DTYPE,
@@ -251,7 +251,7 @@ class Fp8LinearMethod(LinearMethodBase):
         for rows in (1, 17, 33, 65):
             x = torch.zeros(rows, weight.shape[1], dtype=layer.params_dtype,
                             device=weight.device)
-            self.apply(layer, x)
+            self.apply(layer, x, applied_bias(layer))
         return 4
 
 

@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from manylora.config.quantization import QuantizationError
-from manylora.ops.linear_method import LinearMethodBase
-from manylora.ops.quant.w4a16 import DECODE_MAX_ROWS, dequantize, pack_rows, w4a16_linear
+from manylora.ops.linear_method import LinearMethodBase, applied_bias
+from manylora.ops.quant.w4a16 import (
+    DECODE_CONFIGS,
+    DECODE_MAX_ROWS,
+    dequantize,
+    pack_rows,
+    w4a16_linear,
+)
 
 #: Codes per packed int32 word.
 PACK = 8
@@ -115,10 +121,11 @@ def raise_shape(layer: nn.Module, in_features: int, out_features: int) -> None:
 class Int4LinearMethod(LinearMethodBase):
     """INT4 weight-only base weights in the ``w4a16`` layout (module docstring).
 
-    ``apply``: on CUDA the ``w4a16_linear`` kernels (split-K GEMV up to
-    ``DECODE_MAX_ROWS`` rows, GEMM above), elsewhere the torch reference (dequantize, then
-    ``torch.nn.functional.linear``). A format's subclass registers its checkpoint tensors
-    (``create_weights``) and turns them into the canonical codes (``canonical``).
+    ``apply``: on CUDA the ``w4a16_linear`` kernel (K split over programs up to
+    ``DECODE_MAX_ROWS`` rows, the bias added inside), elsewhere the torch reference
+    (dequantize, then ``torch.nn.functional.linear``). A format's subclass registers its
+    checkpoint tensors (``create_weights``) and turns them into the canonical codes
+    (``canonical``).
     """
 
     @abstractmethod
@@ -167,9 +174,8 @@ class Int4LinearMethod(LinearMethodBase):
               bias: torch.Tensor | None = None) -> torch.Tensor:
         x = self._input(layer, x)
         if x.is_cuda:
-            y = w4a16_linear(x.contiguous(), layer.w4_qweight, layer.w4_scales,
-                             layer.w4_zeros, layer.w4_g_idx, layer.w4_group_size)
-            return y if bias is None else y.add_(bias)
+            return w4a16_linear(x.contiguous(), layer.w4_qweight, layer.w4_scales,
+                                layer.w4_zeros, layer.w4_g_idx, layer.w4_group_size, bias)
         w = dequantize(layer.w4_qweight, layer.w4_scales, layer.w4_zeros, layer.w4_g_idx,
                        layer.w4_group_size, layer.w4_in_features, x.dtype)
         return torch.nn.functional.linear(x, w.T, bias)
@@ -184,8 +190,9 @@ class Int4LinearMethod(LinearMethodBase):
     def warm_up(self, layer: nn.Module) -> int:
         if not layer.w4_qweight.is_cuda:
             return 0
-        for rows in (1, DECODE_MAX_ROWS + 1):
+        row_cases = (*DECODE_CONFIGS, DECODE_MAX_ROWS + 1)   # each decode bucket, prefill
+        for rows in row_cases:
             x = torch.zeros(rows, layer.w4_in_features, dtype=layer.w4_dtype,
                             device=layer.w4_qweight.device)
-            self.apply(layer, x)
-        return 2
+            self.apply(layer, x, applied_bias(layer))
+        return len(row_cases)

@@ -15,14 +15,27 @@ The product, float32 accumulation, rounded once to x's dtype::
 
     y[t, n] = Σ_k x[t, k] · s[g(k), n] · (q[k, n] − z[g(k), n])   (+ b[n])
 
-Two kernels: ``w4a16_gemm`` (prefill: ``BLOCK_M × BLOCK_N`` output tiles, the weight tile
-dequantized in the K loop and multiplied by ``tl.dot``) and ``w4a16_gemv`` (decode, at most
-``DECODE_MAX_ROWS`` rows: one ``tl.dot`` tile of 16 rows covers them all, and K is split over
-``SPLIT_K`` programs per column block so that a skinny product still fills the GPU; the
-partial sums go to a float32 workspace summed in torch, deterministic, without atomics).
-``w4a16_linear`` picks between them by the row count. Neither synchronises with the host:
-CUDA-graph safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the
-interpreter multiplies bfloat16 bit patterns as integers).
+One kernel serves prefill and decode. A program owns a ``BLOCK_M × BLOCK_N`` output tile and
+a range of K; each step loads a ``BLOCK_KW × BLOCK_N`` tile of words once and takes its eight
+nibble planes ``q[8i + j, ·]`` (``j = 0 .. 7``) by shifts, each multiplied by the matching
+strided columns ``x[·, 8i + j]``, so no word is read twice. Codes become floats by the
+exponent trick (``bits(2²³) | q`` is ``2²³ + q``), no conversion instruction. Where a step's
+``8 · BLOCK_KW`` rows lie in one group, the group's scale and zero are applied once per tile
+and column::
+
+    y[t, n] += s[g, n] · (Σ_k x[t, k] · q[k, n] − z[g, n] · Σ_k x[t, k])
+
+(the same sum, regrouped; the codes are exact in any float type); other layouts dequantize
+each element first. The tile product runs on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16)
+or, for one to eight rows, as float32 multiply-adds on the CUDA cores (no 16-row padding).
+Decode rows (up to ``DECODE_MAX_ROWS``) split K over ``splits`` programs per output tile so
+that a skinny product fills the GPU (split-K, as decode GEMV kernels do); the splits write
+float32 partial sums to a workspace and the last of them to finish (a per-tile arrival
+counter, reset by that program) sums the partials in split order and writes the output, in
+one launch, deterministic, without atomics on the data. No host synchronisation: CUDA-graph
+safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter
+multiplies bfloat16 bit patterns as integers). Two launches of these kernels must not run
+concurrently on one device (they share the arrival counters).
 """
 
 from __future__ import annotations
@@ -33,109 +46,159 @@ import torch
 import triton
 import triton.language as tl
 
-#: Rows up to which ``w4a16_linear`` runs the split-K GEMV kernel (its one ``tl.dot`` tile
-#: of 16 rows, ``tl.dot``'s minimum, covers them); more rows run the GEMM kernel.
-DECODE_MAX_ROWS = 16
-#: The GEMM kernel's ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``.
-GEMM_CONFIG = (64, 64, 64, 4, 3)
-#: The GEMV kernel's ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``.
-GEMV_CONFIG = (64, 128, 4, 3)
-#: Split-K programs aimed at per streaming multiprocessor in the GEMV kernel.
-_PROGRAMS_PER_SM = 4
+#: Rows up to which ``w4a16_linear`` splits K (decode); more rows take one program per
+#: output tile over all of K (prefill).
+DECODE_MAX_ROWS = 64
+#: ``BLOCK_M`` → ``(USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)``
+#: for decode rows (``BLOCK_M`` the smallest key ≥ the row count); ``BLOCK_KW`` words are
+#: ``8 · BLOCK_KW`` input rows.
+DECODE_CONFIGS: dict[int, tuple[bool, int, int, int, int, int]] = {
+    1: (False, 128, 16, 4, 3, 4),
+    2: (False, 128, 16, 4, 3, 4),
+    4: (False, 64, 16, 4, 3, 4),
+    16: (True, 64, 16, 4, 3, 4),
+    32: (True, 64, 16, 4, 3, 4),
+    64: (True, 64, 16, 4, 3, 4),
+}
+#: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
+GEMM_CONFIG = (64, 64, 16, 4, 3)
+#: Arrival counters per device (one per output tile of a split launch); a launch with more
+#: tiles than this does not split.
+_COUNTERS = 1 << 14
+_MAGIC = 0x4B000000          # the float32 bits of 2**23
 
 
 @triton.jit
-def _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, K, GROUP_SIZE: tl.constexpr,
-                  HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight tile ``W[k0 : k0 + BLOCK_K, offs_n] = s · (q − z)`` in float32 (zero
-    outside K/N). Where whole tiles lie in one group (``k0`` a multiple of ``BLOCK_K``,
-    which divides ``GROUP_SIZE``) one row of scales and zeros serves the tile."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_mask = offs_k < K
-    n_mask = offs_n < N
-    mask = k_mask[:, None] & n_mask[None, :]
-    words = tl.load(q_ptr + (offs_k // 8)[:, None] * N + offs_n[None, :], mask=mask, other=0)
-    q = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-    if HAS_GIDX:
-        g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
-        gn = g[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-    elif GROUP_SIZE % BLOCK_K == 0:
-        gn = (k0 // GROUP_SIZE) * N + offs_n
-        s = tl.load(s_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        z = tl.load(z_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    else:
-        gn = (offs_k // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + gn, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mask, (q - z) * s, 0.0)
+def _codes(words, j: tl.constexpr):
+    """Nibble plane ``j`` of ``words`` as exact float32 codes ``0 .. 15``."""
+    bits = ((words >> (4 * j)) & 0xF) | _MAGIC
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, k_limit, offs_m, offs_n,
-                     row_mask, N, stride_xm, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
-                     DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``acc += x[offs_m, k0 : k0 + BLOCK_K] @ W[k0 : k0 + BLOCK_K, offs_n]`` in float32
-    (``W`` from ``_dequant_tile``; columns at or past ``k_limit`` read as zero): the K step
-    both kernels share."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                mask=row_mask & (offs_k[None, :] < k_limit), other=0.0)
-    w = _dequant_tile(q_ptr, s_ptr, z_ptr, g_ptr, k0, offs_n, N, k_limit, GROUP_SIZE,
-                      HAS_GIDX, BLOCK_K)
-    if DOT_FP32:
-        x = x.to(tl.float32)
-    else:
-        w = w.to(x.dtype)
-    if IEEE:
-        return tl.dot(x, w, acc, input_precision="ieee")
-    return tl.dot(x, w, acc)
+def _product(acc, x, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + x @ w``: ``x [BM, BKW]`` (activation dtype), ``w [BKW, BN]`` float32. On
+    tensor cores ``acc`` is ``[BM, BN]``; on CUDA cores it is ``[BM, BKW, BN]`` (the
+    products added elementwise, summed over ``BKW`` once after the K loop)."""
+    if USE_DOT:
+        if DOT_FP32:
+            x = x.to(tl.float32)
+        else:
+            w = w.to(x.dtype)
+        if IEEE:
+            return tl.dot(x, w, acc, input_precision="ieee")
+        return tl.dot(x, w, acc)
+    return acc + x.to(tl.float32)[:, :, None] * w[None, :, :]
 
 
-@triton.jit(do_not_specialize=["M"])
-def _w4a16_gemm_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, y_ptr, M, N, K, stride_xm,
-                       stride_ym, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
-                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = offs_m[:, None] < M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        acc = _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, K, offs_m, offs_n,
-                               row_mask, N, stride_xm, GROUP_SIZE, HAS_GIDX, DOT_FP32, IEEE,
-                               BLOCK_K)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=row_mask & (offs_n[None, :] < N))
+@triton.jit
+def _row_sums(xsum, x, USE_DOT: tl.constexpr):
+    """``xsum + Σ x`` over the step's rows: ``[BM]`` on tensor cores, ``[BM, BKW]`` (per
+    word row) on CUDA cores."""
+    if USE_DOT:
+        return xsum + tl.sum(x.to(tl.float32), axis=1)
+    return xsum + x.to(tl.float32)
 
 
-@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
-def _w4a16_gemv_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, ws_ptr, M, N, K, K_PER_SPLIT,
-                       stride_xm, GROUP_SIZE: tl.constexpr, HAS_GIDX: tl.constexpr,
-                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+@triton.jit
+def _rescale(acc, tile, xsum, s, z, USE_DOT: tl.constexpr):
+    """``acc + s · (tile − z · xsum)``: one group's scale ``s [BN]`` and zero ``z [BN]``
+    applied to a step's code products."""
+    if USE_DOT:
+        return acc + s[None, :] * (tile - z[None, :] * xsum[:, None])
+    return acc + s[None, None, :] * (tile - z[None, None, :] * xsum[:, :, None])
+
+
+@triton.jit(do_not_specialize=["M", "KW_PER_SPLIT"])
+def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N,
+                  K, KW_PER_SPLIT, stride_xm, stride_ym, GROUP_SIZE: tl.constexpr,
+                  MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+    # MODE 0: one group per step (scales per tile); 1: groups along words (GROUP_SIZE a
+    # multiple of 8); 2: any groups (g_idx)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = offs_m[:, None] < M
-    k_start = pid_k * K_PER_SPLIT
-    k_stop = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        acc = _accumulate_tile(acc, x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, k0, k_stop, offs_m,
-                               offs_n, row_mask, N, stride_xm, GROUP_SIZE, HAS_GIDX,
-                               DOT_FP32, IEEE, BLOCK_K)
-    ws = ws_ptr + pid_k * M * N
-    tl.store(ws + offs_m[:, None] * N + offs_n[None, :], acc,
-             mask=row_mask & (offs_n[None, :] < N))
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    kw_total = tl.cdiv(K, 8)
+    kw_start = pid_k * KW_PER_SPLIT
+    kw_stop = tl.minimum(kw_start + KW_PER_SPLIT, kw_total)
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+    for kw0 in range(kw_start, kw_stop, BLOCK_KW):
+        offs_kw = kw0 + tl.arange(0, BLOCK_KW)
+        kw_mask = offs_kw < kw_stop
+        wmask = kw_mask[:, None] & n_mask[None, :]
+        words = tl.load(q_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+        if MODE == 0:
+            tile = tl.zeros_like(acc)
+            if USE_DOT:
+                xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            else:
+                xsum = tl.zeros((BLOCK_M, BLOCK_KW), dtype=tl.float32)
+        if MODE == 1:
+            gn = ((offs_kw * 8) // GROUP_SIZE)[:, None] * N + offs_n[None, :]
+            s_t = tl.load(s_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
+            z_t = tl.load(z_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            offs_k = offs_kw * 8 + j
+            k_mask = kw_mask & (offs_k < K)
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            q = _codes(words, j)
+            if MODE == 0:
+                tile = _product(tile, x, q, USE_DOT, DOT_FP32, IEEE)
+                xsum = _row_sums(xsum, x, USE_DOT)
+            elif MODE == 1:
+                acc = _product(acc, x, (q - z_t) * s_t, USE_DOT, DOT_FP32, IEEE)
+            else:
+                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+                gn = g[:, None] * N + offs_n[None, :]
+                s_j = tl.load(s_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
+                z_j = tl.load(z_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
+                acc = _product(acc, x, (q - z_j) * s_j, USE_DOT, DOT_FP32, IEEE)
+        if MODE == 0:
+            gn = ((kw0 * 8) // GROUP_SIZE) * N + offs_n
+            s = tl.load(s_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)
+            acc = _rescale(acc, tile, xsum, s, z, USE_DOT)
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=1)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT:
+        splits = tl.num_programs(1)
+        tile_ws = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile_ws, acc, mask=out_mask)
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            tl.debug_barrier()
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for part in range(0, splits):
+                total += tl.load(ws_ptr + part * M * N + tile_ws, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-           zeros: torch.Tensor, g_idx: torch.Tensor | None, group_size: int) -> None:
+           zeros: torch.Tensor, g_idx: torch.Tensor | None, group_size: int,
+           bias: torch.Tensor | None) -> None:
     m, k = x.shape
     n = qweight.shape[1]
     if (qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, 8)
@@ -143,49 +206,13 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
             or not (qweight.is_contiguous() and scales.is_contiguous()
                     and zeros.is_contiguous())
             or (g_idx is None and (group_size <= 0 or scales.shape[0] < triton.cdiv(k, group_size)))
-            or (g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32))):
+            or (g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32))
+            or (bias is not None and tuple(bias.shape) != (n,))):
         raise ValueError(f"w4a16: x {tuple(x.shape)} (strides {x.stride()}), qweight "
                          f"{tuple(qweight.shape)} {qweight.dtype}, scales "
                          f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, g_idx "
                          f"{None if g_idx is None else tuple(g_idx.shape)}, group_size "
-                         f"{group_size}")
-
-
-def _flags(x: torch.Tensor) -> dict[str, bool]:
-    on_gpu = x.device.type == "cuda"
-    return {"DOT_FP32": not on_gpu or x.dtype == torch.float32,
-            "IEEE": on_gpu and x.dtype == torch.float32}
-
-
-def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-               zeros: torch.Tensor, g_idx: torch.Tensor | None = None,
-               group_size: int = 128) -> torch.Tensor:
-    """``y = x · dequant(W)`` (module formula) by the tiled GEMM kernel (prefill rows).
-
-    Args:
-        x: ``[M, K]`` float32/bfloat16/float16, last dimension contiguous.
-        qweight: int32 ``[ceil(K/8), N]`` (module layout).
-        scales, zeros: ``[G, N]``, contiguous.
-        g_idx: int32 ``[K]``, each row's group, or None: ``k // group_size``.
-        group_size: input rows per group (used without ``g_idx``).
-
-    Returns:
-        ``[M, N]`` in x's dtype.
-
-    Raises:
-        ValueError: shapes, dtypes or layouts that do not fit together.
-    """
-    _check(x, qweight, scales, zeros, g_idx, group_size)
-    m, k = x.shape
-    n = qweight.shape[1]
-    block_m, block_n, block_k, warps, stages = GEMM_CONFIG
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _w4a16_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x, qweight, scales, zeros, qweight if g_idx is None else g_idx, y, m, n, k,
-        x.stride(0), y.stride(0), GROUP_SIZE=max(group_size, 1), HAS_GIDX=g_idx is not None,
-        **_flags(x), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        num_stages=stages)
-    return y
+                         f"{group_size}, bias {None if bias is None else tuple(bias.shape)}")
 
 
 @functools.cache
@@ -195,60 +222,152 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def split_k(n: int, k: int, device: torch.device) -> int:
-    """The GEMV kernel's K split for ``[K, N]``: enough programs for ``_PROGRAMS_PER_SM``
-    per streaming multiprocessor (one on CPU), at most one per ``BLOCK_K`` step of K."""
-    block_n, block_k = GEMV_CONFIG[:2]
-    n_tiles, k_tiles = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    want = triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), n_tiles)
-    return max(1, min(k_tiles, want))
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
-def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's int32 arrival counters, zero between launches (each split launch's last
+    programs reset theirs)."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def decode_config(rows: int) -> tuple[int, bool, int, int, int, int, int]:
+    """``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
+    ``rows`` decode rows (1 ≤ rows ≤ ``DECODE_MAX_ROWS``): the smallest ``DECODE_CONFIGS``
+    bucket that holds them."""
+    block_m = min(b for b in DECODE_CONFIGS if b >= rows)
+    return (block_m, *DECODE_CONFIGS[block_m])
+
+
+def split_k(n: int, k: int, block_n: int, block_kw: int, programs_per_sm: int,
+            device: torch.device) -> int:
+    """The K split for an ``[K, N]`` weight at one row tile: enough programs for
+    ``programs_per_sm`` per streaming multiprocessor (one on CPU), at most one per step of
+    ``8 · block_kw`` input rows."""
+    n_tiles, steps = triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 8), block_kw)
+    if n_tiles > _COUNTERS:
+        return 1
+    want = triton.cdiv(programs_per_sm * _sm_count(device), n_tiles)
+    return max(1, min(steps, want))
+
+
+def _flags(x: torch.Tensor, use_dot: bool) -> dict[str, bool]:
+    on_gpu = x.device.type == "cuda"
+    return {"USE_DOT": use_dot, "DOT_FP32": not on_gpu or x.dtype == torch.float32,
+            "IEEE": on_gpu and x.dtype == torch.float32}
+
+
+def _mode(k: int, g_idx: torch.Tensor | None, group_size: int, block_kw: int) -> int:
+    if g_idx is not None:
+        return 2
+    if group_size % (8 * block_kw) == 0 or group_size >= k:
+        return 0
+    return 1 if group_size % 8 == 0 else 2
+
+
+def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot, block_n,
+            block_kw, warps, stages, splits) -> torch.Tensor:
+    m, k = x.shape
+    n = qweight.shape[1]
+    kw = triton.cdiv(k, 8)
+    per_split = triton.cdiv(triton.cdiv(kw, splits), block_kw) * block_kw
+    splits = triton.cdiv(kw, per_split)
+    grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
+    if splits > 1 and grid[0] * grid[2] > _COUNTERS:
+        raise ValueError(f"w4a16: {grid[0] * grid[2]} output tiles split over K, at most "
+                         f"{_COUNTERS}")
+    mode = _mode(k, g_idx, group_size, block_kw)
+    if mode == 2 and g_idx is None:     # groups not a multiple of 8 rows: an explicit g_idx
+        g_idx = (torch.arange(k, device=x.device) // group_size).to(torch.int32)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
+          else y)
+    counters = _arrival_counters(x.device) if splits > 1 else y
+    _w4a16_kernel[grid](
+        x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
+        qweight if bias is None else bias, ws, counters, y, m, n, k, per_split, x.stride(0),
+        y.stride(0), GROUP_SIZE=max(group_size, 1), MODE=mode, HAS_BIAS=bias is not None,
+        SPLIT=splits > 1, **_flags(x, use_dot), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
+    return y
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, g_idx: torch.Tensor | None = None,
-               group_size: int = 128, splits: int | None = None) -> torch.Tensor:
-    """``y = x · dequant(W)`` (module formula) by the split-K GEMV kernel (decode rows).
+               group_size: int = 128, bias: torch.Tensor | None = None,
+               config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """``y = x · dequant(W) (+ b)`` (module formula), one program per output tile over all of
+    K on tensor cores (prefill rows; any row count).
 
     Args:
-        x: ``[M, K]``, 1 ≤ M ≤ ``DECODE_MAX_ROWS``; the rest as ``w4a16_gemm``.
-        splits: programs along K per column block (None: ``split_k``); each sums
-            ``ceil(K / splits)`` rows rounded up to ``BLOCK_K``, into a float32 workspace
-            ``[splits, M, N]`` that torch sums.
+        x: ``[M, K]`` float32/bfloat16/float16, last dimension contiguous.
+        qweight: int32 ``[ceil(K/8), N]`` (module layout).
+        scales, zeros: ``[G, N]``, contiguous.
+        g_idx: int32 ``[K]``, each row's group, or None: ``k // group_size``.
+        group_size: input rows per group (used without ``g_idx``).
+        bias: ``[N]`` or None, added before the rounding.
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``, None:
+            ``GEMM_CONFIG``.
 
     Returns:
         ``[M, N]`` in x's dtype.
 
     Raises:
-        ValueError: more than ``DECODE_MAX_ROWS`` rows, or as ``w4a16_gemm``.
+        ValueError: shapes, dtypes or layouts that do not fit together.
     """
-    _check(x, qweight, scales, zeros, g_idx, group_size)
+    _check(x, qweight, scales, zeros, g_idx, group_size, bias)
+    block_m, block_n, block_kw, warps, stages = config or GEMM_CONFIG
+    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, True,
+                   block_n, block_kw, warps, stages, 1)
+
+
+def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+               zeros: torch.Tensor, g_idx: torch.Tensor | None = None,
+               group_size: int = 128, bias: torch.Tensor | None = None,
+               splits: int | None = None,
+               config: tuple[int, bool, int, int, int, int, int] | None = None
+               ) -> torch.Tensor:
+    """``y = x · dequant(W) (+ b)`` (module formula) with K split over programs (decode
+    rows).
+
+    Args:
+        x: ``[M, K]``, 1 ≤ M ≤ ``DECODE_MAX_ROWS``; the rest as ``w4a16_gemm``.
+        splits: programs along K per output tile (None: ``split_k``); each sums
+            ``ceil(K / 8 / splits)`` words rounded up to ``BLOCK_KW``.
+        config: ``decode_config``'s tuple (None: ``decode_config(M)``); ``BLOCK_M`` ≥ M.
+
+    Returns:
+        ``[M, N]`` in x's dtype.
+
+    Raises:
+        ValueError: more than ``DECODE_MAX_ROWS`` rows, a config whose ``BLOCK_M`` is short
+            of M, or as ``w4a16_gemm``.
+    """
+    _check(x, qweight, scales, zeros, g_idx, group_size, bias)
     m, k = x.shape
     if not 1 <= m <= DECODE_MAX_ROWS:
         raise ValueError(f"w4a16_gemv: {m} rows, at most {DECODE_MAX_ROWS}")
+    block_m, use_dot, block_n, block_kw, warps, stages, per_sm = config or decode_config(m)
+    if block_m < m:
+        raise ValueError(f"w4a16_gemv: {m} rows over a BLOCK_M of {block_m}")
     n = qweight.shape[1]
-    block_n, block_k, warps, stages = GEMV_CONFIG
-    splits = splits or split_k(n, k, x.device)
-    per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, per_split)
-    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    _w4a16_gemv_kernel[(triton.cdiv(n, block_n), splits)](
-        x, qweight, scales, zeros, qweight if g_idx is None else g_idx, ws, m, n, k,
-        per_split, x.stride(0), GROUP_SIZE=max(group_size, 1), HAS_GIDX=g_idx is not None,
-        **_flags(x), BLOCK_M=DECODE_MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
-    return (ws[0] if splits == 1 else ws.sum(0)).to(x.dtype)
+    splits = splits or split_k(n, k, block_n, block_kw, per_sm, x.device)
+    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot,
+                   block_n, block_kw, warps, stages, splits)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor, g_idx: torch.Tensor | None = None,
-                 group_size: int = 128) -> torch.Tensor:
+                 group_size: int = 128, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``w4a16_gemv`` for at most ``DECODE_MAX_ROWS`` rows, ``w4a16_gemm`` above (same
     arguments and result); zero rows give ``[0, N]``."""
     if x.shape[0] == 0:
         return x.new_empty(0, qweight.shape[1])
     if x.shape[0] <= DECODE_MAX_ROWS:
-        return w4a16_gemv(x, qweight, scales, zeros, g_idx, group_size)
-    return w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size)
+        return w4a16_gemv(x, qweight, scales, zeros, g_idx, group_size, bias)
+    return w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size, bias)
 
 
 def unpack_rows(qweight: torch.Tensor, k: int) -> torch.Tensor:
