@@ -13,6 +13,8 @@ per element, ``u`` the dtype's unit roundoff.
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
 
@@ -158,3 +160,38 @@ def test_w4a16_linear_replays_in_a_cuda_graph(rows):
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(y, x[-rows:], q, scales, zeros, g_idx, size)
+
+
+_COMPILE_FOR_H100 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from manylora.ops.quant.w4a16 import DECODE_CONFIGS, GEMM_CONFIG, _w4a16_kernel
+
+    sig = {n: "i32" for n in ("M", "N", "K", "KW_PER_SPLIT", "stride_xm", "stride_ym")}
+    sig.update(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
+               b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
+    cases = [(bm, *c[:5], True) for bm, c in DECODE_CONFIGS.items()]
+    cases.append((GEMM_CONFIG[0], True, *GEMM_CONFIG[1:], False))
+    for block_m, use_dot, block_n, block_kw, warps, stages, split in cases:
+        for mode in (0, 1, 2) if block_m in (1, 16) else (0,):
+            consts = {"GROUP_SIZE": 128 if mode == 0 else 32, "MODE": mode,
+                      "HAS_BIAS": mode == 1, "SPLIT": split, "USE_DOT": use_dot,
+                      "DOT_FP32": False, "IEEE": False, "BLOCK_M": block_m,
+                      "BLOCK_N": block_n, "BLOCK_KW": block_kw}
+            kernel = triton.compile(
+                ASTSource(_w4a16_kernel, {**sig, **{c: "constexpr" for c in consts}},
+                          consts, {}), target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": warps, "num_stages": stages})
+            ptx = kernel.asm["ptx"]
+            assert ("mma" in ptx) == use_dot, (block_m, mode)
+            assert kernel.metadata.shared <= 227 * 1024, (block_m, mode)
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel itself")
+def test_kernel_compiles_for_h100(compile_for_h100):
+    """Every decode bucket's and prefill's config builds for sm_90, a CUDA-core and a
+    tensor-core one in each group layout (MMA exactly where the config asks for it)."""
+    compile_for_h100(_COMPILE_FOR_H100)

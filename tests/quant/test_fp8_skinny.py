@@ -67,8 +67,8 @@ def test_matches_float64(m, n, k, block_k, dtype):
     xq, sx, wq, sw, bias = _operands(m, n, k, block_k, seed=m + n)
     config = None
     if block_k is None and DEVICE.type == "cpu":
-        block_m, _, _, warps, stages = fp8_skinny_config(m, None)
-        config = (block_m, 32, 128, warps, stages)     # the interpreter: smaller tiles
+        block_m, _, _, warps, stages, per_sm = fp8_skinny_config(m, None)
+        config = (block_m, 32, 128, warps, stages, per_sm)  # the interpreter: smaller tiles
     y = fp8_skinny_linear(xq, sx, wq, sw, dtype, block_k, bias, config=config)
     want = _reference(xq, sx, wq, sw, bias, block_k)
     assert y.dtype == dtype and y.shape == (m, n)
@@ -76,6 +76,22 @@ def test_matches_float64(m, n, k, block_k, dtype):
     bound = 1.1 * 2 * 2.0 ** -8 + sums if dtype == torch.bfloat16 else 1.5 * sums
     err = (y.double().cpu() - want).abs() / want.abs().amax(dim=1, keepdim=True)
     assert err.max().item() <= bound, f"error {err.max().item():.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("block_k", [None, 64])
+def test_split_k_sums_every_part_once(splits, block_k):
+    """K split over programs: the last split to finish sums the partials and adds the bias
+    once; a second launch finds the arrival counters reset."""
+    for seed in (0, 1):
+        xq, sx, wq, sw, bias = _operands(3, 40, 448, block_k, seed=seed)
+        config = (16, 32, 64, 4, 2, 4)
+        y = fp8_skinny_linear(xq, sx, wq, sw, torch.float32, block_k, bias, config=config,
+                              splits=splits)
+        want = _reference(xq, sx, wq, sw, bias, block_k)
+        sums = 4 * 448 ** 0.5 * 2.0 ** -14 if DEVICE.type == "cuda" else 1000 * 2.0 ** -24
+        err = (y.double().cpu() - want).abs() / want.abs().amax(dim=1, keepdim=True)
+        assert err.max().item() <= 1.5 * sums
 
 
 def test_mismatched_operands_are_named():
@@ -95,15 +111,15 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     from manylora.ops.quant.fp8_skinny import _fp8_skinny_kernel, fp8_skinny_config
 
-    sig = {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym",
-                              "stride_sxm", "stride_swn")}
+    sig = {n: "i32" for n in ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn",
+                              "stride_ym", "stride_sxm", "stride_swn")}
     sig.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", sx_ptr="*fp32", sw_ptr="*fp32",
-               b_ptr="*bf16", y_ptr="*bf16")
+               b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
     for rows in (1, 17, 33):
         for block_k in (None, 128):
-            bm, bn, bk, warps, stages = fp8_skinny_config(rows, block_k)
+            bm, bn, bk, warps, stages, _ = fp8_skinny_config(rows, block_k)
             consts = {"BLOCK_SCALES": block_k is not None, "HAS_BIAS": False,
-                      "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+                      "SPLIT": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
             kernel = triton.compile(
                 ASTSource(_fp8_skinny_kernel, {**sig, **{c: "constexpr" for c in consts}},
                           consts, {}), target=GPUTarget("cuda", 90, 32),

@@ -2,8 +2,9 @@
 weight.
 
 The skinny GEMM of ``manylora.ops.triton_skinny`` with FP8 operands: one program owns
-``BLOCK_N`` output columns for all ``M ≤ BLOCK_M`` rows and walks ``K`` through a software
-pipeline, ``tl.dot`` on e4m3fn tiles (FP8 tensor cores, compute capability ≥ 8.9), each
+``BLOCK_N`` output columns for all ``M ≤ BLOCK_M`` rows and walks its range of ``K`` (K
+split over programs where the column tiles alone would leave the GPU idle, reduced in the
+same launch by ``manylora.ops.split_k``) through a software pipeline, ``tl.dot`` on e4m3fn tiles (FP8 tensor cores, compute capability ≥ 8.9), each
 tile's product added into a float32 accumulator (the tensor cores' own FP8 accumulation keeps
 fewer bits, so it spans one tile: DeepSeek-V3's promotion), then one rounding. With
 per-token activation scales ``sx [M, 1]`` and per-row weight scales ``sw [N]`` (vLLM's
@@ -29,33 +30,38 @@ import triton
 import triton.language as tl
 
 from manylora.ops.quant.fp8_kernels import fp8_gpu
+from manylora.ops.split_k import split_count, split_workspace, store_split
 from manylora.ops.triton_skinny import row_bucket
 
 #: Rows up to which ``fp8_skinny_eligible`` holds.
 FP8_SKINNY_MAX_ROWS = 64
-#: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` by ``BLOCK_M`` for per-row scales (block
-#: scales fix ``BLOCK_K`` to the scale block and take ``_BLOCK_SCALE_CONFIG``). Shape
-#: heuristics: about 16 KB of the weight per pipeline stage.
-_ROW_SCALE_CONFIGS = {16: (32, 512, 4, 4), 32: (32, 512, 4, 3), 64: (64, 256, 4, 3)}
-_BLOCK_SCALE_CONFIG = (64, 4, 5)
+#: ``(BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)`` by ``BLOCK_M`` for per-row
+#: scales (block scales fix ``BLOCK_K`` to the scale block and take ``_BLOCK_SCALE_CONFIG``'s
+#: ``(BLOCK_N, num_warps, num_stages, programs per SM)``). K is split over programs until
+#: about ``programs per SM`` run on each streaming multiprocessor.
+_ROW_SCALE_CONFIGS = {16: (32, 512, 4, 4, 4), 32: (32, 512, 4, 3, 4), 64: (64, 256, 4, 3, 4)}
+_BLOCK_SCALE_CONFIG = (64, 4, 5, 4)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, stride_xm,
-                       stride_wn, stride_ym, stride_sxm, stride_swn,
+@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N, K,
+                       K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_sxm, stride_swn,
                        BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    k_stop = tl.minimum(k_start + K_PER_SPLIT, K)
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k + k0 < K
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        k_mask = offs_k + k0 < k_stop
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if BLOCK_SCALES:
@@ -71,21 +77,19 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, M, N, K, stri
         sx = tl.load(sx_ptr + offs_m * stride_sxm, mask=m_mask, other=0.0)
         sw = tl.load(sw_ptr + offs_n * stride_swn, mask=n_mask, other=0.0)
         acc = acc * sx[:, None] * sw[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, pid,
+                HAS_BIAS, SPLIT)
 
 
-def fp8_skinny_config(rows: int, block_k: int | None) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows`` rows (1 ≤ rows ≤
-    ``FP8_SKINNY_MAX_ROWS``) with per-row scales (``block_k`` None) or K blocks of
-    ``block_k``."""
+def fp8_skinny_config(rows: int, block_k: int | None) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)`` for ``rows``
+    rows (1 ≤ rows ≤ ``FP8_SKINNY_MAX_ROWS``) with per-row scales (``block_k`` None) or K
+    blocks of ``block_k``."""
     block_m = row_bucket(rows)
     if block_k is None:
         return (block_m, *_ROW_SCALE_CONFIGS[block_m])
-    block_n, warps, stages = _BLOCK_SCALE_CONFIG
-    return block_m, block_n, block_k, warps, stages
+    block_n, warps, stages, per_sm = _BLOCK_SCALE_CONFIG
+    return block_m, block_n, block_k, warps, stages, per_sm
 
 
 def fp8_skinny_eligible(x: torch.Tensor, n: int, k: int, block_k: int | None) -> bool:
@@ -101,7 +105,8 @@ def fp8_skinny_eligible(x: torch.Tensor, n: int, k: int, block_k: int | None) ->
 def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                       out_dtype: torch.dtype, block_k: int | None = None,
                       bias: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int, int, int, int, int] | None = None,
+                      splits: int | None = None) -> torch.Tensor:
     """The W8A8 product of the module docstring → ``[M, N]`` in ``out_dtype``.
 
     Args:
@@ -112,8 +117,12 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
         out_dtype: the result's dtype.
         block_k: the K block of block scales, or None for per-row scales.
         bias: ``[N]`` or None, added before the rounding.
-        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
-            ``fp8_skinny_config`` (with block scales ``BLOCK_K`` must be ``block_k``).
+        config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)``;
+            None: ``fp8_skinny_config`` (with block scales ``BLOCK_K`` must be
+            ``block_k``). K is split (``split_k.split_count``) so that about ``programs
+            per SM`` programs run per streaming multiprocessor; 0 does not split.
+        splits: the K split itself (None: from the config), each split ``ceil(K / splits)``
+            columns rounded up to ``BLOCK_K``.
 
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit together.
@@ -123,7 +132,7 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
     if not 1 <= m <= FP8_SKINNY_MAX_ROWS:
         raise ValueError(f"fp8_skinny_linear: {m} rows, 1 to {FP8_SKINNY_MAX_ROWS}")
     config = config or fp8_skinny_config(m, block_k)
-    block_m, block_n, tile_k, warps, stages = config
+    block_m, block_n, tile_k, warps, stages, per_sm = config
     groups = 1 if block_k is None else triton.cdiv(k, block_k)
     if (xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn
             or not 1 <= m <= block_m or wq.shape[1] != k or xq.stride(1) != 1
@@ -135,10 +144,17 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
                          f"{tuple(sx.shape)}, wq {tuple(wq.shape)} {wq.dtype}, sw "
                          f"{tuple(sw.shape)}, block_k {block_k}, config {config}")
     sx, sw = sx.float(), sw.float().contiguous()
+    tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, tile_k)
+    if splits is None:
+        splits = split_count(tiles, steps, per_sm, xq.device) if per_sm else 1
+    per_split = triton.cdiv(steps, splits) * tile_k
+    splits = triton.cdiv(k, per_split)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
-    _fp8_skinny_kernel[(triton.cdiv(n, block_n),)](
-        xq, sx, wq, sw, wq if bias is None else bias, y, m, n, k, xq.stride(0), wq.stride(0),
-        y.stride(0), sx.stride(0), sw.stride(0) if sw.dim() == 2 else 1,
-        BLOCK_SCALES=block_k is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=tile_k, num_warps=warps, num_stages=stages)
+    ws, counters = split_workspace(splits, m, n, y)
+    _fp8_skinny_kernel[(tiles, splits)](
+        xq, sx, wq, sw, wq if bias is None else bias, ws, counters, y, m, n, k, per_split,
+        xq.stride(0), wq.stride(0), y.stride(0), sx.stride(0),
+        sw.stride(0) if sw.dim() == 2 else 1, BLOCK_SCALES=block_k is not None,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=tile_k, num_warps=warps, num_stages=stages)
     return y

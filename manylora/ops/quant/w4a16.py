@@ -29,22 +29,19 @@ and column::
 each element first. The tile product runs on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16)
 or, for one to eight rows, as float32 multiply-adds on the CUDA cores (no 16-row padding).
 Decode rows (up to ``DECODE_MAX_ROWS``) split K over ``splits`` programs per output tile so
-that a skinny product fills the GPU (split-K, as decode GEMV kernels do); the splits write
-float32 partial sums to a workspace and the last of them to finish (a per-tile arrival
-counter, reset by that program) sums the partials in split order and writes the output, in
-one launch, deterministic, without atomics on the data. No host synchronisation: CUDA-graph
+that a skinny product fills the GPU (split-K, as decode GEMV kernels do), reduced in the same
+launch and in a fixed order (``manylora.ops.split_k``). No host synchronisation: CUDA-graph
 safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter
-multiplies bfloat16 bit patterns as integers). Two launches of these kernels must not run
-concurrently on one device (they share the arrival counters).
+multiplies bfloat16 bit patterns as integers).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from manylora.ops.split_k import MAX_SPLIT_TILES, split_count, split_workspace, store_split
 
 #: Rows up to which ``w4a16_linear`` splits K (decode); more rows take one program per
 #: output tile over all of K (prefill).
@@ -62,10 +59,7 @@ DECODE_CONFIGS: dict[int, tuple[bool, int, int, int, int, int]] = {
 }
 #: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
 GEMM_CONFIG = (64, 64, 16, 4, 3)
-#: Arrival counters per device (one per output tile of a split launch); a launch with more
-#: tiles than this does not split.
-_COUNTERS = 1 << 14
-_MAGIC = 0x4B000000          # the float32 bits of 2**23
+_MAGIC = tl.constexpr(0x4B000000)          # the float32 bits of 2**23
 
 
 @triton.jit
@@ -86,9 +80,12 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.
         else:
             w = w.to(x.dtype)
         if IEEE:
-            return tl.dot(x, w, acc, input_precision="ieee")
-        return tl.dot(x, w, acc)
-    return acc + x.to(tl.float32)[:, :, None] * w[None, :, :]
+            out = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            out = tl.dot(x, w, acc)
+    else:
+        out = acc + x.to(tl.float32)[:, :, None] * w[None, :, :]
+    return out
 
 
 @triton.jit
@@ -96,8 +93,10 @@ def _row_sums(xsum, x, USE_DOT: tl.constexpr):
     """``xsum + Σ x`` over the step's rows: ``[BM]`` on tensor cores, ``[BM, BKW]`` (per
     word row) on CUDA cores."""
     if USE_DOT:
-        return xsum + tl.sum(x.to(tl.float32), axis=1)
-    return xsum + x.to(tl.float32)
+        out = xsum + tl.sum(x.to(tl.float32), axis=1)
+    else:
+        out = xsum + x.to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -105,8 +104,10 @@ def _rescale(acc, tile, xsum, s, z, USE_DOT: tl.constexpr):
     """``acc + s · (tile − z · xsum)``: one group's scale ``s [BN]`` and zero ``z [BN]``
     applied to a step's code products."""
     if USE_DOT:
-        return acc + s[None, :] * (tile - z[None, :] * xsum[:, None])
-    return acc + s[None, None, :] * (tile - z[None, None, :] * xsum[:, :, None])
+        out = acc + s[None, :] * (tile - z[None, :] * xsum[:, None])
+    else:
+        out = acc + s[None, None, :] * (tile - z[None, None, :] * xsum[:, :, None])
+    return out
 
 
 @triton.jit(do_not_specialize=["M", "KW_PER_SPLIT"])
@@ -171,29 +172,8 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
             acc = _rescale(acc, tile, xsum, s, z, USE_DOT)
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT:
-        splits = tl.num_programs(1)
-        tile_ws = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + tile_ws, acc, mask=out_mask)
-        tl.debug_barrier()
-        counter = count_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:
-            tl.debug_barrier()
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for part in range(0, splits):
-                total += tl.load(ws_ptr + part * M * N + tile_ws, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
+                pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -215,24 +195,6 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"{group_size}, bias {None if bias is None else tuple(bias.shape)}")
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's int32 arrival counters, zero between launches (each split launch's last
-    programs reset theirs)."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def decode_config(rows: int) -> tuple[int, bool, int, int, int, int, int]:
     """``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
     ``rows`` decode rows (1 ≤ rows ≤ ``DECODE_MAX_ROWS``): the smallest ``DECODE_CONFIGS``
@@ -243,14 +205,10 @@ def decode_config(rows: int) -> tuple[int, bool, int, int, int, int, int]:
 
 def split_k(n: int, k: int, block_n: int, block_kw: int, programs_per_sm: int,
             device: torch.device) -> int:
-    """The K split for an ``[K, N]`` weight at one row tile: enough programs for
-    ``programs_per_sm`` per streaming multiprocessor (one on CPU), at most one per step of
-    ``8 · block_kw`` input rows."""
-    n_tiles, steps = triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 8), block_kw)
-    if n_tiles > _COUNTERS:
-        return 1
-    want = triton.cdiv(programs_per_sm * _sm_count(device), n_tiles)
-    return max(1, min(steps, want))
+    """The K split for an ``[K, N]`` weight at one row tile (``split_k.split_count`` over
+    its column tiles and its steps of ``8 · block_kw`` input rows)."""
+    return split_count(triton.cdiv(n, block_n), triton.cdiv(triton.cdiv(k, 8), block_kw),
+                       programs_per_sm, device)
 
 
 def _flags(x: torch.Tensor, use_dot: bool) -> dict[str, bool]:
@@ -275,16 +233,14 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot
     per_split = triton.cdiv(triton.cdiv(kw, splits), block_kw) * block_kw
     splits = triton.cdiv(kw, per_split)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
-    if splits > 1 and grid[0] * grid[2] > _COUNTERS:
+    if splits > 1 and grid[0] * grid[2] > MAX_SPLIT_TILES:
         raise ValueError(f"w4a16: {grid[0] * grid[2]} output tiles split over K, at most "
-                         f"{_COUNTERS}")
+                         f"{MAX_SPLIT_TILES}")
     mode = _mode(k, g_idx, group_size, block_kw)
     if mode == 2 and g_idx is None:     # groups not a multiple of 8 rows: an explicit g_idx
         g_idx = (torch.arange(k, device=x.device) // group_size).to(torch.int32)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    ws = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
-          else y)
-    counters = _arrival_counters(x.device) if splits > 1 else y
+    ws, counters = split_workspace(splits, m, n, y)
     _w4a16_kernel[grid](
         x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
         qweight if bias is None else bias, ws, counters, y, m, n, k, per_split, x.stride(0),
