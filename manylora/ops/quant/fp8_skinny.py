@@ -4,9 +4,10 @@ weight.
 The skinny GEMM of ``manylora.ops.triton_skinny`` with FP8 operands: one program owns
 ``BLOCK_N`` output columns for all ``M ≤ BLOCK_M`` rows and walks its range of ``K`` (K
 split over programs where the column tiles alone would leave the GPU idle, reduced in the
-same launch by ``manylora.ops.split_k``) through a software pipeline, ``tl.dot`` on e4m3fn tiles (FP8 tensor cores, compute capability ≥ 8.9), each
-tile's product added into a float32 accumulator (the tensor cores' own FP8 accumulation keeps
-fewer bits, so it spans one tile: DeepSeek-V3's promotion), then one rounding. With
+same launch by ``manylora.ops.split_k``) through a software pipeline, ``tl.dot`` on e4m3fn
+tiles (FP8 tensor cores, compute capability ≥ 8.9), each tile's product added into a float32
+accumulator (the tensor cores' own FP8 accumulation keeps fewer bits, so it spans one tile:
+DeepSeek-V3's promotion), then one rounding. With
 per-token activation scales ``sx [M, 1]`` and per-row weight scales ``sw [N]`` (vLLM's
 ``Fp8LinearMethod`` per-channel / per-tensor)::
 
