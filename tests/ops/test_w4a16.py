@@ -21,7 +21,9 @@ import torch
 from manylora.ops.quant.w4a16 import (
     DECODE_MAX_ROWS,
     dequantize,
+    pack_planes,
     pack_rows,
+    unpack_planes,
     unpack_rows,
     w4a16_gemm,
     w4a16_gemv,
@@ -43,7 +45,7 @@ def _operands(n, k, group, dtype, act_order, seed=0):
     if act_order:
         g_idx = (torch.arange(k) // size)[torch.randperm(k, generator=gen)].to(torch.int32)
     x = torch.randn(80, k, generator=gen).to(dtype)
-    return (x.to(DEVICE), pack_rows(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
+    return (x.to(DEVICE), pack_planes(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE),
             None if g_idx is None else g_idx.to(DEVICE), size, q)
 
 
@@ -61,6 +63,17 @@ def _assert_close(y, x, q, scales, zeros, g_idx, size):
     bound = (2 * UNIT[x.dtype] + q.shape[0] * 2.0 ** -24) * mag + 1e-30
     err = (y.cpu().double() - ref).abs()
     assert (err <= bound).all(), f"max error {err.max().item()} over bound {bound.min().item()}"
+
+
+def test_pack_planes_round_trips_and_puts_row_jp_plus_i_in_nibble_j():
+    q = torch.randint(0, 16, (20, 5), generator=torch.Generator().manual_seed(1))
+    packed = pack_planes(q)                           # P = 3 words per column
+    assert packed.shape == (3, 5) and packed.dtype == torch.int32
+    assert torch.equal(unpack_planes(packed, 20), q.to(torch.int32))
+    word = int(packed[1, 2]) & 0xFFFFFFFF
+    rows = [3 * j + 1 for j in range(8)]              # rows past 19 are zero codes
+    assert [(word >> (4 * j)) & 0xF for j in range(8)] == [
+        int(q[r, 2]) if r < 20 else 0 for r in rows]
 
 
 def test_pack_rows_round_trips_and_puts_row_8i_plus_j_in_nibble_j():

@@ -62,7 +62,9 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        k_mask = offs_k + k0 < k_stop
+        # splits start on BLOCK_K boundaries, so only K itself cuts a tile (masking by
+        # k_stop, a runtime bound, would stop the 16-byte vector loads)
+        k_mask = offs_k + k0 < K
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if BLOCK_SCALES:

@@ -26,7 +26,7 @@ from manylora.ops.quant.w4a16 import (
     DECODE_CONFIGS,
     DECODE_MAX_ROWS,
     dequantize,
-    pack_rows,
+    pack_planes,
     w4a16_linear,
 )
 
@@ -157,7 +157,7 @@ class Int4LinearMethod(LinearMethodBase):
                 q, g_idx = q[perm], g_idx[perm]
             if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group_size):
                 g_idx = None
-        keep = {"w4_qweight": pack_rows(q), "w4_scales": scales.to(dtype).contiguous(),
+        keep = {"w4_qweight": pack_planes(q), "w4_scales": scales.to(dtype).contiguous(),
                 "w4_zeros": zeros.to(dtype).contiguous(),
                 "w4_g_idx": None if g_idx is None else g_idx.to(torch.int32).contiguous(),
                 "w4_perm": perm}

@@ -4,8 +4,9 @@ torch reference that dequantizes.
 Every INT4 format (GPTQ, AWQ, compressed-tensors ``pack-quantized``) is repacked once at
 load into one layout, which these kernels read:
 
-* ``qweight`` int32 ``[ceil(K/8), N]``: nibble ``j`` (bits ``4j .. 4j+3``) of word ``i``
-  holds the unsigned code ``q[8i + j, n]`` in ``0 .. 15`` (GPTQ's ``qweight`` packing);
+* ``qweight`` int32 ``[P, N]``, ``P = ceil(K/8)``: nibble ``j`` (bits ``4j .. 4j+3``) of
+  word ``i`` holds the unsigned code ``q[j·P + i, n]`` in ``0 .. 15``; nibble plane ``j`` is
+  the run of input rows ``j·P .. j·P + P − 1`` (codes past K are zero);
 * ``scales`` ``[G, N]`` and ``zeros`` ``[G, N]`` in the activation dtype: the scale and the
   (unsigned, real) zero point of each group of input rows;
 * the group of input row ``k``: ``g(k) = k // group_size``, or ``g_idx[k]`` (int32 ``[K]``)
@@ -16,23 +17,28 @@ The product, float32 accumulation, rounded once to x's dtype::
     y[t, n] = Σ_k x[t, k] · s[g(k), n] · (q[k, n] − z[g(k), n])   (+ b[n])
 
 One kernel serves prefill and decode. A program owns a ``BLOCK_M × BLOCK_N`` output tile and
-a range of K; each step loads a ``BLOCK_KW × BLOCK_N`` tile of words once and takes its eight
-nibble planes ``q[8i + j, ·]`` (``j = 0 .. 7``) by shifts, each multiplied by the matching
-strided columns ``x[·, 8i + j]``, so no word is read twice. Codes become floats by the
-exponent trick (``bits(2²³) | q`` is ``2²³ + q``), no conversion instruction. Where a step's
-``8 · BLOCK_KW`` rows lie in one group, the group's scale and zero are applied once per tile
-and column::
+a range of words; each step loads a ``BLOCK_KW × BLOCK_N`` tile of words once and takes its
+eight nibble planes by shifts, plane ``j`` multiplied by the contiguous columns
+``x[·, j·P + i]`` of the step's words ``i``: no word is read twice and the activations load
+as vectors. Codes become floats by the exponent trick (``bits(2²³) | q`` is ``2²³ + q``), no
+conversion instruction. Where each plane's rows of a step lie in one group ``g`` (the step
+divides the group and planes start on group boundaries, as with groups of 128 and K a
+multiple of 1024), tensor cores take the codes exact and the group's scale and zero are
+applied once per plane and column::
 
-    y[t, n] += s[g, n] · (Σ_k x[t, k] · q[k, n] − z[g, n] · Σ_k x[t, k])
+    y[t, n] += s[g, n] · (Σ_i x[t, k_i] · q[k_i, n] − z[g, n] · Σ_i x[t, k_i])
 
-(the same sum, regrouped; the codes are exact in any float type); other layouts dequantize
-each element first. The tile product runs on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16)
-or, for one to eight rows, as float32 multiply-adds on the CUDA cores (no 16-row padding).
-Decode rows (up to ``DECODE_MAX_ROWS``) split K over ``splits`` programs per output tile so
-that a skinny product fills the GPU (split-K, as decode GEMV kernels do), reduced in the same
-launch and in a fixed order (``manylora.ops.split_k``). No host synchronisation: CUDA-graph
-safe. Under ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter
-multiplies bfloat16 bit patterns as integers).
+(the same sum, regrouped); otherwise each element is dequantized first. The tile product
+runs on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16) or, for a few rows, as float32
+multiply-adds on the CUDA cores (no 16-row padding). Decode rows (up to ``DECODE_MAX_ROWS``)
+split K over ``splits`` programs per output tile so that a skinny product fills the GPU
+(split-K, as decode GEMV kernels do), reduced in the same launch and in a fixed order
+(``manylora.ops.split_k``). No host synchronisation: CUDA-graph safe. Under
+``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter multiplies
+bfloat16 bit patterns as integers).
+
+GPTQ's own row packing (nibble ``j`` of word ``i`` holds row ``8i + j``) is read and written
+by ``unpack_rows`` / ``pack_rows`` for the formats' loaders.
 """
 
 from __future__ import annotations
@@ -88,36 +94,14 @@ def _product(acc, x, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.
     return out
 
 
-@triton.jit
-def _row_sums(xsum, x, USE_DOT: tl.constexpr):
-    """``xsum + Σ x`` over the step's rows: ``[BM]`` on tensor cores, ``[BM, BKW]`` (per
-    word row) on CUDA cores."""
-    if USE_DOT:
-        out = xsum + tl.sum(x.to(tl.float32), axis=1)
-    else:
-        out = xsum + x.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _rescale(acc, tile, xsum, s, z, USE_DOT: tl.constexpr):
-    """``acc + s · (tile − z · xsum)``: one group's scale ``s [BN]`` and zero ``z [BN]``
-    applied to a step's code products."""
-    if USE_DOT:
-        out = acc + s[None, :] * (tile - z[None, :] * xsum[:, None])
-    else:
-        out = acc + s[None, None, :] * (tile - z[None, None, :] * xsum[:, :, None])
-    return out
-
-
 @triton.jit(do_not_specialize=["M", "KW_PER_SPLIT"])
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N,
                   K, KW_PER_SPLIT, stride_xm, stride_ym, GROUP_SIZE: tl.constexpr,
                   MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                   USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
-    # MODE 0: one group per step (scales per tile); 1: groups along words (GROUP_SIZE a
-    # multiple of 8); 2: any groups (g_idx)
+    # MODE 0: each plane's rows of a step in one group (one scale row per plane and step);
+    # 1: groups of GROUP_SIZE rows, per row; 2: groups by g_idx, per row
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -126,50 +110,46 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    kw_total = tl.cdiv(K, 8)
+    plane = tl.cdiv(K, 8)                         # rows per nibble plane (words per column)
     kw_start = pid_k * KW_PER_SPLIT
-    kw_stop = tl.minimum(kw_start + KW_PER_SPLIT, kw_total)
+    kw_stop = tl.minimum(kw_start + KW_PER_SPLIT, plane)
     if USE_DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
     for kw0 in range(kw_start, kw_stop, BLOCK_KW):
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
-        kw_mask = offs_kw < kw_stop
+        kw_mask = offs_kw < plane                 # splits start on BLOCK_KW boundaries
         wmask = kw_mask[:, None] & n_mask[None, :]
         words = tl.load(q_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=wmask, other=0)
-        if MODE == 0:
-            tile = tl.zeros_like(acc)
-            if USE_DOT:
-                xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            else:
-                xsum = tl.zeros((BLOCK_M, BLOCK_KW), dtype=tl.float32)
-        if MODE == 1:
-            gn = ((offs_kw * 8) // GROUP_SIZE)[:, None] * N + offs_n[None, :]
-            s_t = tl.load(s_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
-            z_t = tl.load(z_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
         for j in tl.static_range(8):
-            offs_k = offs_kw * 8 + j
+            offs_k = j * plane + offs_kw
             k_mask = kw_mask & (offs_k < K)
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0)
             q = _codes(words, j)
             if MODE == 0:
-                tile = _product(tile, x, q, USE_DOT, DOT_FP32, IEEE)
-                xsum = _row_sums(xsum, x, USE_DOT)
-            elif MODE == 1:
-                acc = _product(acc, x, (q - z_t) * s_t, USE_DOT, DOT_FP32, IEEE)
+                gn = ((j * plane + kw0) // GROUP_SIZE) * N + offs_n
+                g_mask = n_mask & (offs_n * 0 + j * plane + kw0 < K)   # planes past K
+                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+                if USE_DOT:   # s · (x·q − z · Σx): the codes go to the tensor cores exact
+                    tile = _product(tl.zeros_like(acc), x, q, USE_DOT, DOT_FP32, IEEE)
+                    xsum = tl.sum(x.to(tl.float32), axis=1)
+                    acc += s[None, :] * (tile - z[None, :] * xsum[:, None])
+                else:
+                    acc = _product(acc, x, (q - z[None, :]) * s[None, :], USE_DOT, DOT_FP32,
+                                   IEEE)
             else:
-                g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
+                if MODE == 1:
+                    g = offs_k // GROUP_SIZE
+                else:
+                    g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
                 gn = g[:, None] * N + offs_n[None, :]
-                s_j = tl.load(s_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
-                z_j = tl.load(z_ptr + gn, mask=wmask, other=0.0).to(tl.float32)
-                acc = _product(acc, x, (q - z_j) * s_j, USE_DOT, DOT_FP32, IEEE)
-        if MODE == 0:
-            gn = ((kw0 * 8) // GROUP_SIZE) * N + offs_n
-            s = tl.load(s_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + gn, mask=n_mask, other=0.0).to(tl.float32)
-            acc = _rescale(acc, tile, xsum, s, z, USE_DOT)
+                g_mask = k_mask[:, None] & n_mask[None, :]
+                s_r = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+                z_r = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+                acc = _product(acc, x, (q - z_r) * s_r, USE_DOT, DOT_FP32, IEEE)
     if not USE_DOT:
         acc = tl.sum(acc, axis=1)
     store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
@@ -218,11 +198,15 @@ def _flags(x: torch.Tensor, use_dot: bool) -> dict[str, bool]:
 
 
 def _mode(k: int, g_idx: torch.Tensor | None, group_size: int, block_kw: int) -> int:
+    """The kernel's group layout: 0 where every plane's rows of every step lie in one group
+    (steps of ``block_kw`` rows dividing the group, planes starting on group boundaries, or
+    one group over K), 1 for other runs of ``group_size`` rows, 2 for ``g_idx``."""
     if g_idx is not None:
         return 2
-    if group_size % (8 * block_kw) == 0 or group_size >= k:
+    plane = triton.cdiv(k, 8)
+    if group_size >= k or (group_size % block_kw == 0 and plane % group_size == 0):
         return 0
-    return 1 if group_size % 8 == 0 else 2
+    return 1
 
 
 def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot, block_n,
@@ -237,8 +221,6 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot
         raise ValueError(f"w4a16: {grid[0] * grid[2]} output tiles split over K, at most "
                          f"{MAX_SPLIT_TILES}")
     mode = _mode(k, g_idx, group_size, block_kw)
-    if mode == 2 and g_idx is None:     # groups not a multiple of 8 rows: an explicit g_idx
-        g_idx = (torch.arange(k, device=x.device) // group_size).to(torch.int32)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, counters = split_workspace(splits, m, n, y)
     _w4a16_kernel[grid](
@@ -326,16 +308,36 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return w4a16_gemm(x, qweight, scales, zeros, g_idx, group_size, bias)
 
 
-def unpack_rows(qweight: torch.Tensor, k: int) -> torch.Tensor:
+def pack_planes(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``q [K, N]`` (``0 .. 15``) → the module layout's int32 ``[ceil(K/8), N]``: nibble
+    ``j`` of word ``i`` holds row ``j · ceil(K/8) + i`` (K padded with zero codes)."""
+    k, n = q.shape
+    plane = triton.cdiv(k, 8)
+    padded = torch.zeros(plane * 8, n, dtype=torch.int64, device=q.device)
+    padded[:k] = q.to(torch.int64)
+    rows = padded.view(8, plane, n)
+    words = sum(rows[j] << (4 * j) for j in range(8))
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_planes(qweight: torch.Tensor, k: int) -> torch.Tensor:
     """The codes ``q [K, N]`` (int32, ``0 .. 15``) of a module-layout ``qweight``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
+    q = (qweight.unsqueeze(0) >> shifts[:, None, None]) & 0xF     # [8, ceil(K/8), N]
+    return q.reshape(-1, qweight.shape[1])[:k]
+
+
+def unpack_rows(qweight: torch.Tensor, k: int) -> torch.Tensor:
+    """The codes ``q [K, N]`` (int32, ``0 .. 15``) of GPTQ's row packing: nibble ``j`` of
+    word ``i`` holds row ``8i + j``."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
     q = (qweight.unsqueeze(1) >> shifts[None, :, None]) & 0xF
     return q.reshape(-1, qweight.shape[1])[:k]
 
 
 def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """Codes ``q [K, N]`` (``0 .. 15``) → the module layout's int32 ``[ceil(K/8), N]``
-    (K padded with zero codes)."""
+    """Codes ``q [K, N]`` (``0 .. 15``) → GPTQ's row packing, int32 ``[ceil(K/8), N]`` (K
+    padded with zero codes)."""
     k, n = q.shape
     padded = torch.zeros(triton.cdiv(k, 8) * 8, n, dtype=torch.int32, device=q.device)
     padded[:k] = q.to(torch.int32)
@@ -352,5 +354,5 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     dtype = dtype or scales.dtype
     groups = (torch.arange(k, device=qweight.device) // group_size if g_idx is None
               else g_idx.long())
-    q = unpack_rows(qweight, k).to(dtype)
+    q = unpack_planes(qweight, k).to(dtype)
     return (q - zeros.to(dtype)[groups]) * scales.to(dtype)[groups]
