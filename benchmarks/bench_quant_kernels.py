@@ -4,14 +4,14 @@ per-row and 128-block scales), each config of a sweep against the weight's bytes
 copy bandwidth and against bf16 (``torch.nn.functional.linear``).
 
 For each kernel and row bucket the config with the least time summed over the four
-projections (the decode step's share) is reported, per projection and row count, and the
-tables the engine uses (``DECODE_CONFIGS``, ``_ROW_SCALE_CONFIGS``,
-``_BLOCK_SCALE_CONFIG``) are printed. Times are GPU times of 5 calls captured in one CUDA
-graph (median of 10 replays), each call on another copy of the weight (none is served from
-L2). The activations are given already quantized to the FP8 kernel: its quantizer is timed
-by ``bench_quant --parts gemm``.
+projections (the decode step's share) is reported, per projection and row count; ``--apply``
+writes them into the tables the engine uses (``w4a16.DECODE_CONFIGS``,
+``fp8_skinny.ROW_SCALE_CONFIGS`` and ``BLOCK_SCALE_CONFIGS``). Times are GPU times of 5
+calls captured in one CUDA graph (median of 10 replays), each call on another copy of the
+weight (none is served from L2). The activations are given already quantized to the FP8
+kernel: its quantizer is timed by ``bench_quant --parts gemm``.
 
-    python -m benchmarks.bench_quant_kernels                 # ~5 min on one H100
+    python -m benchmarks.bench_quant_kernels --apply         # ~3 min on one H100
     python -m benchmarks.bench_quant_kernels --kernels int4  # one kernel's sweep
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
+from pathlib import Path
 
 import torch
 from triton.runtime.errors import OutOfResources
@@ -41,12 +43,12 @@ KERNELS = ("int4", "fp8", "fp8-block")
 INT4_ROWS = {1: (1,), 2: (2,), 4: (4,), 16: (8, 16), 32: (32,), 64: (64,)}
 INT4_TILES = {False: ((64, 16), (128, 16), (128, 8), (256, 8), (64, 32)),
               True: ((32, 16), (64, 16), (128, 16), (32, 32), (64, 32))}
-INT4_STAGES = (2, 3, 4)
-PER_SM = (2, 4, 8)
+INT4_STAGES = (2, 3)
+PER_SM = (4, 8)
 #: FP8 sweep: bucket → row counts; per-row scales (BLOCK_N, BLOCK_K) × stages, block
 #: scales BLOCK_N × stages (BLOCK_K 128), programs per SM (0: no split), 4 warps.
 FP8_ROWS = {16: (1, 16), 32: (32,), 64: (64,)}
-FP8_TILES = tuple(itertools.product((32, 64, 128), (128, 256, 512)))
+FP8_TILES = ((32, 256), (32, 512), (64, 256), (64, 512), (128, 256))
 FP8_BLOCK_N = (32, 64, 128)
 FP8_STAGES = (4,)
 FP8_PER_SM = (0, 4, 8)
@@ -133,10 +135,36 @@ def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: flo
     return rows_out, table
 
 
+def _write_table(path: Path, name: str, table: dict) -> None:
+    """Replace the dict literal assigned to ``name`` in ``path`` by ``table``."""
+    src = path.read_text()
+    match = re.search(rf"^{name}(: [^=]+)? = \{{[^}}]*\}}\n", src, flags=re.M)
+    if match is None:
+        raise SystemExit(f"{path}: no table {name}")
+    lines = "".join(f"    {key}: {value},\n" for key, value in sorted(table.items()))
+    head = match.group(0).split("{", 1)[0]
+    path.write_text(src[:match.start()] + head + "{\n" + lines + "}\n" + src[match.end():])
+    print(f"wrote {name} in {path}")
+
+
+def _apply(kind: str, table: dict) -> None:
+    quant = Path(__file__).resolve().parents[1] / "manylora" / "ops" / "quant"
+    if kind == "int4":
+        _write_table(quant / "w4a16.py", "DECODE_CONFIGS", table)
+    elif kind == "fp8":
+        _write_table(quant / "fp8_skinny.py", "ROW_SCALE_CONFIGS",
+                     {c[0]: c[1:] for c in table.values()})
+    else:
+        _write_table(quant / "fp8_skinny.py", "BLOCK_SCALE_CONFIGS",
+                     {c[0]: (c[1], *c[3:]) for c in table.values()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--apply", action="store_true",
+                    help="write the best configs into the engine's tables")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_quant_kernels needs a CUDA GPU")
@@ -161,6 +189,8 @@ def main() -> None:
         print(f"{kind} best configs by bucket:")
         for bucket, config in table.items():
             print(f"    {bucket}: {config},")
+        if args.apply:
+            _apply(kind, table)
     record(f"Quantized decode kernels: config sweep ({gpu_name(device)})",
            command_line("benchmarks.bench_quant_kernels"),
            ["kernel", "rows", "projection", "N×K", "bf16 µs", "µs", "floor µs",

@@ -185,7 +185,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
     sig = {n: "i32" for n in ("M", "N", "K", "KW_PER_SPLIT", "stride_xm", "stride_ym")}
     sig.update(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
                b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
-    cases = [(bm, *c[:5], True) for bm, c in DECODE_CONFIGS.items()]
+    cases = [(*c[:6], True) for c in DECODE_CONFIGS.values()]
     cases.append((GEMM_CONFIG[0], True, *GEMM_CONFIG[1:], False))
     for block_m, use_dot, block_n, block_kw, warps, stages, split in cases:
         for mode in (0, 1, 2) if block_m in (1, 16) else (0,):

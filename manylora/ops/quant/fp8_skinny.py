@@ -36,12 +36,21 @@ from manylora.ops.triton_skinny import row_bucket
 
 #: Rows up to which ``fp8_skinny_eligible`` holds.
 FP8_SKINNY_MAX_ROWS = 64
-#: ``(BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)`` by ``BLOCK_M`` for per-row
-#: scales (block scales fix ``BLOCK_K`` to the scale block and take ``_BLOCK_SCALE_CONFIG``'s
-#: ``(BLOCK_N, num_warps, num_stages, programs per SM)``). K is split over programs until
-#: about ``programs per SM`` run on each streaming multiprocessor.
-_ROW_SCALE_CONFIGS = {16: (32, 512, 4, 4, 4), 32: (32, 512, 4, 3, 4), 64: (64, 256, 4, 3, 4)}
-_BLOCK_SCALE_CONFIG = (64, 4, 5, 4)
+#: ``BLOCK_M`` → ``(BLOCK_N, BLOCK_K, num_warps, num_stages, programs per SM)`` for per-row
+#: scales, and ``BLOCK_M`` → ``(BLOCK_N, num_warps, num_stages, programs per SM)`` for block
+#: scales (``BLOCK_K`` is the scale block). K is split over programs until about ``programs
+#: per SM`` run on each streaming multiprocessor (0: no split). Measured by
+#: ``benchmarks/bench_quant_kernels.py``.
+ROW_SCALE_CONFIGS = {
+    16: (32, 512, 4, 4, 8),
+    32: (32, 512, 4, 4, 4),
+    64: (64, 256, 4, 4, 4),
+}
+BLOCK_SCALE_CONFIGS = {
+    16: (64, 4, 4, 8),
+    32: (32, 4, 4, 8),
+    64: (128, 4, 4, 4),
+}
 
 
 @triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
@@ -90,8 +99,8 @@ def fp8_skinny_config(rows: int, block_k: int | None) -> tuple[int, int, int, in
     blocks of ``block_k``."""
     block_m = row_bucket(rows)
     if block_k is None:
-        return (block_m, *_ROW_SCALE_CONFIGS[block_m])
-    block_n, warps, stages, per_sm = _BLOCK_SCALE_CONFIG
+        return (block_m, *ROW_SCALE_CONFIGS[block_m])
+    block_n, warps, stages, per_sm = BLOCK_SCALE_CONFIGS[block_m]
     return block_m, block_n, block_k, warps, stages, per_sm
 
 

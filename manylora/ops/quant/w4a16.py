@@ -52,16 +52,17 @@ from manylora.ops.split_k import MAX_SPLIT_TILES, split_count, split_workspace, 
 #: Rows up to which ``w4a16_linear`` splits K (decode); more rows take one program per
 #: output tile over all of K (prefill).
 DECODE_MAX_ROWS = 64
-#: ``BLOCK_M`` → ``(USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)``
-#: for decode rows (``BLOCK_M`` the smallest key ≥ the row count); ``BLOCK_KW`` words are
-#: ``8 · BLOCK_KW`` input rows.
-DECODE_CONFIGS: dict[int, tuple[bool, int, int, int, int, int]] = {
-    1: (False, 128, 16, 4, 3, 4),
-    2: (False, 128, 16, 4, 3, 4),
-    4: (False, 64, 16, 4, 3, 4),
-    16: (True, 64, 16, 4, 3, 4),
-    32: (True, 64, 16, 4, 3, 4),
-    64: (True, 64, 16, 4, 3, 4),
+#: Row bucket → ``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per
+#: SM)`` for decode rows (the smallest bucket ≥ the row count; ``BLOCK_M`` ≥ the bucket):
+#: ``BLOCK_KW`` words per step, K split until about ``programs per SM`` programs run per
+#: streaming multiprocessor. Measured by ``benchmarks/bench_quant_kernels.py``.
+DECODE_CONFIGS: dict[int, tuple[int, bool, int, int, int, int, int]] = {
+    1: (1, False, 128, 16, 4, 3, 4),
+    2: (2, False, 128, 16, 4, 3, 4),
+    4: (4, False, 64, 16, 4, 3, 4),
+    16: (16, True, 64, 32, 4, 2, 4),
+    32: (32, True, 128, 16, 4, 3, 8),
+    64: (64, True, 128, 16, 4, 3, 4),
 }
 #: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
 GEMM_CONFIG = (64, 64, 16, 4, 3)
@@ -179,8 +180,7 @@ def decode_config(rows: int) -> tuple[int, bool, int, int, int, int, int]:
     """``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
     ``rows`` decode rows (1 ≤ rows ≤ ``DECODE_MAX_ROWS``): the smallest ``DECODE_CONFIGS``
     bucket that holds them."""
-    block_m = min(b for b in DECODE_CONFIGS if b >= rows)
-    return (block_m, *DECODE_CONFIGS[block_m])
+    return DECODE_CONFIGS[min(b for b in DECODE_CONFIGS if b >= rows)]
 
 
 def split_k(n: int, k: int, block_n: int, block_kw: int, programs_per_sm: int,
