@@ -38,11 +38,10 @@ SHAPES = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 286
           ("down_proj", 4096, 14336))
 CALLS, REPLAYS = 5, 10
 KERNELS = ("int4", "fp8", "fp8-block")
-#: W4A16 sweep: bucket → row counts, then (USE_DOT, BLOCK_N, BLOCK_KW) × stages × programs
+#: W4A16 sweep: bucket (BLOCK_M) → row counts, then (BLOCK_N, BLOCK_KW) × stages × programs
 #: per SM (4 warps).
-INT4_ROWS = {1: (1,), 2: (2,), 4: (4,), 16: (8, 16), 32: (32,), 64: (64,)}
-INT4_TILES = {False: ((64, 16), (128, 16), (128, 8), (256, 8), (64, 32)),
-              True: ((32, 16), (64, 16), (128, 16), (32, 32), (64, 32))}
+INT4_ROWS = {16: (1, 16), 32: (32,), 64: (64,)}
+INT4_TILES = ((32, 16), (64, 16), (128, 16), (32, 32), (64, 32))
 INT4_STAGES = (2, 3)
 PER_SM = (4, 8)
 #: FP8 sweep: bucket → row counts; per-row scales (BLOCK_N, BLOCK_K) × stages, block
@@ -88,13 +87,8 @@ def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: flo
                 xs[(m, k)] = (x if kind == "int4" else
                               (x.to(torch.float8_e4m3fn), torch.ones(m, groups, device=device)))
         if kind == "int4":
-            # under 16 rows: the CUDA-core path at BLOCK_M = the bucket, and tensor cores
-            # on a 16-row tile
-            tiles = [(bm, d, bn, bkw) for bm, d in (((bucket, False), (16, True))
-                                                   if bucket < 16 else ((bucket, True),))
-                     for bn, bkw in INT4_TILES[d]]
-            configs = [(bm, d, bn, bkw, 4, st, ps) for (bm, d, bn, bkw), st, ps in
-                       itertools.product(tiles, INT4_STAGES, PER_SM)]
+            configs = [(bucket, bn, bkw, 4, st, ps) for (bn, bkw), st, ps in
+                       itertools.product(INT4_TILES, INT4_STAGES, PER_SM)]
         elif kind == "fp8":
             configs = [(bucket, bn, bk, 4, st, ps) for (bn, bk), st, ps in
                        itertools.product(FP8_TILES, FP8_STAGES, FP8_PER_SM)]
@@ -201,8 +195,8 @@ def main() -> None:
            "on another copy of the weight; floor: the weight's bytes (codes, scales, zero "
            "points) over the measured copy bandwidth; bf16: cuBLAS on the bf16 weight. "
            "Config: the best of the sweep for the row bucket, summed over the four "
-           "projections. INT4 config: (BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, warps, stages, "
-           "programs per SM); FP8: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per "
+           "projections. INT4 config: (BLOCK_M, BLOCK_N, BLOCK_KW, warps, stages, programs "
+           "per SM); FP8: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, programs per "
            "SM, 0 = no split).",
            write=not args.no_record, device=device)
 

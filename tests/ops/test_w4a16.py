@@ -5,10 +5,10 @@ On CPU they run under Triton's interpreter (``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1``), on CUDA when there is a GPU. Shapes are odd on purpose (N and K not
 multiples of the blocks, a last group shorter than the rest), groups of 32, 64, 128 and one
 over K, of 12 rows (not a whole word), activation-order groups through ``g_idx``; up to 64
-rows take the split-K kernel, on tensor cores or (one to four rows) on CUDA cores, and 65
-rows the unsplit GEMM. The bound is the float32 accumulation's plus one rounding of the output and,
-on a GPU, of the dequantized weight to the activation dtype: ``(2u + K·2⁻²⁴) · (|x| · |W|)``
-per element, ``u`` the dtype's unit roundoff.
+rows take the split-K kernel and 65 rows the unsplit GEMM. The bound is the float32
+accumulation's plus one rounding of the output and, on a GPU, of the dequantized weight to
+the activation dtype: ``(2u + K·2⁻²⁴) · (|x| · |W|)`` per element, ``u`` the dtype's unit
+roundoff.
 """
 
 from __future__ import annotations
@@ -101,28 +101,17 @@ def test_w4a16_linear_matches_float64_dequantized_product(dtype, n, k, group, ac
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
-@pytest.mark.parametrize("config", [
-    (16, True, 32, 16, 4, 2, 4),      # tensor cores: one group of 128 per step
-    (4, False, 32, 16, 4, 2, 4),      # CUDA cores, the same steps
-    (2, False, 16, 8, 4, 2, 4),       # CUDA cores, two steps per group
-], ids=["dot", "fma", "fma-half-group"])
-def test_gemv_split_k_sums_every_part_once(splits, config):
-    # groups of 128, a short last group; a second launch finds the arrival counters reset
-    x, qweight, scales, zeros, g_idx, size, q = _operands(40, 328, 128, torch.float32, False)
-    rows = config[0]
-    for part in (x[:rows], x[-rows:]):
+@pytest.mark.parametrize("config", [(16, 32, 16, 4, 2, 4), (16, 16, 32, 4, 2, 4)],
+                         ids=["kw16", "kw32"])
+@pytest.mark.parametrize("k, group", [(328, 128), (512, 32)], ids=["row-groups", "plane-groups"])
+def test_gemv_split_k_sums_every_part_once(splits, config, k, group):
+    # a short last group, or groups that each plane's steps fall in whole; a second launch
+    # finds the arrival counters reset
+    x, qweight, scales, zeros, g_idx, size, q = _operands(40, k, group, torch.float32, False)
+    for part in (x[:3], x[-16:]):
         y = w4a16_gemv(part, qweight, scales, zeros, g_idx, size, splits=splits,
                        config=config)
         _assert_close(y, part, q, scales, zeros, g_idx, size)
-
-
-@pytest.mark.parametrize("group, act_order", [(32, False), (64, True)])
-def test_cuda_core_path_takes_every_group_layout(group, act_order):
-    x, qweight, scales, zeros, g_idx, size, q = _operands(36, 200, group, torch.float32,
-                                                          act_order)
-    y = w4a16_gemv(x[:3], qweight, scales, zeros, g_idx, size, splits=2,
-                   config=(4, False, 32, 4, 4, 2, 4))
-    _assert_close(y, x[:3], q, scales, zeros, g_idx, size)
 
 
 @pytest.mark.parametrize("rows", [2, 65])
@@ -142,9 +131,9 @@ def test_gemm_takes_decode_rows_too_and_gemv_refuses_prefill_rows():
                   zeros, g_idx, size)
     with pytest.raises(ValueError, match=f"at most {DECODE_MAX_ROWS}"):
         w4a16_gemv(x[:DECODE_MAX_ROWS + 1], qweight, scales, zeros, g_idx, size)
-    with pytest.raises(ValueError, match="BLOCK_M of 2"):
-        w4a16_gemv(x[:3], qweight, scales, zeros, g_idx, size,
-                   config=(2, False, 32, 8, 4, 2, 4))
+    with pytest.raises(ValueError, match="BLOCK_M of 16"):
+        w4a16_gemv(x[:17], qweight, scales, zeros, g_idx, size,
+                   config=(16, 32, 16, 4, 2, 4))
 
 
 def test_torch_reference_dequantizes_by_the_module_formula():
@@ -182,29 +171,29 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     from manylora.ops.quant.w4a16 import DECODE_CONFIGS, GEMM_CONFIG, _w4a16_kernel
 
-    sig = {n: "i32" for n in ("M", "N", "K", "KW_PER_SPLIT", "stride_xm", "stride_ym")}
+    sig = {n: "i32" for n in ("M", "N", "K", "PLANE", "STEPS_PER_SPLIT", "stride_xm",
+                              "stride_ym")}
     sig.update(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
                b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
-    cases = [(*c[:6], True) for c in DECODE_CONFIGS.values()]
-    cases.append((GEMM_CONFIG[0], True, *GEMM_CONFIG[1:], False))
-    for block_m, use_dot, block_n, block_kw, warps, stages, split in cases:
-        for mode in (0, 1, 2) if block_m in (1, 16) else (0,):
+    cases = [(*c[:5], True) for c in DECODE_CONFIGS.values()]
+    cases.append((*GEMM_CONFIG, False))
+    for block_m, block_n, block_kw, warps, stages, split in cases:
+        for mode in (0, 1, 2) if block_m == 16 else (0,):
             consts = {"GROUP_SIZE": 128 if mode == 0 else 32, "MODE": mode,
-                      "HAS_BIAS": mode == 1, "SPLIT": split, "USE_DOT": use_dot,
-                      "DOT_FP32": False, "IEEE": False, "BLOCK_M": block_m,
+                      "HAS_BIAS": mode == 1, "SPLIT": split, "DOT_FP32": False,
+                      "IEEE": False, "BLOCK_M": block_m,
                       "BLOCK_N": block_n, "BLOCK_KW": block_kw}
             kernel = triton.compile(
                 ASTSource(_w4a16_kernel, {**sig, **{c: "constexpr" for c in consts}},
                           consts, {}), target=GPUTarget("cuda", 90, 32),
                 options={"num_warps": warps, "num_stages": stages})
-            ptx = kernel.asm["ptx"]
-            assert ("mma" in ptx) == use_dot, (block_m, mode)
+            assert "mma" in kernel.asm["ptx"], (block_m, mode)
             assert kernel.metadata.shared <= 227 * 1024, (block_m, mode)
 """)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the kernel itself")
 def test_kernel_compiles_for_h100(compile_for_h100):
-    """Every decode bucket's and prefill's config builds for sm_90, a CUDA-core and a
-    tensor-core one in each group layout (MMA exactly where the config asks for it)."""
+    """Every decode bucket's and prefill's config builds for sm_90 on tensor cores, the
+    16-row one in each group layout."""
     compile_for_h100(_COMPILE_FOR_H100)

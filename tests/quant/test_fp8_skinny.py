@@ -111,7 +111,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     from manylora.ops.quant.fp8_skinny import _fp8_skinny_kernel, fp8_skinny_config
 
-    sig = {n: "i32" for n in ("M", "N", "K", "K_PER_SPLIT", "stride_xm", "stride_wn",
+    sig = {n: "i32" for n in ("M", "N", "K", "STEPS_PER_SPLIT", "stride_xm", "stride_wn",
                               "stride_ym", "stride_sxm", "stride_swn")}
     sig.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", sx_ptr="*fp32", sw_ptr="*fp32",
                b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")

@@ -5,11 +5,12 @@ The skinny GEMM of ``manylora.ops.triton_skinny`` with FP8 operands: one program
 ``BLOCK_N`` output columns for all ``M ≤ BLOCK_M`` rows and walks its range of ``K`` (K
 split over programs where the column tiles alone would leave the GPU idle, reduced in the
 same launch by ``manylora.ops.split_k``) through a software pipeline, ``tl.dot`` on e4m3fn
-tiles (FP8 tensor cores, compute capability ≥ 8.9), each tile's product added into a float32
-accumulator (the tensor cores' own FP8 accumulation keeps fewer bits, so it spans one tile:
-DeepSeek-V3's promotion), then one rounding. With
-per-token activation scales ``sx [M, 1]`` and per-row weight scales ``sw [N]`` (vLLM's
-``Fp8LinearMethod`` per-channel / per-tensor)::
+tiles (FP8 tensor cores, compute capability ≥ 8.9), then one rounding. Per-row scales chain
+the products in the tensor cores' accumulator (on Hopper it keeps about 14 mantissa bits
+while it sums FP8 products, as cuBLASLt's fast-accumulation FP8 GEMMs do); block scales add
+each K block's product into a float32 accumulator on the CUDA cores (DeepSeek-V3's
+promotion). With per-token activation scales ``sx [M, 1]`` and per-row weight scales
+``sw [N]`` (vLLM's ``Fp8LinearMethod`` per-channel / per-tensor)::
 
     y[m, n] = sx[m] · sw[n] · Σ_k xq[m, k] · wq[n, k]   (+ b[n])
 
@@ -53,9 +54,9 @@ BLOCK_SCALE_CONFIGS = {
 }
 
 
-@triton.jit(do_not_specialize=["M", "K_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "STEPS_PER_SPLIT"])
 def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N, K,
-                       K_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_sxm, stride_swn,
+                       STEPS_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_sxm, stride_swn,
                        BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
@@ -65,15 +66,17 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    k_stop = tl.minimum(k_start + K_PER_SPLIT, K)
+    if SPLIT:   # a split starts on a multiple of BLOCK_K the compiler can see (16-byte loads)
+        k_start = tl.program_id(1) * STEPS_PER_SPLIT * BLOCK_K
+        k_stop = tl.minimum(k_start + STEPS_PER_SPLIT * BLOCK_K, K)
+    else:
+        k_start = 0
+        k_stop = K
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
-        # splits start on BLOCK_K boundaries, so only K itself cuts a tile (masking by
-        # k_stop, a runtime bound, would stop the 16-byte vector loads)
-        k_mask = offs_k + k0 < K
+        k_mask = offs_k + k0 < K              # only K cuts a tile: splits are whole steps
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if BLOCK_SCALES:
@@ -82,9 +85,7 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y
             sw = tl.load(sw_ptr + offs_n * stride_swn + kb, mask=n_mask, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
         else:
-            # each tile's product added on the CUDA cores: Hopper's FP8 MMA keeps about 14
-            # mantissa bits while it accumulates, so it sums one tile, not all of K
-            acc += tl.dot(x, tl.trans(w))
+            acc = tl.dot(x, tl.trans(w), acc)
     if not BLOCK_SCALES:
         sx = tl.load(sx_ptr + offs_m * stride_sxm, mask=m_mask, other=0.0)
         sw = tl.load(sw_ptr + offs_n * stride_swn, mask=n_mask, other=0.0)
@@ -159,8 +160,8 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, tile_k)
     if splits is None:
         splits = split_count(tiles, steps, per_sm, xq.device) if per_sm else 1
-    per_split = triton.cdiv(steps, splits) * tile_k
-    splits = triton.cdiv(k, per_split)
+    per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per_split)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     ws, counters = split_workspace(splits, m, n, y)
     _fp8_skinny_kernel[(tiles, splits)](

@@ -21,18 +21,13 @@ a range of words; each step loads a ``BLOCK_KW × BLOCK_N`` tile of words once a
 eight nibble planes by shifts, plane ``j`` multiplied by the contiguous columns
 ``x[·, j·P + i]`` of the step's words ``i``: no word is read twice and the activations load
 as vectors. Codes become floats by the exponent trick (``bits(2²³) | q`` is ``2²³ + q``), no
-conversion instruction. Where each plane's rows of a step lie in one group ``g`` (the step
-divides the group and planes start on group boundaries, as with groups of 128 and K a
-multiple of 1024), tensor cores take the codes exact and the group's scale and zero are
-applied once per plane and column::
-
-    y[t, n] += s[g, n] · (Σ_i x[t, k_i] · q[k_i, n] − z[g, n] · Σ_i x[t, k_i])
-
-(the same sum, regrouped); otherwise each element is dequantized first. The tile product
-runs on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16) or, for a few rows, as float32
-multiply-adds on the CUDA cores (no 16-row padding). Decode rows (up to ``DECODE_MAX_ROWS``)
-split K over ``splits`` programs per output tile so that a skinny product fills the GPU
-(split-K, as decode GEMV kernels do), reduced in the same launch and in a fixed order
+conversion instruction, and are dequantized, ``s · (q − z)``, with one scale row per plane
+and step where each plane's rows of a step lie in one group (the step divides the group and
+planes start on group boundaries, as with groups of 128 and K a multiple of 1024), else with
+each row's own. The tiles multiply on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16 rows,
+chained in one float32 accumulator). Decode rows (up to ``DECODE_MAX_ROWS``) split K over
+``splits`` programs per output tile so that a skinny product fills the GPU (split-K, as
+decode GEMV kernels do), reduced in the same launch and in a fixed order
 (``manylora.ops.split_k``). No host synchronisation: CUDA-graph safe. Under
 ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter multiplies
 bfloat16 bit patterns as integers).
@@ -46,23 +41,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from manylora.ops.split_k import MAX_SPLIT_TILES, split_count, split_workspace, store_split
 
 #: Rows up to which ``w4a16_linear`` splits K (decode); more rows take one program per
 #: output tile over all of K (prefill).
 DECODE_MAX_ROWS = 64
-#: Row bucket → ``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per
-#: SM)`` for decode rows (the smallest bucket ≥ the row count; ``BLOCK_M`` ≥ the bucket):
+#: Row bucket → ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
+#: decode rows (the smallest bucket ≥ the row count; ``BLOCK_M`` ≥ 16, ``tl.dot``'s least):
 #: ``BLOCK_KW`` words per step, K split until about ``programs per SM`` programs run per
 #: streaming multiprocessor. Measured by ``benchmarks/bench_quant_kernels.py``.
-DECODE_CONFIGS: dict[int, tuple[int, bool, int, int, int, int, int]] = {
-    1: (1, False, 128, 16, 4, 3, 4),
-    2: (2, False, 128, 16, 4, 3, 4),
-    4: (4, False, 64, 16, 4, 3, 4),
-    16: (16, True, 64, 32, 4, 2, 4),
-    32: (32, True, 128, 16, 4, 3, 8),
-    64: (64, True, 128, 16, 4, 3, 4),
+DECODE_CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
+    16: (16, 64, 32, 4, 2, 4),
+    32: (32, 64, 16, 4, 3, 4),
+    64: (64, 64, 16, 4, 3, 4),
 }
 #: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
 GEMM_CONFIG = (64, 64, 16, 4, 3)
@@ -71,36 +64,33 @@ _MAGIC = tl.constexpr(0x4B000000)          # the float32 bits of 2**23
 
 @triton.jit
 def _codes(words, j: tl.constexpr):
-    """Nibble plane ``j`` of ``words`` as exact float32 codes ``0 .. 15``."""
+    """Nibble plane ``j`` of ``words`` as exact float32 codes ``0 .. 15`` (the exponent
+    trick: ``bits(2²³) | q`` is the float ``2²³ + q``)."""
     bits = ((words >> (4 * j)) & 0xF) | _MAGIC
     return bits.to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _product(acc, x, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """``acc + x @ w``: ``x [BM, BKW]`` (activation dtype), ``w [BKW, BN]`` float32. On
-    tensor cores ``acc`` is ``[BM, BN]``; on CUDA cores it is ``[BM, BKW, BN]`` (the
-    products added elementwise, summed over ``BKW`` once after the K loop)."""
-    if USE_DOT:
-        if DOT_FP32:
-            x = x.to(tl.float32)
-        else:
-            w = w.to(x.dtype)
-        if IEEE:
-            out = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            out = tl.dot(x, w, acc)
+def _product(acc, x, w, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + x @ w`` on tensor cores: ``x [BM, BKW]`` (activation dtype), ``w [BKW, BN]``
+    float32, ``acc [BM, BN]`` float32."""
+    if DOT_FP32:
+        x = x.to(tl.float32)
     else:
-        out = acc + x.to(tl.float32)[:, :, None] * w[None, :, :]
+        w = w.to(x.dtype)
+    if IEEE:
+        out = tl.dot(x, w, acc, input_precision="ieee")
+    else:
+        out = tl.dot(x, w, acc)
     return out
 
 
-@triton.jit(do_not_specialize=["M", "KW_PER_SPLIT"])
+@triton.jit(do_not_specialize=["M", "STEPS_PER_SPLIT"])
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N,
-                  K, KW_PER_SPLIT, stride_xm, stride_ym, GROUP_SIZE: tl.constexpr,
+                  K, PLANE, STEPS_PER_SPLIT, stride_xm, stride_ym, GROUP_SIZE: tl.constexpr,
                   MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     # MODE 0: each plane's rows of a step in one group (one scale row per plane and step);
     # 1: groups of GROUP_SIZE rows, per row; 2: groups by g_idx, per row
     pid_n = tl.program_id(0)
@@ -111,13 +101,16 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    plane = tl.cdiv(K, 8)                         # rows per nibble plane (words per column)
-    kw_start = pid_k * KW_PER_SPLIT
-    kw_stop = tl.minimum(kw_start + KW_PER_SPLIT, plane)
-    if USE_DOT:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # PLANE = ceil(K / 8), rows per nibble plane, an argument so that the compiler sees its
+    # divisibility (and the activations' 16-byte alignment); splits are whole steps
+    plane = PLANE
+    if SPLIT:
+        kw_start = pid_k * STEPS_PER_SPLIT * BLOCK_KW
+        kw_stop = tl.minimum(kw_start + STEPS_PER_SPLIT * BLOCK_KW, plane)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_KW, BLOCK_N), dtype=tl.float32)
+        kw_start = 0
+        kw_stop = plane
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kw0 in range(kw_start, kw_stop, BLOCK_KW):
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
         kw_mask = offs_kw < plane                 # splits start on BLOCK_KW boundaries
@@ -129,18 +122,11 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
             x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0)
             q = _codes(words, j)
-            if MODE == 0:
+            if MODE == 0:                         # one scale row per plane and step
                 gn = ((j * plane + kw0) // GROUP_SIZE) * N + offs_n
                 g_mask = n_mask & (offs_n * 0 + j * plane + kw0 < K)   # planes past K
-                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-                if USE_DOT:   # s · (x·q − z · Σx): the codes go to the tensor cores exact
-                    tile = _product(tl.zeros_like(acc), x, q, USE_DOT, DOT_FP32, IEEE)
-                    xsum = tl.sum(x.to(tl.float32), axis=1)
-                    acc += s[None, :] * (tile - z[None, :] * xsum[:, None])
-                else:
-                    acc = _product(acc, x, (q - z[None, :]) * s[None, :], USE_DOT, DOT_FP32,
-                                   IEEE)
+                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)[None, :]
             else:
                 if MODE == 1:
                     g = offs_k // GROUP_SIZE
@@ -148,11 +134,9 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
                     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
                 gn = g[:, None] * N + offs_n[None, :]
                 g_mask = k_mask[:, None] & n_mask[None, :]
-                s_r = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-                z_r = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-                acc = _product(acc, x, (q - z_r) * s_r, USE_DOT, DOT_FP32, IEEE)
-    if not USE_DOT:
-        acc = tl.sum(acc, axis=1)
+                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
+            acc = _product(acc, x, (q - z) * s, DOT_FP32, IEEE)
     store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
                 pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
 
@@ -176,8 +160,8 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          f"{group_size}, bias {None if bias is None else tuple(bias.shape)}")
 
 
-def decode_config(rows: int) -> tuple[int, bool, int, int, int, int, int]:
-    """``(BLOCK_M, USE_DOT, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
+def decode_config(rows: int) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages, programs per SM)`` for
     ``rows`` decode rows (1 ≤ rows ≤ ``DECODE_MAX_ROWS``): the smallest ``DECODE_CONFIGS``
     bucket that holds them."""
     return DECODE_CONFIGS[min(b for b in DECODE_CONFIGS if b >= rows)]
@@ -191,9 +175,9 @@ def split_k(n: int, k: int, block_n: int, block_kw: int, programs_per_sm: int,
                        programs_per_sm, device)
 
 
-def _flags(x: torch.Tensor, use_dot: bool) -> dict[str, bool]:
+def _flags(x: torch.Tensor) -> dict[str, bool]:
     on_gpu = x.device.type == "cuda"
-    return {"USE_DOT": use_dot, "DOT_FP32": not on_gpu or x.dtype == torch.float32,
+    return {"DOT_FP32": not on_gpu or x.dtype == torch.float32,
             "IEEE": on_gpu and x.dtype == torch.float32}
 
 
@@ -209,27 +193,36 @@ def _mode(k: int, g_idx: torch.Tensor | None, group_size: int, block_kw: int) ->
     return 1
 
 
-def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot, block_n,
-            block_kw, warps, stages, splits) -> torch.Tensor:
+def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n, block_kw,
+            warps, stages, splits) -> torch.Tensor:
     m, k = x.shape
     n = qweight.shape[1]
-    kw = triton.cdiv(k, 8)
-    per_split = triton.cdiv(triton.cdiv(kw, splits), block_kw) * block_kw
-    splits = triton.cdiv(kw, per_split)
+    plane = triton.cdiv(k, 8)
+    steps = triton.cdiv(plane, block_kw)
+    per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per_split)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
     if splits > 1 and grid[0] * grid[2] > MAX_SPLIT_TILES:
         raise ValueError(f"w4a16: {grid[0] * grid[2]} output tiles split over K, at most "
                          f"{MAX_SPLIT_TILES}")
-    mode = _mode(k, g_idx, group_size, block_kw)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, counters = split_workspace(splits, m, n, y)
-    _w4a16_kernel[grid](
-        x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
-        qweight if bias is None else bias, ws, counters, y, m, n, k, per_split, x.stride(0),
-        y.stride(0), GROUP_SIZE=max(group_size, 1), MODE=mode, HAS_BIAS=bias is not None,
-        SPLIT=splits > 1, **_flags(x, use_dot), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
-    return y
+    while True:
+        try:
+            _w4a16_kernel[grid](
+                x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
+                qweight if bias is None else bias, ws, counters, y, m, n, k, plane, per_split,
+                x.stride(0), y.stride(0), GROUP_SIZE=max(group_size, 1),
+                MODE=_mode(k, g_idx, group_size, block_kw), HAS_BIAS=bias is not None,
+                SPLIT=splits > 1, **_flags(x), BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
+            return y
+        except OutOfResources:
+            # float32 activations' tiles take twice the shared memory of 16-bit ones: one
+            # pipeline stage fewer (the same split and grid)
+            if stages == 1:
+                raise
+            stages -= 1
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -257,23 +250,22 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """
     _check(x, qweight, scales, zeros, g_idx, group_size, bias)
     block_m, block_n, block_kw, warps, stages = config or GEMM_CONFIG
-    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, True,
-                   block_n, block_kw, warps, stages, 1)
+    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n,
+                   block_kw, warps, stages, 1)
 
 
 def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                zeros: torch.Tensor, g_idx: torch.Tensor | None = None,
                group_size: int = 128, bias: torch.Tensor | None = None,
                splits: int | None = None,
-               config: tuple[int, bool, int, int, int, int, int] | None = None
-               ) -> torch.Tensor:
+               config: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
     """``y = x · dequant(W) (+ b)`` (module formula) with K split over programs (decode
     rows).
 
     Args:
         x: ``[M, K]``, 1 ≤ M ≤ ``DECODE_MAX_ROWS``; the rest as ``w4a16_gemm``.
-        splits: programs along K per output tile (None: ``split_k``); each sums
-            ``ceil(K / 8 / splits)`` words rounded up to ``BLOCK_KW``.
+        splits: programs along K per output tile (None: ``split_k``); each sums a whole
+            number of steps of ``BLOCK_KW`` words.
         config: ``decode_config``'s tuple (None: ``decode_config(M)``); ``BLOCK_M`` ≥ M.
 
     Returns:
@@ -287,13 +279,13 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     if not 1 <= m <= DECODE_MAX_ROWS:
         raise ValueError(f"w4a16_gemv: {m} rows, at most {DECODE_MAX_ROWS}")
-    block_m, use_dot, block_n, block_kw, warps, stages, per_sm = config or decode_config(m)
+    block_m, block_n, block_kw, warps, stages, per_sm = config or decode_config(m)
     if block_m < m:
         raise ValueError(f"w4a16_gemv: {m} rows over a BLOCK_M of {block_m}")
     n = qweight.shape[1]
     splits = splits or split_k(n, k, block_n, block_kw, per_sm, x.device)
-    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, use_dot,
-                   block_n, block_kw, warps, stages, splits)
+    return _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n,
+                   block_kw, warps, stages, splits)
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
