@@ -43,14 +43,14 @@ FP8_SKINNY_MAX_ROWS = 64
 #: per SM`` run on each streaming multiprocessor (0: no split). Measured by
 #: ``benchmarks/bench_quant_kernels.py``.
 ROW_SCALE_CONFIGS = {
-    16: (32, 512, 4, 4, 8),
-    32: (32, 512, 4, 4, 4),
-    64: (64, 256, 4, 4, 4),
+    16: (32, 512, 4, 4, 0),
+    32: (32, 256, 4, 4, 4),
+    64: (64, 256, 4, 4, 0),
 }
 BLOCK_SCALE_CONFIGS = {
-    16: (64, 4, 4, 8),
-    32: (32, 4, 4, 8),
-    64: (128, 4, 4, 4),
+    16: (32, 4, 4, 4),
+    32: (32, 4, 4, 4),
+    64: (32, 4, 4, 4),
 }
 
 
