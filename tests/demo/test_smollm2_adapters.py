@@ -73,9 +73,14 @@ def test_shipped_and_written_adapters_in_one_batch_equal_peft(smollm2_gguf, smol
             assert exact_match(answer, text), (name, answer, text)
             assert out.outputs[0].finish_reason == "stop"
 
-    refs = hf_greedy_reference(smollm2_gguf, adapters, [ids for ids, _, _ in jobs],
-                               [n for _, n, _ in jobs], MAX_NEW, base_model=smollm2_hf_model)
-    for (_, name, _), out, ref in zip(jobs, outs, refs, strict=True):
+    # every adapter row and the first base row against transformers + peft (the base's
+    # greedy decoding of these chats is checked in tests/checkpoint/test_gguf.py)
+    checked = [i for i, (_, name, _) in enumerate(jobs) if name is not None or i == 1]
+    refs = hf_greedy_reference(smollm2_gguf, adapters, [jobs[i][0] for i in checked],
+                               [jobs[i][1] for i in checked], MAX_NEW,
+                               base_model=smollm2_hf_model)
+    for i, ref in zip(checked, refs, strict=True):
+        name, out = jobs[i][1], outs[i]
         ours = _drop_eos(out.outputs[0].token_ids)
         ok, at = compare_greedy(ours, type(ref)(_drop_eos(ref.token_ids), ref.logits))
         assert ok, f"{name or 'base'}: differs from transformers + peft at token {at}"

@@ -61,8 +61,9 @@ def test_smollm2_gguf_tp2_mixed_batch_equals_transformers_peft(smollm2_gguf, smo
         text = smollm2_tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
         prompt_ids.append(smollm2_tokenizer(text).input_ids)
-    names = [None, "attn", "dora_all"]
-    batch = [(ids, name) for ids in prompt_ids for name in names]       # 6 requests, mixed
+    # one mixed batch: each question to the base and to one of the adapters
+    batch = [(prompt_ids[0], None), (prompt_ids[0], "attn"), (prompt_ids[1], "dora_all"),
+             (prompt_ids[1], None)]
     requests = {name: LoRARequest(name, i + 1, str(path))
                 for i, (name, path) in enumerate(adapters.items())}
 
@@ -86,7 +87,7 @@ def test_smollm2_gguf_tp2_mixed_batch_equals_transformers_peft(smollm2_gguf, smo
         ok, pos = compare_greedy(got, ref)
         assert ok, (f"adapter {name}, prompt {smollm2_tokenizer.decode(ids)!r}: differs from "
                     f"transformers + peft at token {pos}: {got} vs {ref.token_ids}")
-    # each adapter changes the answer to some question (so the comparison above tests it)
-    for j in (1, 2):
-        assert any(ours[i + j] != ours[i] for i in range(0, len(batch), len(names))), names[j]
+    # each adapter changes its question's answer (so the comparison above tests it)
+    assert ours[1] != ours[0], "attn"
+    assert ours[2] != ours[3], "dora_all"
 
