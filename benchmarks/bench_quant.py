@@ -27,7 +27,7 @@ Parts (``--parts``):
   ``--repeats`` passes. Target: the FP8 base at least 1.5x the bf16 base.
 
     python -m benchmarks.bench_quant --parts gemm decode    # ~4 min on one H100
-    python -m benchmarks.bench_quant --parts lora           # ~4 min, four engines
+    python -m benchmarks.bench_quant --parts lora --formats fp8    # > 5 min: bf16 and FP8
     python -m benchmarks.bench_quant --quick                # tiny model on CPU, no record
 
 Each part prints and records (``common.record``) its table to BENCHMARKS.md unless
@@ -104,13 +104,13 @@ def gemm_case(fmt: str, in_features: int, out_features: int, rows: int,
     return {"ms": ms, "bytes": nbytes}
 
 
-def run_gemm(quick: bool) -> dict:
+def run_gemm(quick: bool, formats: tuple[str, ...] = tuple(FORMATS)) -> dict:
     device = torch.device("cpu" if quick else "cuda")
     bandwidth = measure_copy_bandwidth(device) if device.type == "cuda" else float("nan")
     shapes = ((n, 64, 96) for n, _, _ in PROJECTIONS[:1]) if quick else PROJECTIONS
     cases = []
     for name, k, n in shapes:
-        for fmt in FORMATS:
+        for fmt in formats:
             for rows in (1, 4) if quick else ROWS:
                 case = gemm_case(fmt, k, n, rows, device)
                 cases.append({"projection": name, "in": k, "out": n, "format": fmt,
@@ -137,9 +137,11 @@ def gemm_table(result: dict) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
-def run_decode(quick: bool, iters: int) -> list[dict]:
+def run_decode(quick: bool, iters: int, formats: tuple[str, ...] = tuple(FORMATS)
+               ) -> list[dict]:
     out = []
-    for fmt, (qcfg, quant) in FORMATS.items():
+    for fmt in formats:
+        qcfg, quant = FORMATS[fmt]
         for r in in_child(measure_decode, (1, 4) if quick else (1, 64), 512, RANK, iters,
                           "auto", quick, (False,), qcfg, quant):
             out.append({"format": fmt, **r})
@@ -162,7 +164,8 @@ def decode_table(results: list[dict]) -> tuple[list[str], list[list]]:
     return columns, rows
 
 
-def run_lora(quick: bool, repeats: int) -> list[dict]:
+def run_lora(quick: bool, repeats: int, formats: tuple[str, ...] = tuple(FORMATS)
+             ) -> list[dict]:
     sizes = QUICK if quick else FULL
     config = TINY if quick else LLAMA3_8B
     device = torch.device("cpu" if quick else "cuda")
@@ -172,7 +175,8 @@ def run_lora(quick: bool, repeats: int) -> list[dict]:
         adapters = write_peft_adapters(root / "adapters", config, sizes.distinct, RANK,
                                        LORA_TARGETS, device,
                                        torch.float32 if quick else torch.bfloat16)
-        for fmt, (qcfg, quant) in FORMATS.items():
+        for fmt in formats:
+            qcfg, quant = FORMATS[fmt]
             model_dir = write_config(root / fmt, config if qcfg is None
                                      else dict(config, quantization_config=qcfg))
             r = in_child(functools.partial(run_batch_and_kernels, quantization=quant),
@@ -206,6 +210,8 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", choices=(*PARTS, "all"), default=["all"])
     ap.add_argument("--repeats", type=int, default=3, help="timed passes of the lora part")
     ap.add_argument("--iters", type=int, default=30, help="timed steps of the decode part")
+    ap.add_argument("--formats", nargs="+", choices=tuple(FORMATS), default=list(FORMATS),
+                    help="the bases to measure (bf16, the reference, is always added)")
     ap.add_argument("--quick", action="store_true", help="tiny model on CPU, no record")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
@@ -216,9 +222,10 @@ def main() -> None:
     gpu = gpu_name(device)
     command = command_line("benchmarks.bench_quant")
     write = not (args.quick or args.no_record)
-    formats = ", ".join(FORMATS)
+    chosen = tuple(f for f in FORMATS if f == "bf16" or f in args.formats)
+    formats = ", ".join(chosen)
     if "gemm" in parts:
-        columns, rows = gemm_table(in_child(run_gemm, args.quick))
+        columns, rows = gemm_table(in_child(run_gemm, args.quick, chosen))
         record(f"Quantized projections vs bf16 and the copy bandwidth (Llama-3-8B shapes, "
                f"{gpu})", command, columns, rows, write=write, device=device,
                notes=f"Formats: {formats} (`benchmarks/bench_quant.py`). One projection's "
@@ -228,7 +235,7 @@ def main() -> None:
                f"the same process. Target at decode: >= {GEMM_SHARE:.0%} of the copy "
                "bandwidth for FP8 and W4A16.")
     if "decode" in parts:
-        columns, rows = decode_table(run_decode(args.quick, args.iters))
+        columns, rows = decode_table(run_decode(args.quick, args.iters, chosen))
         record(f"Decode step on quantized bases vs bf16 (Llama-3-8B shape, {gpu}), LoRA off",
                command, columns, rows, write=write, device=device,
                notes=f"Formats: {formats}. `bench_decode.measure_decode`: context 512, the "
@@ -238,7 +245,7 @@ def main() -> None:
                "read / copy bandwidth. Targets at batch 1: FP8 >= 1.7x, INT4 >= 2.8x the "
                "bf16 step's speed.")
     if "lora" in parts:
-        columns, rows = lora_table(run_lora(args.quick, args.repeats))
+        columns, rows = lora_table(run_lora(args.quick, args.repeats, chosen))
         record(f"64 distinct adapters over quantized bases (Llama-3-8B shape, {gpu})",
                command, columns, rows, write=write, device=device,
                notes=f"Formats: {formats}. `bench_lora`'s batch part on each base: 64 "

@@ -32,7 +32,7 @@ for part in "$@"; do
     lora-gemma2) python3 -m benchmarks.bench_lora --parts batch --arch gemma2 $rep ;;
     head-lora) python3 -m benchmarks.bench_head_lora $rep ;;
     quant) python3 -m benchmarks.bench_quant --parts gemm decode ;;
-    quant-lora) python3 -m benchmarks.bench_quant --parts lora $rep ;;
+    quant-lora) python3 -m benchmarks.bench_quant --parts lora --formats fp8 $rep ;;
     fused-moe) python3 -m benchmarks.bench_fused_moe ;;
     moe-lora-kernel) python3 -m benchmarks.bench_moe_lora --parts kernel ;;
     moe-lora-engine) python3 -m benchmarks.bench_moe_lora --parts engine ;;
