@@ -6,13 +6,13 @@ Both sides multiply the same codes; the kernel accumulates and rounds once to th
 dtype, so the error is that rounding (at most ``2u`` relative, ``u`` = 2⁻⁸ for bfloat16: the
 interpreter's stores truncate) plus the sums'. Under the interpreter those are float32 (``K ·
 2⁻²⁴`` relative at most, K ≤ 1,000). Hopper's FP8 tensor cores keep only about 14 mantissa
-bits while they accumulate (DeepSeek-V3 technical report, section 3.3.2), within each K tile
-the kernel adds into float32: on the GPU a sum of K random-signed products is allowed ``4 √K ·
-2⁻¹⁴``. Asserted elementwise against
-``|y|_max`` of the row, with a factor 1.1 over ``2u`` for bfloat16 output and 1.5 over the
-sums' bound for float32. On CPU the kernel is also
-compiled for sm_90 at every launch class the linear method uses, within the H100's shared
-memory.
+bits while they accumulate (DeepSeek-V3 technical report, section 3.3.2), which per-row
+scales chain over all of K and block scales over one K block: on the GPU a sum of K
+random-signed products is allowed ``4 √K · 2⁻¹⁴``. Asserted elementwise against ``|y|_max``
+of the row, with a factor 1.1 over ``2u`` for bfloat16 output and 1.5 over the sums' bound
+for float32. The kernel's own quantization of 16-bit rows is checked bit for bit against
+``fp8_act_quant`` followed by the product. On CPU the kernel is also compiled for sm_90 at
+every launch class the linear method uses, within the H100's shared memory.
 """
 
 from __future__ import annotations
