@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from triton.runtime.errors import OutOfResources
 
+from benchmarks.bench_skinny_gemm import SHAPES as SKINNY_SHAPES
 from benchmarks.common import (
     command_line,
     gpu_name,
@@ -33,9 +34,9 @@ from benchmarks.common import (
     time_graph_calls,
 )
 
-#: Llama-3-8B's projections as manylora fuses them: (name, N, K).
-SHAPES = (("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
-          ("down_proj", 4096, 14336))
+#: Llama-3-8B's projections as manylora fuses them: (name, N, K), the LM head left out (it
+#: stays in 16 bits).
+SHAPES = SKINNY_SHAPES[:4]
 CALLS, REPLAYS = 5, 10
 KERNELS = ("int4", "fp8", "fp8-block")
 #: W4A16 sweep: bucket (BLOCK_M) → row counts, then (BLOCK_N, BLOCK_KW) × stages × programs
