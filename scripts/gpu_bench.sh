@@ -2,7 +2,8 @@
 # The device-machine benchmarks, each recorded in BENCHMARKS.md (copied to $OUT):
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
 #                                           prefix-cache serving tp demo-tasks lora-qwen3
-#                                           lora-gemma2 head-lora quant quant-lora fused-moe
+#                                           lora-gemma2 head-lora quant-kernels quant quant-lora
+#                                           fused-moe
 #                                           moe-lora-kernel moe-lora-engine alora (tp: two GPUs;
 #                                           demo-tasks: the GGUF in $MANYLORA_CACHE/smollm2;
 #                                           moe-lora-engine: an H200's memory)
@@ -31,6 +32,7 @@ for part in "$@"; do
     lora-qwen3) python3 -m benchmarks.bench_lora --parts batch --arch qwen3 $rep ;;
     lora-gemma2) python3 -m benchmarks.bench_lora --parts batch --arch gemma2 $rep ;;
     head-lora) python3 -m benchmarks.bench_head_lora $rep ;;
+    quant-kernels) python3 -m benchmarks.bench_quant_kernels --apply ;;
     quant) python3 -m benchmarks.bench_quant --parts gemm decode ;;
     quant-lora) python3 -m benchmarks.bench_quant --parts lora --formats fp8 $rep ;;
     fused-moe) python3 -m benchmarks.bench_fused_moe ;;
