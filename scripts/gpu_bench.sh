@@ -3,8 +3,7 @@
 #   scripts/gpu_bench.sh kernels decode     # any of: kernels decode e2e-i e2e-ii adapter-cache
 #                                           prefix-cache serving tp demo-tasks lora-qwen3
 #                                           lora-gemma2 head-lora quant-kernels quant quant-lora
-#                                           fused-moe
-#                                           moe-lora-kernel moe-lora-engine alora (tp: two GPUs;
+#                                           fused-moe moe-lora-kernel moe-lora-engine alora (tp: two GPUs;
 #                                           demo-tasks: the GGUF in $MANYLORA_CACHE/smollm2;
 #                                           moe-lora-engine: an H200's memory)
 # BENCH_REPEATS sets the timed passes of the parts that take --repeats (default: theirs).
