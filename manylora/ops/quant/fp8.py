@@ -217,15 +217,11 @@ class Fp8LinearMethod(LinearMethodBase):
             return torch.nn.functional.linear(x, w, bias)
         # decode rows on CUDA: the skinny kernel quantizes them itself (one launch); other
         # CUDA rows: one Triton launch quantizes (fp8_act_quant); elsewhere the torch ops
-        if self.activations == "group":
-            bk = self._block_k()
-            if fp8_skinny_eligible(x, wq.shape[0], wq.shape[1], bk):
-                return fp8_skinny_quantizing_linear(x, wq, sw, bk, bias)
-        elif self.activations in ("token", "static") and fp8_skinny_eligible(
-                x, wq.shape[0], wq.shape[1], None):
+        bk = self._block_k() if self.activations == "group" else None
+        if self.activations in ("token", "static", "group") and fp8_skinny_eligible(
+                x, wq.shape[0], wq.shape[1], bk):
             return fp8_skinny_quantizing_linear(
-                x, wq, sw, None, bias,
-                layer.input_scale if self.activations == "static" else None)
+                x, wq, sw, bk, bias, layer.input_scale if self.activations == "static" else None)
         fused = x.is_cuda and x.stride(-1) == 1
         if self.activations == "group":
             xq, sx = quantize_activations(x, bk) if fused else quantize_per_token_group(x, bk)

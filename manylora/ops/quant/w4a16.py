@@ -32,8 +32,8 @@ decode GEMV kernels do), reduced in the same launch and in a fixed order
 ``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter multiplies
 bfloat16 bit patterns as integers).
 
-GPTQ's own row packing (nibble ``j`` of word ``i`` holds row ``8i + j``) is read and written
-by ``unpack_rows`` / ``pack_rows`` for the formats' loaders.
+GPTQ's own row packing (nibble ``j`` of word ``i`` holds row ``8i + j``) is read by
+``unpack_rows`` for the formats' loaders; ``pack_rows`` is its inverse.
 """
 
 from __future__ import annotations
@@ -207,22 +207,30 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n
                          f"{MAX_SPLIT_TILES}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, counters = split_workspace(splits, m, n, y)
+    mode = _mode(k, g_idx, group_size, block_kw)
+    key = (x.dtype, mode, block_m, block_n, block_kw, warps, stages)
+    stages = _stages_that_fit.get(key, stages)
     while True:
         try:
             _w4a16_kernel[grid](
                 x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
                 qweight if bias is None else bias, ws, counters, y, m, n, k, plane, per_split,
-                x.stride(0), y.stride(0), GROUP_SIZE=max(group_size, 1),
-                MODE=_mode(k, g_idx, group_size, block_kw), HAS_BIAS=bias is not None,
-                SPLIT=splits > 1, **_flags(x), BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
+                x.stride(0), y.stride(0), GROUP_SIZE=max(group_size, 1), MODE=mode,
+                HAS_BIAS=bias is not None, SPLIT=splits > 1, **_flags(x), BLOCK_M=block_m,
+                BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
             return y
         except OutOfResources:
             # float32 activations' tiles take twice the shared memory of 16-bit ones: one
-            # pipeline stage fewer (the same split and grid)
+            # pipeline stage fewer (the same split and grid), remembered for the next launch
             if stages == 1:
                 raise
             stages -= 1
+            _stages_that_fit[key] = stages
+
+
+#: ``(dtype, MODE, BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)`` → the pipeline stages
+#: a launch of that config took after running out of shared memory with more.
+_stages_that_fit: dict[tuple, int] = {}
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
