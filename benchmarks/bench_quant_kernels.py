@@ -39,12 +39,16 @@ from benchmarks.common import (
 SHAPES = SKINNY_SHAPES[:4]
 CALLS, REPLAYS = 5, 10
 KERNELS = ("int4", "fp8", "fp8-block")
-#: W4A16 sweep: bucket (BLOCK_M) → row counts, then (BLOCK_N, BLOCK_KW) × stages × programs
-#: per SM (4 warps).
+#: W4A16 sweep: bucket (BLOCK_M) → row counts, then per bucket (BLOCK_N, BLOCK_KW, warps,
+#: stages) × programs per SM.
 INT4_ROWS = {16: (1, 16), 32: (32,), 64: (64,)}
-INT4_TILES = ((32, 16), (64, 16), (128, 16), (32, 32), (64, 32))
-INT4_STAGES = (2, 3)
-PER_SM = (4, 8)
+INT4_TILES = {
+    16: ((64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2), (64, 64, 4, 2), (64, 128, 4, 2),
+         (128, 64, 8, 2), (128, 64, 8, 3), (256, 32, 8, 2), (128, 128, 8, 2)),
+    32: ((64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2)),
+    64: ((64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2)),
+}
+PER_SM = (2, 4)
 #: FP8 sweep: bucket → row counts; per-row scales (BLOCK_N, BLOCK_K) × stages, block
 #: scales BLOCK_N × stages (BLOCK_K 128), programs per SM (0: no split), 4 warps.
 FP8_ROWS = {16: (1, 16), 32: (32,), 64: (64,)}
@@ -85,8 +89,8 @@ def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: flo
             for _, _, k in SHAPES:
                 xs[(m, k)] = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
         if kind == "int4":
-            configs = [(bucket, bn, bkw, 4, st, ps) for (bn, bkw), st, ps in
-                       itertools.product(INT4_TILES, INT4_STAGES, PER_SM)]
+            configs = [(bucket, bn, bkw, warps, st, ps) for (bn, bkw, warps, st), ps in
+                       itertools.product(INT4_TILES[bucket], PER_SM)]
         elif kind == "fp8":
             configs = [(bucket, bn, bk, 4, st, ps) for (bn, bk), st, ps in
                        itertools.product(FP8_TILES, FP8_STAGES, FP8_PER_SM)]

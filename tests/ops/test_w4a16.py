@@ -178,16 +178,21 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
     cases = [(*c[:5], True) for c in DECODE_CONFIGS.values()]
     cases.append((*GEMM_CONFIG, False))
     for block_m, block_n, block_kw, warps, stages, split in cases:
-        for mode in (0, 1, 2) if block_m == 16 else (0,):
+        for mode, even, dtype in (((0, True, "bf16"), (0, False, "fp16"), (1, False, "bf16"),
+                                   (2, True, "fp16")) if block_m == 16
+                                  else ((0, True, "bf16"),)):
+            typed = {**sig, **{p: f"*{dtype}" for p in ("x_ptr", "s_ptr", "z_ptr", "b_ptr",
+                                                          "y_ptr")}}
             consts = {"GROUP_SIZE": 128 if mode == 0 else 32, "MODE": mode,
                       "HAS_BIAS": mode == 1, "SPLIT": split, "DOT_FP32": False,
-                      "IEEE": False, "BLOCK_M": block_m,
+                      "IEEE": False, "EVEN": even, "BLOCK_M": block_m,
                       "BLOCK_N": block_n, "BLOCK_KW": block_kw}
             kernel = triton.compile(
-                ASTSource(_w4a16_kernel, {**sig, **{c: "constexpr" for c in consts}},
+                ASTSource(_w4a16_kernel, {**typed, **{c: "constexpr" for c in consts}},
                           consts, {}), target=GPUTarget("cuda", 90, 32),
                 options={"num_warps": warps, "num_stages": stages})
             assert "mma" in kernel.asm["ptx"], (block_m, mode)
+            assert "prmt.b32" in kernel.asm["ptx"], (block_m, mode)     # the packed dequant
             assert kernel.metadata.shared <= 227 * 1024, (block_m, mode)
 """)
 

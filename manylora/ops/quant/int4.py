@@ -3,8 +3,8 @@ tensors are repacked into (``manylora.ops.quant.w4a16``'s), its product, dequant
 warm-up, and the tensor-parallel cuts of packed tensors.
 
 After ``process_weights_after_loading`` a layer holds ``w4_qweight`` (int32
-``[ceil(K/8), N]``), ``w4_scales`` and ``w4_zeros`` (``[G, N]``, the model dtype, real
-unsigned zero points), ``w4_g_idx`` (int32 ``[K]``, or None where row ``k``'s group is
+``[ceil(K/8), N]``), ``w4_scales`` and ``w4_zeros`` (``[G, N]``, the model dtype, integer
+zero points ``0 .. 16``), ``w4_g_idx`` (int32 ``[K]``, or None where row ``k``'s group is
 ``k // w4_group_size``) and ``w4_perm`` (int64 ``[K]``, or None): with GPTQ's activation order
 the weight's input rows are permuted once at load so that each group's rows are contiguous,
 and ``apply`` reads ``x[:, w4_perm]`` (exllama's and Marlin's way).
@@ -132,16 +132,23 @@ class Int4LinearMethod(LinearMethodBase):
     def canonical(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                    torch.Tensor | None, int]:
         """The loaded checkpoint tensors as ``(q [K, N] int codes 0..15, scales [G, N],
-        zeros [G, N] (real, unsigned), g_idx [K] int (the rank's groups, 0-based) or None,
-        group_size)``; the format's parameters are removed from the layer."""
+        zeros [G, N] (integer-valued, 0..16), g_idx [K] int (the rank's groups, 0-based) or
+        None, group_size)``; the format's parameters are removed from the layer."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repack the format's tensors (``canonical``) into the module's layout.
 
         Raises:
-            QuantizationError: a ``g_idx`` naming a group the layer does not hold.
+            QuantizationError: a ``g_idx`` naming a group the layer does not hold, or zero
+                points that are not integers in ``0 .. 16`` (the kernel's exact
+                dequantization needs them).
         """
         q, scales, zeros, g_idx, group_size = self.canonical(layer)
+        if zeros.numel() and (not torch.equal(zeros, zeros.round()) or zeros.min() < 0
+                              or zeros.max() > 16):
+            raise QuantizationError(
+                f"{'/'.join(layer.module_names)}: zero points in [{float(zeros.min())}, "
+                f"{float(zeros.max())}] are not all integers in 0 .. 16")
         k = q.shape[0]
         dtype = layer.w4_dtype
         perm = None

@@ -8,7 +8,8 @@ load into one layout, which these kernels read:
   word ``i`` holds the unsigned code ``q[j·P + i, n]`` in ``0 .. 15``; nibble plane ``j`` is
   the run of input rows ``j·P .. j·P + P − 1`` (codes past K are zero);
 * ``scales`` ``[G, N]`` and ``zeros`` ``[G, N]`` in the activation dtype: the scale and the
-  (unsigned, real) zero point of each group of input rows;
+  zero point of each group of input rows, the zero point an integer in ``0 .. 16`` (as every
+  INT4 format writes it);
 * the group of input row ``k``: ``g(k) = k // group_size``, or ``g_idx[k]`` (int32 ``[K]``)
   where the groups are not contiguous runs of ``group_size`` rows.
 
@@ -18,19 +19,26 @@ The product, float32 accumulation, rounded once to x's dtype::
 
 One kernel serves prefill and decode. A program owns a ``BLOCK_M × BLOCK_N`` output tile and
 a range of words; each step loads a ``BLOCK_KW × BLOCK_N`` tile of words once and takes its
-eight nibble planes by shifts, plane ``j`` multiplied by the contiguous columns
-``x[·, j·P + i]`` of the step's words ``i``: no word is read twice and the activations load
-as vectors. Codes become floats by the exponent trick (``bits(2²³) | q`` is ``2²³ + q``), no
-conversion instruction, and are dequantized, ``s · (q − z)``, with one scale row per plane
-and step where each plane's rows of a step lie in one group (the step divides the group and
-planes start on group boundaries, as with groups of 128 and K a multiple of 1024), else with
-each row's own. The tiles multiply on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16 rows,
-chained in one float32 accumulator). Decode rows (up to ``DECODE_MAX_ROWS``) split K over
-``splits`` programs per output tile so that a skinny product fills the GPU (split-K, as
-decode GEMV kernels do), reduced in the same launch and in a fixed order
-(``manylora.ops.split_k``). No host synchronisation: CUDA-graph safe. Under
-``TRITON_INTERPRET=1`` (CPU tensors) the dot runs in float32 (the interpreter multiplies
-bfloat16 bit patterns as integers).
+eight nibble planes, plane ``j`` multiplied by the contiguous columns ``x[·, j·P + i]`` of the
+step's words ``i``: no word is read twice and the activations load as vectors. With 16-bit
+activations a plane is dequantized two codes per instruction sequence, on two words of the
+tile: a byte permute brings nibble ``j`` of both into the low bits of the two 16-bit
+halves, one logic op sets those halves' exponent (``bits(2^e) | q`` is the float ``2^e + q``,
+``2^e`` = 128 for bfloat16 and 1024 for float16), and two packed half-precision ops give
+``(v − (2^e + z)) · s``, bit-equal to the reference's ``(q − z) · s`` in that dtype (``q − z``
+is exact for integer zero points, the product rounds once), about two instructions a code.
+With float32 activations the codes become float32 by the same trick (``2^e`` = 2²³) and the
+dequantization runs in float32. Scales and zeros are taken one row per plane and step where
+each plane's rows of a step lie in one group (the step divides the group and planes start on
+group boundaries, as with groups of 128 and K a multiple of 1024), else per row. The tiles
+multiply on tensor cores (``tl.dot``, ``BLOCK_M`` ≥ 16 rows, chained in one float32
+accumulator). Shapes that divide into whole tiles (``N`` by ``BLOCK_N``, ``P`` by
+``BLOCK_KW``, ``K`` a multiple of 8) load without masks but the rows'. Decode rows (up to
+``DECODE_MAX_ROWS``) split K over ``splits`` programs per output tile so that a skinny
+product fills the GPU (split-K, as decode GEMV kernels do), reduced in the same launch and
+in a fixed order (``manylora.ops.split_k``). No host synchronisation: CUDA-graph safe. Under
+``TRITON_INTERPRET=1`` (CPU tensors) the float32 path runs (the interpreter runs no inline
+assembly, and multiplies bfloat16 bit patterns as integers).
 
 GPTQ's own row packing (nibble ``j`` of word ``i`` holds row ``8i + j``) is read by
 ``unpack_rows`` for the formats' loaders; ``pack_rows`` is its inverse.
@@ -59,6 +67,31 @@ DECODE_CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
 }
 #: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
 GEMM_CONFIG = (64, 64, 16, 4, 3)
+
+
+def _dequant_asm(magic: int) -> str:
+    """PTX for two codes of plane ``j``: ``$1``, ``$2`` two words of the tile (shifted right
+    by 4 for odd ``j``), ``$5`` the byte permute taking byte ``j // 2`` of each into the low
+    byte of a 16-bit half, ``$3 = −(2^e + z)`` and ``$4 = s`` packed 16-bit pairs of the same
+    two elements; ``$0`` their dequantized pair. ``magic`` is the 16-bit pattern of
+    ``2^e``."""
+    kind = "bf16x2" if magic == 0x4300 else "f16x2"
+    one = 0x3F80 if magic == 0x4300 else 0x3C00
+    return f"""
+    {{
+    .reg .b32 t, v, d, one, zero;
+    mov.b32 one, {one << 16 | one:#x};
+    mov.b32 zero, 0x80008000;
+    prmt.b32 t, $1, $2, $5;
+    lop3.b32 v, t, 0x000F000F, {magic << 16 | magic:#x}, 0xEA;
+    fma.rn.{kind} d, $3, one, v;
+    fma.rn.{kind} $0, d, $4, zero;
+    }}
+    """
+
+
+_ASM_BF16 = tl.constexpr(_dequant_asm(0x4300))
+_ASM_F16 = tl.constexpr(_dequant_asm(0x6400))
 _MAGIC = tl.constexpr(0x4B000000)          # the float32 bits of 2**23
 
 
@@ -71,13 +104,27 @@ def _codes(words, j: tl.constexpr):
 
 
 @triton.jit
-def _product(acc, x, w, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """``acc + x @ w`` on tensor cores: ``x [BM, BKW]`` (activation dtype), ``w [BKW, BN]``
-    float32, ``acc [BM, BN]`` float32."""
-    if DOT_FP32:
-        x = x.to(tl.float32)
+def _dequant16(words, z, s, byte: tl.constexpr):
+    """``s · (q − z)`` in s's 16-bit dtype for the codes in the low nibble of byte ``byte``
+    of ``words`` (int32, any shape; ``z``, ``s`` broadcast to it), two codes per inline
+    assembly block (``_dequant_asm``)."""
+    sel = tl.full(words.shape, byte | ((4 + byte) << 8), tl.int32)
+    if s.dtype == tl.float16:
+        out = tl.inline_asm_elementwise(_ASM_F16, "=r,r,r,r,r,r,r",
+                                        [words, -(z + 1024.0).to(tl.float16), s, sel],
+                                        dtype=tl.float16, is_pure=True, pack=2)
     else:
-        w = w.to(x.dtype)
+        out = tl.inline_asm_elementwise(_ASM_BF16, "=r,r,r,r,r,r,r",
+                                        [words, -(z + 128.0).to(tl.bfloat16), s, sel],
+                                        dtype=tl.bfloat16, is_pure=True, pack=2)
+    return out
+
+
+@triton.jit
+def _product(acc, x, w, IEEE: tl.constexpr):
+    """``acc + x @ w`` in float32 (``x [BM, BKW]``, ``w [BKW, BN]`` float32, ``acc [BM, BN]``
+    float32), IEEE float32 products or TF32 ones."""
+    x = x.to(tl.float32)
     if IEEE:
         out = tl.dot(x, w, acc, input_precision="ieee")
     else:
@@ -89,10 +136,11 @@ def _product(acc, x, w, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N,
                   K, PLANE, STEPS_PER_SPLIT, stride_xm, stride_ym, GROUP_SIZE: tl.constexpr,
                   MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
+                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr):
     # MODE 0: each plane's rows of a step in one group (one scale row per plane and step);
-    # 1: groups of GROUP_SIZE rows, per row; 2: groups by g_idx, per row
+    # 1: groups of GROUP_SIZE rows, per row; 2: groups by g_idx, per row. EVEN: N, PLANE
+    # and K divide into whole tiles (no masks but the rows')
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -114,19 +162,30 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
     for kw0 in range(kw_start, kw_stop, BLOCK_KW):
         offs_kw = kw0 + tl.arange(0, BLOCK_KW)
         kw_mask = offs_kw < plane                 # splits start on BLOCK_KW boundaries
-        wmask = kw_mask[:, None] & n_mask[None, :]
-        words = tl.load(q_ptr + offs_kw[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+        w_ptrs = q_ptr + offs_kw[:, None] * N + offs_n[None, :]
+        if EVEN:
+            words = tl.load(w_ptrs)
+        else:
+            words = tl.load(w_ptrs, mask=kw_mask[:, None] & n_mask[None, :], other=0)
+        if not DOT_FP32:
+            words_hi = words >> 4
         for j in tl.static_range(8):
             offs_k = j * plane + offs_kw
             k_mask = kw_mask & (offs_k < K)
-            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            q = _codes(words, j)
+            if EVEN:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                            other=0.0)
             if MODE == 0:                         # one scale row per plane and step
                 gn = ((j * plane + kw0) // GROUP_SIZE) * N + offs_n
-                g_mask = n_mask & (offs_n * 0 + j * plane + kw0 < K)   # planes past K
-                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)[None, :]
-                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)[None, :]
+                if EVEN:
+                    s = tl.load(s_ptr + gn)[None, :]
+                    z = tl.load(z_ptr + gn)[None, :]
+                else:
+                    g_mask = n_mask & (offs_n * 0 + j * plane + kw0 < K)   # planes past K
+                    s = tl.load(s_ptr + gn, mask=g_mask, other=0.0)[None, :]
+                    z = tl.load(z_ptr + gn, mask=g_mask, other=0.0)[None, :]
             else:
                 if MODE == 1:
                     g = offs_k // GROUP_SIZE
@@ -134,9 +193,14 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
                     g = tl.load(g_ptr + offs_k, mask=k_mask, other=0)
                 gn = g[:, None] * N + offs_n[None, :]
                 g_mask = k_mask[:, None] & n_mask[None, :]
-                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0).to(tl.float32)
-            acc = _product(acc, x, (q - z) * s, DOT_FP32, IEEE)
+                s = tl.load(s_ptr + gn, mask=g_mask, other=0.0)
+                z = tl.load(z_ptr + gn, mask=g_mask, other=0.0)
+            if DOT_FP32:
+                w = (_codes(words, j) - z.to(tl.float32)) * s.to(tl.float32)
+                acc = _product(acc, x, w, IEEE)
+            else:
+                w = _dequant16(words if j % 2 == 0 else words_hi, z, s, j // 2)
+                acc = tl.dot(x, w, acc)
     store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
                 pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
 
@@ -208,7 +272,8 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws, counters = split_workspace(splits, m, n, y)
     mode = _mode(k, g_idx, group_size, block_kw)
-    key = (x.dtype, mode, block_m, block_n, block_kw, warps, stages)
+    even = n % block_n == 0 and plane % block_kw == 0 and k == 8 * plane
+    key = (x.dtype, mode, even, block_m, block_n, block_kw, warps, stages)
     stages = _stages_that_fit.get(key, stages)
     while True:
         try:
@@ -216,8 +281,9 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n
                 x, qweight, scales, zeros, qweight if g_idx is None else g_idx,
                 qweight if bias is None else bias, ws, counters, y, m, n, k, plane, per_split,
                 x.stride(0), y.stride(0), GROUP_SIZE=max(group_size, 1), MODE=mode,
-                HAS_BIAS=bias is not None, SPLIT=splits > 1, **_flags(x), BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=warps, num_stages=stages)
+                HAS_BIAS=bias is not None, SPLIT=splits > 1, **_flags(x), EVEN=even,
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KW=block_kw, num_warps=warps,
+                num_stages=stages)
             return y
         except OutOfResources:
             # float32 activations' tiles take twice the shared memory of 16-bit ones: one
@@ -228,7 +294,7 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n
             _stages_that_fit[key] = stages
 
 
-#: ``(dtype, MODE, BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)`` → the pipeline stages
+#: ``(dtype, MODE, EVEN, BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)`` → the pipeline stages
 #: a launch of that config took after running out of shared memory with more.
 _stages_that_fit: dict[tuple, int] = {}
 
@@ -243,7 +309,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     Args:
         x: ``[M, K]`` float32/bfloat16/float16, last dimension contiguous.
         qweight: int32 ``[ceil(K/8), N]`` (module layout).
-        scales, zeros: ``[G, N]``, contiguous.
+        scales, zeros: ``[G, N]``, contiguous; zero points integers in ``0 .. 16``.
         g_idx: int32 ``[K]``, each row's group, or None: ``k // group_size``.
         group_size: input rows per group (used without ``g_idx``).
         bias: ``[N]`` or None, added before the rounding.
