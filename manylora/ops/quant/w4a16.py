@@ -122,9 +122,8 @@ def _dequant16(words, z, s, byte: tl.constexpr):
 
 @triton.jit
 def _product(acc, x, w, IEEE: tl.constexpr):
-    """``acc + x @ w`` in float32 (``x [BM, BKW]``, ``w [BKW, BN]`` float32, ``acc [BM, BN]``
-    float32), IEEE float32 products or TF32 ones."""
-    x = x.to(tl.float32)
+    """``acc + x @ w`` on tensor cores (``x [BM, BKW]``, ``w [BKW, BN]`` of one dtype, ``acc
+    [BM, BN]`` float32); float32 operands as IEEE float32 products or TF32 ones."""
     if IEEE:
         out = tl.dot(x, w, acc, input_precision="ieee")
     else:
@@ -197,10 +196,10 @@ def _w4a16_kernel(x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, ws_ptr, count_ptr, y
                 z = tl.load(z_ptr + gn, mask=g_mask, other=0.0)
             if DOT_FP32:
                 w = (_codes(words, j) - z.to(tl.float32)) * s.to(tl.float32)
-                acc = _product(acc, x, w, IEEE)
+                x = x.to(tl.float32)
             else:
                 w = _dequant16(words if j % 2 == 0 else words_hi, z, s, j // 2)
-                acc = tl.dot(x, w, acc)
+            acc = _product(acc, x, w, IEEE)
     store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym,
                 pid_m * tl.num_programs(0) + pid_n, HAS_BIAS, SPLIT)
 
