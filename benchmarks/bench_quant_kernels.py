@@ -8,8 +8,8 @@ projections (the decode step's share) is reported, per projection and row count;
 writes them into the tables the engine uses (``w4a16.DECODE_CONFIGS``,
 ``fp8_skinny.ROW_SCALE_CONFIGS`` and ``BLOCK_SCALE_CONFIGS``). Times are GPU times of 5
 calls captured in one CUDA graph (median of 10 replays), each call on another copy of the
-weight (none is served from L2). The FP8 kernel is timed as the engine launches it for
-decode rows, quantizing the bf16 activations itself (per row, or per row and K block).
+weight (none is served from L2). The activations are given already quantized to the FP8
+kernel: its quantizer is timed by ``bench_quant --parts gemm``.
 
     python -m benchmarks.bench_quant_kernels --apply         # ~3 min on one H100
     python -m benchmarks.bench_quant_kernels --kernels int4  # one kernel's sweep
@@ -74,7 +74,7 @@ def _fp8_weights(n: int, k: int, block: bool, device: torch.device,
 
 def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: float,
            bf16: dict) -> tuple[list, dict]:
-    from manylora.ops.quant.fp8_skinny import fp8_skinny_quantizing_linear
+    from manylora.ops.quant.fp8_skinny import fp8_skinny_linear
     from manylora.ops.quant.w4a16 import w4a16_gemv
 
     weights = {name: [(_int4_weights(n, k, device, gen) if kind == "int4"
@@ -86,7 +86,10 @@ def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: flo
         xs = {}
         for m in counts:
             for _, _, k in SHAPES:
-                xs[(m, k)] = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+                x = torch.randn(m, k, device=device, generator=gen).to(torch.bfloat16)
+                groups = k // 128 if kind == "fp8-block" else 1
+                xs[(m, k)] = (x if kind == "int4" else
+                              (x.to(torch.float8_e4m3fn), torch.ones(m, groups, device=device)))
         if kind == "int4":
             configs = [(bucket, bn, bkw, warps, st, ps) for (bn, bkw, warps, st), ps in
                        itertools.product(INT4_TILES[bucket], PER_SM)]
@@ -102,9 +105,8 @@ def _sweep(kind: str, device: torch.device, gen: torch.Generator, bandwidth: flo
             if kind == "int4":
                 return w4a16_gemv(x, w["qweight"], w["scales"], w["zeros"], None, 128,
                                   config=config)
-            return fp8_skinny_quantizing_linear(x, w["wq"], w["sw"],
-                                                128 if kind == "fp8-block" else None,
-                                                config=config)
+            return fp8_skinny_linear(*x, w["wq"], w["sw"], torch.bfloat16,
+                                     128 if kind == "fp8-block" else None, config=config)
 
         best = None
         for config in configs:
@@ -192,8 +194,7 @@ def main() -> None:
            ["kernel", "rows", "projection", "N×K", "bf16 µs", "µs", "floor µs",
             "% of copy BW", "vs bf16", "config"], rows_out,
            notes="Llama-3-8B projections, random weights (INT4: group 128; FP8: e4m3fn, "
-           "per-row or 128x128 block scales), bf16 activations (FP8: quantized in the kernel, "
-           "per token or per token and 128 columns). GPU "
+           "per-row or 128x128 block scales), bf16 activations (FP8: given quantized). GPU "
            f"time of {CALLS} calls in one CUDA graph, median of {REPLAYS} replays, each call "
            "on another copy of the weight; floor: the weight's bytes (codes, scales, zero "
            "points) over the measured copy bandwidth; bf16: cuBLAS on the bf16 weight. "

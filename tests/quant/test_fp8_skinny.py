@@ -22,15 +22,12 @@ import textwrap
 import pytest
 import torch
 
-from manylora.ops.quant.fp8_act_quant import quantize_activations
 from manylora.ops.quant.fp8_kernels import FP8_DTYPE, expand_columns
 from manylora.ops.quant.fp8_skinny import (
     FP8_SKINNY_MAX_ROWS,
     fp8_skinny_config,
     fp8_skinny_linear,
-    fp8_skinny_quantizing_linear,
 )
-from manylora.ops.triton_skinny import row_bucket
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -97,28 +94,6 @@ def test_split_k_sums_every_part_once(splits, block_k):
         assert err.max().item() <= 1.5 * sums
 
 
-@pytest.mark.parametrize("mode", ["token", "group", "static"])
-@pytest.mark.parametrize("m", [1, 17])
-def test_quantizing_launch_equals_quantize_then_product(mode, m):
-    """The kernel's own quantization of 16-bit rows gives the codes and scales of
-    ``quantize_activations`` (per row, per row and K block, static) and so the same product,
-    bit for bit, split over K and with a bias."""
-    gen = torch.Generator().manual_seed(m)
-    n, k = 40, 448
-    block_k = 64 if mode == "group" else None
-    x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None])
-    x = x.to(torch.bfloat16).to(DEVICE)
-    _, _, wq, sw, bias = _operands(m, n, k, block_k, seed=m)
-    static = torch.tensor(0.05, device=DEVICE) if mode == "static" else None
-    config = (row_bucket(m), 32, 64, 4, 2, 4)
-    xq, sx = quantize_activations(x, block_k, static)
-    want = fp8_skinny_linear(xq, sx, wq, sw, torch.bfloat16, block_k, bias, config=config,
-                             splits=2)
-    got = fp8_skinny_quantizing_linear(x, wq, sw, block_k, bias, static, config=config,
-                                       splits=2)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-
-
 def test_mismatched_operands_are_named():
     xq, sx, wq, sw, bias = _operands(4, 64, 256, 128)
     with pytest.raises(ValueError, match="fp8_skinny_linear"):
@@ -138,24 +113,20 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     sig = {n: "i32" for n in ("M", "N", "K", "STEPS_PER_SPLIT", "stride_xm", "stride_wn",
                               "stride_ym", "stride_sxm", "stride_swn")}
-    sig.update(w_ptr="*fp8e4nv", sx_ptr="*fp32", sw_ptr="*fp32", b_ptr="*bf16",
-               ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
-    # given e4m3 rows, and bf16 rows the kernel quantizes (per row; per K block)
-    cases = [(rows, block_k, quant) for rows in (1, 17, 33) for block_k in (None, 128)
-             for quant in (0, 1 if block_k is None else 2)]
-    for rows, block_k, quant in cases:
-        bm, bn, bk, warps, stages, _ = fp8_skinny_config(rows, block_k)
-        consts = {"X_QUANT": quant, "BLOCK_SCALES": block_k is not None, "HAS_BIAS": False,
-                  "SPLIT": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
-                  "QMAX": 448.0, "SMIN": 1e-12}
-        sig["x_ptr"] = "*bf16" if quant else "*fp8e4nv"
-        kernel = triton.compile(
-            ASTSource(_fp8_skinny_kernel, {**sig, **{c: "constexpr" for c in consts}},
-                      consts, {}), target=GPUTarget("cuda", 90, 32),
-            options={"num_warps": warps, "num_stages": stages})
-        ptx = kernel.asm["ptx"]
-        assert "e4m3" in ptx and ("mma" in ptx or "wgmma" in ptx), (rows, block_k, quant)
-        assert kernel.metadata.shared <= 227 * 1024, (rows, block_k, kernel.metadata.shared)
+    sig.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", sx_ptr="*fp32", sw_ptr="*fp32",
+               b_ptr="*bf16", ws_ptr="*fp32", count_ptr="*i32", y_ptr="*bf16")
+    for rows in (1, 17, 33):
+        for block_k in (None, 128):
+            bm, bn, bk, warps, stages, _ = fp8_skinny_config(rows, block_k)
+            consts = {"BLOCK_SCALES": block_k is not None, "HAS_BIAS": False,
+                      "SPLIT": True, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+            kernel = triton.compile(
+                ASTSource(_fp8_skinny_kernel, {**sig, **{c: "constexpr" for c in consts}},
+                          consts, {}), target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": warps, "num_stages": stages})
+            ptx = kernel.asm["ptx"]
+            assert "e4m3" in ptx and ("mma" in ptx or "wgmma" in ptx), (rows, block_k)
+            assert kernel.metadata.shared <= 227 * 1024, (rows, block_k, kernel.metadata.shared)
 """)
 
 

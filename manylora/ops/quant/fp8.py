@@ -21,11 +21,9 @@ Parameters (checkpoint names, filled by the weights loader; ``N`` this rank's ou
 
 Activations: dynamic per token (``s_t = max|x_t| / 448``), per (token, ``bk`` columns) with
 block weights, per tensor (dynamic or static), or not at all (W8A16: the weight is
-dequantized and multiplied in the activations' dtype). On CUDA, up to
-``fp8_skinny.FP8_SKINNY_MAX_ROWS`` rows (decode), the W8A8 product is ``fp8_skinny``'s
-skinny FP8 GEMM, which quantizes per-token, per-group and static activations itself (one
-launch); more rows, and dynamic per-tensor scales, are quantized by one Triton launch
-(``fp8_act_quant``) first. The other products are
+dequantized and multiplied in the activations' dtype). On CUDA one Triton launch quantizes
+the activations (``fp8_act_quant``), and up to ``fp8_skinny.FP8_SKINNY_MAX_ROWS`` rows
+(decode) the W8A8 product is ``fp8_skinny``'s skinny FP8 GEMM. The other products are
 ``manylora.ops.quant.fp8_kernels``'s; on CPU, on a GPU without FP8 tensor cores (before
 compute capability 8.9), and past the skinny kernel's rows for K or N not multiples of 16
 (``_scaled_mm``'s alignment) or a K block Triton cannot tile, the float32 emulation
@@ -69,11 +67,7 @@ from manylora.ops.quant.fp8_kernels import (
     quantize_weight_per_channel,
     scaled_mm,
 )
-from manylora.ops.quant.fp8_skinny import (
-    fp8_skinny_eligible,
-    fp8_skinny_linear,
-    fp8_skinny_quantizing_linear,
-)
+from manylora.ops.quant.fp8_skinny import fp8_skinny_eligible, fp8_skinny_linear
 
 #: Weight scale layouts.
 WEIGHT_STRATEGIES = ("tensor", "channel", "block", "online")
@@ -215,16 +209,13 @@ class Fp8LinearMethod(LinearMethodBase):
         if self.activations is None:
             w = dequantize_rows(wq, sw, self._block_k()).to(x.dtype)
             return torch.nn.functional.linear(x, w, bias)
-        # decode rows on CUDA: the skinny kernel quantizes them itself (one launch); other
-        # CUDA rows: one Triton launch quantizes (fp8_act_quant); elsewhere the torch ops
-        bk = self._block_k() if self.activations == "group" else None
-        if self.activations in ("token", "static", "group") and fp8_skinny_eligible(
-                x, wq.shape[0], wq.shape[1], bk):
-            return fp8_skinny_quantizing_linear(
-                x, wq, sw, bk, bias, layer.input_scale if self.activations == "static" else None)
+        # on CUDA one Triton launch quantizes (fp8_act_quant), elsewhere the torch ops
         fused = x.is_cuda and x.stride(-1) == 1
         if self.activations == "group":
+            bk = self._block_k()
             xq, sx = quantize_activations(x, bk) if fused else quantize_per_token_group(x, bk)
+            if fp8_skinny_eligible(x, wq.shape[0], wq.shape[1], bk):
+                return fp8_skinny_linear(xq, sx, wq, sw, x.dtype, bk, bias)
             if fp8_gpu(x) and bk >= 16 and bk & (bk - 1) == 0:
                 y = block_matmul(xq, sx, wq, sw, bk, x.dtype)
             else:

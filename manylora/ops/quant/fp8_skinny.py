@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from manylora.ops.quant.fp8_kernels import FP8_MAX, MIN_SCALE, fp8_gpu
+from manylora.ops.quant.fp8_kernels import fp8_gpu
 from manylora.ops.split_k import split_count, split_workspace, store_split
 from manylora.ops.triton_skinny import row_bucket
 
@@ -54,30 +54,12 @@ BLOCK_SCALE_CONFIGS = {
 }
 
 
-@triton.jit
-def _quantize_tile(x, scale, QMAX: tl.constexpr):
-    """``e4m3(clamp(x / s, -QMAX, QMAX))`` of a float32 tile by per-row scales ``s [BM]``
-    (``fp8_act_quant``'s formula)."""
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -QMAX), QMAX)
-    return v.to(tl.float8e4nv)
-
-
-@triton.jit
-def _amax_scale(amax, QMAX: tl.constexpr, SMIN: tl.constexpr):
-    """``max(a / QMAX, SMIN)`` per row of ``amax [BM, B]`` (``fp8_act_quant``'s scale)."""
-    return tl.maximum(tl.math.div_rn(tl.max(amax, axis=1), QMAX), SMIN)
-
-
 @triton.jit(do_not_specialize=["M", "STEPS_PER_SPLIT"])
 def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y_ptr, M, N, K,
                        STEPS_PER_SPLIT, stride_xm, stride_wn, stride_ym, stride_sxm, stride_swn,
-                       X_QUANT: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, QMAX: tl.constexpr,
-                       SMIN: tl.constexpr):
-    # X_QUANT 0: x is e4m3 with its scales in sx; else x is 16/32-bit, quantized here by
-    # 1: per-row scales from the row's absolute maximum, 2: one scale per row and K block
-    # (BLOCK_SCALES), 3: the static scale sx[0]
+                       BLOCK_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,39 +74,22 @@ def _fp8_skinny_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, ws_ptr, count_ptr, y
         k_stop = K
     x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    if X_QUANT == 1:    # the rows' scales over all of K, before this split's range
-        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            v = tl.load(x_ptrs + k0, mask=m_mask[:, None] & (offs_k[None, :] + k0 < K),
-                        other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        sx_rows = _amax_scale(amax, QMAX, SMIN)
-    elif X_QUANT == 3:
-        sx_rows = tl.load(sx_ptr + offs_m * 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_stop, BLOCK_K):
         k_mask = offs_k + k0 < K              # only K cuts a tile: splits are whole steps
         x = tl.load(x_ptrs + k0, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if X_QUANT == 2:
-            xf = x.to(tl.float32)
-            sx = _amax_scale(tl.abs(xf), QMAX, SMIN)
-            x = _quantize_tile(xf, sx, QMAX)
-        elif X_QUANT != 0:
-            x = _quantize_tile(x.to(tl.float32), sx_rows, QMAX)
         if BLOCK_SCALES:
             kb = k0 // BLOCK_K
-            if X_QUANT == 0:
-                sx = tl.load(sx_ptr + offs_m * stride_sxm + kb, mask=m_mask, other=0.0)
+            sx = tl.load(sx_ptr + offs_m * stride_sxm + kb, mask=m_mask, other=0.0)
             sw = tl.load(sw_ptr + offs_n * stride_swn + kb, mask=n_mask, other=0.0)
             acc += tl.dot(x, tl.trans(w)) * sx[:, None] * sw[None, :]
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     if not BLOCK_SCALES:
-        if X_QUANT == 0:
-            sx_rows = tl.load(sx_ptr + offs_m * stride_sxm, mask=m_mask, other=0.0)
+        sx = tl.load(sx_ptr + offs_m * stride_sxm, mask=m_mask, other=0.0)
         sw = tl.load(sw_ptr + offs_n * stride_swn, mask=n_mask, other=0.0)
-        acc = acc * sx_rows[:, None] * sw[None, :]
+        acc = acc * sx[:, None] * sw[None, :]
     store_split(acc, ws_ptr, count_ptr, b_ptr, y_ptr, offs_m, offs_n, M, N, stride_ym, pid,
                 HAS_BIAS, SPLIT)
 
@@ -169,77 +134,40 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
             None: ``fp8_skinny_config`` (with block scales ``BLOCK_K`` must be
             ``block_k``). K is split (``split_k.split_count``) so that about ``programs
             per SM`` programs run per streaming multiprocessor; 0 does not split.
-        splits: the K split itself (None: from the config), each a whole number of
-            ``BLOCK_K`` steps.
+        splits: the K split itself (None: from the config), each split ``ceil(K / splits)``
+            columns rounded up to ``BLOCK_K``.
 
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit together.
     """
     m, k = xq.shape
-    groups = 1 if block_k is None else triton.cdiv(k, block_k)
-    if xq.dtype != torch.float8_e4m3fn or tuple(sx.shape) != (m, groups):
-        raise ValueError(f"fp8_skinny_linear: xq {tuple(xq.shape)} {xq.dtype}, sx "
-                         f"{tuple(sx.shape)}, block_k {block_k}")
-    return _launch(xq, sx.float(), 0, wq, sw, out_dtype, block_k, bias, config, splits)
-
-
-def fp8_skinny_quantizing_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                                 block_k: int | None = None, bias: torch.Tensor | None = None,
-                                 static_scale: torch.Tensor | None = None,
-                                 config: tuple[int, int, int, int, int, int] | None = None,
-                                 splits: int | None = None) -> torch.Tensor:
-    """``fp8_skinny_linear(*quantize_activations(x, block_k or scale), ...)`` in one launch:
-    the kernel quantizes the 16/32-bit rows itself by ``fp8_act_quant``'s formula (per row,
-    per row and K block with block scales, or by a static scale), the same codes and scales,
-    and the same product.
-
-    Args:
-        x: ``[M, K]`` float32 / bfloat16 / float16, unit column stride, 1 ≤ M ≤
-            ``FP8_SKINNY_MAX_ROWS``; the result is in x's dtype.
-        static_scale: a per-tensor scale (0-d or ``[1]`` float32), or None: dynamic scales
-            (per row, or per row and K block with ``block_k``). Not with ``block_k``.
-        wq, sw, block_k, bias, config, splits: as ``fp8_skinny_linear``.
-
-    Raises:
-        ValueError: a static scale with block scales, or as ``fp8_skinny_linear``.
-    """
-    if static_scale is not None and block_k is not None:
-        raise ValueError("fp8_skinny_quantizing_linear: a static scale with block scales")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8_skinny_quantizing_linear: x is {x.dtype}")
-    mode = 3 if static_scale is not None else (2 if block_k is not None else 1)
-    sx = x if static_scale is None else static_scale.reshape(1).float()
-    return _launch(x, sx, mode, wq, sw, x.dtype, block_k, bias, config, splits)
-
-
-def _launch(x, sx, mode, wq, sw, out_dtype, block_k, bias, config, splits) -> torch.Tensor:
-    m, k = x.shape
     n = wq.shape[0]
     if not 1 <= m <= FP8_SKINNY_MAX_ROWS:
         raise ValueError(f"fp8_skinny_linear: {m} rows, 1 to {FP8_SKINNY_MAX_ROWS}")
     config = config or fp8_skinny_config(m, block_k)
     block_m, block_n, tile_k, warps, stages, per_sm = config
     groups = 1 if block_k is None else triton.cdiv(k, block_k)
-    if (wq.dtype != torch.float8_e4m3fn or not 1 <= m <= block_m or wq.shape[1] != k
-            or x.stride(1) != 1 or not wq.is_contiguous() or sw.shape[0] != n
-            or (block_k is not None and tile_k != block_k)
+    if (xq.dtype != torch.float8_e4m3fn or wq.dtype != torch.float8_e4m3fn
+            or not 1 <= m <= block_m or wq.shape[1] != k or xq.stride(1) != 1
+            or not wq.is_contiguous() or tuple(sx.shape) != (m, groups)
+            or sw.shape[0] != n or (block_k is not None and tile_k != block_k)
             or (block_k is not None and tuple(sw.shape) != (n, groups))
             or (bias is not None and tuple(bias.shape) != (n,))):
-        raise ValueError(f"fp8_skinny_linear: x {tuple(x.shape)} {x.dtype}, wq "
-                         f"{tuple(wq.shape)} {wq.dtype}, sw {tuple(sw.shape)}, block_k "
-                         f"{block_k}, config {config}")
-    sw = sw.float().contiguous()
+        raise ValueError(f"fp8_skinny_linear: xq {tuple(xq.shape)} {xq.dtype}, sx "
+                         f"{tuple(sx.shape)}, wq {tuple(wq.shape)} {wq.dtype}, sw "
+                         f"{tuple(sw.shape)}, block_k {block_k}, config {config}")
+    sx, sw = sx.float(), sw.float().contiguous()
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, tile_k)
     if splits is None:
-        splits = split_count(tiles, steps, per_sm, x.device) if per_sm else 1
+        splits = split_count(tiles, steps, per_sm, xq.device) if per_sm else 1
     per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per_split)
-    y = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     ws, counters = split_workspace(splits, m, n, y)
     _fp8_skinny_kernel[(tiles, splits)](
-        x, sx, wq, sw, wq if bias is None else bias, ws, counters, y, m, n, k, per_split,
-        x.stride(0), wq.stride(0), y.stride(0), sx.stride(0) if sx.dim() == 2 else 0,
-        sw.stride(0) if sw.dim() == 2 else 1, X_QUANT=mode, BLOCK_SCALES=block_k is not None,
+        xq, sx, wq, sw, wq if bias is None else bias, ws, counters, y, m, n, k, per_split,
+        xq.stride(0), wq.stride(0), y.stride(0), sx.stride(0),
+        sw.stride(0) if sw.dim() == 2 else 1, BLOCK_SCALES=block_k is not None,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=tile_k, QMAX=FP8_MAX, SMIN=MIN_SCALE, num_warps=warps, num_stages=stages)
+        BLOCK_K=tile_k, num_warps=warps, num_stages=stages)
     return y

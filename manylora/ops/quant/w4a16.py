@@ -61,9 +61,9 @@ DECODE_MAX_ROWS = 64
 #: ``BLOCK_KW`` words per step, K split until about ``programs per SM`` programs run per
 #: streaming multiprocessor. Measured by ``benchmarks/bench_quant_kernels.py``.
 DECODE_CONFIGS: dict[int, tuple[int, int, int, int, int, int]] = {
-    16: (16, 64, 32, 4, 2, 4),
-    32: (32, 64, 32, 4, 2, 4),
-    64: (64, 64, 32, 4, 2, 4),
+    16: (16, 64, 64, 4, 2, 2),
+    32: (32, 64, 64, 4, 2, 2),
+    64: (64, 64, 32, 4, 2, 2),
 }
 #: Prefill's ``(BLOCK_M, BLOCK_N, BLOCK_KW, num_warps, num_stages)``.
 GEMM_CONFIG = (64, 64, 16, 4, 3)
