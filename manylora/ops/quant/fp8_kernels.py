@@ -145,7 +145,10 @@ def _block_matmul_kernel(X, SX, W, SW, Y, M, N, K, KB,
                     mask=mask_n[None, :] & mask_k[:, None], other=0.0)
         sx = tl.load(SX + offs_m * stride_sxm + kb, mask=mask_m, other=0.0)
         sw = tl.load(SW + offs_n * stride_swn + kb, mask=mask_n, other=0.0)
-        part = tl.dot(x, w, out_dtype=tl.float32)
+        if BLOCK_K < 32:                 # FP8 tl.dot takes K >= 32: exact in float32
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, w, out_dtype=tl.float32)
         acc += part * sx[:, None] * sw[None, :]
     tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :],
              acc.to(Y.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -159,7 +162,9 @@ def block_matmul(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch
     Args:
         xq: ``[T, K]`` e4m3fn; sx: ``[T, ceil(K / block_k)]`` float32.
         wq: ``[N, K]`` e4m3fn; sw: ``[N, ceil(K / block_k)]`` float32.
-        block_k: the K block of both scales (a power of two ≥ 16: Triton's ``tl.dot``).
+        block_k: the K block of both scales (a power of two ≥ 16: Triton's ``tl.dot``);
+            blocks under 32 (FP8 ``tl.dot``'s least K) multiply their e4m3fn codes as IEEE
+            float32, which holds them exactly.
 
     Raises:
         ValueError: ``block_k`` is not a power of two ≥ 16.
