@@ -181,3 +181,27 @@ def test_compressed_tensors_float_scheme_is_not_the_int4_method():
     method = linear_method_for(config, [Q])
     assert isinstance(method, Fp8LinearMethod)
     assert (method.weight_strategy, method.activations) == ("channel", None)
+
+
+class _FractionalZeros(Int4LinearMethod):
+    """An INT4 method whose checkpoint tensors hold a zero point no INT4 format writes."""
+
+    def create_weights(self, layer, in_features, out_features, params_dtype, device,
+                       weight_attrs):
+        raise NotImplementedError("the test sets the canonical tensors directly")
+
+    def canonical(self, layer):
+        q = torch.zeros(16, 8, dtype=torch.int32)
+        scales = torch.ones(1, 8)
+        zeros = torch.full((1, 8), 8.0)
+        zeros[0, 3] = 7.5
+        return q, scales, zeros, None, 16
+
+
+def test_repacking_refuses_zero_points_that_are_not_integers():
+    """The kernel's exact dequantization needs integer zero points: a fractional one is
+    refused at load, naming the layer."""
+    layer = torch.nn.Module()
+    layer.module_names, layer.w4_dtype = ("q_proj",), torch.float32
+    with pytest.raises(QuantizationError, match=r"q_proj: zero points in \[7.5, 8.0\]"):
+        _FractionalZeros().process_weights_after_loading(layer)
