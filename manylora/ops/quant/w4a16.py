@@ -26,7 +26,8 @@ tile: a byte permute brings nibble ``j`` of both into the low bits of the two 16
 halves, one logic op sets those halves' exponent (``bits(2^e) | q`` is the float ``2^e + q``,
 ``2^e`` = 128 for bfloat16 and 1024 for float16), and two packed half-precision ops give
 ``(v − (2^e + z)) · s``, bit-equal to the reference's ``(q − z) · s`` in that dtype (``q − z``
-is exact for integer zero points, the product rounds once), about two instructions a code.
+is exact for integer zero points, the product rounds once): four instructions for two
+codes, and one shift per word for the odd planes.
 With float32 activations the codes become float32 by the same trick (``2^e`` = 2²³) and the
 dequantization runs in float32. Scales and zeros are taken one row per plane and step where
 each plane's rows of a step lie in one group (the step divides the group and planes start on
