@@ -78,6 +78,14 @@ def split_workspace(splits: int, m: int, n: int, y: torch.Tensor
     return ws, arrival_counters(y.device)
 
 
+def whole_step_splits(steps: int, splits: int) -> tuple[int, int]:
+    """``(steps per split, splits)`` for ``steps`` K steps asked to split ``splits`` ways:
+    each split a whole number of steps (its start a multiple of the step, which the kernel
+    sees as aligned), and no split left empty."""
+    per_split = triton.cdiv(steps, splits)
+    return per_split, triton.cdiv(steps, per_split)
+
+
 def split_count(tiles: int, steps: int, programs_per_sm: int, device: torch.device) -> int:
     """Splits of K for ``tiles`` output tiles over ``steps`` K steps: enough programs for
     ``programs_per_sm`` per streaming multiprocessor (one split on CPU or past

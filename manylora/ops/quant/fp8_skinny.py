@@ -32,7 +32,12 @@ import triton
 import triton.language as tl
 
 from manylora.ops.quant.fp8_kernels import fp8_gpu
-from manylora.ops.split_k import split_count, split_workspace, store_split
+from manylora.ops.split_k import (
+    split_count,
+    split_workspace,
+    store_split,
+    whole_step_splits,
+)
 from manylora.ops.triton_skinny import row_bucket
 
 #: Rows up to which ``fp8_skinny_eligible`` holds.
@@ -160,8 +165,7 @@ def fp8_skinny_linear(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: 
     tiles, steps = triton.cdiv(n, block_n), triton.cdiv(k, tile_k)
     if splits is None:
         splits = split_count(tiles, steps, per_sm, xq.device) if per_sm else 1
-    per_split = triton.cdiv(steps, splits)
-    splits = triton.cdiv(steps, per_split)
+    per_split, splits = whole_step_splits(steps, splits)
     y = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     ws, counters = split_workspace(splits, m, n, y)
     _fp8_skinny_kernel[(tiles, splits)](

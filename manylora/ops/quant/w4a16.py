@@ -52,7 +52,13 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from manylora.ops.split_k import MAX_SPLIT_TILES, split_count, split_workspace, store_split
+from manylora.ops.split_k import (
+    MAX_SPLIT_TILES,
+    split_count,
+    split_workspace,
+    store_split,
+    whole_step_splits,
+)
 
 #: Rows up to which ``w4a16_linear`` splits K (decode); more rows take one program per
 #: output tile over all of K (prefill).
@@ -263,8 +269,7 @@ def _launch(x, qweight, scales, zeros, g_idx, group_size, bias, block_m, block_n
     n = qweight.shape[1]
     plane = triton.cdiv(k, 8)
     steps = triton.cdiv(plane, block_kw)
-    per_split = triton.cdiv(steps, splits)
-    splits = triton.cdiv(steps, per_split)
+    per_split, splits = whole_step_splits(steps, splits)
     grid = (triton.cdiv(n, block_n), splits, triton.cdiv(m, block_m))
     if splits > 1 and grid[0] * grid[2] > MAX_SPLIT_TILES:
         raise ValueError(f"w4a16: {grid[0] * grid[2]} output tiles split over K, at most "
