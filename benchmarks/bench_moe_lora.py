@@ -3,10 +3,10 @@ its byte floor, and decode throughput with 16 expert + attention adapters agains
 at Qwen3-30B-A3B's shape (hidden 2048, 48 layers, 128 experts of 768, top-8), bfloat16.
 
 * ``kernel``: ``fused_experts_lora`` (``manylora.lora.kernels.fused_moe_lora``) and the base
-  ``fused_experts_triton`` at T = 1, 64 and 256 tokens, each token on one of 16 rank-16
-  adapters (slot ``t % 16``) with gate, up and down on every expert, routing uniform; the
-  LoRA op by both launch plans (by (token, expert) pair as routed, and the pairs grouped by
-  (slot, expert)), and which one ``moe_lora_path`` takes. Time:
+  ``fused_experts_triton`` at T = 1, 64, 256 and 1,024 tokens, each token on one of 16
+  rank-16 adapters (slot ``t % 16``) with gate, up and down on every expert, routing
+  uniform; the LoRA op with both gate/up shrinks (by (token, expert) pair as routed, and the
+  pairs grouped by (slot, expert)), and which one ``moe_lora_path`` takes. Time:
   one CUDA-graph replay of the whole op, L2 cleared (``common.time_cuda_graph``). Floor:
   the bytes actually read (the distinct experts hit × their ``w13`` + ``w2`` bytes, plus the
   distinct (slot, expert) pairs hit × their A and B bytes) over the copy bandwidth measured
@@ -66,7 +66,7 @@ QUICK_MODEL = {**QWEN3_30B_A3B, "hidden_size": 64, "intermediate_size": 96,
 ADAPTERS, RANK = 16, 16
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 SLOT_MODULES = ATTN + ("experts.gate_proj", "experts.up_proj", "experts.down_proj", "router")
-TOKENS, QUICK_TOKENS = (1, 64, 256), (1, 17)
+TOKENS, QUICK_TOKENS = (1, 64, 256, 1024), (1, 17)
 BATCHES, QUICK_BATCHES = (64, 256), (4,)
 
 
@@ -145,7 +145,8 @@ def run_kernel(quick: bool, device: torch.device, dtype: torch.dtype,
                      f"{best * 1e3:.1f}", f"{best / base_ms:.2f}", f"{floor_ms * 1e3:.1f}",
                      f"{floor_ms / best:.0%}"])
     columns = ["tokens", "experts hit", "(slot, expert) pairs hit", "MiB read (with LoRA)",
-               "base µs", "with LoRA, per pair µs", "with LoRA, grouped µs", "path taken",
+               "base µs", "with LoRA, shrink by pair µs", "with LoRA, shrink grouped µs",
+               "path taken",
                "with LoRA µs (path taken)", "LoRA / base", "floor µs (with LoRA)",
                "floor / time"]
     return columns, rows

@@ -166,6 +166,15 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def silu_mul(g, u, act: tl.constexpr, GPU_MATH: tl.constexpr):
+    """``r(r(g / (1 + exp(-g))) * u)`` of float32 ``g``, ``u`` with ``r`` rounding to ``act``
+    (HF's ``act_fn(gate) * up``), as float32. Bit-exact only in a kernel compiled with
+    ``enable_fp_fusion=False``; ``GPU_MATH``: :data:`GPU_MATH`."""
+    s = _round(tl.math.div_rn(g, 1.0 + _exp(-g, GPU_MATH)), act)
+    return _round(s * u, act)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_inter,
                          BLOCK: tl.constexpr, GPU_MATH: tl.constexpr):
     """Grid ``(rows, cdiv(n_inter, BLOCK))``."""
@@ -176,8 +185,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_inter,
     x_row = x_ptr + row * stride_x
     g = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_row + n_inter + cols, mask=mask, other=0.0).to(tl.float32)
-    s = _round(tl.math.div_rn(g, 1.0 + _exp(-g, GPU_MATH)), act)
-    tl.store(out_ptr + row * stride_out + cols, _round(s * u, act), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul(g, u, act, GPU_MATH), mask=mask)
 
 
 @triton.jit
@@ -233,7 +241,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
 
 # Under TRITON_INTERPRET=1, triton.jit gives interpreter objects instead of JITFunctions: the
 # interpreter has no libdevice, so the kernels fall back to tl.exp / tl.rsqrt (numpy) there.
-_GPU_MATH = isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
+#: Whether the kernels compile for a GPU (libdevice math) rather than run in the interpreter.
+GPU_MATH = isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +253,7 @@ def _check_device(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     if any(t.device != device for t in tensors):
         raise ValueError(f"tensors on different devices: {[str(t.device) for t in tensors]}")
-    if _GPU_MATH and device.type != "cuda":
+    if GPU_MATH and device.type != "cuda":
         raise ValueError(f"Triton kernels need CUDA tensors (got {device}); CPU tensors run "
                          "only under TRITON_INTERPRET=1")
 
@@ -321,7 +330,7 @@ def _rms_norm_launch(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         x2, r2, w, out2, res_out2,
         x2.stride(0), r2.stride(0), out2.stride(0), res_out2.stride(0), n_cols, eps,
         HAS_RESIDUAL=residual is not None, ONE_PASS=block >= n_cols, BLOCK=block,
-        GPU_MATH=_GPU_MATH, UNIT_OFFSET=unit_offset, num_warps=max(1, min(16, block // 512)),
+        GPU_MATH=GPU_MATH, UNIT_OFFSET=unit_offset, num_warps=max(1, min(16, block // 512)),
         enable_fp_fusion=False)
     return out, res_out
 
@@ -420,7 +429,7 @@ def silu_and_mul_triton(x: torch.Tensor, *, out: torch.Tensor | None = None) -> 
     block = min(next_power_of_2(n_inter), _SILU_BLOCK)
     grid = (rows, cdiv(n_inter, block))
     _silu_and_mul_kernel[grid](x2, out2, x2.stride(0), out2.stride(0), n_inter,
-                               BLOCK=block, GPU_MATH=_GPU_MATH, num_warps=4,
+                               BLOCK=block, GPU_MATH=GPU_MATH, num_warps=4,
                                enable_fp_fusion=False)
     return out
 

@@ -21,10 +21,10 @@ tanh-approximated GELU. Three steps, no host synchronisation (CUDA-graph captura
 3. The ``k`` scaled rows of each token are summed (``torch.sum`` over a ``[T, k, H]`` view,
    no atomics, so the result is deterministic).
 
-``fused_experts_triton`` can hand its two GEMM outputs to callers before they are used
-(``add_gate_up`` before the activation, ``add_down`` before the sum): how
-``manylora.lora.kernels.fused_moe_lora`` adds the experts' LoRA terms, aligned by
-:func:`align_block_size` on its own key.
+The GEMM's pieces are ``@triton.jit`` helpers (``moe_block_pairs``, ``moe_gemm_tile``) so
+that ``manylora.lora.kernels.moe_lora_fused`` can run the same K loop with the experts' LoRA
+terms added in its epilogue; :func:`align_block_size` aligns on any group key (its (slot,
+expert) grouping).
 
 Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w · (a W2ᵀ))`` (the
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
@@ -35,8 +35,6 @@ multiplied in IEEE float32 on every backend (not TF32).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -177,25 +175,20 @@ def align_block_size(keys: torch.Tensor, block_m: int, num_keys: int, max_padded
 
 
 @triton.jit
-def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
-                      total_ptr, N, K, num_pairs, stride_am, stride_we, stride_wn,
-                      stride_cm, A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
-                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``C[p] = (w[p] ·) A[p // A_ROW_DIV] @ W[e]ᵀ`` for one ``BLOCK_M × BLOCK_N`` tile."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M >= total:
-        return
+def moe_block_pairs(sorted_ids_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """``(pairs [BLOCK_M], row_mask, expert)`` of sorted block ``pid_m``: its pair indices
+    (``num_pairs`` in padding), which of them are pairs, and its expert (int64)."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_mask = pairs < num_pairs
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    rows = (pairs // A_ROW_DIV).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = offs_n < N
+    return pairs, pairs < num_pairs, expert
+
+
+@triton.jit
+def moe_gemm_tile(a_ptr, w_ptr, rows, row_mask, expert, offs_n, col_mask, K, stride_am,
+                  stride_we, stride_wn, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 ``A[rows] @ W[expert, offs_n]ᵀ`` (``[BLOCK_M, BLOCK_N]``; rows and columns
+    outside the masks read as zero): the grouped GEMM's K loop."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn \
@@ -212,12 +205,44 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr,
+                      total_ptr, N, K, num_pairs, stride_am, stride_we, stride_wn,
+                      stride_cm, A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                      DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``C[p] = (w[p] ·) A[p // A_ROW_DIV] @ W[e]ᵀ`` for one ``BLOCK_M × BLOCK_N`` tile."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    total = tl.load(total_ptr)
+    if pid_m * BLOCK_M >= total:
+        return
+    pairs, row_mask, expert = moe_block_pairs(sorted_ids_ptr, expert_ids_ptr, pid_m,
+                                              num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < N
+    acc = moe_gemm_tile(a_ptr, w_ptr, (pairs // A_ROW_DIV).to(tl.int64), row_mask, expert,
+                        offs_n, col_mask, K, stride_am, stride_we, stride_wn, DOT_FP32, IEEE,
+                        BLOCK_M, BLOCK_N, BLOCK_K)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_w_ptr + pairs, mask=row_mask, other=0.0)
         acc = acc * weight.to(tl.float32)[:, None]
     c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty),
              mask=row_mask[:, None] & col_mask[None, :])
+
+
+def dot_modes(a: torch.Tensor) -> tuple[bool, bool]:
+    """``(DOT_FP32, IEEE)`` of the grouped GEMM over operands of ``a``'s dtype and device:
+    16-bit operands widened to float32 under the interpreter, float32 products in IEEE
+    float32 (no TF32)."""
+    dot_fp32 = a.device.type != "cuda" and a.dtype != torch.float32
+    return dot_fp32, dot_fp32 or a.dtype == torch.float32
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
@@ -229,8 +254,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     num_pairs, n = out.shape
     k = w.shape[2]
     grid = (cdiv(sorted_ids.numel(), block_m) * cdiv(n, block_n),)
-    dot_fp32 = a.device.type != "cuda" and a.dtype != torch.float32
-    ieee = dot_fp32 or a.dtype == torch.float32
+    dot_fp32, ieee = dot_modes(a)
     _fused_moe_kernel[grid](
         a, w, out, out if topk_weights is None else topk_weights, sorted_ids, expert_ids,
         total, n, k, num_pairs, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
@@ -274,9 +298,7 @@ def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          activation: str = "silu",
-                         config: tuple[int, int, int, int, int] | None = None, *,
-                         add_gate_up: Callable[[torch.Tensor], None] | None = None,
-                         add_down: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+                         config: tuple[int, int, int, int, int] | None = None
                          ) -> torch.Tensor:
     """The routed experts' MLP of a token batch (vLLM's ``fused_experts``, unquantized)::
 
@@ -299,12 +321,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         activation: ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
             :func:`moe_config` of ``T``, ``k`` and ``E``.
-        add_gate_up: None, or called with the first GEMM's output ``h`` (``[T * k, 2I]``,
-            row ``t * k + j``, x's dtype) before the activation, to add into it in place (the
-            LoRA terms of ``manylora.lora.kernels.fused_moe_lora``).
-        add_down: None, or called with the activations ``a`` (``[T * k, I]``) and the second
-            GEMM's weighted output ``o`` (``[T * k, H]``) before the sum over ``k``, to add
-            into ``o`` in place.
 
     Returns:
         ``[T, H]`` in x's dtype (a new tensor).
@@ -324,8 +340,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_pairs = t * top_k
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, config)
-    if add_gate_up is not None:
-        add_gate_up(gate_up)
     if activation == "silu":
         act = silu_and_mul_triton(gate_up)
     else:
@@ -334,6 +348,4 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, total, 1,
                   config)
-    if add_down is not None:
-        add_down(act, out)
     return out.view(t, top_k, h).sum(dim=1)

@@ -528,7 +528,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
 
     from manylora.ops import triton_fused as tf
 
-    assert tf._GPU_MATH
+    assert tf.GPU_MATH
 
     def ptx(fn, types, consts, divisible, warps):
         sig = {name: types.get(name, "constexpr") for name in fn.arg_names}

@@ -26,7 +26,13 @@ import torch
 from manylora import LLM, LoRARequest, SamplingParams
 from manylora.config import LORA_ALL_MODULES, LORA_TARGET_MODULES, LoRAConfig, ModelConfig
 from manylora.lora import slots as lora_slots
-from manylora.lora.kernels import fused_moe_lora, fused_moe_lora_kernels, triton_lora
+from manylora.lora.kernels import (
+    fused_moe_lora,
+    fused_moe_lora_kernels,
+    moe_lora_fused,
+    moe_lora_pairs,
+    triton_lora,
+)
 from manylora.lora.kernels import plans as lora_plans
 from manylora.lora.kernels import sgmv_kernels as lora_kernels
 from manylora.lora.kernels import tiled_kernels as lora_tiled_kernels
@@ -45,7 +51,7 @@ from manylora.worker.kv_cache import allocate_kv_caches
 from manylora.worker.warmup import TritonCompileLog, launch_every_specialization
 
 KERNEL_MODULES = (lora_kernels, lora_tiled_kernels, triton_attention, triton_fused,
-                  triton_fused_moe, fused_moe_lora_kernels)
+                  triton_fused_moe, fused_moe_lora_kernels, moe_lora_fused, moe_lora_pairs)
 BLOCK_SIZE = 4
 MAX_TOKENS = 40          # max_num_batched_tokens
 MAX_SEQS = 8
@@ -241,8 +247,8 @@ def test_warm_up_covers_every_launch_of_real_steps(model_and_caches, monkeypatch
             "tiled_shrink_kernel", "tiled_expand_kernel",
             "_rms_norm_kernel", "_rotary_kernel", "_write_kv_kernel"} <= kernels
     if any(isinstance(m, moe.FusedMoE) for m in model.modules()):
-        assert {"_fused_moe_kernel", "moe_lora_shrink_kernel",
-                "moe_lora_expand_kernel"} <= kernels
+        assert {"_fused_moe_kernel", "moe_lora_shrink_kernel", "moe_lora_pair_shrink_kernel",
+                "moe_lora_gemm_kernel", "moe_lora_act_kernel"} <= kernels
     missing = stepped - warmed
     assert not missing, "launched by steps, not by the warm-up:\n" + "\n".join(
         map(str, sorted(missing, key=str)))

@@ -17,15 +17,16 @@ target the module; nothing of it is read) and B stored rank-major (``[R, out]``,
 on the rank's shards (gate/up column-parallel, down row-parallel, the caller all-reduces
 ``y``).
 
-``fused_experts_lora`` runs, on CUDA, the Triton path of
-``manylora.lora.kernels.fused_moe_lora_kernels``: the base fused-MoE GEMMs of
-``manylora.ops.triton_fused_moe`` with, between them, one grouped shrink and one grouped
-expand launch per GEMM side over the LoRA rows' (token, expert) pairs sorted by
-``(slot, expert)``. Elsewhere it runs the torch path: ``manylora.ops.fused_moe.
-fused_experts_torch``'s loop over the experts, each expert's LoRA rows gathering their slot's
-A and B (``a_gate[slots, e]``) for a ``bmm``. Both add the LoRA terms in float32 and round
-once with the base term; the down-side term is weighted by ``w`` like the base term (see
-``fused_experts_lora``).
+``fused_experts_lora`` runs, on CUDA, the Triton path: the base fused-MoE op of
+``manylora.ops.triton_fused_moe`` (its alignment by expert, its two grouped GEMMs, the sum
+over ``k``) with the LoRA terms inside its launches (``manylora.lora.kernels.
+moe_lora_fused``): each GEMM's epilogue adds its expand, the activation computes the down
+shrink, and one launch before the first GEMM computes the gate/up shrink, by (token, expert)
+pair (``moe_lora_pairs``) or grouped by (slot, expert) (``fused_moe_lora_kernels``).
+Elsewhere it runs the torch path: ``manylora.ops.fused_moe.fused_experts_torch``'s loop over
+the experts, each expert's LoRA rows gathering their slot's A and B (``a_gate[slots, e]``)
+for a ``bmm``. Both add the LoRA terms in float32 and round once with the base term; the
+down-side term is weighted by ``w`` like the base term (see ``fused_experts_lora``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,18 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
-from manylora.lora.kernels.fused_moe_lora_kernels import MoELoRAPlan
-from manylora.lora.kernels.moe_lora_pairs import moe_lora_pairs
+from manylora.lora.kernels.fused_moe_lora_kernels import moe_lora_grouped_shrink
+from manylora.lora.kernels.moe_lora_fused import act_and_down_shrink, lora_grouped_gemm
+from manylora.lora.kernels.moe_lora_pairs import moe_lora_pair_shrink
 from manylora.ops.fused_moe import ExpertDelta, fused_experts_torch
-from manylora.ops.triton_fused_moe import check_experts, fused_experts_triton
+from manylora.ops.triton_fused_moe import (
+    check_experts,
+    fused_experts_triton,
+    moe_align_block_size,
+    moe_config,
+)
 
 
 class MoELoRAWeights(NamedTuple):
@@ -189,12 +197,13 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
 
 
 def moe_lora_path(num_pairs: int, num_experts: int, max_loras: int) -> str:
-    """Which launches ``fused_experts_lora_triton`` makes for ``num_pairs = T * k`` pairs:
-    ``"pairs"`` (``moe_lora_pairs``: by pair, straight from the routing, no alignment) while
-    the pairs are at most half the ``L * E`` (slot, expert) groups, so that few groups hold
-    more than one pair (decode); else ``"grouped"`` (``MoELoRAPlan``: pairs sorted by (slot,
-    expert), each group's A and B read once for all its pairs: large batches, prefill). The
-    bound is where ``benchmarks/bench_moe_lora.py`` found the grouped plan faster."""
+    """How ``fused_experts_lora_triton`` computes the gate/up shrink for ``num_pairs = T * k``
+    pairs: ``"pairs"`` (``moe_lora_pair_shrink``: by pair, straight from the routing, no
+    alignment) while the pairs are at most half the ``L * E`` (slot, expert) groups, so that
+    few groups hold more than one pair (decode); else ``"grouped"``
+    (``moe_lora_grouped_shrink``: pairs sorted by (slot, expert), each group's A read once
+    for all its pairs: large batches, prefill). The bound is where
+    ``benchmarks/bench_moe_lora.py`` found the grouped shrink faster."""
     return "pairs" if 2 * num_pairs <= max_loras * num_experts else "grouped"
 
 
@@ -204,50 +213,49 @@ def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                               activation: str = "silu", path: str | None = None
                               ) -> torch.Tensor:
     """The Triton path of ``fused_experts_lora`` (same arguments; the base ones checked by
-    ``fused_experts_triton``, ``lora`` by the caller): ``fused_experts_triton`` with the LoRA
-    terms added after its first GEMM (gate and up, into its gate/up cache) and after its
-    second, weighted one (the routing-weighted down term). ``path`` (None:
-    :func:`moe_lora_path`'s choice) picks the launches: ``"pairs"``, a shrink and an expand
-    launch per GEMM side over the (token, expert) pairs as routed; ``"grouped"``, a shrink and
-    an expand launch per side over the pairs sorted by (slot, expert) (one alignment for both
-    sides). Both compute the module docstring's formula with its rounding. No host
+    ``check_experts``, ``lora`` by the caller): the base op's alignment by expert and its
+    config, the gate/up shrink by ``path`` (None: :func:`moe_lora_path`'s choice;
+    ``"pairs"`` or ``"grouped"``), the first grouped GEMM with the gate/up expand in its
+    epilogue, the activation with the down shrink (SiLU; the tanh GELU in torch, then the
+    shrink alone), the second, weighted GEMM with the down expand in its epilogue, and the
+    sum over ``k``: four launches beyond the alignment and the sum, the base op's three and
+    the shrink. Computes the module docstring's formula with its rounding. No host
     synchronisation; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The slot
     stacks must be contiguous.
 
     Raises:
-        ValueError: what ``fused_experts_triton`` refuses, non-contiguous slot stacks, or an
-            unknown ``path``.
+        ValueError: what ``check_experts`` refuses, non-contiguous slot stacks, or an unknown
+            ``path``.
     """
+    check_experts(x, w13, w2, topk_weights, topk_ids, activation)
     if not all(t.is_contiguous() for t in lora[:6]):
         raise ValueError("fused_experts_lora: the LoRA slot stacks must be contiguous")
     if path not in (None, "pairs", "grouped"):
         raise ValueError(f"fused_experts_lora: path must be 'pairs', 'grouped' or None, got "
                          f"{path!r}")
     max_loras, num_experts, max_rank, _ = lora.a_gate.shape
-    if x.shape[0] == 0 or topk_ids.shape[1] == 0 or max_rank == 0:
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
+    t, h = x.shape
     top_k = topk_ids.shape[1]
+    if t == 0 or top_k == 0 or max_rank == 0:
+        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
     gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
-    if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs":
-        def add_gate_up_pairs(gate_up: torch.Tensor) -> None:
-            moe_lora_pairs(x, gate_up, (lora.a_gate, lora.a_up), (lora.b_gate, lora.b_up),
-                           gate_up_ranks, topk_ids, token_slots, top_k, None)
-
-        def add_down_pairs(act: torch.Tensor, out: torch.Tensor) -> None:
-            moe_lora_pairs(act, out, (lora.a_down,), (lora.b_down,), down_ranks, topk_ids,
-                           token_slots, 1, topk_weights.reshape(-1))
-
-        return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation,
-                                    add_gate_up=add_gate_up_pairs, add_down=add_down_pairs)
-    plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
-
-    def add_gate_up(gate_up: torch.Tensor) -> None:
-        buf = plan.shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, top_k)
-        plan.expand(gate_up, buf, (lora.b_gate, lora.b_up), gate_up_ranks, None)
-
-    def add_down(act: torch.Tensor, out: torch.Tensor) -> None:
-        buf = plan.shrink(act, (lora.a_down,), down_ranks, 1)
-        plan.expand(out, buf, (lora.b_down,), down_ranks, topk_weights.reshape(-1))
-
-    return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation,
-                                add_gate_up=add_gate_up, add_down=add_down)
+    shrink = (moe_lora_pair_shrink
+              if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs"
+              else moe_lora_grouped_shrink)
+    buf = shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, topk_ids, token_slots, top_k)
+    config = moe_config(t, top_k, num_experts)
+    aligned = moe_align_block_size(topk_ids, config[0], num_experts)
+    num_pairs = t * top_k
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    lora_grouped_gemm(x, w13, gate_up, None, *aligned, top_k, config, buf,
+                      (lora.b_gate, lora.b_up), gate_up_ranks, token_slots, top_k)
+    act = None
+    if activation == "gelu_tanh":
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") * up
+    act, buf = act_and_down_shrink(gate_up, act, lora.a_down, down_ranks, topk_ids,
+                                   token_slots)
+    out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
+    lora_grouped_gemm(act, w2, out, topk_weights.reshape(-1), *aligned, 1, config, buf,
+                      (lora.b_down,), down_ranks, token_slots, top_k)
+    return out.view(t, top_k, h).sum(dim=1)

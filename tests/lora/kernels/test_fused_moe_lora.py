@@ -268,17 +268,20 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
     from triton.compiler import ASTSource
 
     from manylora.lora.kernels import fused_moe_lora_kernels as k
+    from manylora.lora.kernels import moe_lora_fused as f
     from manylora.lora.kernels import moe_lora_pairs as p
 
-    def ptx(fn, types, consts):
+    def ptx(fn, types, consts, **options):
         sig = {name: types.get(name, "constexpr") for name in fn.arg_names}
         return triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4}).asm["ptx"]
+                              options={"num_warps": 4, **options}).asm["ptx"]
 
     ints = {n: "i32" for n in ("num_experts", "K", "N", "num_pairs", "stride_xt", "stride_ot",
-                               "stride_os", "stride_bt", "stride_bs", "stride_yt",
-                               "stride_rank")}
-    ptrs = {n: "*i32" for n in ("ranks_ptr", "sorted_ids_ptr", "block_keys_ptr")}
+                               "stride_os", "stride_rank", "n_module", "stride_am",
+                               "stride_we", "stride_wn", "stride_cm", "stride_hs", "stride_hp",
+                               "stride_hm", "n_inter", "stride_gu", "stride_act")}
+    ptrs = {n: "*i32" for n in ("ranks_ptr", "sorted_ids_ptr", "block_keys_ptr",
+                                "expert_ids_ptr", "total_ptr", "slots_ptr", "ids_ptr")}
     for model, lora in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
         shrink = {**ints, **ptrs, "x_ptr": f"*{model}", "a0_ptr": f"*{lora}",
                   "a1_ptr": f"*{lora}", "out_ptr": "*fp32"}
@@ -287,16 +290,7 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
                        {"A_ROW_DIV": row_div, "R": 16, "BLOCK_M": 16, "BLOCK_R": 16,
                         "BLOCK_K": 64, "DOT_FP32": model != lora})
             assert ("mma" in code) == (lora == "bf16"), (model, lora, "shrink")
-        expand = {**ints, **ptrs, "buf_ptr": "*fp32", "b0_ptr": f"*{lora}",
-                  "b1_ptr": f"*{lora}", "y_ptr": f"*{model}", "topk_w_ptr": "*fp32"}
-        for weighted in (False, True):
-            code = ptx(k.moe_lora_expand_kernel, expand,
-                       {"R": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 64,
-                        "MUL_ROUTED_WEIGHT": weighted, "DOT_FP32": False})
-            assert ("mma" in code) == (lora == "bf16"), (model, lora, "expand")
-            assert "tf32" not in code
-        pair = {**ints, "ranks_ptr": "*i32", "slots_ptr": "*i32", "ids_ptr": "*i32",
-                "buf_ptr": "*fp32", "topk_w_ptr": "*fp32", "stride_vt": "i32"}
+        pair = {**ints, **ptrs, "buf_ptr": "*fp32", "stride_vt": "i32"}
         for row_div in (8, 1):
             code = ptx(p.moe_lora_pair_shrink_kernel,
                        {**pair, "v_ptr": f"*{model}", "a0_ptr": f"*{lora}",
@@ -304,13 +298,24 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
                        {"TOP_K": 8, "V_ROW_DIV": row_div, "R": 16, "BLOCK_R": 16,
                         "BLOCK_K": 256, "K_SPLITS": 4, "K_PER_SPLIT": 512})
             assert "mma" not in code and "tf32" not in code, (model, lora, "pair shrink")
-        for weighted in (False, True):
-            code = ptx(p.moe_lora_pair_expand_kernel,
-                       {**pair, "b0_ptr": f"*{lora}", "b1_ptr": f"*{lora}",
-                        "y_ptr": f"*{model}"},
-                       {"TOP_K": 8, "R": 16, "BLOCK_R": 16, "BLOCK_N": 256, "K_SPLITS": 4,
-                        "N_SPLITS": 2, "N_PER_SPLIT": 512, "MUL_ROUTED_WEIGHT": weighted})
-            assert "mma" not in code and "tf32" not in code, (model, lora, "pair expand")
+        gemm = {**ints, **ptrs, "a_ptr": f"*{model}", "w_ptr": f"*{model}",
+                "c_ptr": f"*{model}", "topk_w_ptr": "*fp32", "h_ptr": "*fp32",
+                "b0_ptr": f"*{lora}", "b1_ptr": f"*{lora}"}
+        for weighted, modules in ((False, 2), (True, 1)):
+            code = ptx(f.moe_lora_gemm_kernel, gemm,
+                       {"TOP_K": 8, "A_ROW_DIV": 1 if weighted else 8,
+                        "MUL_ROUTED_WEIGHT": weighted, "DOT_FP32": False,
+                        "IEEE": model == "fp32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
+                        "MODULES": modules, "R": 16, "H_SPLITS": 4}, num_stages=4)
+            assert ("mma" in code) == (model == "bf16"), (model, lora, "gemm")
+            assert "tf32" not in code
+        act = {**ints, **ptrs, "gu_ptr": f"*{model}", "act_ptr": f"*{model}",
+               "a_ptr": f"*{lora}", "h_ptr": "*fp32"}
+        for silu in (True, False):
+            code = ptx(f.moe_lora_act_kernel, act,
+                       {"TOP_K": 8, "R": 16, "BLOCK_R": 16, "BLOCK": 256, "SILU": silu,
+                        "GPU_MATH": True}, enable_fp_fusion=False)
+            assert "mma" not in code, (model, lora, "act")
 """)
 
 
