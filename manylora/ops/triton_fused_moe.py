@@ -21,10 +21,10 @@ tanh-approximated GELU. Three steps, no host synchronisation (CUDA-graph captura
 3. The ``k`` scaled rows of each token are summed (``torch.sum`` over a ``[T, k, H]`` view,
    no atomics, so the result is deterministic).
 
-The GEMM's pieces are ``@triton.jit`` helpers (``moe_block_pairs``, ``moe_gemm_tile``) so
-that ``manylora.lora.kernels.moe_lora_fused`` can run the same K loop with the experts' LoRA
-terms added in its epilogue; :func:`align_block_size` aligns on any group key (its (slot,
-expert) grouping).
+The GEMM's pieces are ``@triton.jit`` helpers (``moe_tile_position``, ``moe_block``,
+``moe_gemm_tile``), so that ``manylora.lora.kernels.moe_lora_fused`` runs the same tiles and
+K loop with the experts' LoRA terms added in its epilogue; :func:`align_block_size` aligns on
+any group key (the LoRA's (slot, expert) grouping).
 
 Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w · (a W2ᵀ))`` (the
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
@@ -175,12 +175,24 @@ def align_block_size(keys: torch.Tensor, block_m: int, num_keys: int, max_padded
 
 
 @triton.jit
-def moe_block_pairs(sorted_ids_ptr, expert_ids_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """``(pairs [BLOCK_M], row_mask, expert)`` of sorted block ``pid_m``: its pair indices
-    (``num_pairs`` in padding), which of them are pairs, and its expert (int64)."""
+def moe_tile_position(N, BLOCK_N: tl.constexpr):
+    """``(pid_m, pid_n)``: the sorted block and the column tile of this program of a grouped
+    GEMM's grid ``(blocks * cdiv(N, BLOCK_N),)``."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    return pid // num_pid_n, pid % num_pid_n
+
+
+@triton.jit
+def moe_block(sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, N,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(pairs [BLOCK_M], row_mask, expert, offs_n [BLOCK_N], col_mask)`` of sorted block
+    ``pid_m`` and column tile ``pid_n``: its pair indices (``num_pairs`` in padding), which
+    of them are pairs, its expert (int64), the tile's columns and which are below ``N``."""
     pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    return pairs, pairs < num_pairs, expert
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pairs, pairs < num_pairs, expert, offs_n, offs_n < N
 
 
 @triton.jit
@@ -215,17 +227,11 @@ def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_id
                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``C[p] = (w[p] ·) A[p // A_ROW_DIV] @ W[e]ᵀ`` for one ``BLOCK_M × BLOCK_N`` tile."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M >= total:
+    pid_m, pid_n = moe_tile_position(N, BLOCK_N)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    pairs, row_mask, expert = moe_block_pairs(sorted_ids_ptr, expert_ids_ptr, pid_m,
-                                              num_pairs, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = offs_n < N
+    pairs, row_mask, expert, offs_n, col_mask = moe_block(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, N, BLOCK_M, BLOCK_N)
     acc = moe_gemm_tile(a_ptr, w_ptr, (pairs // A_ROW_DIV).to(tl.int64), row_mask, expert,
                         offs_n, col_mask, K, stride_am, stride_we, stride_wn, DOT_FP32, IEEE,
                         BLOCK_M, BLOCK_N, BLOCK_K)

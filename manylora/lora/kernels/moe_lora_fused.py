@@ -43,7 +43,12 @@ from manylora.lora.kernels.jit_helpers import TABLE_ARGS, pick
 from manylora.lora.kernels.moe_lora_pairs import PAIR_TILE, pair_rank_and_key
 from manylora.ops.host_math import cdiv, next_power_of_2
 from manylora.ops.triton_fused import GPU_MATH, silu_mul
-from manylora.ops.triton_fused_moe import dot_modes, moe_block_pairs, moe_gemm_tile
+from manylora.ops.triton_fused_moe import (
+    dot_modes,
+    moe_block,
+    moe_gemm_tile,
+    moe_tile_position,
+)
 
 #: Ranks whose B rows the epilogue loads together (one round trip to memory for rank ≤ 16).
 _RANK_CHUNK = tl.constexpr(16)
@@ -60,17 +65,11 @@ def moe_lora_gemm_kernel(
         MODULES: tl.constexpr, R: tl.constexpr, H_SPLITS: tl.constexpr):
     """Grid ``(blocks * n_tiles,)``: one ``BLOCK_M × BLOCK_N`` tile of ``C`` (module
     docstring), the base op's tile order."""
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n
-    pid_n = pid % num_pid_n
-    total = tl.load(total_ptr)
-    if pid_m * BLOCK_M >= total:
+    pid_m, pid_n = moe_tile_position(N, BLOCK_N)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
-    pairs, row_mask, expert = moe_block_pairs(sorted_ids_ptr, expert_ids_ptr, pid_m,
-                                              num_pairs, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = offs_n < N
+    pairs, row_mask, expert, offs_n, col_mask = moe_block(
+        sorted_ids_ptr, expert_ids_ptr, pid_m, pid_n, num_pairs, N, BLOCK_M, BLOCK_N)
     # the rows' slots, keys and ranks first: their loads complete under the K loop
     slot = tl.load(slots_ptr + pairs // TOP_K, mask=row_mask, other=-1)
     live = row_mask & (slot >= 0)
