@@ -199,12 +199,12 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
 def moe_lora_path(num_pairs: int, num_experts: int, max_loras: int) -> str:
     """How ``fused_experts_lora_triton`` computes the gate/up shrink for ``num_pairs = T * k``
     pairs: ``"pairs"`` (``moe_lora_pair_shrink``: by pair, straight from the routing, no
-    alignment) while the pairs are at most half the ``L * E`` (slot, expert) groups, so that
-    few groups hold more than one pair (decode); else ``"grouped"``
-    (``moe_lora_grouped_shrink``: pairs sorted by (slot, expert), each group's A read once
-    for all its pairs: large batches, prefill). The bound is where
+    alignment) while the pairs are at most twice the ``L * E`` (slot, expert) groups, so that
+    the re-reads of a group's A (from L2) cost less than an alignment of its own (decode);
+    else ``"grouped"`` (``moe_lora_grouped_shrink``: pairs sorted by (slot, expert), each
+    group's A read once for all its pairs: large batches, prefill). The bound is where
     ``benchmarks/bench_moe_lora.py`` found the grouped shrink faster."""
-    return "pairs" if 2 * num_pairs <= max_loras * num_experts else "grouped"
+    return "pairs" if num_pairs <= 2 * max_loras * num_experts else "grouped"
 
 
 def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -223,11 +223,11 @@ def test_bad_arguments_are_named():
 
 
 def test_path_by_pairs_per_group():
-    """By pair while the pairs are at most half the (slot, expert) groups."""
+    """By pair while the pairs are at most twice the (slot, expert) groups."""
     assert moe_lora_path(64 * 8, 128, 16) == "pairs"
-    assert moe_lora_path(8 * 128, 128, 16) == "pairs"
-    assert moe_lora_path(8 * 128 + 1, 128, 16) == "grouped"
-    assert moe_lora_path(256 * 8, 128, 16) == "grouped"
+    assert moe_lora_path(256 * 8, 128, 16) == "pairs"
+    assert moe_lora_path(512 * 8, 128, 16) == "pairs"
+    assert moe_lora_path(512 * 8 + 1, 128, 16) == "grouped"
 
 
 def _python_align(ids, slots, block_m, num_experts):
