@@ -200,14 +200,17 @@ def run_engine(quick: bool, device: torch.device) -> tuple[list[str], list[list]
 
     cfg = QUICK_MODEL if quick else QWEN3_30B_A3B
     prompt, new = (16, 4) if quick else (128, 64)
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp) / "model", cfg)
         adapters = write_moe_peft_adapters(Path(tmp), cfg, ADAPTERS, RANK, device)
+        print(f"adapters written ({time.perf_counter() - started:.0f} s)", flush=True)
         llm = LLM(str(model_dir), load_format="dummy", skip_tokenizer_init=True,
                   device=device.type, dtype="float32" if quick else "bfloat16",
                   max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024,
                   max_loras=ADAPTERS, max_cpu_loras=ADAPTERS, max_lora_rank=RANK,
                   lora_target_modules=list(SLOT_MODULES))
+        print(f"engine started ({time.perf_counter() - started:.0f} s)", flush=True)
         loras = [LoRARequest(f"a{n}", n + 1, str(p)) for n, p in enumerate(adapters)]
         params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
         gen = torch.Generator().manual_seed(0)
@@ -231,6 +234,8 @@ def run_engine(quick: bool, device: torch.device) -> tuple[list[str], list[list]
             off, on = results["LoRA off"], results["16 adapters"]
             rows.append([batch, f"{off:,.0f}", f"{on:,.0f}", f"{on / off:.2f}",
                          "-" if quick else ("yes" if on / off >= 0.85 else "no")])
+            print(f"batch {batch}: {rows[-1]} ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
         llm.llm_engine.shutdown()
     columns = ["batch", "LoRA off tok/s", "16 expert + attention adapters tok/s", "ratio",
                "≥ 0.85x"]
