@@ -21,10 +21,13 @@ tanh-approximated GELU. Three steps, no host synchronisation (CUDA-graph captura
 3. The ``k`` scaled rows of each token are summed (``torch.sum`` over a ``[T, k, H]`` view,
    no atomics, so the result is deterministic).
 
-The GEMM's pieces are ``@triton.jit`` helpers (``moe_tile_position``, ``moe_block``,
+The experts' LoRA (``manylora.lora.kernels.fused_moe_lora``) comes in two ways. For decode
+the GEMM's pieces are ``@triton.jit`` helpers (``moe_tile_position``, ``moe_block``,
 ``moe_gemm_tile``), so that ``manylora.lora.kernels.moe_lora_fused`` runs the same tiles and
-K loop with the experts' LoRA terms added in its epilogue; :func:`align_block_size` aligns on
-any group key (the LoRA's (slot, expert) grouping).
+K loop with the LoRA terms added in its epilogue. For large batches ``fused_experts_triton``
+hands its two GEMM outputs to callers before they are used (``add_gate_up`` before the
+activation, ``add_down`` before the sum), for launches grouped by (slot, expert), aligned by
+:func:`align_block_size` on their own key.
 
 Rounding follows vLLM: ``h = r(x W13ᵀ)``, ``a = r(r(f(g)) * u)``, ``o = r(w · (a W2ᵀ))`` (the
 weight applied to the float32 accumulator), ``y = r(Σ_j o_j)``, ``r`` rounding to the
@@ -35,6 +38,8 @@ multiplied in IEEE float32 on every backend (not TF32).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -304,7 +309,9 @@ def check_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          activation: str = "silu",
-                         config: tuple[int, int, int, int, int] | None = None
+                         config: tuple[int, int, int, int, int] | None = None, *,
+                         add_gate_up: Callable[[torch.Tensor], None] | None = None,
+                         add_down: Callable[[torch.Tensor, torch.Tensor], None] | None = None
                          ) -> torch.Tensor:
     """The routed experts' MLP of a token batch (vLLM's ``fused_experts``, unquantized)::
 
@@ -327,6 +334,12 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         activation: ``"silu"`` or ``"gelu_tanh"``.
         config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``; None:
             :func:`moe_config` of ``T``, ``k`` and ``E``.
+        add_gate_up: None, or called with the first GEMM's output ``h`` (``[T * k, 2I]``,
+            row ``t * k + j``, x's dtype) before the activation, to add into it in place (the
+            grouped LoRA launches of ``manylora.lora.kernels.fused_moe_lora``).
+        add_down: None, or called with the activations ``a`` (``[T * k, I]``) and the second
+            GEMM's weighted output ``o`` (``[T * k, H]``) before the sum over ``k``, to add
+            into ``o`` in place.
 
     Returns:
         ``[T, H]`` in x's dtype (a new tensor).
@@ -346,6 +359,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     num_pairs = t * top_k
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, total, top_k, config)
+    if add_gate_up is not None:
+        add_gate_up(gate_up)
     if activation == "silu":
         act = silu_and_mul_triton(gate_up)
     else:
@@ -354,4 +369,6 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(num_pairs, h, dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, out, topk_weights.reshape(-1), sorted_ids, expert_ids, total, 1,
                   config)
+    if add_down is not None:
+        add_down(act, out)
     return out.view(t, top_k, h).sum(dim=1)

@@ -17,16 +17,19 @@ target the module; nothing of it is read) and B stored rank-major (``[R, out]``,
 on the rank's shards (gate/up column-parallel, down row-parallel, the caller all-reduces
 ``y``).
 
-``fused_experts_lora`` runs, on CUDA, the Triton path: the base fused-MoE op of
+``fused_experts_lora`` runs, on CUDA, the Triton path, by one of two launch plans
+(``moe_lora_path``). Decode-sized batches (``"pairs"``): the base fused-MoE op of
 ``manylora.ops.triton_fused_moe`` (its alignment by expert, its two grouped GEMMs, the sum
 over ``k``) with the LoRA terms inside its launches (``manylora.lora.kernels.
 moe_lora_fused``): each GEMM's epilogue adds its expand, the activation computes the down
-shrink, and one launch before the first GEMM computes the gate/up shrink, by (token, expert)
-pair (``moe_lora_pairs``) or grouped by (slot, expert) (``fused_moe_lora_kernels``).
-Elsewhere it runs the torch path: ``manylora.ops.fused_moe.fused_experts_torch``'s loop over
-the experts, each expert's LoRA rows gathering their slot's A and B (``a_gate[slots, e]``)
-for a ``bmm``. Both add the LoRA terms in float32 and round once with the base term; the
-down-side term is weighted by ``w`` like the base term (see ``fused_experts_lora``).
+shrink, and one launch before the first GEMM computes the gate/up shrink by (token, expert)
+pair (``moe_lora_pairs``). Large batches and prefill (``"grouped"``): the base op with, after
+each GEMM, a shrink and an expand launch over the LoRA rows' pairs sorted by (slot, expert)
+(``fused_moe_lora_kernels``), each group's A and B read once for all its pairs. Elsewhere it
+runs the torch path: ``manylora.ops.fused_moe.fused_experts_torch``'s loop over the experts,
+each expert's LoRA rows gathering their slot's A and B (``a_gate[slots, e]``) for a ``bmm``.
+All add the LoRA terms in float32 and round once with the base term; the down-side term is
+weighted by ``w`` like the base term (see ``fused_experts_lora``).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from manylora.lora.kernels.fused_moe_lora_kernels import moe_lora_grouped_shrink
+from manylora.lora.kernels.fused_moe_lora_kernels import MoELoRAPlan
 from manylora.lora.kernels.moe_lora_fused import act_and_down_shrink, lora_grouped_gemm
 from manylora.lora.kernels.moe_lora_pairs import moe_lora_pair_shrink
 from manylora.ops.fused_moe import ExpertDelta, fused_experts_torch
@@ -197,13 +200,13 @@ def _expert_delta(slots: torch.Tensor, ranks: torch.Tensor,
 
 
 def moe_lora_path(num_pairs: int, num_experts: int, max_loras: int) -> str:
-    """How ``fused_experts_lora_triton`` computes the gate/up shrink for ``num_pairs = T * k``
-    pairs: ``"pairs"`` (``moe_lora_pair_shrink``: by pair, straight from the routing, no
-    alignment) while the pairs are at most twice the ``L * E`` (slot, expert) groups, so that
-    the re-reads of a group's A (from L2) cost less than an alignment of its own (decode);
-    else ``"grouped"`` (``moe_lora_grouped_shrink``: pairs sorted by (slot, expert), each
-    group's A read once for all its pairs: large batches, prefill). The bound is where
-    ``benchmarks/bench_moe_lora.py`` found the grouped shrink faster."""
+    """Which launch plan ``fused_experts_lora_triton`` takes for ``num_pairs = T * k`` pairs:
+    ``"pairs"`` (the LoRA inside the base op's launches, each pair reading its own A and B:
+    ``moe_lora_fused``) while the pairs are at most twice the ``L * E`` (slot, expert)
+    groups, so that the re-reads of a group's A and B (from L2) cost less than an alignment of
+    their own (decode); else ``"grouped"`` (``MoELoRAPlan``: pairs sorted by (slot, expert),
+    each group's A and B read once for all its pairs: large batches, prefill). The bound is
+    where ``benchmarks/bench_moe_lora.py`` found the grouped plan faster."""
     return "pairs" if num_pairs <= 2 * max_loras * num_experts else "grouped"
 
 
@@ -213,15 +216,22 @@ def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
                               activation: str = "silu", path: str | None = None
                               ) -> torch.Tensor:
     """The Triton path of ``fused_experts_lora`` (same arguments; the base ones checked by
-    ``check_experts``, ``lora`` by the caller): the base op's alignment by expert and its
-    config, the gate/up shrink by ``path`` (None: :func:`moe_lora_path`'s choice;
-    ``"pairs"`` or ``"grouped"``), the first grouped GEMM with the gate/up expand in its
-    epilogue, the activation with the down shrink (SiLU; the tanh GELU in torch, then the
-    shrink alone), the second, weighted GEMM with the down expand in its epilogue, and the
-    sum over ``k``: four launches beyond the alignment and the sum, the base op's three and
-    the shrink. Computes the module docstring's formula with its rounding. No host
-    synchronisation; CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The slot
-    stacks must be contiguous.
+    ``check_experts``, ``lora`` by the caller). ``path`` (None: :func:`moe_lora_path`'s
+    choice) picks the launches:
+
+    * ``"pairs"``: the base op's alignment by expert and its config; the gate/up shrink by
+      pair; the first grouped GEMM with the gate/up expand in its epilogue; the activation
+      with the down shrink (SiLU; the tanh GELU in torch, then the shrink alone); the second,
+      weighted GEMM with the down expand in its epilogue; the sum over ``k``. One launch
+      beyond the base op's.
+    * ``"grouped"``: ``fused_experts_triton`` with a shrink and an expand launch after its
+      first GEMM (gate and up, into its gate/up cache) and after its second, weighted one (the
+      routing-weighted down term), over the pairs sorted by (slot, expert) (one alignment for
+      both sides).
+
+    Both compute the module docstring's formula with its rounding. No host synchronisation;
+    CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. The slot stacks must be
+    contiguous.
 
     Raises:
         ValueError: what ``check_experts`` refuses, non-contiguous slot stacks, or an unknown
@@ -234,15 +244,37 @@ def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
         raise ValueError(f"fused_experts_lora: path must be 'pairs', 'grouped' or None, got "
                          f"{path!r}")
     max_loras, num_experts, max_rank, _ = lora.a_gate.shape
-    t, h = x.shape
-    top_k = topk_ids.shape[1]
+    t, top_k = topk_ids.shape
     if t == 0 or top_k == 0 or max_rank == 0:
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
     gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
-    shrink = (moe_lora_pair_shrink
-              if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs"
-              else moe_lora_grouped_shrink)
-    buf = shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, topk_ids, token_slots, top_k)
+    if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs":
+        return _experts_lora_fused(x, w13, w2, topk_weights, topk_ids, token_slots, lora,
+                                   activation)
+    plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
+
+    def add_gate_up(gate_up: torch.Tensor) -> None:
+        buf = plan.shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, top_k)
+        plan.expand(gate_up, buf, (lora.b_gate, lora.b_up), gate_up_ranks, None)
+
+    def add_down(act: torch.Tensor, out: torch.Tensor) -> None:
+        buf = plan.shrink(act, (lora.a_down,), down_ranks, 1)
+        plan.expand(out, buf, (lora.b_down,), down_ranks, topk_weights.reshape(-1))
+
+    return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation,
+                                add_gate_up=add_gate_up, add_down=add_down)
+
+
+def _experts_lora_fused(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        token_slots: torch.Tensor, lora: MoELoRAWeights,
+                        activation: str) -> torch.Tensor:
+    """The ``"pairs"`` plan of ``fused_experts_lora_triton`` (its arguments, checked)."""
+    t, h = x.shape
+    num_experts, top_k = w13.shape[0], topk_ids.shape[1]
+    gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
+    buf = moe_lora_pair_shrink(x, (lora.a_gate, lora.a_up), gate_up_ranks, topk_ids,
+                               token_slots, top_k)
     config = moe_config(t, top_k, num_experts)
     aligned = moe_align_block_size(topk_ids, config[0], num_experts)
     num_pairs = t * top_k

@@ -6,9 +6,11 @@ a float64 evaluation of
 
 written here token by token and expert by expert (no LoRA term for slot -1 or rank 0).
 
-Every path is checked: the torch path, and both launch plans of the Triton path, one program
-per (token, expert) pair and the pairs grouped by (slot, expert) (on CPU tensors under
-Triton's interpreter: ``tests/conftest.py`` sets ``TRITON_INTERPRET=1``). Shapes are odd (H
+Every path is checked: the torch path, and both launch plans of the Triton path, the LoRA
+inside the base op's launches (the gate/up shrink by (token, expert) pair, the expands in the
+GEMMs' epilogues, the down shrink in the activation) and the pairs grouped by (slot, expert)
+(on CPU tensors under Triton's interpreter: ``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``). Shapes are odd (H
 and I not multiples of the blocks), routing is top-1/2/8 of 4/8/16 experts, ranks are mixed
 from 1 to R with some (slot, module) ranks 0, base rows are mixed in, for T = 1 (decode) and
 T = 37 (prefill-like). Everything of A and B at or past a (slot, module)'s rank is NaN: neither path
@@ -290,6 +292,15 @@ _COMPILE_FOR_H100 = textwrap.dedent("""
                        {"A_ROW_DIV": row_div, "R": 16, "BLOCK_M": 16, "BLOCK_R": 16,
                         "BLOCK_K": 64, "DOT_FP32": model != lora})
             assert ("mma" in code) == (lora == "bf16"), (model, lora, "shrink")
+        expand = {**ints, **ptrs, "buf_ptr": "*fp32", "b0_ptr": f"*{lora}",
+                  "b1_ptr": f"*{lora}", "y_ptr": f"*{model}", "topk_w_ptr": "*fp32",
+                  "stride_bt": "i32", "stride_bs": "i32", "stride_yt": "i32"}
+        for weighted in (False, True):
+            code = ptx(k.moe_lora_expand_kernel, expand,
+                       {"R": 64, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_R": 64,
+                        "MUL_ROUTED_WEIGHT": weighted, "DOT_FP32": False})
+            assert ("mma" in code) == (lora == "bf16"), (model, lora, "expand")
+            assert "tf32" not in code
         pair = {**ints, **ptrs, "buf_ptr": "*fp32", "stride_vt": "i32"}
         for row_div in (8, 1):
             code = ptx(p.moe_lora_pair_shrink_kernel,
