@@ -54,7 +54,9 @@ from manylora.ops.triton_fused_moe import (
 _RANK_CHUNK = tl.constexpr(16)
 
 
-@triton.jit(do_not_specialize=TABLE_ARGS)
+# the split stride of the shrink's partials is T k times a constant: not specialized, so that
+# the launch classes are the base op's (``moe_token_cases``)
+@triton.jit(do_not_specialize=[*TABLE_ARGS, "stride_hs"])
 def moe_lora_gemm_kernel(
         a_ptr, w_ptr, c_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, total_ptr, h_ptr,
         b0_ptr, b1_ptr, ranks_ptr, slots_ptr, N, K, num_pairs, num_experts, n_module,
