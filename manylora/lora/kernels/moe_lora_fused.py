@@ -27,8 +27,10 @@ With pair ``p = t * k + j`` of token ``t`` (slot ``s = slot[t]``, -1 a base row)
   the activation of ``manylora.ops.triton_fused.silu_and_mul_triton`` bit for bit, and the
   down GEMM's shrink from the same registers.
 
-The gate/up shrink comes before (``moe_lora_pairs`` by pair, or ``fused_moe_lora_kernels``
-grouped by (slot, expert)), so a layer's LoRA costs one launch beyond the base op's. Grids
+The gate/up shrink comes before (``moe_lora_pairs``, by pair), so a layer's LoRA costs one
+launch beyond the base op's: ``fused_moe_lora``'s plan for decode-sized batches. Each row
+gathers its own B, which suits blocks of a few rows; large batches take the grouped plan of
+``fused_moe_lora_kernels`` instead. Grids
 come from shapes only: no host synchronisation, CUDA-graph capturable. Under
 ``TRITON_INTERPRET=1`` 16-bit GEMM operands are widened to float32 (as in the base op).
 """
