@@ -247,10 +247,10 @@ def fused_experts_lora_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     t, top_k = topk_ids.shape
     if t == 0 or top_k == 0 or max_rank == 0:
         return fused_experts_triton(x, w13, w2, topk_weights, topk_ids, activation)
-    gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
     if (path or moe_lora_path(topk_ids.numel(), num_experts, max_loras)) == "pairs":
         return _experts_lora_fused(x, w13, w2, topk_weights, topk_ids, token_slots, lora,
                                    activation)
+    gate_up_ranks, down_ranks = lora.ranks[:, 0:2], lora.ranks[:, 2:3]
     plan = MoELoRAPlan(topk_ids, token_slots, num_experts, max_loras, max_rank)
 
     def add_gate_up(gate_up: torch.Tensor) -> None:

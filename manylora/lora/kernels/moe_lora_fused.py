@@ -77,8 +77,9 @@ def moe_lora_gemm_kernel(
     # the rows' slots, keys and ranks first: their loads complete under the K loop
     slot = tl.load(slots_ptr + pairs // TOP_K, mask=row_mask, other=-1)
     live = row_mask & (slot >= 0)
-    key = tl.maximum(slot, 0).to(tl.int64) * num_experts + expert
-    rank_ptrs = ranks_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_rank
+    safe_slot = tl.maximum(slot, 0).to(tl.int64)
+    key = safe_slot * num_experts + expert
+    rank_ptrs = ranks_ptr + safe_slot * stride_rank
     rank0 = tl.load(rank_ptrs, mask=live, other=0)
     rank1 = rank0
     if MODULES == 2:
