@@ -61,10 +61,11 @@ def main() -> None:
     for t in args.tokens:
         x, w13, w2, weights, ids, slots, lora = _kernel_operands(t, QWEN3_30B_A3B, device,
                                                                  torch.bfloat16)
-        ops = {"base": lambda: fused_experts(x, w13, w2, weights, ids)}
+        base = (x, w13, w2, weights, ids)
+        ops = {"base": lambda base=base: fused_experts(*base)}
         for path in args.paths:
-            ops[path] = (lambda path=path: fused_experts_lora_triton(
-                x, w13, w2, weights, ids, slots, lora, path=path))
+            ops[path] = (lambda base=base, slots=slots, lora=lora, path=path:
+                         fused_experts_lora_triton(*base, slots, lora, path=path))
         for name, fn in ops.items():
             graph_ms = time_cuda_graph(fn)
             total, rows = kernel_times(fn)
